@@ -1,0 +1,454 @@
+"""Input validation for every public function, in pure Python.
+
+Each public ``check_*`` takes :class:`TensorSpec` descriptions of the arguments (or the arrays
+themselves) and either returns the :class:`Problem` they describe or raises before anything is
+allocated or launched:
+
+* ``TypeError``  -- an argument of the wrong kind or dtype,
+* ``ValueError`` -- a bad value, shape or stride.
+
+Messages name the argument, the axis when there is one, what was expected and what was given::
+
+    k: head dim (axis 3) is 96 but q's is 128
+    v: last dimension (axis 3) must be contiguous (stride 1), got stride 2
+    nheads (q axis 2) = 6 is not a multiple of nheads_k (k axis 2) = 4
+
+Nothing here touches a GPU, so all of it runs in CPU-only CI. Kernels may assume what is checked
+here: every axis is non-empty, strides are non-negative, the last dimension is contiguous, head
+dims are multiples of 8 in 8..256, and all arrays of one call live on one device.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "TensorSpec", "Problem", "spec", "window",
+    "check_attention", "check_backward",
+    "check_varlen", "check_varlen_backward",
+    "check_kvcache",
+]
+
+ATTENTION_DTYPES = ("float16", "bfloat16")
+MAX_HEADDIM = 256
+HEADDIM_MULTIPLE = 8
+PAGE_MULTIPLE = 16
+
+# Axis names, used in messages. The head-count axis is always -2 and the head dim always -1.
+Q_AXES = ("batch", "seqlen_q", "nheads", "head dim")
+K_AXES = ("batch", "seqlen_k", "nheads_k", "head dim")
+VARLEN_Q_AXES = ("total_q", "nheads", "head dim")
+VARLEN_K_AXES = ("total_k", "nheads_k", "head dim")
+KVCACHE_Q_AXES = ("batch", "seqlen_new", "nheads", "head dim")
+CACHE_AXES = ("batch_cache", "max_len", "nheads_k", "head dim")
+PAGED_CACHE_AXES = ("num_pages", "page_size", "nheads_k", "head dim")
+NEW_K_AXES = ("batch", "seqlen_new_k", "nheads_k", "head dim")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the checks need to know about one array argument."""
+
+    name: str          # argument name, used in messages
+    shape: tuple
+    dtype: np.dtype
+    strides: tuple     # in elements, not bytes
+    device: int | None  # CUDA device id; None for a host (NumPy) array
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes of one attention call, as the planner and the launcher see them."""
+
+    batch: int
+    seqlen_q: int      # max_seqlen_q for varlen, seqlen_new for the KV cache
+    seqlen_k: int      # max_seqlen_k for varlen, cache capacity for the KV cache
+    nheads: int
+    nheads_k: int
+    headdim: int
+    dtype: np.dtype
+
+
+def spec(x, name: str) -> TensorSpec | None:
+    """Describe array ``x`` (CuPy or NumPy) as a :class:`TensorSpec`; ``None`` gives ``None``.
+
+    Strides are converted from bytes to elements. The device is ``x.device.id`` when ``x`` has
+    one (CuPy), else ``None`` (NumPy, whose ``.device`` is the string ``"cpu"``).
+    """
+    if x is None:
+        return None
+    if isinstance(x, TensorSpec):
+        return x
+    if not all(hasattr(x, attr) for attr in ("shape", "dtype", "strides")):
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+    try:
+        dtype = np.dtype(x.dtype)
+    except TypeError:
+        raise TypeError(f"{name}: dtype {x.dtype} is not a NumPy dtype") from None
+    shape = tuple(int(n) for n in x.shape)
+    strides = []
+    for axis, stride in enumerate(x.strides):
+        elements, remainder = divmod(int(stride), dtype.itemsize)
+        if remainder:
+            raise ValueError(f"{name}: stride of axis {axis} is {stride} bytes, "
+                             f"not a multiple of the item size {dtype.itemsize}")
+        strides.append(elements)
+    device = getattr(getattr(x, "device", None), "id", None)
+    return TensorSpec(name, shape, dtype, tuple(strides), device)
+
+
+def window(causal, window_size) -> tuple[int, int]:
+    """Validate ``causal`` and ``window_size`` and return the window as ``(left, right)``.
+
+    ``-1`` means unbounded on that side; ``causal=True`` sets ``right`` to 0 and keeps ``left``.
+    """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected a bool, got {_given(causal)}")
+    expected = f"window_size: expected a pair of ints >= -1, got {window_size!r}"
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(expected)
+    if not all(_is_int(w) for w in window_size):
+        raise TypeError(expected)
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(expected)
+    return left, (0 if causal else right)
+
+
+# --------------------------------------------------------------------------------------------
+# Public checks
+# --------------------------------------------------------------------------------------------
+
+def check_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None) -> Problem:
+    """Check the arguments of ``attention``.
+
+    q ``(batch, seqlen_q, nheads, d)``, k/v ``(batch, seqlen_k, nheads_k, d)``, fp16 or bf16.
+    """
+    q, k, v = _spec(q, "q"), _spec(k, "k"), _spec(v, "v")
+    alibi_slopes = _spec(alibi_slopes, "alibi_slopes", required=False)
+    _check_qkv(q, k, v, Q_AXES, K_AXES)
+    _same_axis(k, 0, q, 0, "batch")
+    batch, seqlen_q, nheads, headdim = q.shape
+    _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
+    _same_device(q, k, v, alibi_slopes)
+    return Problem(batch, seqlen_q, k.shape[1], nheads, k.shape[2], headdim, q.dtype)
+
+
+def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
+                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> Problem:
+    """Check the arguments of ``attention_backward``.
+
+    As :func:`check_attention`, plus dout/out shaped and typed like q and float32 lse
+    ``(batch, nheads, seqlen_q)``.
+    """
+    dout, out, lse = _spec(dout, "dout"), _spec(out, "out"), _spec(lse, "lse")
+    problem = check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                              window_size=window_size, softcap=softcap,
+                              alibi_slopes=alibi_slopes)
+    q = _spec(q, "q")
+    _check_like_q(q, Q_AXES, dout, out)
+    _check_lse(lse, ("batch", "nheads", "seqlen_q"),
+               (problem.batch, problem.nheads, problem.seqlen_q))
+    _same_device(q, dout, out, lse)
+    return problem
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                 alibi_slopes=None) -> Problem:
+    """Check the arguments of ``attention_varlen``.
+
+    q ``(total_q, nheads, d)``, k/v ``(total_k, nheads_k, d)``, cu_seqlens_q/k int32
+    ``(batch + 1,)``, max_seqlen_q/k positive ints. The returned Problem has
+    ``seqlen_q = max_seqlen_q`` and ``seqlen_k = max_seqlen_k``.
+    """
+    q, k, v = _spec(q, "q"), _spec(k, "k"), _spec(v, "v")
+    cu_q, cu_k = _spec(cu_seqlens_q, "cu_seqlens_q"), _spec(cu_seqlens_k, "cu_seqlens_k")
+    alibi_slopes = _spec(alibi_slopes, "alibi_slopes", required=False)
+    _check_qkv(q, k, v, VARLEN_Q_AXES, VARLEN_K_AXES)
+    for cu in (cu_q, cu_k):
+        _check_index(cu, ("batch + 1",))
+        if cu.shape[0] < 2:
+            raise ValueError(f"{cu.name}: expected shape (batch + 1,) with batch >= 1, "
+                             f"got {cu.shape}")
+    _same_axis(cu_k, 0, cu_q, 0, "length")
+    _check_int(max_seqlen_q, "max_seqlen_q", minimum=1)
+    _check_int(max_seqlen_k, "max_seqlen_k", minimum=1)
+    batch = cu_q.shape[0] - 1
+    _, nheads, headdim = q.shape
+    _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
+    _same_device(q, k, v, cu_q, cu_k, alibi_slopes)
+    return Problem(batch, int(max_seqlen_q), int(max_seqlen_k), nheads, k.shape[1], headdim,
+                   q.dtype)
+
+
+def check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, *, softmax_scale=None, causal=False,
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> Problem:
+    """Check the arguments of ``attention_varlen_backward``.
+
+    As :func:`check_varlen`, plus dout/out shaped and typed like q and float32 lse
+    ``(nheads, total_q)``.
+    """
+    dout, out, lse = _spec(dout, "dout"), _spec(out, "out"), _spec(lse, "lse")
+    problem = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           softcap=softcap, alibi_slopes=alibi_slopes)
+    q = _spec(q, "q")
+    _check_like_q(q, VARLEN_Q_AXES, dout, out)
+    _check_lse(lse, ("nheads", "total_q"), (problem.nheads, q.shape[0]))
+    _same_device(q, dout, out, lse)
+    return problem
+
+
+def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
+                  cache_batch_idx=None, block_table=None, num_splits=0, softmax_scale=None,
+                  causal=False, window_size=(-1, -1), softcap=0.0,
+                  alibi_slopes=None) -> Problem:
+    """Check the arguments of ``attention_with_kvcache``.
+
+    q ``(batch, seqlen_new, nheads, d)``. The cache is ``(batch_cache, max_len, nheads_k, d)``,
+    or with ``block_table`` (int32 ``(batch, max_pages)``) a page pool
+    ``(num_pages, page_size, nheads_k, d)`` with page_size a multiple of 16. New keys/values
+    k/v ``(batch, seqlen_new_k, nheads_k, d)`` come both or neither, and need cache_seqlens
+    (an int or int32 ``(batch,)``). cache_batch_idx (int32 ``(batch,)``) excludes block_table.
+    The returned Problem has ``seqlen_k`` = max_len, or max_pages * page_size when paged.
+    """
+    q = _spec(q, "q")
+    k_cache, v_cache = _spec(k_cache, "k_cache"), _spec(v_cache, "v_cache")
+    k, v = _spec(k, "k", required=False), _spec(v, "v", required=False)
+    cache_batch_idx = _spec(cache_batch_idx, "cache_batch_idx", required=False)
+    block_table = _spec(block_table, "block_table", required=False)
+    alibi_slopes = _spec(alibi_slopes, "alibi_slopes", required=False)
+    if cache_seqlens is not None and not _is_int(cache_seqlens) \
+            and not all(hasattr(cache_seqlens, a) for a in ("shape", "dtype", "strides")):
+        raise TypeError(f"cache_seqlens: expected an int or an int32 array, "
+                        f"got {_given(cache_seqlens)}")
+    seqlens_array = None if _is_int(cache_seqlens) else _spec(cache_seqlens, "cache_seqlens",
+                                                             required=False)
+
+    seqlen_k = _check_cache(q, k_cache, v_cache, cache_batch_idx, block_table)
+    seqlen_new_k = _check_new_kv(q, k, v, k_cache, seqlen_k, cache_seqlens)
+    if seqlens_array is not None:
+        _check_index(seqlens_array, ("batch",))
+        _same_axis(seqlens_array, 0, q, 0, "batch")
+    elif cache_seqlens is not None:
+        _check_int(cache_seqlens, "cache_seqlens", minimum=0)
+        if cache_seqlens + seqlen_new_k > seqlen_k:
+            raise ValueError(f"cache_seqlens: {cache_seqlens} cached + {seqlen_new_k} new "
+                             f"keys exceed the cache capacity {seqlen_k}")
+    _check_int(num_splits, "num_splits", minimum=0)
+
+    batch, seqlen_new, nheads, headdim = q.shape
+    _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
+    _same_device(q, k_cache, v_cache, k, v, seqlens_array, cache_batch_idx, block_table,
+                 alibi_slopes)
+    return Problem(batch, seqlen_new, seqlen_k, nheads, k_cache.shape[2], headdim, q.dtype)
+
+
+def _check_cache(q, k_cache, v_cache, cache_batch_idx, block_table) -> int:
+    """The KV cache, contiguous per sequence or paged; returns its capacity in keys."""
+    paged = block_table is not None
+    _check_qkv(q, k_cache, v_cache, KVCACHE_Q_AXES, PAGED_CACHE_AXES if paged else CACHE_AXES)
+    batch = q.shape[0]
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx and block_table cannot be used together")
+        page_size = k_cache.shape[1]
+        if page_size % PAGE_MULTIPLE:
+            raise ValueError(f"{k_cache.name}: page_size (axis 1) is {page_size}; "
+                             f"must be a positive multiple of {PAGE_MULTIPLE}")
+        _check_index(block_table, ("batch", "max_pages"))
+        _same_axis(block_table, 0, q, 0, "batch")
+        return block_table.shape[1] * page_size
+    if cache_batch_idx is not None:
+        _check_index(cache_batch_idx, ("batch",))
+        _same_axis(cache_batch_idx, 0, q, 0, "batch")
+    elif k_cache.shape[0] < batch:
+        raise ValueError(f"{k_cache.name}: batch_cache (axis 0) is {k_cache.shape[0]} "
+                         f"but must be at least q's batch {batch}")
+    return k_cache.shape[1]
+
+
+def _check_new_kv(q, k, v, k_cache, seqlen_k, cache_seqlens) -> int:
+    """Keys/values to append to the cache (both or neither); returns their count."""
+    if (k is None) != (v is None):
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        raise ValueError(f"k and v must be given together; got {given} but not {missing}")
+    if k is None:
+        return 0
+    _check_qkv(q, k, v, KVCACHE_Q_AXES, NEW_K_AXES)
+    _same_axis(k, 0, q, 0, "batch")
+    _same_axis(k, 2, k_cache, 2, "nheads_k")
+    if k.shape[1] > seqlen_k:
+        raise ValueError(f"{k.name}: seqlen_new_k (axis 1) is {k.shape[1]} but the cache "
+                         f"holds at most {seqlen_k}")
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens: required when k and v are given "
+                         "(it says where to append them)")
+    return k.shape[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Shared sub-checks
+# --------------------------------------------------------------------------------------------
+
+def _check_qkv(q, k, v, q_axes, k_axes):
+    """q, k, v: rank, dtype, layout, head dim, v shaped like k, and nheads a multiple of
+    nheads_k. Batch matching is left to the caller (the KV cache's batch differs)."""
+    _check_tensor(q, q_axes)
+    _check_dtype(q, ATTENTION_DTYPES)
+    _check_headdim(q)
+    for x in (k, v):
+        _check_tensor(x, k_axes)
+        _check_same_dtype(x, q)
+    for axis, label in enumerate(k_axes):
+        _same_axis(v, axis, k, axis, label)
+    _same_axis(k, -1, q, -1, "head dim")
+    heads = len(q_axes) - 2  # the head-count axis, just before the head dim
+    nheads, nheads_k = q.shape[heads], k.shape[heads]
+    if nheads % nheads_k:
+        raise ValueError(f"nheads ({q.name} axis {heads}) = {nheads} is not a multiple of "
+                         f"nheads_k ({k.name} axis {heads}) = {nheads_k}")
+
+
+def _check_tensor(x: TensorSpec, axes: tuple) -> None:
+    """Rank, non-empty axes, non-negative strides, contiguous last dimension."""
+    if len(x.shape) != len(axes):
+        raise ValueError(f"{x.name}: expected {len(axes)} dimension(s) ({', '.join(axes)}), "
+                         f"got {len(x.shape)} with shape {x.shape}")
+    for axis, (size, label) in enumerate(zip(x.shape, axes)):
+        if size < 1:
+            raise ValueError(f"{x.name}: {label} (axis {axis}) must be at least 1, got {size}")
+    for axis, (size, stride) in enumerate(zip(x.shape, x.strides)):
+        if stride < 0 and size > 1:
+            raise ValueError(f"{x.name}: stride of axis {axis} is {stride}; "
+                             f"strides must be non-negative")
+    last = len(x.shape) - 1
+    if x.shape[last] > 1 and x.strides[last] != 1:
+        raise ValueError(f"{x.name}: last dimension (axis {last}) must be contiguous "
+                         f"(stride 1), got stride {x.strides[last]}")
+
+
+def _check_dtype(x: TensorSpec, allowed: tuple) -> None:
+    if x.dtype.name not in allowed:
+        raise TypeError(f"{x.name}: dtype {x.dtype.name} is not supported; "
+                        f"expected {' or '.join(allowed)}")
+
+
+def _check_same_dtype(x: TensorSpec, ref: TensorSpec) -> None:
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{x.name}: dtype {x.dtype.name} differs from {ref.name}'s "
+                        f"{ref.dtype.name}; expected {ref.dtype.name}")
+
+
+def _check_headdim(x: TensorSpec) -> None:
+    d, axis = x.shape[-1], len(x.shape) - 1
+    if d % HEADDIM_MULTIPLE or not HEADDIM_MULTIPLE <= d <= MAX_HEADDIM:
+        raise ValueError(f"{x.name}: head dim (axis {axis}) is {d}; must be a multiple of "
+                         f"{HEADDIM_MULTIPLE} between {HEADDIM_MULTIPLE} and {MAX_HEADDIM}")
+
+
+def _same_axis(x: TensorSpec, axis: int, ref: TensorSpec, ref_axis: int, label: str) -> None:
+    """Axis ``axis`` of x (called ``label`` in the message) must match ``ref_axis`` of ref."""
+    axis, ref_axis = axis % len(x.shape), ref_axis % len(ref.shape)
+    if x.shape[axis] != ref.shape[ref_axis]:
+        raise ValueError(f"{x.name}: {label} (axis {axis}) is {x.shape[axis]} "
+                         f"but {ref.name}'s is {ref.shape[ref_axis]}")
+
+
+def _check_like_q(q: TensorSpec, q_axes: tuple, *xs: TensorSpec) -> None:
+    """dout and out: the shape and dtype of q, and the common layout rules."""
+    for x in xs:
+        if x.shape != q.shape:
+            raise ValueError(f"{x.name}: expected shape {q.shape} like {q.name}'s, "
+                             f"got {x.shape}")
+        _check_tensor(x, q_axes)
+        _check_same_dtype(x, q)
+
+
+def _check_lse(lse: TensorSpec, axes: tuple, shape: tuple) -> None:
+    if lse.shape != shape:
+        raise ValueError(f"{lse.name}: expected shape {shape} ({', '.join(axes)}), "
+                         f"got {lse.shape}")
+    _check_tensor(lse, axes)
+    _check_dtype(lse, ("float32",))
+
+
+def _check_index(x: TensorSpec, axes: tuple) -> None:
+    """An int32 index array (cu_seqlens, cache_seqlens, cache_batch_idx, block_table)."""
+    _check_tensor(x, axes)
+    _check_dtype(x, ("int32",))
+
+
+def _check_alibi(alibi: TensorSpec, batch: int, nheads: int) -> None:
+    if alibi.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"{alibi.name}: expected shape {(nheads,)} or {(batch, nheads)}, "
+                         f"got {alibi.shape}")
+    _check_tensor(alibi, ("nheads",) if len(alibi.shape) == 1 else ("batch", "nheads"))
+    _check_dtype(alibi, ("float32",))
+
+
+def _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads):
+    """The options every attention function shares."""
+    if softmax_scale is not None:
+        _check_real(softmax_scale, "softmax_scale", "None or a finite float > 0",
+                    lambda s: s > 0)
+    window(causal, window_size)
+    _check_real(softcap, "softcap", "a finite float >= 0", lambda s: s >= 0)
+    if alibi_slopes is not None:
+        _check_alibi(alibi_slopes, batch, nheads)
+
+
+def _check_real(value, name: str, expected: str, ok) -> None:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {expected}, got {_given(value)}")
+    if not (math.isfinite(value) and ok(value)):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _check_int(value, name: str, minimum: int) -> None:
+    expected = f"an int >= {minimum}" if minimum != 1 else "a positive int"
+    if not _is_int(value):
+        raise TypeError(f"{name}: expected {expected}, got {_given(value)}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _same_device(*xs: TensorSpec | None) -> None:
+    """All given arrays on the device of the first; None (absent) arguments are skipped."""
+    present = [x for x in xs if x is not None]
+    first = present[0]
+    for x in present[1:]:
+        if x.device != first.device:
+            raise ValueError(f"{first.name} and {x.name} are on different devices "
+                             f"({_device(first)} and {_device(x)})")
+
+
+# --------------------------------------------------------------------------------------------
+# Small utilities
+# --------------------------------------------------------------------------------------------
+
+def _spec(x, name: str, required: bool = True) -> TensorSpec | None:
+    """Accept a TensorSpec or an array; a missing required argument is a TypeError."""
+    if x is None:
+        if required:
+            raise TypeError(f"{name}: expected an array, got None")
+        return None
+    return spec(x, name)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _given(value) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _device(x: TensorSpec) -> str:
+    return "host" if x.device is None else str(x.device)
