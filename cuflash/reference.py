@@ -1,0 +1,482 @@
+"""NumPy float64 reference of every public cuflash function.
+
+This module is the executable definition of cuflash's semantics: every GPU kernel is tested
+against it. It favours obviousness over speed — whole score matrices are materialized — so use it
+on small problems only.
+
+Every function takes the same arguments as its GPU counterpart in ``cuflash``. Inputs may be NumPy
+arrays of any float dtype (float16, float32, float64, ``ml_dtypes.bfloat16``; CuPy arrays are
+copied to the host); all arithmetic is float64 and every result is float64. GPU-only options
+(``stream``, ``deterministic``, ``num_splits``) are accepted and ignored.
+
+All masking, soft-capping and ALiBi is defined once, in :func:`_scores`; everything else
+(forward, backward, varlen, KV cache) calls it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "attention",
+    "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
+    "attention_with_kvcache",
+    "combine",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Input conversion and checks
+# --------------------------------------------------------------------------------------------
+
+
+def _host(x):
+    """Return ``x`` as a NumPy array, copying device (CuPy) arrays to the host."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__") and hasattr(x, "get"):
+        x = x.get()
+    return np.asarray(x)
+
+
+def _f64(x):
+    """Return ``x`` as a float64 NumPy array (bf16 through ml_dtypes converts fine)."""
+    return np.asarray(_host(x), dtype=np.float64)
+
+
+def _i64(x):
+    """Return an integer index array (cu_seqlens, cache_seqlens, block_table) as int64."""
+    return np.asarray(_host(x)).astype(np.int64)
+
+
+def _check_qkv(q, k, v, *, batch_axis=True):
+    """Check the shape relations between q, k and v; return ``(nheads, nheads_k)``."""
+    nd = 4 if batch_axis else 3
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != nd:
+            raise ValueError(f"{name} must have {nd} dimensions, got shape {x.shape}")
+    if batch_axis and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {k.shape} and v {v.shape} must agree on all but the head dim")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"k head dim is {k.shape[-1]}, q's is {q.shape[-1]}")
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
+    return nheads, nheads_k
+
+
+def _alibi_per_batch(alibi_slopes, batch, nheads):
+    """ALiBi slopes as float64 ``(batch, nheads)``, or None."""
+    if alibi_slopes is None:
+        return None
+    slopes = _f64(alibi_slopes)
+    if slopes.shape == (nheads,):
+        return np.broadcast_to(slopes, (batch, nheads))
+    if slopes.shape == (batch, nheads):
+        return slopes
+    raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {slopes.shape}")
+
+
+def _repeat_kv(x, nheads):
+    """Expand ``(..., nheads_k, d)`` to ``(..., nheads, d)``: query head h reads kv head h // group."""
+    return np.repeat(x, nheads // x.shape[-2], axis=-2)
+
+
+def _sum_groups(x, nheads_k):
+    """Inverse of :func:`_repeat_kv` for gradients: sum each group of query heads."""
+    *lead, nheads, d = x.shape
+    return x.reshape(*lead, nheads_k, nheads // nheads_k, d).sum(axis=-2)
+
+
+# --------------------------------------------------------------------------------------------
+# The semantics: one definition of the score matrix
+# --------------------------------------------------------------------------------------------
+
+
+def _visible(seqlen_q, seqlen_k, causal, window_size):
+    """Bool ``(seqlen_q, seqlen_k)``: may query i see key j? Masks are aligned bottom-right.
+
+    Query i sits at key position ``i + seqlen_k - seqlen_q``. The window keeps
+    ``pos - left <= j <= pos + right`` with -1 meaning unbounded on that side; ``causal`` forces
+    ``right = 0`` and keeps ``left`` from ``window_size`` (flash-attn behaviour).
+    """
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    pos = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+    j = np.arange(seqlen_k)[None, :]
+    keep = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        keep &= j >= pos - left
+    if right >= 0:
+        keep &= j <= pos + right
+    return keep
+
+
+class _Scores(NamedTuple):
+    scores: np.ndarray     # (batch, nheads, seqlen_q, seqlen_k), -inf where not visible
+    visible: np.ndarray    # (seqlen_q, seqlen_k) bool
+    dcap: np.ndarray | float  # d(capped score)/d(raw score): 1 - tanh^2, or 1.0 without softcap
+
+
+def _scores(q, k, *, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """Masked score matrix of q ``(b, sq, h, d)`` against k ``(b, sk, h, d)`` (kv heads expanded).
+
+    ``s = softmax_scale * q.k``; if ``softcap > 0``: ``s = softcap * tanh(s / softcap)``; then
+    ALiBi adds ``-slope[b, h] * |i + sk - sq - j|`` (not scaled); then not-visible entries are -inf.
+    ``alibi_slopes`` is None or float64 ``(b, h)``.
+    """
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    s = softmax_scale * np.einsum("bihd,bjhd->bhij", q, k)
+    dcap = 1.0
+    if softcap > 0:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+        dcap = 1.0 - t * t
+    if alibi_slopes is not None:
+        dist = np.abs(np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q) - np.arange(seqlen_k)[None, :])
+        s = s - alibi_slopes[:, :, None, None] * dist
+    visible = _visible(seqlen_q, seqlen_k, causal, window_size)
+    s = np.where(visible, s, -np.inf)
+    return _Scores(s, visible, dcap)
+
+
+def _default_scale(softmax_scale, headdim):
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Dense forward and backward on float64 arrays (the workers behind every public function)
+# --------------------------------------------------------------------------------------------
+
+
+def _forward(q, k, v, *, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)`` float64 -> out ``(b, sq, h, dv)``, lse ``(b, h, sq)``."""
+    nheads = q.shape[2]
+    k, v = _repeat_kv(k, nheads), _repeat_kv(v, nheads)
+    s = _scores(q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                softcap=softcap, alibi_slopes=alibi_slopes).scores
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isneginf(m), 0.0, m)        # empty row: any finite shift; exp(-inf) = 0 anyway
+    p = np.exp(s - m)
+    l = p.sum(axis=-1)                          # (b, h, sq)
+    with np.errstate(divide="ignore"):
+        lse = np.log(l) + m[..., 0]             # log(0) = -inf for an empty row
+    o = np.einsum("bhij,bjhd->bihd", p, v)
+    out = o / np.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """Analytic gradients; shapes as in :func:`_forward`, lse ``(b, h, sq)``. Returns dq, dk, dv."""
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    ke, ve = _repeat_kv(k, nheads), _repeat_kv(v, nheads)
+    sc = _scores(q, ke, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                 softcap=softcap, alibi_slopes=alibi_slopes)
+    lse = np.where(np.isneginf(lse), np.inf, lse)[..., None]   # empty row: exp(-inf - inf) = 0
+    p = np.exp(sc.scores - lse)                 # 0 where masked (score -inf) or the row is empty
+    dv = np.einsum("bhij,bihd->bjhd", p, dout)
+    dp = np.einsum("bihd,bjhd->bhij", dout, ve)
+    delta = np.einsum("bihd,bihd->bhi", dout, out)[..., None]
+    ds = p * (dp - delta) * sc.dcap * softmax_scale
+    dq = np.einsum("bhij,bjhd->bihd", ds, ke)
+    dk = np.einsum("bhij,bihd->bjhd", ds, q)
+    return dq, _sum_groups(dk, nheads_k), _sum_groups(dv, nheads_k)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, return_lse=False, stream=None):
+    """Exact softmax attention, float64 reference of :func:`cuflash.attention`.
+
+    Parameters
+    ----------
+    q : array, ``(batch, seqlen_q, nheads, headdim)``
+    k : array, ``(batch, seqlen_k, nheads_k, headdim)``; ``nheads % nheads_k == 0``. Query head
+        ``h`` uses kv head ``h // (nheads // nheads_k)`` (MQA/GQA).
+    v : array, ``(batch, seqlen_k, nheads_k, headdim_v)``
+    softmax_scale : float, optional
+        Multiplies ``q . k``; default ``1 / sqrt(headdim)``.
+    causal : bool
+        Query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q`` (aligned bottom-right).
+        With ``seqlen_q=3, seqlen_k=5`` (``x`` = visible)::
+
+                      key j  0 1 2 3 4
+              query i = 0    x x x . .
+                        1    x x x x .
+                        2    x x x x x
+
+        With ``seqlen_q > seqlen_k`` the first ``seqlen_q - seqlen_k`` rows see no key.
+    window_size : (int, int)
+        ``(left, right)``: query ``i`` sees keys ``i + sk - sq - left <= j <= i + sk - sq + right``;
+        ``-1`` is unbounded on that side. With ``causal=True``, ``right`` is forced to 0.
+    softcap : float
+        If ``> 0`` the scaled score ``s`` becomes ``softcap * tanh(s / softcap)``.
+    alibi_slopes : array, ``(nheads,)`` or ``(batch, nheads)``, optional
+        Adds ``-slope * |i + sk - sq - j|`` to the (capped) score; not multiplied by the scale.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scores.
+    stream : ignored
+
+    Returns
+    -------
+    out : float64 ``(batch, seqlen_q, nheads, headdim_v)``
+        A row with no visible key is 0.
+    lse : float64 ``(batch, nheads, seqlen_q)``, only with ``return_lse``
+        Natural log; ``-inf`` for a row with no visible key.
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    nheads, _ = _check_qkv(q, k, v)
+    out, lse = _forward(q, k, v, softmax_scale=_default_scale(softmax_scale, q.shape[-1]), causal=causal,
+                        window_size=window_size, softcap=float(softcap),
+                        alibi_slopes=_alibi_per_batch(alibi_slopes, q.shape[0], nheads))
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, deterministic=False, stream=None):
+    """Gradients of :func:`attention`, float64 reference of :func:`cuflash.attention_backward`.
+
+    Analytic, from the saved ``out`` and ``lse``: ``P = exp(S - lse)`` (0 where masked or
+    ``lse = -inf``), ``dV = P^T dO``, ``dP = dO V^T``, ``D = rowsum(dO * O)``,
+    ``dS = P * (dP - D)`` times ``1 - tanh^2`` when ``softcap > 0``, times ``softmax_scale``;
+    ``dQ = dS K``, ``dK = dS^T Q``. For GQA, ``dk``/``dv`` sum over the query heads of a group.
+
+    Parameters
+    ----------
+    dout : array, ``(batch, seqlen_q, nheads, headdim_v)``
+    q, k, v : arrays as in :func:`attention`
+    out : array, ``(batch, seqlen_q, nheads, headdim_v)``, the forward output
+    lse : array, ``(batch, nheads, seqlen_q)``, the forward log-sum-exp
+    softmax_scale, causal, window_size, softcap, alibi_slopes : as in :func:`attention`
+    deterministic, stream : ignored
+
+    Returns
+    -------
+    dq : float64, shaped like q
+    dk : float64, shaped like k
+    dv : float64, shaped like v
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    nheads, _ = _check_qkv(q, k, v)
+    return _backward(_f64(dout), q, k, v, _f64(out), _f64(lse),
+                     softmax_scale=_default_scale(softmax_scale, q.shape[-1]), causal=causal,
+                     window_size=window_size, softcap=float(softcap),
+                     alibi_slopes=_alibi_per_batch(alibi_slopes, q.shape[0], nheads))
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """Yield ``(b, slice_q, slice_k)`` for each sequence of a varlen batch."""
+    cq, ck = _i64(cu_seqlens_q), _i64(cu_seqlens_k)
+    if cq.ndim != 1 or cq.shape != ck.shape or cq.size < 1:
+        raise ValueError(f"cu_seqlens_q {cq.shape} and cu_seqlens_k {ck.shape} must both be (batch + 1,)")
+    for b in range(cq.size - 1):
+        yield b, slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
+                     stream=None):
+    """Attention over packed variable-length sequences; reference of :func:`cuflash.attention_varlen`.
+
+    Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v; each is attended on its own, with masks aligned
+    bottom-right within the sequence, exactly as :func:`attention` with batch 1.
+
+    Parameters
+    ----------
+    q : array, ``(total_q, nheads, headdim)``
+    k, v : arrays, ``(total_k, nheads_k, headdim)`` / ``(total_k, nheads_k, headdim_v)``
+    cu_seqlens_q, cu_seqlens_k : int32 ``(batch + 1,)``, cumulative sequence starts (first is 0)
+    max_seqlen_q, max_seqlen_k : int
+        Planning hints for the GPU; ignored here.
+    alibi_slopes : array, ``(nheads,)`` or ``(batch, nheads)`` (row ``b`` for sequence ``b``), optional
+    softmax_scale, causal, window_size, softcap, return_lse, stream : as in :func:`attention`
+
+    Returns
+    -------
+    out : float64 ``(total_q, nheads, headdim_v)``
+    lse : float64 ``(nheads, total_q)``, only with ``return_lse``
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    nheads, _ = _check_qkv(q, k, v, batch_axis=False)
+    cu_q = _i64(cu_seqlens_q)
+    slopes = _alibi_per_batch(alibi_slopes, max(cu_q.size - 1, 0), nheads)
+    scale = _default_scale(softmax_scale, q.shape[-1])
+    out = np.zeros(q.shape[:-1] + v.shape[-1:])
+    lse = np.full((nheads, q.shape[0]), -np.inf)
+    for b, sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o, l = _forward(q[None, sq], k[None, sk], v[None, sk], softmax_scale=scale, causal=causal,
+                        window_size=window_size, softcap=float(softcap),
+                        alibi_slopes=None if slopes is None else slopes[b:b + 1])
+        out[sq], lse[:, sq] = o[0], l[0]
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, deterministic=False, stream=None):
+    """Gradients of :func:`attention_varlen`; reference of :func:`cuflash.attention_varlen_backward`.
+
+    Parameters
+    ----------
+    dout, out : arrays, ``(total_q, nheads, headdim_v)``
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k : as in :func:`attention_varlen`
+    lse : array, ``(nheads, total_q)``
+    softmax_scale, causal, window_size, softcap, alibi_slopes : as in :func:`attention_varlen`
+    deterministic, stream : ignored
+
+    Returns
+    -------
+    dq, dk, dv : float64, shaped like q, k, v
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    dout, out, lse = _f64(dout), _f64(out), _f64(lse)
+    nheads, _ = _check_qkv(q, k, v, batch_axis=False)
+    cu_q = _i64(cu_seqlens_q)
+    slopes = _alibi_per_batch(alibi_slopes, max(cu_q.size - 1, 0), nheads)
+    scale = _default_scale(softmax_scale, q.shape[-1])
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for b, sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        g = _backward(dout[None, sq], q[None, sq], k[None, sk], v[None, sk], out[None, sq], lse[None, :, sq],
+                      softmax_scale=scale, causal=causal, window_size=window_size, softcap=float(softcap),
+                      alibi_slopes=None if slopes is None else slopes[b:b + 1])
+        dq[sq], dk[sk], dv[sk] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                           block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, num_splits=0, return_lse=False, stream=None):
+    """Decode-style attention against a KV cache; reference of :func:`cuflash.attention_with_kvcache`.
+
+    Batch row ``b`` attends to cache positions ``0 .. L_b - 1`` where
+    ``L_b = cache_seqlens[b] + seqlen_new_k`` (``seqlen_new_k = 0`` without ``k``/``v``). Masks are
+    aligned bottom-right over that length: ``sk = L_b``, ``sq = seqlen_new``.
+
+    Parameters
+    ----------
+    q : array, ``(batch, seqlen_new, nheads, headdim)``
+    k_cache, v_cache : writable NumPy float arrays
+        Contiguous: ``(batch_cache, max_len, nheads_k, headdim)``. Paged (with ``block_table``):
+        a page pool ``(num_pages, page_size, nheads_k, headdim)``; logical position ``p`` of batch
+        row ``b`` lives at page ``block_table[b, p // page_size]``, row ``p % page_size``.
+    k, v : arrays ``(batch, seqlen_new_k, nheads_k, headdim)``, optional
+        Written into the cache in place (cast to the cache's dtype) at positions
+        ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new_k - 1`` before attending.
+    cache_seqlens : int or int32 ``(batch,)``, optional
+        Valid cache length per batch row before the append; default the whole cache
+        (``max_len``, or ``max_pages * page_size`` when paged).
+    cache_batch_idx : int32 ``(batch,)``, optional
+        Batch row ``b`` uses cache row ``cache_batch_idx[b]``. Not with ``block_table``.
+    block_table : int32 ``(batch, max_pages)``, optional
+        Page indices into the pool, see above.
+    softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream :
+        as in :func:`attention`.
+    num_splits : ignored
+
+    Returns
+    -------
+    out : float64 ``(batch, seqlen_new, nheads, headdim_v)``
+    lse : float64 ``(batch, nheads, seqlen_new)``, only with ``return_lse``
+    """
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, np.ndarray):
+            raise TypeError(f"{name} must be a NumPy array (it is updated in place), got {type(c).__name__}")
+    q = _f64(q)
+    if q.ndim != 4:
+        raise ValueError(f"q must be (batch, seqlen_new, nheads, headdim), got shape {q.shape}")
+    batch, seqlen_new, nheads, _ = q.shape
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    paged = block_table is not None
+    if paged and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx cannot be combined with block_table")
+
+    if paged:
+        table = _i64(block_table)
+        page_size = k_cache.shape[1]
+        capacity = table.shape[1] * page_size
+
+        def locate(b, positions):        # (page indices, rows within the page)
+            return table[b, positions // page_size], positions % page_size
+    else:
+        rows = np.arange(batch) if cache_batch_idx is None else _i64(cache_batch_idx)
+        capacity = k_cache.shape[1]
+
+        def locate(b, positions):
+            return np.full_like(positions, rows[b]), positions
+
+    if cache_seqlens is None:
+        lens = np.full(batch, capacity, dtype=np.int64)
+    else:
+        lens = np.broadcast_to(_i64(cache_seqlens), (batch,))
+
+    seqlen_new_k = 0
+    if k is not None:
+        k_new, v_new = _host(k), _host(v)
+        if k_new.ndim != 4 or k_new.shape[0] != batch or k_new.shape[:2] != v_new.shape[:2]:
+            raise ValueError(f"k {k_new.shape} and v {v_new.shape} must be (batch={batch}, seqlen_new_k, nheads_k, d)")
+        seqlen_new_k = k_new.shape[1]
+    if np.any(lens < 0) or np.any(lens + seqlen_new_k > capacity):
+        raise ValueError(f"cache_seqlens {lens.tolist()} plus {seqlen_new_k} appended keys overflows the cache "
+                         f"(capacity {capacity})")
+    if k is not None:
+        for b in range(batch):
+            idx = locate(b, np.arange(lens[b], lens[b] + seqlen_new_k))
+            k_cache[idx] = np.asarray(k_new[b]).astype(k_cache.dtype)
+            v_cache[idx] = np.asarray(v_new[b]).astype(v_cache.dtype)
+
+    slopes = _alibi_per_batch(alibi_slopes, batch, nheads)
+    scale = _default_scale(softmax_scale, q.shape[-1])
+    out = np.zeros((batch, seqlen_new, nheads, v_cache.shape[-1]))
+    lse = np.full((batch, nheads, seqlen_new), -np.inf)
+    for b in range(batch):
+        idx = locate(b, np.arange(lens[b] + seqlen_new_k))
+        kb, vb = _f64(k_cache[idx])[None], _f64(v_cache[idx])[None]
+        _check_qkv(q[b:b + 1], kb, vb)
+        o, l = _forward(q[b:b + 1], kb, vb, softmax_scale=scale, causal=causal, window_size=window_size,
+                        softcap=float(softcap), alibi_slopes=None if slopes is None else slopes[b:b + 1])
+        out[b], lse[b] = o[0], l[0]
+    return (out, lse) if return_lse else out
+
+
+def combine(outs, lses):
+    """Merge partial attention results over disjoint key sets (split-KV) exactly.
+
+    ``lse = log(sum_s exp(lses[s]))`` and ``out = sum_s exp(lses[s] - lse) * outs[s]``, computed
+    with a max shift. A split with ``lse = -inf`` (no visible key) contributes nothing, whatever
+    its ``out`` holds; if every split is empty the result is ``out = 0``, ``lse = -inf``.
+
+    Parameters
+    ----------
+    outs : array, ``(splits, ..., headdim)``, each split's normalized output
+    lses : array, ``(splits, ...)``, each split's log-sum-exp
+
+    Returns
+    -------
+    out : float64 ``(..., headdim)``
+    lse : float64 ``(...)``
+    """
+    outs, lses = _f64(outs), _f64(lses)
+    if outs.shape[:-1] != lses.shape:
+        raise ValueError(f"outs {outs.shape} must be lses {lses.shape} plus a head dim")
+    m = np.max(lses, axis=0, initial=-np.inf)
+    m = np.where(np.isneginf(m), 0.0, m)
+    w = np.exp(lses - m)                             # exactly 0 for an empty split
+    total = w.sum(axis=0)
+    with np.errstate(divide="ignore"):
+        lse = np.log(total) + m
+    contrib = np.where((w > 0)[..., None], w[..., None] * outs, 0.0)
+    out = contrib.sum(axis=0) / np.where(total > 0, total, 1.0)[..., None]
+    return out, lse
