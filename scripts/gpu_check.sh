@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# The whole GPU check, in one command on the device machine, from the repository root:
+#
+#     bash scripts/gpu_check.sh
+#
+# Steps (each timed; each can be skipped):
+#   env        nvidia-smi and versions                         -> $OUT/env.txt
+#   tests      pytest -m gpu                  (SKIP_TESTS=1)    -> $OUT/pytest_gpu.log
+#   sanitize   compute-sanitizer memcheck, racecheck over scripts/sanitize_cases.py
+#                                             (SKIP_SANITIZE=1) -> $OUT/memcheck.log, racecheck.log
+#   bench      benchmarks/bench_attention.py  (SKIP_BENCH=1)    -> $OUT/bench.txt, bench.json, bench.png
+# then a short summary on stdout. Exit status 1 if any step that ran failed.
+#
+# Environment:
+#   OUT            output folder (default ./out). At most 8 files come back from the
+#                  device; this script writes 7.
+#   PYTEST_ARGS    appended to the pytest call, e.g. PYTEST_ARGS='-k forward --hypothesis-seed=0'
+#   SANITIZE_ARGS  appended to sanitize_cases.py, e.g. SANITIZE_ARGS='--only fwd_'
+#   BENCH_ARGS     appended to the benchmark, e.g. BENCH_ARGS='--quick'
+#   TESTS_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT   seconds per step (default: none);
+#                  the device kills a whole command after 600 s, so budget the steps.
+# The repository is not pip-installed there: it is imported through PYTHONPATH.
+
+set -u
+
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export PYTHONDONTWRITEBYTECODE=1
+
+# Extra arguments, split like a shell line (quotes honoured): PYTEST_ARGS="-k 'fwd and not d256'".
+eval "PYTEST_EXTRA=(${PYTEST_ARGS:-})"
+eval "SANITIZE_EXTRA=(${SANITIZE_ARGS:-})"
+eval "BENCH_EXTRA=(${BENCH_ARGS:-})"
+
+FAILED=0
+SUMMARY=()   # one line per step: name, status, seconds
+
+# run_step NAME TIMEOUT_SECONDS LOGFILE CMD...  -- output to the log and to stdout,
+# so the output_tail sees progress. Returns the command's exit status.
+run_step() {
+    local name=$1 limit=$2 log=$3
+    shift 3
+    local t0=$SECONDS rc
+    echo
+    echo "### $name: $*"
+    if [ -n "$limit" ]; then
+        timeout -k 10 "$limit" "$@" 2>&1 | tee "$log"
+        rc=${PIPESTATUS[0]}
+    else
+        "$@" 2>&1 | tee "$log"
+        rc=${PIPESTATUS[0]}
+    fi
+    local dt=$((SECONDS - t0))
+    [ "$rc" = 124 ] && echo "### $name: timed out after ${limit}s" | tee -a "$log"
+    echo "### $name: exit $rc after ${dt}s"
+    LAST_DT=$dt
+    return "$rc"
+}
+
+record() {  # record NAME STATUS SECONDS
+    SUMMARY+=("$(printf '%-10s %-28s %5ss' "$1" "$2" "$3")")
+}
+
+# --------------------------------------------------------------------------- env
+t0=$SECONDS
+{
+    echo "date: $(date -u '+%Y-%m-%dT%H:%M:%SZ')"
+    echo "host: $(uname -a)"
+    echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo
+    nvidia-smi || echo "nvidia-smi failed"
+    echo
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw,power.limit \
+        --format=csv 2>/dev/null
+    echo
+    python3 --version
+    python3 - <<'EOF'
+import importlib
+for name in ("numpy", "cupy", "ml_dtypes", "torch", "triton", "jax", "pytest", "hypothesis", "matplotlib"):
+    try:
+        m = importlib.import_module(name)
+        print(f"{name} {getattr(m, '__version__', '?')}")
+    except Exception as e:
+        print(f"{name} not importable: {e}")
+try:
+    import torch
+    print("torch cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
+          "device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+except Exception as e:
+    print("torch device query failed:", e)
+try:
+    import cupy
+    print("cupy runtime", cupy.cuda.runtime.runtimeGetVersion(),
+          "driver", cupy.cuda.runtime.driverGetVersion(),
+          "nvrtc", cupy.cuda.nvrtc.getVersion())
+except Exception as e:
+    print("cupy device query failed:", e)
+EOF
+    echo
+    (nvcc --version 2>/dev/null | tail -2) || echo "nvcc not on PATH"
+    (compute-sanitizer --version 2>/dev/null | head -3) || echo "compute-sanitizer not on PATH"
+} >"$OUT/env.txt" 2>&1
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+record env "ok (${GPU_NAME:-no GPU})" $((SECONDS - t0))
+
+# ------------------------------------------------------------------------- tests
+PYTEST_SUMMARY="(skipped)"
+if [ "${SKIP_TESTS:-0}" = 1 ]; then
+    record tests skipped 0
+else
+    run_step tests "${TESTS_TIMEOUT:-}" "$OUT/pytest_gpu.log" \
+        python3 -m pytest tests -m gpu -q -x -p no:cacheprovider ${PYTEST_EXTRA[@]+"${PYTEST_EXTRA[@]}"}
+    rc=$?
+    PYTEST_SUMMARY=$(grep -E '([0-9]+ (passed|failed|error|errors|skipped|deselected|xfailed|xpassed))|no tests ran' \
+        "$OUT/pytest_gpu.log" | tail -1)
+    if [ "$rc" = 0 ]; then
+        record tests ok "$LAST_DT"
+    elif [ "$rc" = 5 ]; then  # pytest: no test selected; not a failure of the code
+        record tests "no gpu tests collected" "$LAST_DT"
+    else
+        record tests "FAILED (exit $rc)" "$LAST_DT"
+        FAILED=1
+    fi
+fi
+
+# ---------------------------------------------------------------------- sanitize
+find_sanitizer() {
+    command -v compute-sanitizer && return 0
+    local p
+    for p in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
+             /opt/nvidia/compute-sanitizer/compute-sanitizer; do
+        [ -x "$p" ] && { echo "$p"; return 0; }
+    done
+    return 1
+}
+
+if [ "${SKIP_SANITIZE:-0}" = 1 ]; then
+    record memcheck skipped 0
+    record racecheck skipped 0
+elif ! SAN=$(find_sanitizer); then
+    echo "compute-sanitizer not found" | tee "$OUT/memcheck.log"
+    record memcheck "FAILED (no compute-sanitizer)" 0
+    FAILED=1
+else
+    run_step memcheck "${SANITIZE_TIMEOUT:-}" "$OUT/memcheck.log" \
+        "$SAN" --tool memcheck --error-exitcode 9 --print-limit 200 \
+        python3 scripts/sanitize_cases.py ${SANITIZE_EXTRA[@]+"${SANITIZE_EXTRA[@]}"}
+    rc=$?
+    if [ "$rc" = 0 ]; then record memcheck ok "$LAST_DT"
+    else record memcheck "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
+
+    run_step racecheck "${SANITIZE_TIMEOUT:-}" "$OUT/racecheck.log" \
+        "$SAN" --tool racecheck --racecheck-report all --error-exitcode 9 --print-limit 200 \
+        python3 scripts/sanitize_cases.py ${SANITIZE_EXTRA[@]+"${SANITIZE_EXTRA[@]}"}
+    rc=$?
+    if [ "$rc" = 0 ]; then record racecheck ok "$LAST_DT"
+    else record racecheck "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
+fi
+
+# ------------------------------------------------------------------------- bench
+if [ "${SKIP_BENCH:-0}" = 1 ]; then
+    record bench skipped 0
+else
+    run_step bench "${BENCH_TIMEOUT:-}" "$OUT/bench.txt" \
+        python3 benchmarks/bench_attention.py --json "$OUT/bench.json" --png "$OUT/bench.png" \
+        ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}
+    rc=$?
+    if [ "$rc" = 0 ]; then record bench ok "$LAST_DT"
+    else record bench "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
+fi
+
+# ----------------------------------------------------------------------- summary
+echo
+echo "================================ gpu_check summary ================================"
+for line in "${SUMMARY[@]}"; do echo "$line"; done
+echo
+echo "pytest:    ${PYTEST_SUMMARY:-(no summary line)}"
+for tool in memcheck racecheck; do
+    log="$OUT/$tool.log"
+    [ -f "$log" ] || continue
+    echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sed 's/^=* *//' | tr '\n' ' ')"
+    echo "           $(grep -E 'sanitize cases (ok|FAILED)|^skipped [0-9]+ case' "$log" | tr '\n' ' ')"
+done
+if [ -f "$OUT/bench.txt" ]; then
+    echo
+    # the benchmark's final table: from its '=== ' heading to the end
+    if grep -q '^=== ' "$OUT/bench.txt"; then
+        sed -n '/^=== /,$p' "$OUT/bench.txt" | grep -v '^wrote '
+    else
+        echo "bench (no table; last lines):"
+        tail -5 "$OUT/bench.txt"
+    fi
+fi
+echo
+echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+if [ "$FAILED" = 0 ]; then echo "gpu_check: ALL OK"; else echo "gpu_check: FAILED"; fi
+exit "$FAILED"

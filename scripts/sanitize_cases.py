@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Small launches of every cuflash kernel, to run under compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  --error-exitcode 9 python3 scripts/sanitize_cases.py
+    compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 9 \
+        python3 scripts/sanitize_cases.py
+    python3 scripts/sanitize_cases.py --list          # the case table
+    python3 scripts/sanitize_cases.py --only causal   # cases whose name contains 'causal'
+
+CuPy's memory pool is switched off before anything is allocated: a pooled block is
+larger than the array in it, so an out-of-bounds write lands inside the block and
+memcheck never sees it. With the pool off every array is its own cudaMalloc.
+
+Each case names a cuflash function; a case whose function does not exist yet is
+skipped (listed as such), so backward and KV-cache cases can sit in the table before
+their kernels land. Shapes are deliberately off every tile size (17, 33, 113, ...).
+
+Prints "sanitize cases ok" last when every case that ran finished; exit 1 otherwise
+(the sanitizer's own findings come out through its --error-exitcode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import cupy
+
+cupy.cuda.set_allocator(None)  # before any allocation: the pool hides OOB writes
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import cuflash  # noqa: E402
+
+DTYPES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+NONFINITE_MASK = {"fp16": 0x7C00, "bf16": 0x7F80}  # exponent bits all ones = inf/nan
+
+
+# --------------------------------------------------------------------------- #
+# The case table. One row per launch:
+#   name   unique, printed
+#   fn     the cuflash function called (case skipped while cuflash lacks it)
+#   dtype  "fp16" | "bf16"
+#   shape  b, sq, sk, h, hk, d  (q (b, sq, h, d), k/v (b, sk, hk, d))
+#   opts   keyword options passed through (causal, window_size, softcap, ...);
+#          "alibi": True makes float32 (h,) slopes, "packed": True makes q/k/v
+#          strided views of one (b, s, 3, h, d) tensor, "side_stream": True runs
+#          on a non-default CuPy stream.
+# --------------------------------------------------------------------------- #
+SMALL = dict(b=1, sq=17, sk=33, h=2, hk=1, d=64)      # inside one tile, GQA 2:1
+SMALL40 = dict(SMALL, d=40)                           # head dim padded inside the kernel
+MULTI = dict(b=2, sq=200, sk=333, h=4, hk=2, d=128)   # several Q and KV blocks, ragged ends
+SQ_GT_SK = dict(b=1, sq=33, sk=17, h=2, hk=1, d=64)   # causal: leading rows see no key
+PACKED = dict(b=1, sq=113, sk=113, h=2, hk=2, d=64)
+
+FWD_VARIANTS = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(8, 4)),
+    "softcap_alibi": dict(softcap=5.0, alibi=True),
+    "lse": dict(return_lse=True),
+}
+
+
+def _fwd_cases() -> list[dict]:
+    cases = []
+    for dtype in DTYPES:
+        for sname, shape in (("d64", SMALL), ("d40", SMALL40)):
+            for vname, opts in FWD_VARIANTS.items():
+                cases.append(dict(name=f"fwd_{dtype}_{sname}_{vname}", fn="attention",
+                                  dtype=dtype, shape=shape, opts=opts))
+        cases += [
+            dict(name=f"fwd_{dtype}_multi", fn="attention", dtype=dtype, shape=MULTI, opts={}),
+            dict(name=f"fwd_{dtype}_multi_causal_lse", fn="attention", dtype=dtype, shape=MULTI,
+                 opts=dict(causal=True, return_lse=True)),
+            dict(name=f"fwd_{dtype}_sq_gt_sk_causal", fn="attention", dtype=dtype,
+                 shape=SQ_GT_SK, opts=dict(causal=True, return_lse=True)),
+        ]
+    cases += [
+        dict(name="fwd_fp16_packed_qkv", fn="attention", dtype="fp16", shape=PACKED,
+             opts=dict(packed=True, causal=True)),
+        dict(name="fwd_bf16_side_stream", fn="attention", dtype="bf16", shape=SMALL,
+             opts=dict(side_stream=True)),
+    ]
+    return cases
+
+
+def _bwd_cases() -> list[dict]:
+    cases = []
+    for dtype in DTYPES:
+        for shape_name, shape in (("d64", SMALL), ("d40", SMALL40), ("multi", MULTI)):
+            cases.append(dict(name=f"bwd_{dtype}_{shape_name}", fn="attention_backward",
+                              dtype=dtype, shape=shape, opts={}))
+        cases += [
+            dict(name=f"bwd_{dtype}_causal", fn="attention_backward", dtype=dtype, shape=MULTI,
+                 opts=dict(causal=True)),
+            dict(name=f"bwd_{dtype}_deterministic", fn="attention_backward", dtype=dtype,
+                 shape=MULTI, opts=dict(causal=True, deterministic=True)),
+            dict(name=f"bwd_{dtype}_window_softcap_alibi", fn="attention_backward", dtype=dtype,
+                 shape=SMALL, opts=dict(window_size=(8, 4), softcap=5.0, alibi=True)),
+        ]
+    return cases
+
+
+def _kvcache_cases() -> list[dict]:
+    decode = dict(b=2, sq=1, sk=300, h=8, hk=2, d=128)
+    return [
+        dict(name="kvcache_bf16_decode", fn="attention_with_kvcache", dtype="bf16",
+             shape=decode, opts=dict(cache_seqlens=(300, 17))),
+        dict(name="kvcache_bf16_decode_split", fn="attention_with_kvcache", dtype="bf16",
+             shape=decode, opts=dict(cache_seqlens=(300, 17), num_splits=3)),
+        dict(name="kvcache_fp16_prefill_causal", fn="attention_with_kvcache", dtype="fp16",
+             shape=dict(decode, sq=5), opts=dict(cache_seqlens=(300, 17), causal=True)),
+    ]
+
+
+CASES = _fwd_cases() + _bwd_cases() + _kvcache_cases()
+
+
+# --------------------------------------------------------------------------- #
+# Inputs and calls
+# --------------------------------------------------------------------------- #
+def _rand(rng, shape, dtype):
+    """Random normal values made on the host (no CuPy kernel), copied as raw 16-bit words."""
+    host = rng.standard_normal(shape, dtype=np.float32).astype(DTYPES[dtype])
+    return cupy.asarray(host.view(np.uint16)).view(DTYPES[dtype])
+
+
+def _ready():
+    """Inputs were copied on the default stream; a side stream must not run ahead of them."""
+    cupy.cuda.Device().synchronize()
+
+
+def _qkv(rng, case):
+    s, dt, o = case["shape"], case["dtype"], case["opts"]
+    if o.get("packed"):
+        qkv = _rand(rng, (s["b"], s["sq"], 3, s["h"], s["d"]), dt)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # strided views, no copy
+    return (_rand(rng, (s["b"], s["sq"], s["h"], s["d"]), dt),
+            _rand(rng, (s["b"], s["sk"], s["hk"], s["d"]), dt),
+            _rand(rng, (s["b"], s["sk"], s["hk"], s["d"]), dt))
+
+
+def _kwargs(rng, case, stream) -> dict:
+    """The case's options as cuflash keyword arguments."""
+    kw = {k: v for k, v in case["opts"].items() if k not in ("alibi", "packed", "side_stream")}
+    if case["opts"].get("alibi"):
+        h = case["shape"]["h"]
+        kw["alibi_slopes"] = cupy.asarray(
+            np.float32(2.0) ** (-8.0 * np.arange(1, h + 1, dtype=np.float32) / h))
+    kw["stream"] = stream
+    return kw
+
+
+def run_attention(rng, case, stream):
+    q, k, v = _qkv(rng, case)
+    kw = _kwargs(rng, case, stream)
+    _ready()
+    return cuflash.attention(q, k, v, **kw)
+
+
+def run_attention_backward(rng, case, stream):
+    q, k, v = _qkv(rng, case)
+    kw = _kwargs(rng, case, stream)
+    deterministic = kw.pop("deterministic", False)
+    _ready()
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+    dout = _rand(rng, out.shape, case["dtype"])
+    _ready()
+    return cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
+
+
+def run_attention_with_kvcache(rng, case, stream):
+    s, dt = case["shape"], case["dtype"]
+    q = _rand(rng, (s["b"], s["sq"], s["h"], s["d"]), dt)
+    k_cache = _rand(rng, (s["b"], s["sk"], s["hk"], s["d"]), dt)
+    v_cache = _rand(rng, (s["b"], s["sk"], s["hk"], s["d"]), dt)
+    kw = _kwargs(rng, case, stream)
+    kw["cache_seqlens"] = cupy.asarray(np.array(kw["cache_seqlens"], dtype=np.int32))
+    _ready()
+    return cuflash.attention_with_kvcache(q, k_cache, v_cache, **kw)
+
+
+RUNNERS = {
+    "attention": run_attention,
+    "attention_backward": run_attention_backward,
+    "attention_with_kvcache": run_attention_with_kvcache,
+}
+
+
+def _nonfinite_count(outputs, dtype: str) -> int:
+    """inf/nan among the 16-bit outputs, read from the exponent bits on the host, so that
+    no CuPy kernel of ours runs under the sanitizer (only cuflash's should be judged)."""
+    n = 0
+    mask = NONFINITE_MASK[dtype]
+    for a in outputs:
+        if isinstance(a, cupy.ndarray) and a.dtype.itemsize == 2:
+            bits = cupy.asnumpy(a).view(np.uint16)
+            n += int(((bits & mask) == mask).sum())
+    return n
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="cuflash launches for compute-sanitizer")
+    p.add_argument("--list", action="store_true", help="print the case table and exit")
+    p.add_argument("--only", default="", help="run cases whose name contains this")
+    args = p.parse_args(argv)
+
+    cases = [c for c in CASES if args.only in c["name"]]
+    if args.list:
+        for c in cases:
+            state = "" if hasattr(cuflash, c["fn"]) else "   (skipped: cuflash lacks it)"
+            print(f"{c['name']:<36} {c['fn']:<24} {c['shape']} {c['opts']}{state}")
+        return 0
+
+    ran, skipped, failed = 0, [], []
+    for case in cases:
+        if not hasattr(cuflash, case["fn"]):
+            skipped.append(case["name"])
+            continue
+        rng = np.random.default_rng(0)
+        side = case["opts"].get("side_stream")
+        stream = cupy.cuda.Stream(non_blocking=True) if side else None
+        try:
+            result = RUNNERS[case["fn"]](rng, case, stream)
+            (stream or cupy.cuda.get_current_stream()).synchronize()
+            cupy.cuda.Device().synchronize()
+            outs = result if isinstance(result, tuple) else (result,)
+            bad = _nonfinite_count(outs, case["dtype"])
+            if bad:
+                raise AssertionError(f"{bad} non-finite values in the 16-bit outputs")
+            ran += 1
+            print(f"ok    {case['name']}", flush=True)
+        except Exception as e:  # noqa: BLE001  -- keep going, report all
+            failed.append(case["name"])
+            print(f"FAIL  {case['name']}: {type(e).__name__}: {e}", flush=True)
+            if len(failed) == 1:  # the first traceback is the useful one
+                traceback.print_exc()
+
+    missing = sorted({c["fn"] for c in cases if c["name"] in skipped})
+    if skipped:
+        print(f"skipped {len(skipped)} case(s): cuflash has no {', '.join(missing)} yet")
+    if failed or not ran:
+        print(f"sanitize cases FAILED: {len(failed)} of {ran + len(failed)} failed"
+              + ("" if ran or failed else " (no case ran)") + f": {failed}")
+        return 1
+    print(f"sanitize cases ok ({ran} ran, {len(skipped)} skipped)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
