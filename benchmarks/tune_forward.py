@@ -1,0 +1,94 @@
+"""Measures forward tile configs on this GPU, to choose the planner's table (cuflash/plan.py).
+
+For each (head dim, causal) it times every candidate config on the ANCHORS shapes (16k tokens,
+hidden 2048) and prints TFLOP/s, with PyTorch SDPA's flash backend beside it when torch is there.
+
+    python benchmarks/tune_forward.py [--seqlens 1024 4096 16384] [--json tune.json]
+"""
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+
+sys.path.insert(0, ".")
+import cupy  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+import cuflash  # noqa: E402
+from cuflash import build, plan  # noqa: E402
+from cuflash.plan import FwdConfig  # noqa: E402
+
+CANDIDATES = {
+    64: [FwdConfig(128, 64, 4, False), FwdConfig(128, 128, 4, False), FwdConfig(128, 128, 8, True),
+         FwdConfig(128, 64, 8, True), FwdConfig(64, 128, 4, True)],
+    128: [FwdConfig(128, 64, 8, True), FwdConfig(64, 64, 4, True), FwdConfig(128, 128, 8, True),
+          FwdConfig(64, 128, 4, True), FwdConfig(128, 64, 4, False), FwdConfig(128, 32, 4, False)],
+}
+
+
+def time_ms(fn, reps=30):
+    for _ in range(3):
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def sdpa_flash_ms(q, k, v, causal):
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return float("nan")
+    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--dims", type=int, nargs="+", default=sorted(CANDIDATES))
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    arch = build.device_arch(cupy.cuda.Device().id)
+    rows = []
+    for d in args.dims:
+        for causal in (False, True):
+            for s in args.seqlens:
+                b, h = 16384 // s, 2048 // d
+                rng = np.random.default_rng(0)
+                q, k, v = (cupy.asarray(rng.standard_normal((b, s, h, d), dtype=np.float32).astype(ml_dtypes.bfloat16))
+                           for _ in range(3))
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                ref = sdpa_flash_ms(q, k, v, causal)
+                line = [f"d={d:3d} causal={int(causal)} s={s:5d} flash {flops / ref / 1e9:6.1f}"]
+                for cfg in CANDIDATES[d]:
+                    plan.FWD_TABLE_SM90[("sm90", d, causal)] = cfg
+                    plan.FWD_TABLE[("sm80", d, causal)] = cfg
+                    try:
+                        ms = time_ms(lambda: cuflash.attention(q, k, v, causal=causal))
+                        tflops = flops / ms / 1e9
+                    except Exception as err:  # a config that does not launch (smem, registers)
+                        print(f"  {cfg}: {type(err).__name__}: {err}", file=sys.stderr)
+                        tflops = float("nan")
+                    rows.append(dict(d=d, causal=causal, seqlen=s, config=cfg.__dict__, tflops=tflops,
+                                     flash_tflops=flops / ref / 1e9))
+                    line.append(f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}{'q' if cfg.q_in_regs else ''} {tflops:6.1f}")
+                print(" | ".join(line), flush=True)
+                del q, k, v
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+// Forward attention, FlashAttention-2 style (mma.sync path, sm_80+).
+//
+// Grid (query blocks, heads, batch): one CTA owns BM query rows of one (batch, head) and walks the KV blocks its
+// rows can see, from the last to the first. Each warp owns BM / WARPS whole rows (split-Q), so the softmax needs no
+// inter-warp reduction; K and V tiles are shared in shared memory. Per KV block n:
+//     wait K[n] | issue V[n] | S = Q K[n]^T | mask, online softmax | wait V[n] | issue K[n-1] | O += P V[n]
+// so each tile's load overlaps the other's math. Normalization by the row sum waits for the epilogue.
+#include "params.cuh"
+#include "tile.cuh"
+#include "softmax.cuh"
+#include "mask.cuh"
+#include "score_mod.cuh"
+
+namespace cuflash {
+
+template <class T_, int D, int BM_, int BN_, int WARPS_, bool Q_IN_REGS_>
+struct FwdTraits {
+    using T = T_;
+    static constexpr int HEADDIM = D;                 // compiled head dim; the real one may be smaller
+    static constexpr int DP = (D + 63) / 64 * 64;     // shared-memory row width: whole 128-byte panels
+    static constexpr int BM = BM_, BN = BN_, WARPS = WARPS_, THREADS = WARPS * 32;
+    static constexpr int ROWS_PER_WARP = BM / WARPS;
+    static constexpr int MT = ROWS_PER_WARP / 16;     // 16-row mma tiles per warp
+    static constexpr int NT = BN / 8;                 // 8-column tiles of S
+    static constexpr int DT = D / 8;                  // 8-column tiles of O
+    // Q's A fragments held in registers for the whole loop: halves the shared-memory traffic of S = Q K^T, at
+    // D / 2 registers per 16-row tile. Pays off when a warp owns one 16-row tile (its B fragments are not reused).
+    static constexpr bool Q_IN_REGS = Q_IN_REGS_;
+    using QTile = SmemTile<BM, DP>;
+    using KVTile = SmemTile<BN, DP>;
+    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * KVTile::BYTES;  // Q, K, V; O reuses Q's space
+
+    static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole 16-row mma tiles");
+    static_assert(BN % 16 == 0 && D % 16 == 0, "ldmatrix.x4 loads 16 x 16 pieces");
+};
+
+template <class Traits, bool BAND, bool SCORE_MOD>
+struct FwdBlock {
+    using T = typename Traits::T;
+    static constexpr int D = Traits::HEADDIM, DP = Traits::DP, BM = Traits::BM, BN = Traits::BN;
+    static constexpr int THREADS = Traits::THREADS, MT = Traits::MT, NT = Traits::NT, DT = Traits::DT;
+    using QTile = typename Traits::QTile;
+    using KVTile = typename Traits::KVTile;
+    using QCopy = TileCopy<BM, D, DP, THREADS>;
+    using KVCopy = TileCopy<BN, D, DP, THREADS>;
+
+    const FwdParams& p;
+    int tid, lane, warp_row0;  // warp_row0: the warp's first row inside the block
+    int row0;                  // first query row of the block
+    int n_min;
+    u32 sQ, sK, sV;
+    // ldmatrix lanes: Q as A (matrices: rows 0-7 | 8-15 at chunk 0, then at chunk 1), K as B (keys 0-7 at chunks
+    // 0 | 1, then keys 8-15), V as transposed B (keys 0-7 | 8-15 at chunk 0, then at chunk 1).
+    LdmatrixAddr<QTile> q_addr;
+    LdmatrixAddr<KVTile> k_addr, v_addr;
+    const u16* k_gmem;  // K and V of this (batch, kv head), row 0
+    const u16* v_gmem;
+    Mask<BAND> mask;
+    ScoreMod mod;
+    OnlineSoftmax<MT> softmax;
+    float acc_o[MT][DT][4];
+    u32 q_frag[Traits::Q_IN_REGS ? MT : 1][Traits::Q_IN_REGS ? D / 16 : 1][4];
+
+    __device__ __forceinline__ explicit FwdBlock(const FwdParams& params)
+        : p(params), q_addr(0, 0, 0), k_addr(0, 0, 0), v_addr(0, 0, 0) {}
+
+    __device__ __forceinline__ void load_kv(u32 dst, const u16* gmem, i64 row_stride, int n) {
+        KVCopy::load_async(dst, gmem + (i64)n * BN * row_stride, row_stride, p.seqlen_k - n * BN, p.headdim, tid);
+        cp_async_commit();
+    }
+
+    // S = Q K^T for this warp's rows: A fragments of Q and B fragments of K straight from swizzled shared memory.
+    __device__ __forceinline__ void qk(float (&s)[MT][NT][4]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (Traits::Q_IN_REGS) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
+                } else {
+                    ldmatrix_x4(a[mt], q_addr(warp_row0 / 16 + mt, ks));
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 b[4];  // two 8-key tiles: {b0, b1} of keys np*16.., then of keys np*16+8..
+                ldmatrix_x4(b, k_addr(np, ks));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    // P as 16-bit A fragments, straight from the S accumulators (the fp32 scores die here, freeing registers).
+    __device__ __forceinline__ void to_a_fragments(const float (&s)[MT][NT][4], u32 (&pa)[MT][BN / 16][4]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                pa[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+    }
+
+    // O += P V, P from registers, V through transposing ldmatrix (V is row-major (key, d); B wants k-major).
+    __device__ __forceinline__ void pv(const u32 (&pa)[MT][BN / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_addr(kk, dp));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(acc_o[mt][2 * dp], pa[mt][kk], b[0], b[1]);
+                    mma_16816<T>(acc_o[mt][2 * dp + 1], pa[mt][kk], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    // One KV block. MASK: element-wise masking (diagonal, window edge, or the seqlen_k tail). FIRST: no rescale.
+    template <bool MASK, bool FIRST>
+    __device__ __forceinline__ void step(int n) {
+        cp_async_wait<0>();
+        __syncthreads();  // K[n] has landed, and every warp is done reading V[n+1]
+        load_kv(sV, v_gmem, p.v_row_stride, n);
+        if (FIRST && Traits::Q_IN_REGS) {  // Q landed with K[n]
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(q_frag[mt][ks], q_addr(warp_row0 / 16 + mt, ks));
+        }
+
+        float s[MT][NT][4];
+        qk(s);
+        int row = row0 + warp_row0, col = n * BN;
+        if (SCORE_MOD) mod.apply(s, row, col, lane);
+        if (MASK) mask.apply(s, row, col, lane);
+        softmax.template update<FIRST, MASK>(s, acc_o, p.scale_log2);
+        u32 pa[MT][BN / 16][4];
+        to_a_fragments(s, pa);
+
+        cp_async_wait<0>();
+        __syncthreads();  // V[n] has landed, and every warp is done reading K[n]
+        if (n > n_min) load_kv(sK, k_gmem, p.k_row_stride, n - 1);
+        pv(pa);
+    }
+
+    __device__ __forceinline__ void epilogue(char* smem, int b, int h) {
+        cp_async_wait<0>();
+        __syncthreads();  // Q's shared memory is free for staging O
+        float lse[MT][2];
+        softmax.finalize(acc_o, p.scale_log2, lse);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2) {
+                    int r = warp_row0 + mt * 16 + lane / 4 + 8 * h2;
+                    *reinterpret_cast<u32*>(smem + QTile::offset(r, dt) + (lane % 4) * 4) =
+                        pack2<T>(acc_o[mt][dt][2 * h2], acc_o[mt][dt][2 * h2 + 1]);
+                }
+        __syncthreads();  // through shared memory so that global stores are 16 bytes wide and coalesced
+        u16* o_gmem = p.o + (i64)b * p.o_batch_stride + (i64)row0 * p.o_row_stride + (i64)h * p.o_head_stride;
+        QCopy::store(o_gmem, p.o_row_stride, sQ, p.seqlen_q - row0, p.headdim, tid);
+
+        if (p.lse != nullptr && lane % 4 == 0) {
+            float* lse_row = p.lse + ((i64)b * p.nheads + h) * p.seqlen_q;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h2 = 0; h2 < 2; ++h2) {
+                    int r = row0 + warp_row0 + mt * 16 + lane / 4 + 8 * h2;
+                    if (r < p.seqlen_q) lse_row[r] = lse[mt][h2];
+                }
+        }
+    }
+
+    __device__ __forceinline__ void run(char* smem) {
+        const int m_block = BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // band: longest rows first
+        const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.heads_per_kv;
+        tid = threadIdx.x;
+        lane = tid % 32;
+        warp_row0 = (tid / 32) * Traits::ROWS_PER_WARP;
+        row0 = m_block * BM;
+        sQ = smem_u32(smem);
+        sK = sQ + QTile::BYTES;
+        sV = sK + KVTile::BYTES;
+        q_addr = LdmatrixAddr<QTile>(sQ, lane % 16, lane / 16);
+        k_addr = LdmatrixAddr<KVTile>(sK, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+        v_addr = LdmatrixAddr<KVTile>(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+        k_gmem = p.k + (i64)b * p.k_batch_stride + (i64)h_kv * p.k_head_stride;
+        v_gmem = p.v + (i64)b * p.v_batch_stride + (i64)h_kv * p.v_head_stride;
+        mask = Mask<BAND>{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        if (SCORE_MOD) {
+            float slope = p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f;
+            mod = ScoreMod{p.mod_scale, p.softcap, slope, p.seqlen_k - p.seqlen_q};
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+
+        // ---- prologue: Q and the last visible K block ----
+        const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
+        n_min = range.n_min;
+        int n = range.n_max - 1;
+        if (n >= n_min) {
+            const u16* q_gmem = p.q + (i64)b * p.q_batch_stride + (i64)row0 * p.q_row_stride + (i64)h * p.q_head_stride;
+            QCopy::load_async(sQ, q_gmem, p.q_row_stride, p.seqlen_q - row0, p.headdim, tid);
+            load_kv(sK, k_gmem, p.k_row_stride, n);
+
+            // ---- main loop, downwards: masked diagonal blocks, unmasked interior, masked window edge ----
+            if (n > range.full_hi || n < range.full_lo)
+                step<true, true>(n);
+            else
+                step<false, true>(n);
+            for (--n; n >= n_min && n > range.full_hi; --n) step<true, false>(n);
+            for (; n >= n_min && n >= range.full_lo; --n) step<false, false>(n);
+            for (; n >= n_min; --n) step<true, false>(n);
+        }
+        // ---- epilogue: normalize, stage O through shared memory, write O and lse ----
+        epilogue(smem, b, h);
+    }
+};
+
+template <class T, int D, int BM, int BN, int WARPS, bool Q_IN_REGS, bool BAND, bool SCORE_MOD>
+__global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const __grid_constant__ FwdParams p) {
+    extern __shared__ __align__(1024) char smem[];
+    FwdBlock<FwdTraits<T, D, BM, BN, WARPS, Q_IN_REGS>, BAND, SCORE_MOD> block(p);
+    block.run(smem);
+}
+
+}  // namespace cuflash

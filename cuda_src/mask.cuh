@@ -1,0 +1,68 @@
+// Which keys a query row may see, and which KV blocks of a query block need element-wise masking.
+//
+// Bottom-right aligned band: query i sees key j iff  j < seqlen_k  and
+//     i + diag - left <= j <= i + diag + right,   diag = seqlen_k - seqlen_q,  -1 = unbounded side.
+// Causal is the band (-1, 0). Blocks strictly inside the band and below seqlen_k run unmasked.
+#pragma once
+#include "softmax.cuh"
+
+namespace cuflash {
+
+template <bool BAND>
+struct Mask {
+    int seqlen_k, diag, left, right;
+
+    __device__ __forceinline__ bool visible(int row, int col) const {
+        bool ok = col < seqlen_k;
+        if (BAND) {
+            if (right >= 0) ok = ok && col <= row + diag + right;
+            if (left >= 0) ok = ok && col >= row + diag - left;
+        }
+        return ok;
+    }
+
+    // Sets invisible scores to -inf. row0/col0: first row/column of this warp's fragment tile.
+    template <int MT, int NT>
+    __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0, int lane) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int row = row0 + mt * 16 + lane / 4 + 8 * (e / 2);
+                    int col = col0 + nt * 8 + 2 * (lane % 4) + (e % 2);
+                    if (!visible(row, col)) s[mt][nt][e] = NEG_INF;
+                }
+    }
+};
+
+// KV blocks [n_min, n_max) can hold visible keys for query rows [row0, row0 + BM); blocks in [full_lo, full_hi]
+// need no masking at all. Iterating downwards from n_max - 1: masked blocks near the diagonal, an unmasked run,
+// then masked blocks at the left edge of a sliding window.
+struct BlockRange {
+    int n_min, n_max, full_lo, full_hi;
+};
+
+template <int BM, int BN, bool BAND>
+__device__ __forceinline__ BlockRange block_range(const Mask<BAND>& mask, int row0) {
+    BlockRange r;
+    r.n_min = 0;
+    r.n_max = ceil_div(mask.seqlen_k, BN);
+    r.full_lo = 0;
+    r.full_hi = mask.seqlen_k / BN - 1;  // the last partial block is masked by the seqlen_k bound
+    if (BAND) {
+        int last_row = row0 + BM - 1;
+        if (mask.right >= 0) {
+            r.n_max = min(r.n_max, floor_div(last_row + mask.diag + mask.right, BN) + 1);
+            r.full_hi = min(r.full_hi, floor_div(row0 + mask.diag + mask.right + 1, BN) - 1);
+        }
+        if (mask.left >= 0) {
+            r.n_min = max(0, floor_div(row0 + mask.diag - mask.left, BN));
+            r.full_lo = ceil_div(last_row + mask.diag - mask.left, BN);
+        }
+    }
+    return r;
+}
+
+}  // namespace cuflash

@@ -1,0 +1,86 @@
+// Online softmax over a thread's rows of an mma.sync accumulator tile, in the exp2 domain.
+//
+// Fragment convention (m16n8k16 C layout): s[mt][nt][e] is row  mt*16 + lane/4 + 8*(e/2),
+// column nt*8 + 2*(lane%4) + e%2. A thread owns 2 rows per 16-row tile; the 4 lanes of a quad share a row.
+#pragma once
+#include "types.cuh"
+
+namespace cuflash {
+
+#define NEG_INF (-__int_as_float(0x7f800000))  // no constexpr route to -inf without headers
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+template <int MT>
+struct OnlineSoftmax {
+    float row_max[MT][2];  // running max of the scores, in the units that scale_log2 converts to log2
+    float row_sum[MT][2];  // this thread's share of the row sum; the quad reduction waits for finalize()
+
+    // Turns scores into probabilities (in place) and rescales the output accumulator by exp2(m_old - m_new).
+    // FIRST: nothing accumulated yet, so no rescale. CHECK_INF: rows may be fully masked (max = -inf).
+    template <bool FIRST, bool CHECK_INF, int NT, int DT>
+    __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc_o)[MT][DT][4], float scale_log2) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float m = FIRST ? NEG_INF : row_max[mt][h];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                m = quad_max(m);
+                // A fully masked row keeps max -inf; exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
+                float m_safe = (CHECK_INF && m == NEG_INF) ? 0.f : m;
+                float neg_m_scaled = -m_safe * scale_log2;
+                if (!FIRST) {
+                    float alpha = exp2f(fmaf(row_max[mt][h], scale_log2, neg_m_scaled));
+                    row_sum[mt][h] *= alpha;
+#pragma unroll
+                    for (int dt = 0; dt < DT; ++dt) {
+                        acc_o[mt][dt][2 * h] *= alpha;
+                        acc_o[mt][dt][2 * h + 1] *= alpha;
+                    }
+                }
+                row_max[mt][h] = m;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                        s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], scale_log2, neg_m_scaled));
+                        sum += s[mt][nt][e];
+                    }
+                }
+                row_sum[mt][h] = FIRST ? sum : row_sum[mt][h] + sum;
+            }
+        }
+    }
+
+    // Deferred normalization: acc_o /= l once, and lse = ln(sum) + max (-inf for an empty row, whose output is 0).
+    template <int DT>
+    __device__ __forceinline__ void finalize(float (&acc_o)[MT][DT][4], float scale_log2, float (&lse)[MT][2]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float sum = quad_sum(row_sum[mt][h]);
+                bool empty = !(sum > 0.f);
+                float inv = empty ? 0.f : 1.f / sum;
+                lse[mt][h] = empty ? NEG_INF : (row_max[mt][h] * scale_log2 + __log2f(sum)) * LN2;
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt) {
+                    acc_o[mt][dt][2 * h] *= inv;
+                    acc_o[mt][dt][2 * h + 1] *= inv;
+                }
+            }
+        }
+    }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,47 @@
+// 16-bit element types handled as raw bits, so kernels need no CUDA headers (NVRTC compiles them standalone).
+#pragma once
+
+namespace cuflash {
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+struct half_t { static constexpr bool is_bf16 = false; };  // IEEE fp16
+struct bf16_t { static constexpr bool is_bf16 = true; };   // bfloat16
+
+// Two floats -> one register holding {lo, hi} as 16-bit values (round to nearest even).
+template <class T> __device__ __forceinline__ u32 pack2(float lo, float hi);
+
+template <> __device__ __forceinline__ u32 pack2<bf16_t>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <> __device__ __forceinline__ u32 pack2<half_t>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// One 16-bit value -> float.
+template <class T> __device__ __forceinline__ float to_float(u16 x);
+
+template <> __device__ __forceinline__ float to_float<bf16_t>(u16 x) {
+    return __uint_as_float(((u32)x) << 16);
+}
+
+template <> __device__ __forceinline__ float to_float<half_t>(u16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+}
+
+__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+__device__ __forceinline__ int ceil_div(int a, int b) { return floor_div(a + b - 1, b); }
+
+}  // namespace cuflash

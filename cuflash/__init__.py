@@ -1,0 +1,11 @@
+"""cuflash: exact attention for NVIDIA GPUs, FlashAttention-2 design, kernels compiled at run time.
+
+Public functions take and return CuPy arrays; ``cuflash.torch`` and ``cuflash.jax`` wrap them for
+those frameworks. ``cuflash.reference`` is the float64 NumPy specification of every function.
+"""
+from . import reference
+from .api import attention
+from .build import precompile
+
+__all__ = ["attention", "precompile", "reference"]
+__version__ = "0.1.0"

@@ -1,0 +1,124 @@
+"""Public functions on CuPy arrays: check -> plan -> launch, nothing else."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+
+from . import build, checks, plan
+
+__all__ = ["attention"]
+
+
+def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, return_lse=False, stream=None):
+    """Exact scaled-dot-product attention (FlashAttention-2 algorithm).
+
+    Parameters
+    ----------
+    q : cupy.ndarray, (batch, seqlen_q, nheads, headdim), float16 or bfloat16
+    k, v : cupy.ndarray, (batch, seqlen_k, nheads_k, headdim), same dtype as q
+        ``nheads % nheads_k == 0`` (GQA/MQA: query head h reads KV head ``h // (nheads // nheads_k)``).
+        The last axis must be contiguous; other strides are free (views of a packed qkv tensor work
+        without a copy), but must keep 16-byte alignment (multiples of 8 elements).
+    softmax_scale : float, optional
+        Defaults to ``1 / sqrt(headdim)``.
+    causal : bool
+        Bottom-right aligned when ``seqlen_q != seqlen_k``: query i sees key j iff
+        ``j <= i + seqlen_k - seqlen_q``. For seqlen_q = 2, seqlen_k = 5 (x = visible)::
+
+            x x x x .
+            x x x x x
+
+    window_size : (int, int)
+        Sliding window ``(left, right)``: query i sees keys
+        ``i + sk - sq - left <= j <= i + sk - sq + right``; -1 is unbounded. ``causal`` sets right to 0.
+    softcap : float
+        If > 0, scores ``s`` become ``softcap * tanh(s / softcap)`` (after scaling).
+    alibi_slopes : cupy.ndarray, float32, (nheads,) or (batch, nheads), optional
+        Adds ``-slope * |i + sk - sq - j|`` to each (scaled, capped) score.
+    return_lse : bool
+        Also return the float32 log-sum-exp ``(batch, nheads, seqlen_q)`` (natural log).
+    stream : cupy.cuda.Stream, optional
+        Defaults to CuPy's current stream.
+
+    Returns
+    -------
+    out : cupy.ndarray, (batch, seqlen_q, nheads, headdim), contiguous, dtype of q
+    lse : cupy.ndarray, (batch, nheads, seqlen_q), float32 -- only if ``return_lse``
+
+    A query row that sees no key gets ``out = 0`` and ``lse = -inf``.
+
+    Examples
+    --------
+    >>> q = cupy.random.randn(2, 1024, 16, 128).astype(cupy.float16)
+    >>> out = cuflash.attention(q, q, q, causal=True)
+    """
+    problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    _require_device_arrays(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+    scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
+    left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
+    score_mod = softcap > 0 or alibi_slopes is not None
+    device_id = q.device.id
+    launch = plan.plan_forward(problem, left, right, score_mod, build.device_arch(device_id))
+
+    import cupy
+    with cupy.cuda.Device(device_id), _on(stream):
+        out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=np.float32) if return_lse else None
+        params = _fwd_params(problem, q, k, v, out, lse, alibi_slopes, left, right, scale, float(softcap), score_mod)
+        kernel = build.get_kernel(launch.spec, device_id)
+        kernel(launch.grid, launch.block, (params,), shared_mem=launch.smem)
+    return (out, lse) if return_lse else out
+
+
+def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, score_mod):
+    p = np.zeros((), dtype=plan.FWD_PARAMS_DTYPE)
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
+        p[name] = x.data.ptr
+        batch, row, head = _elem_strides(x)[:3]
+        p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = batch, row, head
+    p["lse"] = 0 if lse is None else lse.data.ptr
+    p["alibi"] = 0 if alibi is None else alibi.data.ptr
+    p["alibi_batch_stride"] = _elem_strides(alibi)[0] if alibi is not None and alibi.ndim == 2 else 0
+    p["seqlen_q"], p["seqlen_k"] = problem.seqlen_q, problem.seqlen_k
+    p["nheads"], p["heads_per_kv"] = problem.nheads, problem.nheads // problem.nheads_k
+    p["headdim"] = problem.headdim
+    p["window_left"], p["window_right"] = left, right
+    for name, value in plan.forward_scales(scale, softcap, score_mod).items():
+        p[name] = value
+    return p[()]
+
+
+def _elem_strides(x) -> tuple:
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def _require_device_arrays(**arrays) -> None:
+    """CuPy arrays whose 16-byte chunks along the last axis are aligned (cp.async copies 16 bytes)."""
+    import cupy
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name}: expected a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}; "
+                            "torch and JAX users: see cuflash.torch / cuflash.jax")
+        if x.dtype == np.float32:  # ALiBi slopes: read one float at a time
+            continue
+        bad = [axis for axis, (n, s) in enumerate(zip(x.shape[:-1], x.strides[:-1])) if n > 1 and s % 16]
+        if x.data.ptr % 16 or bad:
+            where = f"stride of axis {bad[0]} is {x.strides[bad[0]] // x.itemsize} elements" if bad else \
+                f"data pointer {x.data.ptr:#x}"
+            raise ValueError(f"{name}: must be 16-byte aligned (pointer and strides multiples of 8 elements); "
+                             f"{where}")
+
+
+def _on(stream):
+    if stream is None:
+        return contextlib.nullcontext()
+    if isinstance(stream, int):
+        import cupy
+        stream = cupy.cuda.ExternalStream(stream)
+    return stream

@@ -1,0 +1,162 @@
+"""Run-time compilation of ``cuda_src/`` with NVRTC.
+
+Kernels are templates; a specialization (a :class:`~cuflash.plan.FwdSpec`) is instantiated through
+NVRTC's name expressions, compiled for the device's own architecture (``sm_90a`` on Hopper), and
+memoized per device. CuPy's on-disk cache keys on the source text and the options, not on headers
+reached through ``-I``, so the options carry a hash of every file in ``cuda_src/``: editing a header
+can never serve a stale kernel.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import sys
+from pathlib import Path
+
+
+def _find_source_dir() -> Path:
+    installed = Path(__file__).resolve().parent / "cuda_src"  # wheel: shipped inside the package
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parent.parent / "cuda_src"  # source checkout
+
+
+SOURCE_DIR = _find_source_dir()
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash() -> str:
+    h = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.glob("*.cu*")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def nvrtc_options(arch: str) -> tuple:
+    return (
+        f"-arch={arch}",
+        "-std=c++17",
+        "--use_fast_math",
+        f"-I{SOURCE_DIR}",
+        f"-DCUFLASH_SOURCE_HASH=0x{source_hash()}",  # keys CuPy's disk cache on all of cuda_src/
+    )
+
+
+def kernel_source(spec) -> str:
+    return f'#include "{spec.source}"\n'
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc():
+    from cupy_backends.cuda.libs import nvrtc
+    return nvrtc
+
+
+def compile_cubin(spec, arch: str) -> tuple[bytes, str]:
+    """Compiles one specialization for `arch` with NVRTC alone (no GPU needed).
+
+    Returns the cubin and the compiler log, which holds ptxas's resource report (registers,
+    stack frame, spill stores/loads).
+    """
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(kernel_source(spec), spec.name + ".cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, spec.template)
+        try:
+            nvrtc.compileProgram(prog, list(nvrtc_options(arch)) + ["--ptxas-options=-v"])
+        except Exception as err:  # NVRTCError: the log says why
+            raise RuntimeError(f"NVRTC failed to compile {spec.name} for {arch}:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from err
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device_id: int) -> str:
+    import cupy
+    from .plan import arch_of
+    return arch_of(cupy.cuda.Device(device_id).compute_capability)
+
+
+_kernels: dict = {}
+
+
+def get_kernel(spec, device_id: int):
+    """The compiled kernel of `spec` on device `device_id` (compiled once per device and process)."""
+    key = (spec, device_id)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        import cupy
+        with cupy.cuda.Device(device_id):
+            module = cupy.RawModule(code=kernel_source(spec), options=nvrtc_options(device_arch(device_id)),
+                                    name_expressions=[spec.template])
+            kernel = module.get_function(spec.template)
+            if spec.smem_bytes > 48 * 1024:
+                kernel.max_dynamic_shared_size_bytes = spec.smem_bytes
+        _kernels[key] = kernel
+    return kernel
+
+
+def _precompile_worker(args):
+    specs, device_id = args
+    for spec in specs:
+        get_kernel(spec, device_id)  # fills CuPy's disk cache, which the parent then reads
+    return len(specs)
+
+
+def precompile(specs=None, device_id: int | None = None, workers: int = 1, progress: bool = True) -> list[str]:
+    """Compiles kernels ahead of time, so that first calls do not wait for NVRTC.
+
+    Parameters
+    ----------
+    specs : iterable of specs, optional
+        Defaults to every forward specialization the planner can choose on this device.
+    device_id : int, optional
+        Defaults to the current CuPy device.
+    workers : int
+        Compile in this many processes first (each fills CuPy's on-disk kernel cache); the kernels
+        are then loaded here from that cache.
+    progress : bool
+        Print one line per kernel to stderr.
+
+    Returns
+    -------
+    list of str
+        The names of the compiled kernels.
+    """
+    import cupy
+    from .plan import all_forward_specs
+    if device_id is None:
+        device_id = cupy.cuda.Device().id
+    specs = list(specs) if specs is not None else all_forward_specs(device_arch(device_id))
+    if workers > 1 and len(specs) > 1:
+        import multiprocessing
+        chunks = [(specs[i::workers], device_id) for i in range(min(workers, len(specs)))]
+        if progress:
+            print(f"[cuflash] compiling {len(specs)} kernels in {len(chunks)} processes", file=sys.stderr, flush=True)
+        with multiprocessing.get_context("spawn").Pool(len(chunks)) as pool:
+            pool.map(_precompile_worker, chunks)
+    names = []
+    for i, spec in enumerate(specs, 1):
+        if progress and workers <= 1:
+            print(f"[cuflash] compiling {i}/{len(specs)} {spec.name}", file=sys.stderr, flush=True)
+        get_kernel(spec, device_id)
+        names.append(spec.name)
+    return names
+
+
+_SPILL_RE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS_RE = re.compile(r"Used (\d+) registers")
+
+
+def resource_report(log: str) -> dict:
+    """Registers and spill bytes from a ptxas `-v` log (the first kernel in it)."""
+    spill = _SPILL_RE.search(log)
+    regs = _REGS_RE.search(log)
+    if spill is None or regs is None:
+        raise ValueError("no ptxas resource report in the log")
+    return {"registers": int(regs.group(1)), "spill_stores": int(spill.group(1)),
+            "spill_loads": int(spill.group(2))}

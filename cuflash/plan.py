@@ -1,0 +1,185 @@
+"""Planning: which kernel specialization runs a call, on what grid, with how much shared memory.
+
+Everything about tile shapes lives here, as data. The kernels take the chosen sizes as template
+arguments (``cuda_src/fwd.cu``) and derive the rest themselves; nothing here is restated in C++
+except the shared-memory formula, which mirrors ``FwdTraits::SMEM_BYTES``.
+
+Pure Python: runs on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+LOG2E = math.log2(math.e)
+
+# Head dims the kernels are compiled for; a call's head dim is padded up to the next one inside the
+# kernel (zero-filled loads, masked stores), never by copying inputs.
+COMPILED_HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+# numpy dtype name -> (short name used in kernel names, C++ element tag)
+DTYPES = {"float16": ("fp16", "cuflash::half_t"), "bfloat16": ("bf16", "cuflash::bf16_t")}
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tile shape of the forward kernel."""
+
+    block_m: int           # query rows per CTA
+    block_n: int           # keys per KV block
+    warps: int             # split-Q: each warp owns block_m / warps rows
+    q_in_regs: bool        # keep Q's mma fragments in registers across the KV loop
+
+
+# (arch, compiled head dim, band) -> FwdConfig. "band" is causal or a sliding window.
+# Constraints, from the ptxas reports of the compile test (tests/test_compile.py): every entry
+# compiles for sm_80 and sm_90a with 0 bytes of spills, for fp16/bf16 and with/without score mods.
+# Two rows per thread per mma tile (block_m / warps = 32) only fits in 255 registers up to d = 64;
+# beyond that a warp owns 16 rows and keeps Q in registers so that each K fragment read from shared
+# memory feeds one mma without re-reading Q.
+# Measurements behind the choice for sm90 are in docs/tuning.md.
+FWD_TABLE = {
+    ("sm80", 32, False): FwdConfig(128, 128, 4, False),
+    ("sm80", 32, True): FwdConfig(128, 128, 4, False),
+    ("sm80", 64, False): FwdConfig(128, 64, 4, False),
+    ("sm80", 64, True): FwdConfig(128, 64, 4, False),
+    ("sm80", 96, False): FwdConfig(128, 64, 8, True),
+    ("sm80", 96, True): FwdConfig(128, 64, 8, True),
+    ("sm80", 128, False): FwdConfig(128, 64, 8, True),
+    ("sm80", 128, True): FwdConfig(128, 64, 8, True),
+    ("sm80", 160, False): FwdConfig(128, 64, 8, True),
+    ("sm80", 160, True): FwdConfig(128, 64, 8, True),
+    ("sm80", 192, False): FwdConfig(128, 64, 8, True),
+    ("sm80", 192, True): FwdConfig(128, 64, 8, True),
+    ("sm80", 224, False): FwdConfig(64, 64, 4, False),
+    ("sm80", 224, True): FwdConfig(64, 64, 4, False),
+    ("sm80", 256, False): FwdConfig(64, 64, 4, False),
+    ("sm80", 256, True): FwdConfig(64, 64, 4, False),
+}
+# sm90 entries override sm80 ones where a measurement on the H200 chose differently.
+FWD_TABLE_SM90: dict = {}
+
+ARCHS = ("sm_80", "sm_90a")
+
+
+def arch_of(compute_capability: str | int) -> str:
+    """NVRTC target for a device: sm_90a on Hopper (wgmma, setmaxnreg), sm_XY elsewhere."""
+    cc = int(compute_capability)
+    return "sm_90a" if cc == 90 else f"sm_{cc}"
+
+
+def _family(arch: str) -> str:
+    return "sm90" if arch.startswith("sm_90") else "sm80"
+
+
+def fwd_config(arch: str, headdim: int, band: bool) -> FwdConfig:
+    key = (compiled_headdim(headdim), band)
+    if _family(arch) == "sm90" and ("sm90",) + key in FWD_TABLE_SM90:
+        return FWD_TABLE_SM90[("sm90",) + key]
+    return FWD_TABLE[("sm80",) + key]
+
+
+def compiled_headdim(headdim: int) -> int:
+    for d in COMPILED_HEADDIMS:
+        if headdim <= d:
+            return d
+    raise ValueError(f"head dim {headdim} exceeds the largest compiled head dim {COMPILED_HEADDIMS[-1]}")
+
+
+@dataclass(frozen=True)
+class FwdSpec:
+    """One compiled forward kernel."""
+
+    dtype: str        # "fp16" | "bf16"
+    headdim: int      # compiled head dim
+    config: FwdConfig
+    band: bool        # causal / local masking compiled in
+    score_mod: bool   # softcap / ALiBi compiled in
+
+    source = "fwd.cu"
+
+    @property
+    def name(self) -> str:
+        c = self.config
+        return (f"fwd_{self.dtype}_d{self.headdim}_m{c.block_m}_n{c.block_n}_w{c.warps}"
+                + ("_qreg" if c.q_in_regs else "") + ("_causal" if self.band else "")
+                + ("_mod" if self.score_mod else ""))
+
+    @property
+    def template(self) -> str:
+        c = self.config
+        tag = dict(DTYPES.values())[self.dtype]
+        flags = ", ".join("true" if x else "false" for x in (c.q_in_regs, self.band, self.score_mod))
+        return f"cuflash::fwd_kernel<{tag}, {self.headdim}, {c.block_m}, {c.block_n}, {c.warps}, {flags}>"
+
+    @property
+    def threads(self) -> int:
+        return self.config.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # FwdTraits::SMEM_BYTES: Q (block_m rows) + K + V (block_n rows each), rows padded to whole
+        # 64-column panels of 16-bit elements.
+        row_bytes = math.ceil(self.headdim / 64) * 64 * 2
+        return (self.config.block_m + 2 * self.config.block_n) * row_bytes
+
+
+def all_forward_specs(arch: str) -> list[FwdSpec]:
+    """Every forward specialization the planner can choose on `arch`."""
+    specs = []
+    for dtype in ("fp16", "bf16"):
+        for d in COMPILED_HEADDIMS:
+            for band in (False, True):
+                for mod in (False, True):
+                    specs.append(FwdSpec(dtype, d, fwd_config(arch, d, band), band, mod))
+    return specs
+
+
+def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """Drops window sides that cannot hide any key (-1 = unbounded), so full attention runs unmasked."""
+    if left >= seqlen_k - 1:   # j >= i + sk - sq - left holds for every row once left >= sk - 1
+        left = -1
+    if right >= seqlen_q - 1:  # j <= i + sk - sq + right holds for every key once right >= sq - 1
+        right = -1
+    return left, right
+
+
+@dataclass(frozen=True)
+class Launch:
+    spec: FwdSpec
+    grid: tuple
+    block: tuple
+    smem: int
+
+
+def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> Launch:
+    """Kernel and launch shape for a forward call (window already normalized)."""
+    band = left >= 0 or right >= 0
+    dtype = DTYPES[np.dtype(problem.dtype).name][0]
+    d = compiled_headdim(problem.headdim)
+    spec = FwdSpec(dtype, d, fwd_config(arch, d, band), band, score_mod)
+    m_blocks = math.ceil(problem.seqlen_q / spec.config.block_m)
+    return Launch(spec, (m_blocks, problem.nheads, problem.batch), (spec.threads, 1, 1), spec.smem_bytes)
+
+
+# Layout of cuflash::FwdParams (cuda_src/params.cuh): same field order, C alignment.
+FWD_PARAMS_DTYPE = np.dtype(
+    [(name, np.uint64) for name in ("q", "k", "v", "o", "lse", "alibi")]
+    + [(f"{t}_{s}_stride", np.int64) for t in "qkvo" for s in ("batch", "row", "head")]
+    + [("alibi_batch_stride", np.int64)]
+    + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim",
+                                     "window_left", "window_right")]
+    + [(name, np.float32) for name in ("scale_log2", "mod_scale", "softcap")],
+    align=True,
+)
+
+
+def forward_scales(softmax_scale: float, softcap: float, score_mod: bool) -> dict:
+    """The three scalars the kernel uses to turn q.k into exp2 arguments (see params.cuh)."""
+    return {
+        "scale_log2": LOG2E if score_mod else softmax_scale * LOG2E,
+        "mod_scale": softmax_scale / softcap if softcap > 0 else softmax_scale,
+        "softcap": softcap,
+    }

@@ -1,0 +1,33 @@
+"""Fixtures of the GPU suite: every allocation poisoned with NaN, kernels compiled before hypothesis runs."""
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def poisoned_allocator():
+    """Every CuPy allocation starts as 0xFF bytes (NaN in fp16, bf16 and fp32), so an output element the
+    kernel forgets to write fails the comparison instead of passing on leftover zeros."""
+    from tests.conftest import gpu_available
+    if not gpu_available():
+        yield None
+        return
+    import cupy
+    pool = cupy.cuda.MemoryPool()
+
+    def malloc(size):
+        mem = pool.malloc(size)
+        if size:
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    cupy.cuda.set_allocator(malloc)
+    yield malloc
+    cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """Compiles every forward kernel once, in parallel, so JIT time never trips a hypothesis deadline."""
+    import cuflash
+    return cuflash.precompile(workers=min(16, os.cpu_count() or 1))

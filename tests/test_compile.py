@@ -1,0 +1,49 @@
+"""Every kernel specialization the planner can choose compiles with NVRTC, with no local-memory spills.
+
+Needs NVRTC (pip's nvidia-cuda-nvrtc through CuPy), no GPU. Compiles run in parallel, once per
+session; each specialization is then its own test case, named after the kernel.
+"""
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from cuflash import build, plan
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs CuPy's NVRTC bindings")
+
+CASES = [(arch, spec) for arch in plan.ARCHS for spec in plan.all_forward_specs(arch)]
+
+
+def _compile(case):
+    arch, spec = case
+    try:
+        _, log = build.compile_cubin(spec, arch)
+        return build.resource_report(log), log
+    except Exception as err:  # reported by the test of this case
+        return None, str(err)
+
+
+@pytest.fixture(scope="session")
+def reports():
+    workers = int(os.environ.get("CUFLASH_COMPILE_WORKERS", os.cpu_count() or 1))
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return dict(zip(CASES, pool.map(_compile, CASES)))
+
+
+def test_specializations_exist():
+    for arch in plan.ARCHS:
+        assert plan.all_forward_specs(arch), f"the planner offers no kernel for {arch}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{arch}-{spec.name}" for arch, spec in CASES])
+def test_compiles_without_spills(reports, case):
+    report, log = reports[case]
+    assert report is not None, log
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, (
+        f"{case[1].name} on {case[0]} spills: {report}\n{log}")
+
+
+def test_spill_detection_works():
+    log = "ptxas info    : Used 255 registers\nptxas .  8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads"
+    assert build.resource_report(log) == {"registers": 255, "spill_stores": 12, "spill_loads": 16}
