@@ -217,6 +217,7 @@ struct FwdBlock {
             for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+        softmax.reset();
 
         // ---- prologue: Q and the last visible K block ----
         const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
@@ -234,7 +235,8 @@ struct FwdBlock {
                 step<false, true>(n);
             for (--n; n >= n_min && n > range.full_hi; --n) step<true, false>(n);
             for (; n >= n_min && n >= range.full_lo; --n) step<false, false>(n);
-            for (; n >= n_min; --n) step<true, false>(n);
+            if (BAND)  // without a band, the unmasked run reaches block 0
+                for (; n >= n_min; --n) step<true, false>(n);
         }
         // ---- epilogue: normalize, stage O through shared memory, write O and lse ----
         epilogue(smem, b, h);

@@ -23,6 +23,17 @@ struct OnlineSoftmax {
     float row_max[MT][2];  // running max of the scores, in the units that scale_log2 converts to log2
     float row_sum[MT][2];  // this thread's share of the row sum; the quad reduction waits for finalize()
 
+    // Empty state: what finalize() sees for a block whose rows see no key at all (out 0, lse -inf).
+    __device__ __forceinline__ void reset() {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                row_max[mt][h] = NEG_INF;
+                row_sum[mt][h] = 0.f;
+            }
+    }
+
     // Turns scores into probabilities (in place) and rescales the output accumulator by exp2(m_old - m_new).
     // FIRST: nothing accumulated yet, so no rescale. CHECK_INF: rows may be fully masked (max = -inf).
     template <bool FIRST, bool CHECK_INF, int NT, int DT>

@@ -8,6 +8,7 @@ Pure Python: runs on a machine without a GPU.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -47,8 +48,8 @@ FWD_TABLE = {
     ("sm80", 64, True): FwdConfig(128, 64, 4, False),
     ("sm80", 96, False): FwdConfig(128, 64, 8, True),
     ("sm80", 96, True): FwdConfig(128, 64, 8, True),
-    ("sm80", 128, False): FwdConfig(128, 64, 8, True),
-    ("sm80", 128, True): FwdConfig(128, 64, 8, True),
+    ("sm80", 128, False): FwdConfig(128, 128, 8, True),
+    ("sm80", 128, True): FwdConfig(128, 128, 8, True),
     ("sm80", 160, False): FwdConfig(128, 64, 8, True),
     ("sm80", 160, True): FwdConfig(128, 64, 8, True),
     ("sm80", 192, False): FwdConfig(128, 64, 8, True),
@@ -154,6 +155,7 @@ class Launch:
     smem: int
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> Launch:
     """Kernel and launch shape for a forward call (window already normalized)."""
     band = left >= 0 or right >= 0
