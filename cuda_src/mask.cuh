@@ -12,28 +12,30 @@ template <bool BAND>
 struct Mask {
     int seqlen_k, diag, left, right;
 
-    __device__ __forceinline__ bool visible(int row, int col) const {
-        bool ok = col < seqlen_k;
-        if (BAND) {
-            if (right >= 0) ok = ok && col <= row + diag + right;
-            if (left >= 0) ok = ok && col >= row + diag - left;
-        }
-        return ok;
-    }
-
     // Sets invisible scores to -inf. row0/col0: first row/column of this warp's fragment tile.
+    // Per row, the visible columns form one interval [lo, hi) relative to the thread's first column, so each
+    // element costs two compares against compile-time offsets.
     template <int MT, int NT>
     __device__ __forceinline__ void apply(float (&s)[MT][NT][4], int row0, int col0, int lane) const {
+        const int col_lane = col0 + 2 * (lane % 4);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int row = row0 + mt * 16 + lane / 4 + 8 * (e / 2);
-                    int col = col0 + nt * 8 + 2 * (lane % 4) + (e % 2);
-                    if (!visible(row, col)) s[mt][nt][e] = NEG_INF;
+            for (int h = 0; h < 2; ++h) {
+                const int row = row0 + mt * 16 + lane / 4 + 8 * h;
+                int hi = seqlen_k - col_lane, lo = -col_lane;
+                if (BAND) {
+                    if (right >= 0) hi = min(hi, row + diag + right + 1 - col_lane);
+                    if (left >= 0) lo = max(lo, row + diag - left - col_lane);
                 }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = nt * 8 + e;  // column offset from the thread's first column
+                        if (c < lo || c >= hi) s[mt][nt][2 * h + e] = NEG_INF;
+                    }
+            }
     }
 };
 

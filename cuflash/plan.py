@@ -34,32 +34,33 @@ class FwdConfig:
     q_in_regs: bool        # keep Q's mma fragments in registers across the KV loop
 
 
-# (arch, compiled head dim, band) -> FwdConfig. "band" is causal or a sliding window.
-# Constraints, from the ptxas reports of the compile test (tests/test_compile.py): every entry
-# compiles for sm_80 and sm_90a with 0 bytes of spills, for fp16/bf16 and with/without score mods.
-# Two rows per thread per mma tile (block_m / warps = 32) only fits in 255 registers up to d = 64;
-# beyond that a warp owns 16 rows and keeps Q in registers so that each K fragment read from shared
-# memory feeds one mma without re-reading Q.
-# Measurements behind the choice for sm90 are in docs/tuning.md.
+# (arch, compiled head dim, band) -> ((max_seqlen_k, FwdConfig), ...): the first entry whose bound covers
+# seqlen_k wins (None covers any length). "band" is causal or a sliding window.
+# Every entry compiles for sm_80 and sm_90a with 0 bytes of spills, for fp16/bf16 and with/without score
+# mods (checked by tests/test_compile.py). Two rows per thread per mma tile (block_m / warps = 32) only
+# fits in 255 registers up to d = 64; beyond that a warp owns 16 rows and keeps Q in registers, so each
+# K fragment read from shared memory feeds one mma without re-reading Q.
+_ANY = None
 FWD_TABLE = {
-    ("sm80", 32, False): FwdConfig(128, 128, 4, False),
-    ("sm80", 32, True): FwdConfig(128, 128, 4, False),
-    ("sm80", 64, False): FwdConfig(128, 64, 4, False),
-    ("sm80", 64, True): FwdConfig(128, 64, 4, False),
-    ("sm80", 96, False): FwdConfig(128, 64, 8, True),
-    ("sm80", 96, True): FwdConfig(128, 64, 8, True),
-    ("sm80", 128, False): FwdConfig(128, 128, 8, True),
-    ("sm80", 128, True): FwdConfig(128, 128, 8, True),
-    ("sm80", 160, False): FwdConfig(128, 64, 8, True),
-    ("sm80", 160, True): FwdConfig(128, 64, 8, True),
-    ("sm80", 192, False): FwdConfig(128, 64, 8, True),
-    ("sm80", 192, True): FwdConfig(128, 64, 8, True),
-    ("sm80", 224, False): FwdConfig(64, 64, 4, False),
-    ("sm80", 224, True): FwdConfig(64, 64, 4, False),
-    ("sm80", 256, False): FwdConfig(64, 64, 4, False),
-    ("sm80", 256, True): FwdConfig(64, 64, 4, False),
+    ("sm80", 32, False): ((_ANY, FwdConfig(128, 128, 4, False)),),
+    ("sm80", 32, True): ((_ANY, FwdConfig(128, 128, 4, False)),),
+    ("sm80", 64, False): ((_ANY, FwdConfig(128, 64, 4, False)),),
+    ("sm80", 64, True): ((_ANY, FwdConfig(128, 64, 4, False)),),
+    ("sm80", 96, False): ((_ANY, FwdConfig(128, 64, 8, True)),),
+    ("sm80", 96, True): ((_ANY, FwdConfig(128, 64, 8, True)),),
+    ("sm80", 128, False): ((_ANY, FwdConfig(128, 128, 8, True)),),
+    ("sm80", 128, True): ((_ANY, FwdConfig(128, 128, 8, True)),),
+    ("sm80", 160, False): ((_ANY, FwdConfig(128, 64, 8, True)),),
+    ("sm80", 160, True): ((_ANY, FwdConfig(128, 64, 8, True)),),
+    ("sm80", 192, False): ((_ANY, FwdConfig(128, 64, 8, True)),),
+    ("sm80", 192, True): ((_ANY, FwdConfig(128, 64, 8, True)),),
+    ("sm80", 224, False): ((_ANY, FwdConfig(64, 64, 4, False)),),
+    ("sm80", 224, True): ((_ANY, FwdConfig(64, 64, 4, False)),),
+    ("sm80", 256, False): ((_ANY, FwdConfig(64, 64, 4, False)),),
+    ("sm80", 256, True): ((_ANY, FwdConfig(64, 64, 4, False)),),
 }
-# sm90 entries override sm80 ones where a measurement on the H200 chose differently.
+# sm90 entries override sm80 ones where a measurement on the H200 chose differently
+# (benchmarks/tune_forward.py; numbers in docs/tuning.md).
 FWD_TABLE_SM90: dict = {}
 
 ARCHS = ("sm_80", "sm_90a")
@@ -75,11 +76,19 @@ def _family(arch: str) -> str:
     return "sm90" if arch.startswith("sm_90") else "sm80"
 
 
-def fwd_config(arch: str, headdim: int, band: bool) -> FwdConfig:
+def fwd_configs(arch: str, headdim: int, band: bool) -> tuple:
+    """The (max_seqlen_k, FwdConfig) entries for a compiled head dim on `arch`."""
     key = (compiled_headdim(headdim), band)
     if _family(arch) == "sm90" and ("sm90",) + key in FWD_TABLE_SM90:
         return FWD_TABLE_SM90[("sm90",) + key]
     return FWD_TABLE[("sm80",) + key]
+
+
+def fwd_config(arch: str, headdim: int, band: bool, seqlen_k: int) -> FwdConfig:
+    for bound, config in fwd_configs(arch, headdim, band):
+        if bound is None or seqlen_k <= bound:
+            return config
+    raise LookupError(f"no forward config for d={headdim} band={band} seqlen_k={seqlen_k} on {arch}")
 
 
 def compiled_headdim(headdim: int) -> int:
@@ -133,8 +142,9 @@ def all_forward_specs(arch: str) -> list[FwdSpec]:
     for dtype in ("fp16", "bf16"):
         for d in COMPILED_HEADDIMS:
             for band in (False, True):
-                for mod in (False, True):
-                    specs.append(FwdSpec(dtype, d, fwd_config(arch, d, band), band, mod))
+                for _, config in fwd_configs(arch, d, band):
+                    for mod in (False, True):
+                        specs.append(FwdSpec(dtype, d, config, band, mod))
     return specs
 
 
@@ -161,7 +171,7 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> 
     band = left >= 0 or right >= 0
     dtype = DTYPES[np.dtype(problem.dtype).name][0]
     d = compiled_headdim(problem.headdim)
-    spec = FwdSpec(dtype, d, fwd_config(arch, d, band), band, score_mod)
+    spec = FwdSpec(dtype, d, fwd_config(arch, d, band, problem.seqlen_k), band, score_mod)
     m_blocks = math.ceil(problem.seqlen_q / spec.config.block_m)
     return Launch(spec, (m_blocks, problem.nheads, problem.batch), (spec.threads, 1, 1), spec.smem_bytes)
 
