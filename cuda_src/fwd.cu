@@ -135,9 +135,14 @@ struct FwdBlock {
     // One KV block. MASK: element-wise masking (diagonal, window edge, or the seqlen_k tail). FIRST: no rescale.
     template <bool MASK, bool FIRST>
     __device__ __forceinline__ void step(int n) {
-        cp_async_wait<0>();
-        __syncthreads();  // K[n] has landed, and every warp is done reading V[n+1]
-        load_kv(sV, v_gmem, p.v_row_stride, n);
+        if (FIRST) {
+            cp_async_wait<1>();  // Q and K[n] have landed; V[n], issued by the prologue, may still fly
+            __syncthreads();
+        } else {
+            cp_async_wait<0>();
+            __syncthreads();  // K[n] has landed, and every warp is done reading V[n+1]
+            load_kv(sV, v_gmem, p.v_row_stride, n);
+        }
         if (FIRST && Traits::Q_IN_REGS) {  // Q landed with K[n]
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -226,7 +231,8 @@ struct FwdBlock {
         if (n >= n_min) {
             const u16* q_gmem = p.q + (i64)b * p.q_batch_stride + (i64)row0 * p.q_row_stride + (i64)h * p.q_head_stride;
             QCopy::load_async(sQ, q_gmem, p.q_row_stride, p.seqlen_q - row0, p.headdim, tid);
-            load_kv(sK, k_gmem, p.k_row_stride, n);
+            load_kv(sK, k_gmem, p.k_row_stride, n);  // one group: Q and K[n]
+            load_kv(sV, v_gmem, p.v_row_stride, n);  // a second: the first step needs V[n] only after softmax
 
             // ---- main loop, downwards: masked diagonal blocks, unmasked interior, masked window edge ----
             if (n > range.full_hi || n < range.full_lo)

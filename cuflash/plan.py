@@ -52,16 +52,25 @@ FWD_TABLE = {
     ("sm80", 128, True): ((_ANY, FwdConfig(128, 128, 8, True)),),
     ("sm80", 160, False): ((_ANY, FwdConfig(128, 64, 8, True)),),
     ("sm80", 160, True): ((_ANY, FwdConfig(128, 64, 8, True)),),
-    ("sm80", 192, False): ((_ANY, FwdConfig(128, 64, 8, True)),),
-    ("sm80", 192, True): ((_ANY, FwdConfig(128, 64, 8, True)),),
+    ("sm80", 192, False): ((_ANY, FwdConfig(64, 64, 4, False)),),
+    ("sm80", 192, True): ((_ANY, FwdConfig(64, 64, 4, False)),),
     ("sm80", 224, False): ((_ANY, FwdConfig(64, 64, 4, False)),),
     ("sm80", 224, True): ((_ANY, FwdConfig(64, 64, 4, False)),),
     ("sm80", 256, False): ((_ANY, FwdConfig(64, 64, 4, False)),),
     ("sm80", 256, True): ((_ANY, FwdConfig(64, 64, 4, False)),),
 }
-# sm90 entries override sm80 ones where a measurement on the H200 chose differently
-# (benchmarks/tune_forward.py; numbers in docs/tuning.md).
-FWD_TABLE_SM90: dict = {}
+# sm90 entries override sm80 ones where a measurement on the H200 chose differently.
+# H200, bf16, 16k tokens, hidden 2048 (benchmarks/tune_forward.py, 2026-11-29), TFLOP/s by seqlen
+# 512/1k/2k/4k/8k/16k:
+#   d64  causal   128x64w4   188 238 271 293 306 316;  64x64w4q  197 237 261 275 281 279
+#   d128 full     64x128w4q  307 336 351 358 346 345;  128x128w8q 283 318 338 349 350 357
+#   d128 causal   64x128w4q  212 264 301 325 338 339;  128x128w8q 190 244 284 311 330 354
+# (128x128w8q holds one CTA per SM: it wins once long rows amortize its exposed prologue.)
+FWD_TABLE_SM90: dict = {
+    ("sm90", 64, True): ((512, FwdConfig(64, 64, 4, True)), (_ANY, FwdConfig(128, 64, 4, False))),
+    ("sm90", 128, False): ((4096, FwdConfig(64, 128, 4, True)), (_ANY, FwdConfig(128, 128, 8, True))),
+    ("sm90", 128, True): ((8192, FwdConfig(64, 128, 4, True)), (_ANY, FwdConfig(128, 128, 8, True))),
+}
 
 ARCHS = ("sm_80", "sm_90a")
 
