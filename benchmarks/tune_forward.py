@@ -27,6 +27,15 @@ CANDIDATES = {  # spill-free ones (tests/test_compile.py would reject the others
 
 
 def time_ms(fn, reps=30):
+    """Median time of fn, measured as the benchmark does (triton's do_bench: L2 flushed between runs)."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return time_ms_events(fn, reps)
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def time_ms_events(fn, reps=30):
     """Median of `reps` launches, enqueued back to back (like triton's do_bench) so that host-side call
     overhead overlaps the previous launch instead of idling the GPU between events."""
     for _ in range(3):
@@ -55,12 +64,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--dims", type=int, nargs="+", default=sorted(CANDIDATES))
+    ap.add_argument("--causal", choices=["both", "true", "false"], default="both")
     ap.add_argument("--json")
+    ap.add_argument("--configs", nargs="+", help="only these candidates, e.g. 64x128w4q 128x128w8q")
     args = ap.parse_args()
     arch = build.device_arch(cupy.cuda.Device().id)
     rows = []
     for d in args.dims:
-        for causal in (False, True):
+        for causal in {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]:
             for s in args.seqlens:
                 b, h = 16384 // s, 2048 // d
                 rng = np.random.default_rng(0)
@@ -70,6 +81,9 @@ def main():
                 ref = sdpa_flash_ms(q, k, v, causal)
                 line = [f"d={d:3d} causal={int(causal)} s={s:5d} flash {flops / ref / 1e9:6.1f}"]
                 for cfg in CANDIDATES[d]:
+                    label = f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}{'q' if cfg.q_in_regs else ''}"
+                    if args.configs and label not in args.configs:
+                        continue
                     plan.FWD_TABLE_SM90[("sm90", d, causal)] = ((None, cfg),)
                     plan.FWD_TABLE[("sm80", d, causal)] = ((None, cfg),)
                     plan.plan_forward.cache_clear()
@@ -81,7 +95,7 @@ def main():
                         tflops = float("nan")
                     rows.append(dict(d=d, causal=causal, seqlen=s, config=cfg.__dict__, tflops=tflops,
                                      flash_tflops=flops / ref / 1e9))
-                    line.append(f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}{'q' if cfg.q_in_regs else ''} {tflops:6.1f}")
+                    line.append(f"{label} {tflops:6.1f}")
                 print(" | ".join(line), flush=True)
                 del q, k, v
     if args.json:

@@ -60,16 +60,17 @@ FWD_TABLE = {
     ("sm80", 256, True): ((_ANY, FwdConfig(64, 64, 4, False)),),
 }
 # sm90 entries override sm80 ones where a measurement on the H200 chose differently.
-# H200, bf16, 16k tokens, hidden 2048 (benchmarks/tune_forward.py, 2026-11-29), TFLOP/s by seqlen
-# 512/1k/2k/4k/8k/16k:
-#   d64  causal   128x64w4   188 238 271 293 306 316;  64x64w4q  197 237 261 275 281 279
-#   d128 full     64x128w4q  307 336 351 358 346 345;  128x128w8q 283 318 338 349 350 357
-#   d128 causal   64x128w4q  212 264 301 325 338 339;  128x128w8q 190 244 284 311 330 354
-# (128x128w8q holds one CTA per SM: it wins once long rows amortize its exposed prologue.)
+# H200, bf16, 16k tokens, hidden 2048, triton do_bench median with L2 flushed, like the benchmark
+# (benchmarks/tune_forward.py, 2026-11-29). TFLOP/s at seqlen 512 / 1k / 2k / 4k / 8k / 16k:
+#   d64  causal  128x64w4    187 238 273 295 308 316   64x64w4q   197 232 255 268 274 279
+#   d128 full    128x128w8q  283 315 335 345 351 351   64x128w4q  296 315 329 328 336 339
+#   d128 causal  128x128w8q  190 245 286 313 328 354   64x128w4q  210 254 289 309 327 340
+# 128x128w8q holds one CTA per SM, so each CTA's prologue (Q, K, V loads) and epilogue are exposed;
+# short rows favour the 4-warp tiles that fit two CTAs per SM.
 FWD_TABLE_SM90: dict = {
     ("sm90", 64, True): ((512, FwdConfig(64, 64, 4, True)), (_ANY, FwdConfig(128, 64, 4, False))),
-    ("sm90", 128, False): ((4096, FwdConfig(64, 128, 4, True)), (_ANY, FwdConfig(128, 128, 8, True))),
-    ("sm90", 128, True): ((8192, FwdConfig(64, 128, 4, True)), (_ANY, FwdConfig(128, 128, 8, True))),
+    ("sm90", 128, False): ((512, FwdConfig(64, 128, 4, True)), (_ANY, FwdConfig(128, 128, 8, True))),
+    ("sm90", 128, True): ((2048, FwdConfig(64, 128, 4, True)), (_ANY, FwdConfig(128, 128, 8, True))),
 }
 
 ARCHS = ("sm_80", "sm_90a")
