@@ -1,0 +1,119 @@
+"""The planner (pure Python): table entries are valid, launches cover every row, params match params.cuh."""
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cuflash import build, checks, plan, reference
+
+
+def _all_configs():
+    tables = list(plan.FWD_TABLE.items()) + list(plan.FWD_TABLE_SM90.items())
+    for (arch, d, band), entries in tables:
+        for bound, config in entries:
+            yield arch, d, band, bound, config
+
+
+@pytest.mark.parametrize("arch,d,band,bound,config", list(_all_configs()))
+def test_table_entries_are_launchable(arch, d, band, bound, config):
+    assert d in plan.COMPILED_HEADDIMS
+    assert config.block_m % (config.warps * 16) == 0, "each warp owns whole 16-row mma tiles"
+    assert config.block_n % 16 == 0
+    spec = plan.FwdSpec("bf16", d, config, band, False)
+    assert spec.smem_bytes <= 227 * 1024, "over the per-CTA shared-memory limit of sm_80/sm_90"
+
+
+def test_every_table_has_a_catch_all_last():
+    for table in (plan.FWD_TABLE, plan.FWD_TABLE_SM90):
+        for key, entries in table.items():
+            bounds = [b for b, _ in entries]
+            assert bounds[-1] is None, key
+            assert all(a < b for a, b in zip(bounds[:-2], bounds[1:-1])), f"{key}: bounds must increase"
+
+
+def test_every_head_dim_and_band_is_covered():
+    for arch in plan.ARCHS:
+        for d in plan.COMPILED_HEADDIMS:
+            for band in (False, True):
+                assert plan.fwd_configs(arch, d, band)
+
+
+@pytest.mark.parametrize("headdim,compiled", [(8, 32), (32, 32), (40, 64), (72, 96), (128, 128), (136, 160), (256, 256)])
+def test_head_dims_pad_up(headdim, compiled):
+    assert plan.compiled_headdim(headdim) == compiled
+
+
+@given(sq=st.integers(1, 5000), sk=st.integers(1, 5000), b=st.integers(1, 4), h=st.integers(1, 16),
+       d=st.sampled_from([8, 40, 64, 96, 128, 200, 256]), band=st.booleans(), arch=st.sampled_from(plan.ARCHS))
+def test_launch_covers_every_query_row(sq, sk, b, h, d, band, arch):
+    problem = checks.Problem(b, sq, sk, h, 1, d, np.dtype(np.float16))
+    launch = plan.plan_forward(problem, -1, 0 if band else -1, False, arch)
+    m_blocks, heads, batch = launch.grid
+    assert (heads, batch) == (h, b)
+    assert (m_blocks - 1) * launch.spec.config.block_m < sq <= m_blocks * launch.spec.config.block_m
+    assert launch.spec.headdim >= d and launch.smem == launch.spec.smem_bytes
+    assert launch.block == (launch.spec.threads, 1, 1)
+
+
+@settings(max_examples=200)
+@given(sq=st.integers(1, 40), sk=st.integers(1, 40), left=st.integers(-1, 45), right=st.integers(-1, 45))
+def test_window_normalization_keeps_the_mask(sq, sk, left, right):
+    """Dropping a window side that hides nothing (to run the unmasked kernel) never changes what is visible."""
+    nl, nr = plan.normalize_window(left, right, sq, sk)
+    assert reference._visible(sq, sk, False, (left, right)).tolist() == \
+        reference._visible(sq, sk, False, (nl, nr)).tolist()
+
+
+def test_params_dtype_matches_params_cuh():
+    """FWD_PARAMS_DTYPE mirrors struct FwdParams field by field, with C alignment."""
+    src = (build.SOURCE_DIR / "params.cuh").read_text()
+    body = src[src.index("struct FwdParams {"):]
+    body = body[:body.index("};")]
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for decl in body.split(";"):
+        decl = decl.strip().replace("struct FwdParams {", "").strip()
+        if not decl:
+            continue
+        ctype, names = re.match(r"((?:const\s+)?\w+\*?)\s+(.*)", decl).groups()
+        for name in names.split(","):
+            fields.append((name.strip().lstrip("*"), ctype.replace("const", "").strip()))
+    sizes = {"u16*": 8, "float*": 8, "i64": 8, "int": 4, "float": 4}
+    assert [n for n, _ in fields] == list(plan.FWD_PARAMS_DTYPE.names)
+    offset = 0
+    for name, ctype in fields:
+        size = sizes[ctype]
+        offset = -(-offset // size) * size
+        assert plan.FWD_PARAMS_DTYPE.fields[name][1] == offset, name
+        assert plan.FWD_PARAMS_DTYPE.fields[name][0].itemsize == size, name
+        offset += size
+    assert plan.FWD_PARAMS_DTYPE.itemsize == -(-offset // 8) * 8
+
+
+def test_forward_scales():
+    s = plan.forward_scales(0.125, 0.0, False)
+    assert s["scale_log2"] == pytest.approx(0.125 * plan.LOG2E) and s["mod_scale"] == 0.125
+    s = plan.forward_scales(0.125, 30.0, True)
+    assert s["scale_log2"] == pytest.approx(plan.LOG2E) and s["mod_scale"] == pytest.approx(0.125 / 30.0)
+
+
+def test_kernel_names_are_readable_and_unique():
+    specs = plan.all_forward_specs("sm_90a")
+    names = [s.name for s in specs]
+    assert len(set(names)) == len(set(specs))
+    assert "fwd_bf16_d128_m128_n128_w8_qreg_causal" in names
+
+
+def test_source_hash_covers_headers(tmp_path, monkeypatch):
+    """Editing any header changes the hash that keys CuPy's disk cache."""
+    for f in build.SOURCE_DIR.glob("*.cu*"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(build, "SOURCE_DIR", Path(tmp_path))
+    build.source_hash.cache_clear()
+    before = build.source_hash()
+    (tmp_path / "softmax.cuh").write_text((tmp_path / "softmax.cuh").read_text() + "\n// edit\n")
+    build.source_hash.cache_clear()
+    assert build.source_hash() != before
+    build.source_hash.cache_clear()
