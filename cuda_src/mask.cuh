@@ -37,6 +37,31 @@ struct Mask {
                     }
             }
     }
+
+    // The same mask on S^T (rows are keys, columns queries), as the backward computes it. Per key row j the
+    // visible queries form [j - diag - right, j - diag + left]; keys past seqlen_k see nothing.
+    template <int MT, int NT>
+    __device__ __forceinline__ void apply_transposed(float (&s)[MT][NT][4], int row0, int col0, int lane) const {
+        const int col_lane = col0 + 2 * (lane % 4);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int key = row0 + mt * 16 + lane / 4 + 8 * h;
+                int lo = -col_lane, hi = key < seqlen_k ? 0x3fffffff : lo;
+                if (BAND) {
+                    if (right >= 0) lo = max(lo, key - diag - right - col_lane);
+                    if (left >= 0) hi = min(hi, key - diag + left + 1 - col_lane);
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = nt * 8 + e;
+                        if (c < lo || c >= hi) s[mt][nt][2 * h + e] = NEG_INF;
+                    }
+            }
+    }
 };
 
 // KV blocks [n_min, n_max) can hold visible keys for query rows [row0, row0 + BM); blocks in [full_lo, full_hi]

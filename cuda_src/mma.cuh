@@ -17,6 +17,10 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+__device__ __forceinline__ void st_shared(u32 addr, u32 value) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value));
+}
+
 // Four 8x8 16-bit matrices; lane l gives the address of row (l % 8) of matrix (l / 8).
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -27,3 +27,54 @@ struct FwdParams {
 };
 
 }  // namespace cuflash
+
+namespace cuflash {
+
+// Backward main kernel (cuda_src/bwd.cu). Layout mirrored by cuflash/plan.py BWD_PARAMS_DTYPE.
+struct BwdParams {
+    const u16* q;          // (batch, seqlen_q, nheads, headdim)
+    const u16* k;          // (batch, seqlen_k, nheads_k, headdim)
+    const u16* v;
+    const u16* dout;       // like q
+    u16* dk;               // like k
+    u16* dv;               // like v
+    float* dq_accum;       // fp32 (slices, batch, seqlen_q, nheads, headdim), contiguous
+    const float* lse_log2; // (batch, nheads, seqlen_q): lse * log2(e); +inf where a row sees no key
+    const float* dsum;     // (batch, nheads, seqlen_q): rowsum(dO * O)
+    const float* alibi;    // as in FwdParams
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 dk_batch_stride, dk_row_stride, dk_head_stride;
+    i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+    i64 alibi_batch_stride;
+    i64 dq_slice_stride;   // elements between dq_accum slices
+    int batch, seqlen_q, seqlen_k;
+    int nheads, heads_per_kv, headdim;
+    int window_left, window_right;
+    int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only
+    float scale_log2, mod_scale, softcap, softmax_scale;
+};
+
+// Backward preprocessing (cuda_src/bwd_aux.cu): one row per warp.
+struct BwdPreParams {
+    const u16* out;        // (batch, seqlen_q, nheads, headdim)
+    const u16* dout;
+    const float* lse;      // (batch, nheads, seqlen_q), natural log
+    float* dsum;           // (batch, nheads, seqlen_q)
+    float* lse_log2;       // (batch, nheads, seqlen_q)
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 do_batch_stride, do_row_stride, do_head_stride;
+    int batch, seqlen_q, nheads, headdim;
+};
+
+// dQ: sum of the fp32 slices, cast to the output dtype (contiguous (batch, seqlen_q, nheads, headdim)).
+struct BwdConvertParams {
+    const float* dq_accum;
+    u16* dq;
+    i64 slice_stride;      // elements per slice = number of dq elements
+    int slices;
+};
+
+}  // namespace cuflash

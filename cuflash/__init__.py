@@ -4,8 +4,8 @@ Public functions take and return CuPy arrays; ``cuflash.torch`` and ``cuflash.ja
 those frameworks. ``cuflash.reference`` is the float64 NumPy specification of every function.
 """
 from . import reference
-from .api import attention
+from .api import attention, attention_backward
 from .build import precompile
 
-__all__ = ["attention", "precompile", "reference"]
+__all__ = ["attention", "attention_backward", "precompile", "reference"]
 __version__ = "0.1.0"

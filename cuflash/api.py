@@ -8,7 +8,7 @@ import numpy as np
 
 from . import build, checks, plan
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_backward"]
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -74,14 +74,107 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     return (out, lse) if return_lse else out
 
 
+def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, deterministic=False, stream=None):
+    """Gradients of :func:`attention` (FlashAttention-2 backward, KV-block parallel).
+
+    Parameters
+    ----------
+    dout : cupy.ndarray, (batch, seqlen_q, nheads, headdim), dtype of q
+        Gradient of the loss with respect to ``out``.
+    q, k, v : as in :func:`attention`; head dims up to 128 (larger ones raise NotImplementedError).
+    out : cupy.ndarray, (batch, seqlen_q, nheads, headdim)
+        The forward's output.
+    lse : cupy.ndarray, float32, (batch, nheads, seqlen_q), contiguous
+        The forward's log-sum-exp (``attention(..., return_lse=True)``).
+    softmax_scale, causal, window_size, softcap, alibi_slopes
+        Exactly as given to the forward.
+    deterministic : bool
+        If True, dQ is accumulated in a fixed order (per-CTA slices summed in order), so repeated calls
+        give bitwise-identical results; otherwise fp32 atomics (faster, last-bit nondeterministic).
+    stream : cupy.cuda.Stream, optional
+        Defaults to CuPy's current stream.
+
+    Returns
+    -------
+    dq, dk, dv : cupy.ndarray
+        Shaped and typed like q, k, v (contiguous). With GQA, dk/dv hold the sum over the query heads
+        that share each KV head. Rows that saw no key get zero gradients.
+    """
+    problem = checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    _require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
+    if not lse.flags.c_contiguous:
+        raise ValueError(f"lse: must be contiguous (batch, nheads, seqlen_q); got strides "
+                         f"{_elem_strides(lse)} elements")
+    scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
+    left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
+    score_mod = softcap > 0 or alibi_slopes is not None
+    device_id = q.device.id
+    import cupy
+    sm_count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    launch = plan.plan_backward(problem, left, right, score_mod, bool(deterministic),
+                                build.device_arch(device_id), sm_count)
+    dtype = launch.spec.dtype
+    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
+
+    with cupy.cuda.Device(device_id), _on(stream):
+        dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        dsum = cupy.empty((b, h, sq), dtype=np.float32)
+        lse_log2 = cupy.empty((b, h, sq), dtype=np.float32)
+        dq_accum = cupy.zeros((launch.slices, b, sq, h, d), dtype=np.float32)
+
+        # D = rowsum(dO * O) and lse in the log2 domain: one warp per row
+        pre = plan.AuxSpec("bwd_preprocess", dtype)
+        pp = np.zeros((), dtype=plan.BWD_PRE_PARAMS_DTYPE)
+        _set_pointers(pp, out=out, dout=dout, lse=lse, dsum=dsum, lse_log2=lse_log2)
+        _set_strides(pp, o=out, do=dout)
+        pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = b, sq, h, d
+        rows_per_cta = pre.threads // 32
+        build.get_kernel(pre, device_id)((min(-(-b * h * sq // rows_per_cta), 65535 * 8),), (pre.threads,), (pp[()],))
+
+        # the main kernel
+        bp = np.zeros((), dtype=plan.BWD_PARAMS_DTYPE)
+        _set_pointers(bp, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv, dq_accum=dq_accum, lse_log2=lse_log2, dsum=dsum,
+                      alibi=alibi_slopes)
+        _set_strides(bp, q=q, k=k, v=v, do=dout, dk=dk, dv=dv)
+        bp["alibi_batch_stride"] = _elem_strides(alibi_slopes)[0] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
+        bp["dq_slice_stride"] = b * sq * h * d
+        bp["batch"], bp["seqlen_q"], bp["seqlen_k"] = b, sq, problem.seqlen_k
+        bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
+        bp["window_left"], bp["window_right"] = left, right
+        bp["deterministic"] = int(bool(deterministic))
+        for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
+            bp[name] = value
+        bp["softmax_scale"] = scale
+        build.get_kernel(launch.spec, device_id)(launch.grid, (launch.spec.threads,), (bp[()],),
+                                                 shared_mem=launch.spec.smem_bytes)
+
+        # dQ: sum the slices (fixed order), cast
+        conv = plan.AuxSpec("bwd_convert_dq", dtype)
+        cp = np.zeros((), dtype=plan.BWD_CONVERT_PARAMS_DTYPE)
+        _set_pointers(cp, dq_accum=dq_accum, dq=dq)
+        cp["slice_stride"], cp["slices"] = b * sq * h * d, launch.slices
+        n_pairs = b * sq * h * d // 2
+        build.get_kernel(conv, device_id)((min(-(-n_pairs // conv.threads), 65535 * 16),), (conv.threads,), (cp[()],))
+    return dq, dk, dv
+
+
+def _set_pointers(p, **arrays) -> None:
+    for name, x in arrays.items():
+        p[name] = 0 if x is None else x.data.ptr
+
+
+def _set_strides(p, **arrays) -> None:
+    """`name_{batch,row,head}_stride` fields from the first three axes of each array, in elements."""
+    for name, x in arrays.items():
+        p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = _elem_strides(x)[:3]
+
+
 def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, score_mod):
     p = np.zeros((), dtype=plan.FWD_PARAMS_DTYPE)
-    for name, x in (("q", q), ("k", k), ("v", v), ("o", out)):
-        p[name] = x.data.ptr
-        batch, row, head = _elem_strides(x)[:3]
-        p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = batch, row, head
-    p["lse"] = 0 if lse is None else lse.data.ptr
-    p["alibi"] = 0 if alibi is None else alibi.data.ptr
+    _set_pointers(p, q=q, k=k, v=v, o=out, lse=lse, alibi=alibi)
+    _set_strides(p, q=q, k=k, v=v, o=out)
     p["alibi_batch_stride"] = _elem_strides(alibi)[0] if alibi is not None and alibi.ndim == 2 else 0
     p["seqlen_q"], p["seqlen_k"] = problem.seqlen_q, problem.seqlen_k
     p["nheads"], p["heads_per_kv"] = problem.nheads, problem.nheads // problem.nheads_k
@@ -103,9 +196,9 @@ def _require_device_arrays(**arrays) -> None:
         if x is None:
             continue
         if not isinstance(x, cupy.ndarray):
-            raise TypeError(f"{name}: expected a cupy.ndarray, got {type(x).__module__}.{type(x).__name__}; "
-                            "torch and JAX users: see cuflash.torch / cuflash.jax")
-        if x.dtype == np.float32:  # ALiBi slopes: read one float at a time
+            raise TypeError(f"{name}: expected a cupy.ndarray, got {type(x).__module__}.{type(x).__name__} "
+                            "(torch and JAX arrays convert without a copy: cupy.from_dlpack(x))")
+        if x.dtype == np.float32:  # ALiBi slopes, lse: read one float at a time
             continue
         bad = [axis for axis, (n, s) in enumerate(zip(x.shape[:-1], x.strides[:-1])) if n > 1 and s % 16]
         if x.data.ptr % 16 or bad:

@@ -113,7 +113,7 @@ def precompile(specs=None, device_id: int | None = None, workers: int = 1, progr
     Parameters
     ----------
     specs : iterable of specs, optional
-        Defaults to every forward specialization the planner can choose on this device.
+        Defaults to every kernel the planner can choose on this device (forward and backward).
     device_id : int, optional
         Defaults to the current CuPy device.
     workers : int
@@ -128,10 +128,10 @@ def precompile(specs=None, device_id: int | None = None, workers: int = 1, progr
         The names of the compiled kernels.
     """
     import cupy
-    from .plan import all_forward_specs
+    from .plan import all_specs
     if device_id is None:
         device_id = cupy.cuda.Device().id
-    specs = list(specs) if specs is not None else all_forward_specs(device_arch(device_id))
+    specs = list(specs) if specs is not None else all_specs(device_arch(device_id))
     if workers > 1 and len(specs) > 1:
         import multiprocessing
         chunks = [(specs[i::workers], device_id) for i in range(min(workers, len(specs)))]

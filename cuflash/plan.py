@@ -76,6 +76,17 @@ FWD_TABLE_SM90: dict = {
 ARCHS = ("sm_80", "sm_90a")
 
 
+MAX_GRID_YZ = 65535  # CUDA's limit on gridDim.y and gridDim.z (heads and batch here)
+
+
+def check_grid(grid: tuple) -> tuple:
+    """A launch shape CUDA accepts, or a ValueError naming the axis, before anything is launched."""
+    for axis, name, n in ((1, "heads", grid[1]), (2, "batch", grid[2])):
+        if n > MAX_GRID_YZ:
+            raise ValueError(f"{name}: {n} exceeds the {MAX_GRID_YZ} CUDA allows on grid axis {'xyz'[axis]}")
+    return grid
+
+
 def arch_of(compute_capability: str | int) -> str:
     """NVRTC target for a device: sm_90a on Hopper (wgmma, setmaxnreg), sm_XY elsewhere."""
     cc = int(compute_capability)
@@ -146,7 +157,7 @@ class FwdSpec:
         return (self.config.block_m + 2 * self.config.block_n) * row_bytes
 
 
-def all_forward_specs(arch: str) -> list[FwdSpec]:
+def all_forward_specs(arch: str) -> list:
     """Every forward specialization the planner can choose on `arch`."""
     specs = []
     for dtype in ("fp16", "bf16"):
@@ -156,6 +167,129 @@ def all_forward_specs(arch: str) -> list[FwdSpec]:
                     for mod in (False, True):
                         specs.append(FwdSpec(dtype, d, config, band, mod))
     return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+# Head dims the backward is compiled for. Beyond 128, dK and dV of a warp's keys no longer fit in
+# registers with this kernel's 8-warp split (ptxas spills); those head dims are not supported yet.
+BWD_HEADDIMS = (32, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_m: int   # queries per step
+    block_n: int   # keys per CTA
+    warps: int
+
+
+# One shape for every head dim: 64 keys per CTA, 64 queries per step, 8 warps (4 key tiles x 2 halves);
+# the kernel asserts this split (cuda_src/bwd.cu, BwdTraits). 0 spills on sm_80/sm_90a up to d = 128.
+BWD_CONFIG = BwdConfig(64, 64, 8)
+
+
+@dataclass(frozen=True)
+class BwdSpec:
+    """One compiled backward main kernel."""
+
+    dtype: str
+    headdim: int
+    config: BwdConfig
+    band: bool
+    score_mod: bool
+
+    source = "bwd.cu"
+
+    @property
+    def name(self) -> str:
+        c = self.config
+        return (f"bwd_{self.dtype}_d{self.headdim}_m{c.block_m}_n{c.block_n}_w{c.warps}"
+                + ("_causal" if self.band else "") + ("_mod" if self.score_mod else ""))
+
+    @property
+    def template(self) -> str:
+        c = self.config
+        tag = dict(DTYPES.values())[self.dtype]
+        flags = ", ".join("true" if x else "false" for x in (self.band, self.score_mod))
+        return f"cuflash::bwd_kernel<{tag}, {self.headdim}, {c.block_m}, {c.block_n}, {c.warps}, {flags}>"
+
+    @property
+    def threads(self) -> int:
+        return self.config.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # BwdTraits::SMEM_BYTES: K, V (block_n rows), Q, dO (block_m rows), P^T and dS^T (block_n x 64),
+        # lse and D (block_m floats each).
+        row_bytes = math.ceil(self.headdim / 64) * 64 * 2
+        c = self.config
+        return 2 * (c.block_n + c.block_m) * row_bytes + 2 * c.block_n * 64 * 2 + 2 * c.block_m * 4
+
+
+@dataclass(frozen=True)
+class AuxSpec:
+    """A small helper kernel of the backward (cuda_src/bwd_aux.cu), templated on the dtype only."""
+
+    kernel: str   # "bwd_preprocess" | "bwd_convert_dq"
+    dtype: str
+
+    source = "bwd_aux.cu"
+    threads = 256
+    smem_bytes = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}_{self.dtype}"
+
+    @property
+    def template(self) -> str:
+        return f"cuflash::{self.kernel}<{dict(DTYPES.values())[self.dtype]}>"
+
+
+def bwd_headdim(headdim: int) -> int:
+    for d in BWD_HEADDIMS:
+        if headdim <= d:
+            return d
+    raise NotImplementedError(f"attention_backward: head dim {headdim} is not supported yet "
+                              f"(the backward kernel is compiled up to {BWD_HEADDIMS[-1]})")
+
+
+def all_backward_specs(arch: str) -> list:
+    specs = [AuxSpec(kernel, dtype) for kernel in ("bwd_preprocess", "bwd_convert_dq") for dtype in ("fp16", "bf16")]
+    for dtype in ("fp16", "bf16"):
+        for d in BWD_HEADDIMS:
+            for band in (False, True):
+                for mod in (False, True):
+                    specs.append(BwdSpec(dtype, d, BWD_CONFIG, band, mod))
+    return specs
+
+
+def all_specs(arch: str) -> list:
+    """Every kernel the planner can choose on `arch` (compile test, precompile)."""
+    return all_forward_specs(arch) + all_backward_specs(arch)
+
+
+@dataclass(frozen=True)
+class BwdLaunch:
+    spec: BwdSpec
+    grid: tuple
+    slices: int    # fp32 dQ accumulator slices (1 unless deterministic)
+
+
+def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
+                  sm_count: int) -> BwdLaunch:
+    """Main backward kernel and its grid. Deterministic mode gives each of `slots` CTAs per (KV head,
+    batch) its own dQ slice; enough slots to fill the GPU about twice, at most one per KV block."""
+    band = left >= 0 or right >= 0
+    dtype = DTYPES[np.dtype(problem.dtype).name][0]
+    spec = BwdSpec(dtype, bwd_headdim(problem.headdim), BWD_CONFIG, band, score_mod)
+    n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
+    slots = n_blocks
+    if deterministic:
+        slots = max(1, min(n_blocks, math.ceil(2 * sm_count / (problem.batch * problem.nheads_k))))
+    return BwdLaunch(spec, check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1)
 
 
 def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
@@ -183,19 +317,35 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> 
     d = compiled_headdim(problem.headdim)
     spec = FwdSpec(dtype, d, fwd_config(arch, d, band, problem.seqlen_k), band, score_mod)
     m_blocks = math.ceil(problem.seqlen_q / spec.config.block_m)
-    return Launch(spec, (m_blocks, problem.nheads, problem.batch), (spec.threads, 1, 1), spec.smem_bytes)
+    return Launch(spec, check_grid((m_blocks, problem.nheads, problem.batch)), (spec.threads, 1, 1), spec.smem_bytes)
 
 
-# Layout of cuflash::FwdParams (cuda_src/params.cuh): same field order, C alignment.
-FWD_PARAMS_DTYPE = np.dtype(
-    [(name, np.uint64) for name in ("q", "k", "v", "o", "lse", "alibi")]
-    + [(f"{t}_{s}_stride", np.int64) for t in "qkvo" for s in ("batch", "row", "head")]
-    + [("alibi_batch_stride", np.int64)]
-    + [(name, np.int32) for name in ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim",
-                                     "window_left", "window_right")]
-    + [(name, np.float32) for name in ("scale_log2", "mod_scale", "softcap")],
-    align=True,
-)
+def _struct(pointers, int64s, int32s, float32s) -> np.dtype:
+    """A NumPy structured dtype laid out like a C struct of these fields, in this order."""
+    return np.dtype([(n, np.uint64) for n in pointers] + [(n, np.int64) for n in int64s]
+                    + [(n, np.int32) for n in int32s] + [(n, np.float32) for n in float32s], align=True)
+
+
+def _strides(*tensors) -> list:
+    return [f"{t}_{s}_stride" for t in tensors for s in ("batch", "row", "head")]
+
+
+# Layouts of the structs in cuda_src/params.cuh: same field order, C alignment (tests/test_plan.py checks).
+FWD_PARAMS_DTYPE = _struct(
+    ("q", "k", "v", "o", "lse", "alibi"),
+    _strides("q", "k", "v", "o") + ["alibi_batch_stride"],
+    ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right"),
+    ("scale_log2", "mod_scale", "softcap"))
+BWD_PARAMS_DTYPE = _struct(
+    ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi"),
+    _strides("q", "k", "v", "do", "dk", "dv") + ["alibi_batch_stride", "dq_slice_stride"],
+    ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
+     "deterministic"),
+    ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
+BWD_PRE_PARAMS_DTYPE = _struct(
+    ("out", "dout", "lse", "dsum", "lse_log2"), _strides("o", "do"),
+    ("batch", "seqlen_q", "nheads", "headdim"), ())
+BWD_CONVERT_PARAMS_DTYPE = _struct(("dq_accum", "dq"), ("slice_stride",), ("slices",), ())
 
 
 def forward_scales(softmax_scale: float, softcap: float, score_mod: bool) -> dict:

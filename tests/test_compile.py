@@ -12,7 +12,7 @@ from cuflash import build, plan
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs CuPy's NVRTC bindings")
 
-CASES = [(arch, spec) for arch in plan.ARCHS for spec in plan.all_forward_specs(arch)]
+CASES = [(arch, spec) for arch in plan.ARCHS for spec in plan.all_specs(arch)]
 
 
 def _compile(case):
@@ -33,7 +33,8 @@ def reports():
 
 def test_specializations_exist():
     for arch in plan.ARCHS:
-        assert plan.all_forward_specs(arch), f"the planner offers no kernel for {arch}"
+        assert plan.all_forward_specs(arch), f"the planner offers no forward kernel for {arch}"
+        assert plan.all_backward_specs(arch), f"the planner offers no backward kernel for {arch}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{arch}-{spec.name}" for arch, spec in CASES])

@@ -66,30 +66,53 @@ def test_window_normalization_keeps_the_mask(sq, sk, left, right):
         reference._visible(sq, sk, False, (nl, nr)).tolist()
 
 
-def test_params_dtype_matches_params_cuh():
-    """FWD_PARAMS_DTYPE mirrors struct FwdParams field by field, with C alignment."""
+def _c_fields(struct: str) -> list:
+    """(name, C type) of each field of `struct` in cuda_src/params.cuh, in order."""
     src = (build.SOURCE_DIR / "params.cuh").read_text()
-    body = src[src.index("struct FwdParams {"):]
-    body = body[:body.index("};")]
-    body = re.sub(r"//[^\n]*", "", body)
+    body = src[src.index(f"struct {struct} {{") + len(f"struct {struct} {{"):]
+    body = re.sub(r"//[^\n]*", "", body[:body.index("};")])
     fields = []
     for decl in body.split(";"):
-        decl = decl.strip().replace("struct FwdParams {", "").strip()
-        if not decl:
-            continue
-        ctype, names = re.match(r"((?:const\s+)?\w+\*?)\s+(.*)", decl).groups()
-        for name in names.split(","):
-            fields.append((name.strip().lstrip("*"), ctype.replace("const", "").strip()))
-    sizes = {"u16*": 8, "float*": 8, "i64": 8, "int": 4, "float": 4}
-    assert [n for n, _ in fields] == list(plan.FWD_PARAMS_DTYPE.names)
+        decl = decl.strip()
+        if decl:
+            ctype, names = re.match(r"((?:const\s+)?\w+\*?)\s+(.*)", decl).groups()
+            fields += [(name.strip().lstrip("*"), ctype.replace("const", "").strip()) for name in names.split(",")]
+    return fields
+
+
+@pytest.mark.parametrize("struct,dtype", [("FwdParams", plan.FWD_PARAMS_DTYPE), ("BwdParams", plan.BWD_PARAMS_DTYPE),
+                                          ("BwdPreParams", plan.BWD_PRE_PARAMS_DTYPE),
+                                          ("BwdConvertParams", plan.BWD_CONVERT_PARAMS_DTYPE)])
+def test_params_dtypes_match_params_cuh(struct, dtype):
+    """Each NumPy params dtype mirrors its C struct field by field, with C alignment."""
+    fields = _c_fields(struct)
+    assert [n for n, _ in fields] == list(dtype.names)
+    sizes = {"int": 4, "float": 4, "i64": 8}
     offset = 0
     for name, ctype in fields:
-        size = sizes[ctype]
+        size = 8 if ctype.endswith("*") else sizes[ctype]
         offset = -(-offset // size) * size
-        assert plan.FWD_PARAMS_DTYPE.fields[name][1] == offset, name
-        assert plan.FWD_PARAMS_DTYPE.fields[name][0].itemsize == size, name
+        assert dtype.fields[name][1] == offset, name
+        assert dtype.fields[name][0].itemsize == size, name
         offset += size
-    assert plan.FWD_PARAMS_DTYPE.itemsize == -(-offset // 8) * 8
+    assert dtype.itemsize == -(-offset // 8) * 8
+
+
+def test_backward_plan():
+    problem = checks.Problem(2, 300, 500, 8, 2, 72, np.dtype(np.float16))
+    atomic = plan.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)
+    assert atomic.spec.headdim == 96 and atomic.grid == (8, 2, 2) and atomic.slices == 1
+    det = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
+    assert det.grid[0] == det.slices and 1 <= det.slices <= 8
+    with pytest.raises(NotImplementedError, match="head dim 160"):
+        plan.plan_backward(checks.Problem(1, 8, 8, 1, 1, 160, np.dtype(np.float16)), -1, -1, False, False,
+                           "sm_90a", 132)
+
+
+def test_grid_limits_are_checked_before_launch():
+    problem = checks.Problem(70000, 8, 8, 1, 1, 64, np.dtype(np.float16))
+    with pytest.raises(ValueError, match="batch: 70000 exceeds"):
+        plan.plan_forward(problem, -1, -1, False, "sm_90a")
 
 
 def test_forward_scales():
@@ -100,10 +123,11 @@ def test_forward_scales():
 
 
 def test_kernel_names_are_readable_and_unique():
-    specs = plan.all_forward_specs("sm_90a")
+    specs = plan.all_specs("sm_90a")
     names = [s.name for s in specs]
     assert len(set(names)) == len(set(specs))
     assert "fwd_bf16_d128_m128_n128_w8_qreg_causal" in names
+    assert "bwd_bf16_d128_m64_n64_w8_causal_mod" in names
 
 
 def test_source_hash_covers_headers(tmp_path, monkeypatch):

@@ -89,3 +89,42 @@ def assert_lse_close(lse, ref, *, tol=2e-3, context=""):
     err = np.abs(lse[fin] - ref[fin])
     worst = float(err.max(initial=0.0)) if not np.isnan(err).any() else float("nan")
     assert worst <= tol * (1 + float(np.abs(ref[fin]).max(initial=0.0))), f"lse: max error {worst:.3g} ({context})"
+
+
+def naive_lowp_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                        softmax_scale=None):
+    """Gradients computed the naive way in low precision: every intermediate a framework would materialize
+    (P, O, dP, dS, the gradients) rounded to the input dtype, float32 arithmetic in between."""
+    lowp = q.dtype
+    r = lambda x: np.asarray(x, dtype=np.float32).astype(lowp).astype(np.float32)  # noqa: E731
+    qf, kf, vf, dof = (np.asarray(x, dtype=np.float32) for x in (q, k, v, dout))
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
+    kf, vf = np.repeat(kf, g, axis=2), np.repeat(vf, g, axis=2)
+    s = r(np.einsum("bqhd,bkhd->bhqk", qf, kf) * scale)
+    dtanh = np.ones_like(s)
+    if softcap > 0:
+        t = np.tanh(s / softcap)
+        dtanh = 1 - t * t
+        s = r(softcap * t)
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(alibi_slopes, dtype=np.float32).reshape(-1, h), (b, h))
+        i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        s = s - slopes[:, :, None, None] * np.abs(i + sk - sq - j)[None, None]
+    visible = reference_visible(sq, sk, causal, window_size)
+    s = np.where(visible[None, None], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    l = p.sum(axis=-1, keepdims=True)
+    p = r(p / np.where(l > 0, l, 1))
+    o = r(np.einsum("bhqk,bkhd->bqhd", p, vf))
+    dv = np.einsum("bhqk,bqhd->bkhd", p, dof)
+    dp = r(np.einsum("bqhd,bkhd->bhqk", dof, vf))
+    dsum = np.einsum("bqhd,bqhd->bhq", dof, o)[..., None]
+    ds = r(p * (dp - dsum) * dtanh)
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    group = lambda x: x.reshape(b, sk, hk, g, d).sum(axis=3)  # noqa: E731
+    return r(dq).astype(lowp), r(group(dk)).astype(lowp), r(group(dv)).astype(lowp)

@@ -1,0 +1,142 @@
+"""cuflash.attention_backward on the GPU against the float64 reference, shapes drawn by hypothesis."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cuflash import reference
+from tests.gpu.helpers import DTYPES, assert_close_to_reference, naive_lowp_backward, randn
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [1, 17, 63, 64, 65, 113, 128, 129, 200, 333]
+HEADDIMS = [8, 32, 40, 64, 72, 96, 128]
+WINDOWS = [(-1, -1), (16, 0), (64, 8), (0, 0), (-1, 40), (5, 5)]
+
+
+def make_case(rng, *, b, sq, sk, h, hk, d, dtype, alibi=None):
+    import cupy
+    dt = DTYPES[dtype]
+    q = cupy.asarray(randn(rng, (b, sq, h, d), dt))
+    k = cupy.asarray(randn(rng, (b, sk, hk, d), dt))
+    v = cupy.asarray(randn(rng, (b, sk, hk, d), dt))
+    dout = cupy.asarray(randn(rng, (b, sq, h, d), dt))
+    slopes = None
+    if alibi is not None:
+        slopes = cupy.asarray(rng.uniform(0.0, 0.5, (h,) if alibi == "h" else (b, h)).astype(np.float32))
+    return q, k, v, dout, slopes
+
+
+def run_case(rng, *, b, sq, sk, h, hk, d, dtype, causal=False, window_size=(-1, -1), softcap=0.0, alibi=None,
+             softmax_scale=None, deterministic=False):
+    import cuflash
+    q, k, v, dout, slopes = make_case(rng, b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, dtype=dtype, alibi=alibi)
+    opts = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale)
+    out, lse = cuflash.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **opts)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, alibi_slopes=slopes, deterministic=deterministic,
+                                       **opts)
+    host = [x.get() for x in (q, k, v, dout)]
+    sh = None if slopes is None else slopes.get()
+    ref_out, ref_lse = reference.attention(*host[:3], alibi_slopes=sh, return_lse=True, **opts)
+    ref = reference.attention_backward(host[3], *host[:3], ref_out, ref_lse, alibi_slopes=sh, **opts)
+    naive = naive_lowp_backward(host[3], *host[:3], alibi_slopes=sh, **opts)
+    ctx = f"b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {dtype} {opts} alibi={alibi} det={deterministic}"
+    for name, got, want, lowp, like in zip(("dq", "dk", "dv"), grads, ref, naive, (q, k, v)):
+        assert got.shape == like.shape and got.dtype == like.dtype, (name, ctx)
+        assert_close_to_reference(got.get(), want, lowp, what=name, context=ctx)
+    return grads
+
+
+@st.composite
+def backward_cases(draw):
+    hk = draw(st.sampled_from([1, 2]))
+    return dict(
+        dtype=draw(st.sampled_from(["fp16", "bf16"])),
+        d=draw(st.sampled_from(HEADDIMS)),
+        sq=draw(st.sampled_from(LENGTHS) | st.integers(1, 200)),
+        sk=draw(st.sampled_from(LENGTHS) | st.integers(1, 200)),
+        b=draw(st.integers(1, 2)),
+        hk=hk,
+        h=hk * draw(st.sampled_from([1, 2, 3])),
+        causal=draw(st.booleans()),
+        window_size=draw(st.sampled_from(WINDOWS[:1] * 3 + WINDOWS)),
+        softcap=draw(st.sampled_from([0.0, 0.0, 0.0, 5.0])),
+        alibi=draw(st.sampled_from([None, None, None, "h", "bh"])),
+        softmax_scale=draw(st.sampled_from([None, None, 0.3])),
+        deterministic=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=backward_cases(), seed=st.integers(0, 2**31 - 1))
+def test_backward_matches_reference(compiled, case, seed):
+    run_case(np.random.default_rng(seed), **case)
+
+
+@pytest.mark.parametrize("option", [dict(causal=True), dict(window_size=(40, 7)), dict(softcap=8.0), dict(alibi="bh"),
+                                    dict(causal=True, softcap=10.0, alibi="h", window_size=(50, 0))])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_each_option(compiled, option, dtype):
+    run_case(np.random.default_rng(3), b=2, sq=150, sk=277, h=4, hk=2, d=128, dtype=dtype, **option)
+
+
+def test_longer_sequences(compiled):
+    run_case(np.random.default_rng(8), b=1, sq=1000, sk=1031, h=2, hk=1, d=64, dtype="bf16", causal=True)
+
+
+def test_empty_rows_get_zero_gradients(compiled):
+    import cupy
+    import cuflash
+    rng = np.random.default_rng(4)
+    q, k, v, dout, _ = make_case(rng, b=1, sq=90, sk=20, h=2, hk=1, d=64, dtype="fp16")
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    for g in (dq, dk, dv):
+        assert not bool(cupy.isnan(g.astype(np.float32)).any())
+    assert bool((dq[:, :70] == 0).all()), "rows 0..69 see no key: their dq must be 0"
+
+
+@pytest.mark.parametrize("hk", [4, 1])
+def test_deterministic_is_bitwise_repeatable(compiled, hk):
+    import cupy
+    import cuflash
+    rng = np.random.default_rng(5)
+    q, k, v, dout, _ = make_case(rng, b=2, sq=300, sk=520, h=4, hk=hk, d=128, dtype="bf16")
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                                          deterministic=True)]
+    for _ in range(4):
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+        for a, g in zip(first, again):
+            assert bool(cupy.array_equal(a, g.view(np.uint16))), "deterministic mode changed bits between runs"
+
+
+def test_finite_difference_spot_check(compiled):
+    """<dq, u> matches the central difference of the float64 forward along a random direction u."""
+    import cuflash
+    rng = np.random.default_rng(6)
+    q, k, v, dout, _ = make_case(rng, b=1, sq=40, sk=50, h=2, hk=1, d=32, dtype="fp16")
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    qh, kh, vh, doh = (x.get().astype(np.float64) for x in (q, k, v, dout))
+    for grad, which in ((dq, 0), (dk, 1), (dv, 2)):
+        u = rng.standard_normal(grad.shape)
+        eps = 1e-3
+        args = [qh, kh, vh]
+
+        def loss(sign):
+            moved = list(args)
+            moved[which] = args[which] + sign * eps * u
+            return float((reference.attention(*moved, causal=True) * doh).sum())
+
+        numeric = (loss(+1) - loss(-1)) / (2 * eps)
+        analytic = float((grad.get().astype(np.float64) * u).sum())
+        assert abs(analytic - numeric) <= 1e-2 * max(1.0, abs(numeric)), (which, analytic, numeric)
+
+
+def test_large_head_dims_are_refused_before_launch(compiled):
+    import cuflash
+    rng = np.random.default_rng(7)
+    q, k, v, dout, _ = make_case(rng, b=1, sq=8, sk=8, h=1, hk=1, d=192, dtype="bf16")
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(NotImplementedError, match="head dim 192"):
+        cuflash.attention_backward(dout, q, k, v, out, lse)
