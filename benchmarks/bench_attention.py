@@ -11,22 +11,29 @@ Every implementation runs in the same process on the same torch tensors:
   backend forced at a time: flash (FlashAttention-2), cudnn, efficient.
 A backend that raises is reported as n/a; the run goes on.
 
+Operations (--op): fwd (cuflash.attention), bwd (cuflash.attention_backward, atomic
+dQ as "cuflash" and deterministic=True as "cuflash_det"; the peers through autograd,
+timed as (fwd+bwd) - fwd), all (fwd then bwd).
+
 Timing: ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")``
 (CUDA events, L2 flushed before every timed call). TFLOP/s forward = 4*b*h*sq*sk*d,
-halved when causal.
+halved when causal; backward = 2.5 x forward.
 
 Usage (from the repository root, on a GPU machine):
-    python3 benchmarks/bench_attention.py                    # the whole grid
+    python3 benchmarks/bench_attention.py                    # the whole forward grid
+    python3 benchmarks/bench_attention.py --op bwd           # the whole backward grid
+    python3 benchmarks/bench_attention.py --op all --json out/bench.json --png out/bench.png
+                                          # both; plots out/bench.png and out/bench_bwd.png
     python3 benchmarks/bench_attention.py --quick            # seqlens 1024 and 4096
     python3 benchmarks/bench_attention.py --dims 128 --seqlens 2048,8192 --causal true
-    python3 benchmarks/bench_attention.py --json out/bench.json --png out/bench.png
 
 Exit status: 0 all good; 1 some cuflash cell failed to run or failed the spot
-check; 2 nothing could run (no GPU, torch/triton missing).
+check; 2 nothing could run (no GPU, torch/triton missing). A cuflash without
+attention_backward yet leaves the backward's cuflash columns n/a without failing.
 
-Adding an operation (backward, decode with the KV cache) means writing one cell
-function like ``forward_cell`` and one entry in ``OPS``; the grid, the table, the
-JSON and the plot are shared.
+Adding an operation (decode with the KV cache) means writing one cell function
+like ``forward_cell`` and one entry in ``OPS``; the grid, the table, the JSON and
+the plot are shared.
 """
 
 from __future__ import annotations
@@ -54,8 +61,15 @@ DEFAULT_DIMS = (64, 128)
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (1024, 4096)
 CHECK_TOL = 2e-2  # max |cuflash - reference| in the output, bf16/fp16
+# Backward spot check: gradients are larger than outputs and grow with causal masking
+# (early keys collect whole rows of probability), so an absolute bound means little;
+# the error is judged relative to the reference: max|cf - ref| / max|ref| and
+# ||cf - ref||_2 / ||ref||_2, per gradient (dq, dk, dv). bf16 rounding gives ~0.5%.
+BWD_CHECK_TOL = 5e-2
 
-IMPLS = ("cuflash", "flash", "cudnn", "efficient")  # table and plot order
+IMPLS = ("cuflash", "flash", "cudnn", "efficient")  # the forward's table and plot order
+BWD_IMPLS = ("cuflash", "cuflash_det", "flash", "cudnn", "efficient")
+ALL_IMPLS = ("cuflash", "cuflash_det", "flash", "cudnn", "efficient")  # what --impls knows
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION"}
 CHECK_REFS = ("flash", "cudnn", "efficient")  # first one that runs is the reference
@@ -78,8 +92,9 @@ def _int_list(text: str) -> list[int]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", choices=sorted(OPS), default="fwd",
-                   help="which operation to benchmark (default fwd)")
+    p.add_argument("--op", choices=sorted(OPS) + ["all"], default="fwd",
+                   help="which operation to benchmark (default fwd; all = "
+                        + " then ".join(OPS) + ")")
     p.add_argument("--quick", action="store_true",
                    help=f"seqlens {','.join(map(str, QUICK_SEQLENS))} only")
     p.add_argument("--dims", type=_int_list, default=None,
@@ -89,11 +104,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x], default=None,
-                   help=f"subset of {','.join(IMPLS)} (default all)")
+                   help=f"subset of {','.join(ALL_IMPLS)} (default all; cuflash_det is "
+                        "the backward with deterministic=True)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--tol", type=float, default=CHECK_TOL,
-                   help="spot-check tolerance on max abs diff (default 2e-2)")
+                   help="forward spot-check tolerance on max abs diff (default 2e-2)")
+    p.add_argument("--bwd-tol", type=float, default=BWD_CHECK_TOL,
+                   help="backward spot-check tolerance on the relative errors "
+                        f"max|cf-ref|/max|ref| and ||cf-ref||/||ref|| (default {BWD_CHECK_TOL:g})")
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     p.add_argument("--png", metavar="PATH", help="write a TFLOP/s-vs-seqlen plot")
     args = p.parse_args(argv)
@@ -101,10 +120,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.seqlens = list(QUICK_SEQLENS if args.quick else DEFAULT_SEQLENS)
     if args.dims is None:
         args.dims = list(DEFAULT_DIMS)
-    args.impls = list(IMPLS) if args.impls is None else args.impls
-    bad = [i for i in args.impls if i not in IMPLS]
+    args.impls = list(ALL_IMPLS) if args.impls is None else args.impls
+    bad = [i for i in args.impls if i not in ALL_IMPLS]
     if bad:
-        p.error(f"--impls: unknown {bad}, known {list(IMPLS)}")
+        p.error(f"--impls: unknown {bad}, known {list(ALL_IMPLS)}")
+    args.ops = list(OPS) if args.op == "all" else [args.op]
     args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     return args
 
@@ -205,11 +225,28 @@ def max_abs_diff(a, b) -> float:
 # Operations
 # --------------------------------------------------------------------------- #
 @dataclass
+class Column:
+    """One column of the table after the per-implementation ones."""
+    header: str
+    key: str                       # row key
+    spec: str                      # format spec, e.g. "8.3f"
+    width: int
+
+
+@dataclass
 class Op:
     title: str                     # table heading
     unit: str                      # what the per-impl numbers are
     grid: Callable[[argparse.Namespace], list[dict]]
     run_cell: Callable[[dict, argparse.Namespace], dict]
+    impls: tuple = IMPLS           # table and plot order
+    columns: tuple = ()            # ratio and spot-check columns, after the impls
+    fail_text: str = ""            # "FAIL: n cell(s) <fail_text>", formatted with vars(args)
+
+
+def op_impls(op: Op, args) -> list[str]:
+    """The op's implementations that --impls selected, in the op's order."""
+    return [i for i in op.impls if i in args.impls]
 
 
 def training_grid(args) -> list[dict]:
@@ -317,10 +354,228 @@ def forward_cell(cell: dict, args) -> dict:
     return row
 
 
-# op name -> Op. To add the backward: write backward_cell (cuflash.attention_backward
-# timed directly; SDPA as (fwd+bwd) - fwd; flops 2.5x forward) and register it here.
+def backward_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
+    """2.5 x forward (five matmuls against two), as in ANCHORS.md."""
+    return 2.5 * forward_flops(b, h, sq, sk, d, causal)
+
+
+def _grad_errors(got, ref) -> dict:
+    """Per gradient (dq, dk, dv): max abs diff, max abs diff / max|ref|, and the relative
+    L2 error, all in float32; nan when anything is non-finite."""
+    errs = {}
+    for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+        a, r = a.float(), r.float()
+        diff = (a - r).abs()
+        dmax = float(diff.max().item())
+        rmax = float(r.abs().max().item())
+        dl2 = float(torch.linalg.vector_norm(diff).item())
+        rl2 = float(torch.linalg.vector_norm(r).item())
+        finite = bool(torch.isfinite(a).all().item()) and math.isfinite(rmax) and math.isfinite(rl2)
+        tiny = 1e-30
+        errs[name] = dict(abs=dmax if finite else float("nan"),
+                          rel_max=dmax / max(rmax, tiny) if finite else float("nan"),
+                          rel_l2=dl2 / max(rl2, tiny) if finite else float("nan"))
+        del a, r, diff
+    return errs
+
+
+def backward_cell(cell: dict, args) -> dict:
+    b, s, h, d, causal = cell["batch"], cell["seqlen"], cell["nheads"], cell["d"], cell["causal"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    flops = backward_flops(b, h, s, s, d, causal)
+    row = dict(op="bwd", dtype=args.dtype, d=d, causal=causal, seqlen=s, batch=b, nheads=h,
+               flops=flops)
+
+    # Inputs and the incoming gradient: random, (b, s, h, d), created once per cell.
+    q = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+    dout = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+    grads = {}  # impl -> (dq, dk, dv) as torch (b, s, h, d)
+
+    def record(name, ms=None, err=None):
+        row[f"ms_{name}"] = ms
+        row[f"tflops_{name}"] = (flops / (ms * 1e-3) / 1e12) if ms else None
+        row[f"error_{name}"] = err
+
+    # ---- cuflash: out, lse from one forward; the backward timed on its own ------
+    # "cuflash": atomic dQ accumulation (the default); "cuflash_det": deterministic=True.
+    cf_impls = [i for i in ("cuflash", "cuflash_det") if i in args.impls]
+    if cf_impls and cuflash is None:
+        for name in cf_impls:
+            record(name, err=f"import failed: {CUFLASH_IMPORT_ERROR}")
+    elif cf_impls and not hasattr(cuflash, "attention_backward"):
+        row["cuflash_missing"] = True  # not a failure of the run: the backward is not there yet
+        for name in cf_impls:
+            record(name, err="cuflash has no attention_backward (yet)")
+    elif cf_impls:
+        try:
+            qc, kc, vc, doc = (to_cupy(x) for x in (q, k, v, dout))
+            stream = cupy_stream()
+            out_c, lse_c = cuflash.attention(qc, kc, vc, causal=causal, return_lse=True,
+                                             stream=stream)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            for name in cf_impls:
+                record(name, err=f"forward (out, lse): {short_error(e)}")
+            if os.environ.get("BENCH_TRACEBACK"):
+                traceback.print_exc()
+        else:
+            for name in cf_impls:
+                det = name == "cuflash_det"
+                kw = dict(causal=causal, stream=stream)
+                if det:
+                    kw["deterministic"] = True
+
+                def run_backward(kw=kw):
+                    return cuflash.attention_backward(doc, qc, kc, vc, out_c, lse_c, **kw)
+
+                try:
+                    first = run_backward()  # the first call compiles
+                    torch.cuda.synchronize()
+                    try:
+                        grads[name] = tuple(to_torch(x) for x in first)
+                    except Exception as e:  # noqa: BLE001
+                        row["check_error"] = (f"{name} gradients not readable by torch: "
+                                              f"{short_error(e)}")
+                    del first
+                    if det and name in grads:  # the contract: bitwise identical across runs
+                        again = run_backward()
+                        torch.cuda.synchronize()
+                        row["det_repeat_identical"] = all(
+                            torch.equal(x.view(torch.int16), to_torch(y).view(torch.int16))
+                            for x, y in zip(grads[name], again))
+                        del again
+                    record(name, ms=time_ms(run_backward, args))
+                except Exception as e:  # noqa: BLE001
+                    record(name, err=short_error(e))
+                    if os.environ.get("BENCH_TRACEBACK"):
+                        traceback.print_exc()
+            del out_c, lse_c
+        cupy.get_default_memory_pool().free_all_blocks()  # room for the peers (grads stay alive)
+
+    # ---- SDPA backends through autograd: (fwd + bwd) - fwd ---------------------
+    # Leaves are (b, h, s, d) views of the same (b, s, h, d) storage, as in the forward.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    leaves = [x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    qt, kt, vt = leaves
+    dout_t = dout.transpose(1, 2)
+
+    def run_fwd():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def run_fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        run_fwd().backward(dout_t)
+
+    def clear_grads():
+        for x in leaves:
+            x.grad = None
+
+    ref, ref_grads = None, None
+    for name, backend in SDPA_BACKENDS.items():
+        if name not in args.impls:
+            continue
+        caught = []
+        try:
+            with warnings.catch_warnings(record=True) as caught, \
+                    sdpa_kernel(getattr(SDPBackend, backend)):
+                warnings.simplefilter("always")
+                run_fwd_bwd()  # untimed first call (plans, workspace) and the check's reference
+                torch.cuda.synchronize()
+                if name in CHECK_REFS and ref_grads is None:
+                    ref, ref_grads = name, tuple(x.grad.transpose(1, 2) for x in leaves)
+                clear_grads()
+                ms_fwd = time_ms(run_fwd, args)
+                ms_fwd_bwd = time_ms(run_fwd_bwd, args)
+            row[f"ms_fwd_{name}"] = ms_fwd
+            row[f"ms_fwdbwd_{name}"] = ms_fwd_bwd
+            ms_bwd = ms_fwd_bwd - ms_fwd
+            if ms_bwd > 0:
+                record(name, ms=ms_bwd)
+            else:
+                record(name, err=f"(fwd+bwd) - fwd = {ms_bwd:.4f} ms, not positive")
+        except Exception as e:  # noqa: BLE001
+            record(name, err=short_error(e, caught))
+        finally:
+            clear_grads()
+
+    # No SDPA backend ran: the math backend gives the check its reference where it fits.
+    if ref_grads is None and grads and b * h * s * s * 4 <= (1 << 32):
+        try:
+            with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
+                warnings.simplefilter("ignore")
+                run_fwd_bwd()
+                torch.cuda.synchronize()
+                ref, ref_grads = "math", tuple(x.grad.transpose(1, 2) for x in leaves)
+        except Exception as e:  # noqa: BLE001
+            row["check_note"] = f"math reference failed: {short_error(e)}"
+        finally:
+            clear_grads()
+
+    # ---- spot check: each cuflash mode's dq, dk, dv against the reference ---------
+    row["check_ref"] = ref
+    row["max_abs_diff"] = row["max_rel_err"] = row["max_rel_l2_err"] = None
+    row["check_ok"] = False if row.get("check_error") else None
+    failures = []
+    if row.get("check_error"):
+        failures.append(row["check_error"])
+    if ref_grads is not None:
+        for name in ("cuflash", "cuflash_det"):
+            if name not in grads:
+                continue
+            errs = _grad_errors(grads[name], ref_grads)
+            for g, e in errs.items():
+                for key, val in e.items():
+                    row[f"{key}_{g}_{name}"] = val  # e.g. rel_max_dk_cuflash_det
+                bad = (not all(math.isfinite(x) for x in e.values())
+                       or e["rel_max"] > args.bwd_tol or e["rel_l2"] > args.bwd_tol)
+                if bad:
+                    failures.append(f"{name} {g} vs SDPA {ref}: max abs {e['abs']:.3g}, "
+                                    f"max abs / max|ref| {e['rel_max']:.3g}, "
+                                    f"rel L2 {e['rel_l2']:.3g} (tol {args.bwd_tol:g})")
+            worst = lambda key: max(  # noqa: E731  -- nan wins, so a NaN is never hidden
+                (x[key] for x in errs.values()), key=lambda x: math.inf if math.isnan(x) else x)
+            for key, field in (("abs", "max_abs_diff"), ("rel_max", "max_rel_err"),
+                               ("rel_l2", "max_rel_l2_err")):
+                w = worst(key)
+                if row[field] is None or math.isnan(w) or w > row[field]:
+                    row[field] = w
+        if any(n in grads for n in ("cuflash", "cuflash_det")) and row["check_ok"] is None:
+            row["check_ok"] = True
+    if row.get("det_repeat_identical") is False:
+        failures.append("deterministic=True gave different bits on a repeated call")
+    if failures:
+        row["check_ok"] = False
+        row["check_msg"] = "; ".join(failures)
+
+    for name in ("flash", "cudnn"):
+        a, p = row.get("tflops_cuflash"), row.get(f"tflops_{name}")
+        row[f"ratio_{name}"] = (a / p) if (a and p) else None
+    atomic, det = row.get("ms_cuflash"), row.get("ms_cuflash_det")
+    row["ratio_det_atomic"] = (det / atomic) if (atomic and det) else None
+    del q, k, v, dout, leaves, qt, kt, vt, dout_t, grads, ref_grads
+    return row
+
+
+_RATIO_COLUMNS = (Column("cf/flash", "ratio_flash", "8.3f", 8),
+                  Column("cf/cudnn", "ratio_cudnn", "8.3f", 8))
+
+# op name -> Op, in the order --op all runs them.
 OPS = {
-    "fwd": Op(title="Forward", unit="TFLOP/s", grid=training_grid, run_cell=forward_cell),
+    "fwd": Op(title="Forward", unit="TFLOP/s", grid=training_grid, run_cell=forward_cell,
+              impls=IMPLS,
+              columns=_RATIO_COLUMNS + (Column("  maxdiff", "max_abs_diff", "9.2e", 9),),
+              fail_text="with max abs diff > {tol:g}"),
+    "bwd": Op(title="Backward", unit="TFLOP/s", grid=training_grid, run_cell=backward_cell,
+              impls=BWD_IMPLS,
+              columns=_RATIO_COLUMNS + (Column("det/atom", "ratio_det_atomic", "8.3f", 8),
+                                        Column("  maxdiff", "max_abs_diff", "9.2e", 9),
+                                        Column("  relmax", "max_rel_err", "8.2e", 8)),
+              fail_text="failing the gradient check (relative error > {bwd_tol:g}, "
+                        "non-finite, or deterministic not repeatable)"),
 }
 
 
@@ -331,30 +586,36 @@ def _fmt(x, spec="7.1f", width=7) -> str:
     return format(x, spec) if isinstance(x, (int, float)) and x is not None else "n/a".rjust(width)
 
 
-def format_row(row: dict, impls: list[str]) -> str:
+def _impl_width(impl: str) -> int:
+    return max(9, len(impl))
+
+
+def format_row(row: dict, op: Op, impls: list[str]) -> str:
     cells = [f"{row['d']:>4}", f"{str(row['causal']):>6}", f"{row['seqlen']:>6}",
              f"{row['batch']:>5}", f"{row['nheads']:>5}"]
-    cells += [_fmt(row.get(f"tflops_{i}"), "9.1f", 9) for i in impls]
-    cells += [_fmt(row.get("ratio_flash"), "8.3f", 8), _fmt(row.get("ratio_cudnn"), "8.3f", 8)]
-    diff = row.get("max_abs_diff")
-    check = "" if row.get("check_ok") is None else ("" if row["check_ok"] else "  <<< FAIL")
-    cells.append((_fmt(diff, "9.2e", 9) if diff is not None else "      n/a") + check)
-    return " ".join(cells)
+    cells += [_fmt(row.get(f"tflops_{i}"), f"{_impl_width(i)}.1f", _impl_width(i)) for i in impls]
+    cells += [_fmt(row.get(c.key), c.spec, c.width) for c in op.columns]
+    line = " ".join(cells)
+    if row.get("check_ok") is False:
+        line += "  <<< FAIL"
+    return line
 
 
-def table_header(impls: list[str]) -> str:
+def table_header(op: Op, impls: list[str]) -> str:
     cols = ["   d", "causal", "seqlen", "batch", "heads"]
-    cols += [i[:9].rjust(9) for i in impls]
-    cols += ["cf/flash", "cf/cudnn", "  maxdiff"]
+    cols += [i.rjust(_impl_width(i)) for i in impls]
+    cols += [c.header.rjust(c.width) for c in op.columns]
     return " ".join(cols)
 
 
 def print_table(op: Op, rows: list[dict], args) -> None:
+    """The op's table: from a '=== ' line to the next blank line (gpu_check.sh cuts it there)."""
+    impls = op_impls(op, args)
     print()
     print(f"=== cuflash {op.title} {op.unit} ({args.dtype}; ratios = cuflash / peer) ===")
-    print(table_header(args.impls))
+    print(table_header(op, impls))
     for r in rows:
-        print(format_row(r, args.impls))
+        print(format_row(r, op, impls))
     ratios = [(r["ratio_flash"], r) for r in rows if r.get("ratio_flash")]
     if ratios:
         worst, wr = min(ratios, key=lambda t: t[0])
@@ -362,12 +623,17 @@ def print_table(op: Op, rows: list[dict], args) -> None:
               f"(d={wr['d']} causal={wr['causal']} seqlen={wr['seqlen']})")
     else:
         print(f"min cuflash/flash over 0/{len(rows)} cells: n/a")
-    errors = {(i, r.get(f"error_{i}")) for r in rows for i in args.impls if r.get(f"error_{i}")}
+    dets = sorted(r["ratio_det_atomic"] for r in rows if r.get("ratio_det_atomic"))
+    if dets:
+        print(f"deterministic/atomic time over {len(dets)} cells: min {dets[0]:.3f}, "
+              f"median {dets[len(dets) // 2]:.3f}, max {dets[-1]:.3f}")
+    errors = {(i, r.get(f"error_{i}")) for r in rows for i in impls if r.get(f"error_{i}")}
     for impl, err in sorted(errors, key=str):
         print(f"n/a {impl}: {err}")
     fails = [r for r in rows if r.get("check_ok") is False]
     if fails:
-        print(f"FAIL: {len(fails)} cell(s) with max abs diff > {args.tol:g}")
+        print(f"FAIL: {len(fails)} cell(s) " + op.fail_text.format(**vars(args)))
+    print()
 
 
 def _json_safe(x):
@@ -401,9 +667,11 @@ def write_png(path: str, op: Op, rows: list[dict], args, meta: dict) -> None:
         sub = sorted((r for r in rows if r["d"] == d and r["causal"] == causal),
                      key=lambda r: r["seqlen"])
         xs = [r["seqlen"] for r in sub]
-        for impl in args.impls:
+        for impl in op_impls(op, args):
             ys = [r.get(f"tflops_{impl}") or float("nan") for r in sub]
-            ax.plot(xs, ys, marker="o", label=impl, linewidth=2.5 if impl == "cuflash" else 1.5)
+            ax.plot(xs, ys, marker="o", label=impl,
+                    linestyle="--" if impl == "cuflash_det" else "-",
+                    linewidth=2.5 if impl.startswith("cuflash") else 1.5)
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs)
         ax.set_xticklabels([str(x) for x in xs])
@@ -440,51 +708,93 @@ def run_meta() -> dict:
 
 
 # --------------------------------------------------------------------------- #
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    reason = _import_gpu_stack()
-    if reason:
-        print(f"bench_attention: skipped: {reason}", file=sys.stderr)
-        return 2
-    op = OPS[args.op]
-    meta = run_meta()
-    print(f"device {meta['device']}  torch {meta['torch_version']}  triton "
-          f"{meta['triton_version']}  cupy {meta['cupy_version']}  cudnn {meta['cudnn_version']}")
-    if CUFLASH_IMPORT_ERROR:
-        print(f"cuflash: import failed: {CUFLASH_IMPORT_ERROR}  (peers still measured)")
+def png_path(path: str, op_name: str, ops: list[str]) -> str:
+    """The first op's plot goes to PATH; the others to PATH with _<op> before the extension."""
+    if op_name == ops[0]:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}_{op_name}{ext or '.png'}"
 
+
+def run_op(op_name: str, args) -> tuple[list[dict], bool, int]:
+    """Run one op's grid, printing each cell. Returns (rows, context broken, cells planned)."""
+    op = OPS[op_name]
+    impls = op_impls(op, args)
     rows, broken = [], False
     cells = op.grid(args)
+    print(f"\n### {op.title} ({op_name}): {len(cells)} cells, impls {','.join(impls)}", flush=True)
     for n, cell in enumerate(cells, 1):
         try:
             row = op.run_cell(cell, args)
         except Exception as e:  # noqa: BLE001  -- setup failure (e.g. out of memory)
             traceback.print_exc()
-            row = dict(op=args.op, dtype=args.dtype, **cell, error_cell=short_error(e))
+            row = dict(op=op_name, dtype=args.dtype, **cell, error_cell=short_error(e))
         rows.append(row)
-        print(f"[{n}/{len(cells)}] " + format_row(row, args.impls), flush=True)
-        if row.get("check_ok") is False and row.get("max_abs_diff") is not None:
-            print(f"!!! FAIL: cuflash differs from SDPA {row['check_ref']} by "
-                  f"{row['max_abs_diff']} > {args.tol:g} (d={row['d']} causal={row['causal']} "
-                  f"seqlen={row['seqlen']}) !!!", flush=True)
-        for key in ("error_cuflash", "check_error", "error_cell"):
-            if row.get(key):
+        print(f"[{n}/{len(cells)}] " + format_row(row, op, impls), flush=True)
+        if row.get("check_ok") is False:
+            if row.get("check_msg"):
+                print(f"!!! FAIL: {row['check_msg']} (d={row['d']} causal={row['causal']} "
+                      f"seqlen={row['seqlen']}) !!!", flush=True)
+            elif row.get("max_abs_diff") is not None:
+                print(f"!!! FAIL: cuflash differs from SDPA {row['check_ref']} by "
+                      f"{row['max_abs_diff']} > {args.tol:g} (d={row['d']} causal={row['causal']} "
+                      f"seqlen={row['seqlen']}) !!!", flush=True)
+        for key in ("error_cuflash", "error_cuflash_det", "check_error", "error_cell"):
+            if row.get(key) and not (key.startswith("error_cuflash") and row.get("cuflash_missing")):
                 print(f"    {key}: {row[key]}", flush=True)
         if not context_alive():
             print("CUDA context is broken (see the error above); stopping the run.")
             broken = True
             break
         free_memory()
+    return rows, broken, len(cells)
 
-    print_table(op, rows, args)
-    if args.json:
-        write_json(args.json, rows, meta)
-    if args.png:
-        write_png(args.png, op, rows, args, meta)
 
-    cuflash_bad = "cuflash" in args.impls and any(
-        r.get("tflops_cuflash") is None or r.get("check_ok") is False for r in rows)
-    return 1 if (broken or cuflash_bad or len(rows) < len(cells)) else 0
+def op_failed(op_name: str, rows: list[dict], args) -> bool:
+    """A cuflash cell that did not run (other than a backward that does not exist yet) or
+    that failed its spot check."""
+    cf = [i for i in op_impls(OPS[op_name], args) if i.startswith("cuflash")]
+    for r in rows:
+        if r.get("check_ok") is False:
+            return True
+        if r.get("cuflash_missing"):
+            continue
+        if any(r.get(f"tflops_{i}") is None for i in cf):
+            return True
+    return False
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    reason = _import_gpu_stack()
+    if reason:
+        print(f"bench_attention: skipped: {reason}", file=sys.stderr)
+        return 2
+    meta = run_meta()
+    print(f"device {meta['device']}  torch {meta['torch_version']}  triton "
+          f"{meta['triton_version']}  cupy {meta['cupy_version']}  cudnn {meta['cudnn_version']}")
+    if CUFLASH_IMPORT_ERROR:
+        print(f"cuflash: import failed: {CUFLASH_IMPORT_ERROR}  (peers still measured)")
+    if "bwd" in args.ops and cuflash is not None and not hasattr(cuflash, "attention_backward"):
+        print("cuflash: no attention_backward yet; the backward's cuflash columns are n/a "
+              "(peers still measured)")
+
+    all_rows, bad = [], False
+    for op_name in args.ops:
+        rows, broken, planned = run_op(op_name, args)
+        op = OPS[op_name]
+        print_table(op, rows, args)
+        all_rows += rows
+        # Written after each op, so a later op that dies or times out loses nothing before it.
+        if args.json:
+            write_json(args.json, all_rows, meta)
+        if args.png:
+            write_png(png_path(args.png, op_name, args.ops), op, rows, args, meta)
+        bad = bad or broken or len(rows) < planned or op_failed(op_name, rows, args)
+        if broken:
+            break
+        free_memory()
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

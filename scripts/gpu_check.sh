@@ -8,15 +8,20 @@
 #   tests      pytest -m gpu                  (SKIP_TESTS=1)    -> $OUT/pytest_gpu.log
 #   sanitize   compute-sanitizer memcheck, racecheck over scripts/sanitize_cases.py
 #                                             (SKIP_SANITIZE=1) -> $OUT/memcheck.log, racecheck.log
-#   bench      benchmarks/bench_attention.py  (SKIP_BENCH=1)    -> $OUT/bench.txt, bench.json, bench.png
-# then a short summary on stdout. Exit status 1 if any step that ran failed.
+#   bench      benchmarks/bench_attention.py --op all: forward then backward (SKIP_BENCH=1)
+#                  -> $OUT/bench.txt (both tables), bench.json (both ops' rows, field "op"),
+#                     bench.png (forward plot), bench_bwd.png (backward plot)
+# then a short summary on stdout (with both benchmark tables). Exit status 1 if any step
+# that ran failed.
 #
 # Environment:
 #   OUT            output folder (default ./out). At most 8 files come back from the
-#                  device; this script writes 7.
+#                  device; this script writes 8: env.txt, pytest_gpu.log, memcheck.log,
+#                  racecheck.log, bench.txt, bench.json, bench.png, bench_bwd.png.
 #   PYTEST_ARGS    appended to the pytest call, e.g. PYTEST_ARGS='-k forward --hypothesis-seed=0'
 #   SANITIZE_ARGS  appended to sanitize_cases.py, e.g. SANITIZE_ARGS='--only fwd_'
-#   BENCH_ARGS     appended to the benchmark, e.g. BENCH_ARGS='--quick'
+#   BENCH_ARGS     appended to the benchmark, e.g. BENCH_ARGS='--quick', or '--op fwd' for the
+#                  forward alone (the last --op wins)
 #   TESTS_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT   seconds per step (default: none);
 #                  the device kills a whole command after 600 s, so budget the steps.
 # The repository is not pip-installed there: it is imported through PYTHONPATH.
@@ -163,8 +168,11 @@ fi
 if [ "${SKIP_BENCH:-0}" = 1 ]; then
     record bench skipped 0
 else
+    # One process, forward then backward: one bench.txt, one bench.json; the plots are
+    # bench.png (forward) and bench_bwd.png (the benchmark adds _bwd for the second op).
     run_step bench "${BENCH_TIMEOUT:-}" "$OUT/bench.txt" \
-        python3 benchmarks/bench_attention.py --json "$OUT/bench.json" --png "$OUT/bench.png" \
+        python3 benchmarks/bench_attention.py --op all \
+        --json "$OUT/bench.json" --png "$OUT/bench.png" \
         ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}
     rc=$?
     if [ "$rc" = 0 ]; then record bench ok "$LAST_DT"
@@ -185,9 +193,16 @@ for tool in memcheck racecheck; do
 done
 if [ -f "$OUT/bench.txt" ]; then
     echo
-    # the benchmark's final table: from its '=== ' heading to the end
+    # the benchmark's tables (forward, backward): each from its '=== ' heading to the next
+    # blank line; then its per-cell FAIL lines and notes
     if grep -q '^=== ' "$OUT/bench.txt"; then
-        sed -n '/^=== /,$p' "$OUT/bench.txt" | grep -v '^wrote '
+        awk '/^=== /{p=1} /^$/{if (p) print ""; p=0} p' "$OUT/bench.txt"
+        grep -E '^!!! FAIL|^CUDA context is broken|^cuflash: (import failed|no attention_backward)' \
+            "$OUT/bench.txt" | head -20
+        if grep -q '^### Backward' "$OUT/bench.txt" && ! grep -q '^=== cuflash Backward' "$OUT/bench.txt"; then
+            echo "bench: the backward did not finish (last lines):"
+            tail -3 "$OUT/bench.txt"
+        fi
     else
         echo "bench (no table; last lines):"
         tail -5 "$OUT/bench.txt"

@@ -13,7 +13,12 @@ memcheck never sees it. With the pool off every array is its own cudaMalloc.
 
 Each case names a cuflash function; a case whose function does not exist yet is
 skipped (listed as such), so backward and KV-cache cases can sit in the table before
-their kernels land. Shapes are deliberately off every tile size (17, 33, 113, ...).
+their kernels land. Shapes are deliberately off every tile size (17, 33, 70, 113, 129, ...).
+
+Backward cases (``--only bwd_``) call ``cuflash.attention_backward(dout, q, k, v, out, lse,
+causal=..., window_size=..., softcap=..., alibi_slopes=..., deterministic=False|True,
+stream=...)`` with out, lse from ``cuflash.attention(..., return_lse=True)`` under the
+same options, head dims <= 128, GQA 2:1; names end in _atomic or _det.
 
 Prints "sanitize cases ok" last when every case that ran finished; exit 1 otherwise
 (the sanitizer's own findings come out through its --error-exitcode).
@@ -92,20 +97,43 @@ def _fwd_cases() -> list[dict]:
     return cases
 
 
+# Backward shapes (head dims <= 128, what the backward supports), GQA 2:1 in each:
+BWD_S17 = dict(b=1, sq=17, sk=33, h=2, hk=1, d=64)     # one query block, one KV block, ragged
+BWD_S70 = dict(b=2, sq=70, sk=129, h=4, hk=2, d=128)   # 2 query blocks x 3 KV blocks, ragged ends
+BWD_D40 = dict(BWD_S17, d=40)                          # head dim padded inside the kernel
+BWD_SQ_GT_SK = dict(b=1, sq=33, sk=17, h=2, hk=1, d=64)  # causal: leading rows see no key, grads 0
+
+BWD_VARIANTS = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(8, 4)),
+    "softcap_alibi": dict(softcap=5.0, alibi=True),
+}
+
+
 def _bwd_cases() -> list[dict]:
+    """cuflash.attention_backward(dout, q, k, v, out, lse, ..., deterministic=False|True):
+    every variant on both main shapes in both dQ modes for bf16; fp16 (same kernels but for
+    the conversions) on the larger shape only, plus the edge shapes."""
     cases = []
+
+    def add(dtype, sname, shape, vname, opts):
+        for det in (False, True):
+            cases.append(dict(name=f"bwd_{dtype}_{sname}_{vname}_{'det' if det else 'atomic'}",
+                              fn="attention_backward", dtype=dtype, shape=shape,
+                              opts=dict(opts, deterministic=det)))
+
     for dtype in DTYPES:
-        for shape_name, shape in (("d64", SMALL), ("d40", SMALL40), ("multi", MULTI)):
-            cases.append(dict(name=f"bwd_{dtype}_{shape_name}", fn="attention_backward",
-                              dtype=dtype, shape=shape, opts={}))
-        cases += [
-            dict(name=f"bwd_{dtype}_causal", fn="attention_backward", dtype=dtype, shape=MULTI,
-                 opts=dict(causal=True)),
-            dict(name=f"bwd_{dtype}_deterministic", fn="attention_backward", dtype=dtype,
-                 shape=MULTI, opts=dict(causal=True, deterministic=True)),
-            dict(name=f"bwd_{dtype}_window_softcap_alibi", fn="attention_backward", dtype=dtype,
-                 shape=SMALL, opts=dict(window_size=(8, 4), softcap=5.0, alibi=True)),
-        ]
+        shapes = (("s17", BWD_S17), ("s70", BWD_S70)) if dtype == "bf16" else (("s70", BWD_S70),)
+        for vname, opts in BWD_VARIANTS.items():
+            for sname, shape in shapes:
+                add(dtype, sname, shape, vname, opts)
+        add(dtype, "d40", BWD_D40, "plain", {})
+        add(dtype, "sq_gt_sk", BWD_SQ_GT_SK, "causal", dict(causal=True))
+    # all three backward launches (preprocess, main, dQ convert) on the caller's stream
+    cases.append(dict(name="bwd_bf16_s70_causal_side_stream_atomic", fn="attention_backward",
+                      dtype="bf16", shape=BWD_S70, opts=dict(causal=True, deterministic=False,
+                                                             side_stream=True)))
     return cases
 
 
@@ -167,13 +195,15 @@ def run_attention(rng, case, stream):
 
 
 def run_attention_backward(rng, case, stream):
+    """The public signature: dout, q, k, v, out, lse from a forward with return_lse=True
+    and the same options; deterministic only to the backward."""
     q, k, v = _qkv(rng, case)
-    kw = _kwargs(rng, case, stream)
-    deterministic = kw.pop("deterministic", False)
+    kw = _kwargs(rng, case, stream)  # causal, window_size, softcap, alibi_slopes, stream
+    deterministic = bool(kw.pop("deterministic", False))
     _ready()
     out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
     dout = _rand(rng, out.shape, case["dtype"])
-    _ready()
+    _ready()  # out, lse from the forward's stream; dout from the default stream's copy
     return cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
 
 
