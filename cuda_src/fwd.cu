@@ -24,7 +24,7 @@ struct FwdTraits {
     static constexpr int NT = BN / 8;                 // 8-column tiles of S
     static constexpr int DT = D / 8;                  // 8-column tiles of O
     // Q's A fragments held in registers for the whole loop: halves the shared-memory traffic of S = Q K^T, at
-    // D / 2 registers per 16-row tile. Pays off when a warp owns one 16-row tile (its B fragments are not reused).
+    // D / 4 registers per 16-row tile. Pays off when a warp owns one 16-row tile (its B fragments are not reused).
     static constexpr bool Q_IN_REGS = Q_IN_REGS_;
     using QTile = SmemTile<BM, DP>;
     using KVTile = SmemTile<BN, DP>;

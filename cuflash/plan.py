@@ -119,6 +119,17 @@ def compiled_headdim(headdim: int) -> int:
     raise ValueError(f"head dim {headdim} exceeds the largest compiled head dim {COMPILED_HEADDIMS[-1]}")
 
 
+def _template(kernel: str, dtype: str, ints: tuple, flags: tuple) -> str:
+    """C++ name expression of a kernel instantiation: kernel<dtype tag, ints..., flags...>."""
+    args = [dict(DTYPES.values())[dtype]] + [str(i) for i in ints] + ["true" if f else "false" for f in flags]
+    return f"cuflash::{kernel}<{', '.join(args)}>"
+
+
+def _smem_row_bytes(headdim: int) -> int:
+    """Bytes of one shared-memory tile row: whole 64-column panels of 16-bit elements (tile.cuh)."""
+    return math.ceil(headdim / 64) * 64 * 2
+
+
 @dataclass(frozen=True)
 class FwdSpec:
     """One compiled forward kernel."""
@@ -141,9 +152,8 @@ class FwdSpec:
     @property
     def template(self) -> str:
         c = self.config
-        tag = dict(DTYPES.values())[self.dtype]
-        flags = ", ".join("true" if x else "false" for x in (c.q_in_regs, self.band, self.score_mod))
-        return f"cuflash::fwd_kernel<{tag}, {self.headdim}, {c.block_m}, {c.block_n}, {c.warps}, {flags}>"
+        return _template("fwd_kernel", self.dtype, (self.headdim, c.block_m, c.block_n, c.warps),
+                         (c.q_in_regs, self.band, self.score_mod))
 
     @property
     def threads(self) -> int:
@@ -151,10 +161,8 @@ class FwdSpec:
 
     @property
     def smem_bytes(self) -> int:
-        # FwdTraits::SMEM_BYTES: Q (block_m rows) + K + V (block_n rows each), rows padded to whole
-        # 64-column panels of 16-bit elements.
-        row_bytes = math.ceil(self.headdim / 64) * 64 * 2
-        return (self.config.block_m + 2 * self.config.block_n) * row_bytes
+        # FwdTraits::SMEM_BYTES: Q (block_m rows) + K + V (block_n rows each)
+        return (self.config.block_m + 2 * self.config.block_n) * _smem_row_bytes(self.headdim)
 
 
 def all_forward_specs(arch: str) -> list:
@@ -211,9 +219,8 @@ class BwdSpec:
     @property
     def template(self) -> str:
         c = self.config
-        tag = dict(DTYPES.values())[self.dtype]
-        flags = ", ".join("true" if x else "false" for x in (self.band, self.score_mod))
-        return f"cuflash::bwd_kernel<{tag}, {self.headdim}, {c.block_m}, {c.block_n}, {c.warps}, {flags}>"
+        return _template("bwd_kernel", self.dtype, (self.headdim, c.block_m, c.block_n, c.warps),
+                         (self.band, self.score_mod))
 
     @property
     def threads(self) -> int:
@@ -223,9 +230,8 @@ class BwdSpec:
     def smem_bytes(self) -> int:
         # BwdTraits::SMEM_BYTES: K, V (block_n rows), Q, dO (block_m rows), P^T and dS^T (block_n x 64),
         # lse and D (block_m floats each).
-        row_bytes = math.ceil(self.headdim / 64) * 64 * 2
         c = self.config
-        return 2 * (c.block_n + c.block_m) * row_bytes + 2 * c.block_n * 64 * 2 + 2 * c.block_m * 4
+        return 2 * (c.block_n + c.block_m) * _smem_row_bytes(self.headdim) + 2 * c.block_n * 64 * 2 + 2 * c.block_m * 4
 
 
 @dataclass(frozen=True)
@@ -245,7 +251,7 @@ class AuxSpec:
 
     @property
     def template(self) -> str:
-        return f"cuflash::{self.kernel}<{dict(DTYPES.values())[self.dtype]}>"
+        return _template(self.kernel, self.dtype, (), ())
 
 
 def bwd_headdim(headdim: int) -> int:
