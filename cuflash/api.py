@@ -58,20 +58,30 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     _require_device_arrays(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+    import cupy
+    with cupy.cuda.Device(q.device.id), _on(stream):
+        out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=np.float32) if return_lse else None
+        launch_forward(problem, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    return (out, lse) if return_lse else out
+
+
+def launch_forward(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """Launch the forward into given arrays, on the current device and stream; no checks, no allocation.
+
+    The public :func:`attention` checks and allocates, then calls this; framework wrappers (JAX's FFI
+    handler) call it with buffers they own. ``out`` is contiguous like q, ``lse`` is contiguous
+    ``(batch, nheads, seqlen_q)`` float32 or None.
+    """
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
     device_id = q.device.id
     launch = plan.plan_forward(problem, left, right, score_mod, build.device_arch(device_id))
-
-    import cupy
-    with cupy.cuda.Device(device_id), _on(stream):
-        out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=np.float32) if return_lse else None
-        params = _fwd_params(problem, q, k, v, out, lse, alibi_slopes, left, right, scale, float(softcap), score_mod)
-        kernel = build.get_kernel(launch.spec, device_id)
-        kernel(launch.grid, launch.block, (params,), shared_mem=launch.smem)
-    return (out, lse) if return_lse else out
+    params = _fwd_params(problem, q, k, v, out, lse, alibi_slopes, left, right, scale, float(softcap), score_mod)
+    kernel = build.get_kernel(launch.spec, device_id)
+    kernel(launch.grid, launch.block, (params,), shared_mem=launch.smem)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -107,57 +117,70 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
     if not lse.flags.c_contiguous:
         raise ValueError(f"lse: must be contiguous (batch, nheads, seqlen_q); got strides "
                          f"{_elem_strides(lse)} elements")
+    import cupy
+    with cupy.cuda.Device(q.device.id), _on(stream):
+        dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
+                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                        deterministic=deterministic)
+    return dq, dk, dv
+
+
+def launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, deterministic):
+    """Launch the backward into given dq/dk/dv (contiguous), on the current device and stream; no checks.
+
+    Workspaces (fp32 dQ accumulator, rowsum(dO*O), lse in log2) come from CuPy's current allocator, so a
+    wrapper that sets one (``cupy.cuda.using_allocator``) decides where they live.
+    """
+    import cupy
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
     device_id = q.device.id
-    import cupy
     sm_count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
     launch = plan.plan_backward(problem, left, right, score_mod, bool(deterministic),
                                 build.device_arch(device_id), sm_count)
     dtype = launch.spec.dtype
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
 
-    with cupy.cuda.Device(device_id), _on(stream):
-        dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-        dsum = cupy.empty((b, h, sq), dtype=np.float32)
-        lse_log2 = cupy.empty((b, h, sq), dtype=np.float32)
-        dq_accum = cupy.zeros((launch.slices, b, sq, h, d), dtype=np.float32)
+    dsum = cupy.empty((b, h, sq), dtype=np.float32)
+    lse_log2 = cupy.empty((b, h, sq), dtype=np.float32)
+    dq_accum = cupy.zeros((launch.slices, b, sq, h, d), dtype=np.float32)
 
-        # D = rowsum(dO * O) and lse in the log2 domain: one warp per row
-        pre = plan.AuxSpec("bwd_preprocess", dtype)
-        pp = np.zeros((), dtype=plan.BWD_PRE_PARAMS_DTYPE)
-        _set_pointers(pp, out=out, dout=dout, lse=lse, dsum=dsum, lse_log2=lse_log2)
-        _set_strides(pp, o=out, do=dout)
-        pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = b, sq, h, d
-        rows_per_cta = pre.threads // 32
-        build.get_kernel(pre, device_id)((min(-(-b * h * sq // rows_per_cta), 65535 * 8),), (pre.threads,), (pp[()],))
+    # D = rowsum(dO * O) and lse in the log2 domain: one warp per row
+    pre = plan.AuxSpec("bwd_preprocess", dtype)
+    pp = np.zeros((), dtype=plan.BWD_PRE_PARAMS_DTYPE)
+    _set_pointers(pp, out=out, dout=dout, lse=lse, dsum=dsum, lse_log2=lse_log2)
+    _set_strides(pp, o=out, do=dout)
+    pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = b, sq, h, d
+    rows_per_cta = pre.threads // 32
+    build.get_kernel(pre, device_id)((min(-(-b * h * sq // rows_per_cta), 65535 * 8),), (pre.threads,), (pp[()],))
 
-        # the main kernel
-        bp = np.zeros((), dtype=plan.BWD_PARAMS_DTYPE)
-        _set_pointers(bp, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv, dq_accum=dq_accum, lse_log2=lse_log2, dsum=dsum,
-                      alibi=alibi_slopes)
-        _set_strides(bp, q=q, k=k, v=v, do=dout, dk=dk, dv=dv)
-        bp["alibi_batch_stride"] = _elem_strides(alibi_slopes)[0] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
-        bp["dq_slice_stride"] = b * sq * h * d
-        bp["batch"], bp["seqlen_q"], bp["seqlen_k"] = b, sq, problem.seqlen_k
-        bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
-        bp["window_left"], bp["window_right"] = left, right
-        bp["deterministic"] = int(bool(deterministic))
-        for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
-            bp[name] = value
-        bp["softmax_scale"] = scale
-        build.get_kernel(launch.spec, device_id)(launch.grid, (launch.spec.threads,), (bp[()],),
-                                                 shared_mem=launch.spec.smem_bytes)
+    # the main kernel
+    bp = np.zeros((), dtype=plan.BWD_PARAMS_DTYPE)
+    _set_pointers(bp, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv, dq_accum=dq_accum, lse_log2=lse_log2, dsum=dsum,
+                  alibi=alibi_slopes)
+    _set_strides(bp, q=q, k=k, v=v, do=dout, dk=dk, dv=dv)
+    bp["alibi_batch_stride"] = _elem_strides(alibi_slopes)[0] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
+    bp["dq_slice_stride"] = b * sq * h * d
+    bp["batch"], bp["seqlen_q"], bp["seqlen_k"] = b, sq, problem.seqlen_k
+    bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
+    bp["window_left"], bp["window_right"] = left, right
+    bp["deterministic"] = int(bool(deterministic))
+    for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
+        bp[name] = value
+    bp["softmax_scale"] = scale
+    build.get_kernel(launch.spec, device_id)(launch.grid, (launch.spec.threads,), (bp[()],),
+                                             shared_mem=launch.spec.smem_bytes)
 
-        # dQ: sum the slices (fixed order), cast
-        conv = plan.AuxSpec("bwd_convert_dq", dtype)
-        cp = np.zeros((), dtype=plan.BWD_CONVERT_PARAMS_DTYPE)
-        _set_pointers(cp, dq_accum=dq_accum, dq=dq)
-        cp["slice_stride"], cp["slices"] = b * sq * h * d, launch.slices
-        n_pairs = b * sq * h * d // 2
-        build.get_kernel(conv, device_id)((min(-(-n_pairs // conv.threads), 65535 * 16),), (conv.threads,), (cp[()],))
-    return dq, dk, dv
+    # dQ: sum the slices (fixed order), cast
+    conv = plan.AuxSpec("bwd_convert_dq", dtype)
+    cp = np.zeros((), dtype=plan.BWD_CONVERT_PARAMS_DTYPE)
+    _set_pointers(cp, dq_accum=dq_accum, dq=dq)
+    cp["slice_stride"], cp["slices"] = b * sq * h * d, launch.slices
+    n_pairs = b * sq * h * d // 2
+    build.get_kernel(conv, device_id)((min(-(-n_pairs // conv.threads), 65535 * 16),), (conv.threads,), (cp[()],))
 
 
 def _set_pointers(p, **arrays) -> None:
