@@ -9,8 +9,10 @@
 //     dQ = dS K -> fp32 accumulator      warp (query tile, column slice)
 // dQ is added atomically into one fp32 buffer (default) or, in deterministic mode, by CTA x into its own slice x,
 // where only one thread ever adds to an element, in the order the CTA walks KV blocks x, x + slots, ...;
-// bwd_convert_dq sums the slices in a fixed order.
+// bwd_convert_dq sums the slices in a fixed order. Packed variable-length batches run the same code, with the
+// offsets and lengths of sequence b from seqlen.cuh; a CTA past the end of a shorter sequence's keys does nothing.
 #include "params.cuh"
+#include "seqlen.cuh"
 #include "tile.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
@@ -62,6 +64,12 @@ struct BwdBlock {
     float acc_dk[DTW][4], acc_dv[DTW][4];
 
     __device__ __forceinline__ explicit BwdBlock(const BwdParams& params) : p(params) {}
+
+    // This CTA's sequence (seqlen.cuh). Its lengths live in `mask`; its starts are read where they are needed, as
+    // registers are short (a padded batch reads nothing).
+    __device__ __forceinline__ int seqlen_q() const { return mask.seqlen_k - mask.diag; }
+    __device__ __forceinline__ int q_begin() const { return SeqInfo::q_begin_of(p, blockIdx.z); }
+    __device__ __forceinline__ int k_begin() const { return SeqInfo::k_begin_of(p, blockIdx.z); }
 
     // Address of this lane's ldmatrix row for the 16 x 16 piece at rows row16 + (lane pattern), 16-byte chunks
     // chunk + (0 | 1) of a tile. `b_layout`: the lane pattern of a B operand / of a transposed A (rows 0-7 | 8-15
@@ -117,7 +125,11 @@ struct BwdBlock {
     }
 
     // dQ[query tile x column slice] = dS K, added to the fp32 accumulator. dS^T and K are read transposed.
-    __device__ __forceinline__ void dq_product(int row0, float* dq_base) const {
+    __device__ __forceinline__ void dq_product(int row0, int h, int q_begin) const {
+        const int seqlen_q = this->seqlen_q();
+        // Formed here from values the CTA can read again at no cost, rather than a pointer held through the loops.
+        float* dq_base = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
+                         SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * p.headdim;
         constexpr int TILES = Traits::DQ_TILES;
         const int q_tile = warp % Traits::WQ, col_tile0 = (warp / Traits::WQ) * TILES;
         const u32 ds_addr = ldm<PTile>(Traits::OFF_DS, 0, 2 * q_tile, true);
@@ -148,7 +160,7 @@ struct BwdBlock {
                 const int r = row0 + q_tile * 16 + lane / 4 + 8 * (e / 2);
                 const int c = (col_tile0 + dt) * 8 + 2 * (lane % 4) + e % 2;
                 // Deterministic mode gives each CTA its own slice: one thread adds to an element, in loop order.
-                if (r < p.seqlen_q && c < p.headdim) atomicAdd(dq_base + (i64)r * p.nheads * p.headdim + c, acc[dt][e]);
+                if (r < seqlen_q && c < p.headdim) atomicAdd(dq_base + (i64)r * p.nheads * p.headdim + c, acc[dt][e]);
             }
     }
 
@@ -165,17 +177,18 @@ struct BwdBlock {
     }
 
     template <bool MASK>
-    __device__ __forceinline__ void step(int b, int h, int n, int m, float* dq_base) {
-        const int row0 = m * BM;
+    __device__ __forceinline__ void step(int h, int n, int m) {
+        const int row0 = m * BM, seqlen_q = this->seqlen_q(), q_begin = this->q_begin();
         // ---- load Q, dO (cp.async) and the per-query lse, D ----
-        const u16* q = p.q + (i64)b * p.q_batch_stride + (i64)row0 * p.q_row_stride + (i64)h * p.q_head_stride;
-        const u16* dout = p.dout + (i64)b * p.do_batch_stride + (i64)row0 * p.do_row_stride + (i64)h * p.do_head_stride;
-        QCopy::load_async(smem0 + Traits::OFF_Q, q, p.q_row_stride, p.seqlen_q - row0, p.headdim, tid);
-        QCopy::load_async(smem0 + Traits::OFF_DO, dout, p.do_row_stride, p.seqlen_q - row0, p.headdim, tid);
+        const u16* q = p.q + SeqInfo::offset(q_begin, p.q_batch_stride, p.q_row_stride, row0) + (i64)h * p.q_head_stride;
+        const u16* dout =
+            p.dout + SeqInfo::offset(q_begin, p.do_batch_stride, p.do_row_stride, row0) + (i64)h * p.do_head_stride;
+        QCopy::load_async(smem0 + Traits::OFF_Q, q, p.q_row_stride, seqlen_q - row0, p.headdim, tid);
+        QCopy::load_async(smem0 + Traits::OFF_DO, dout, p.do_row_stride, seqlen_q - row0, p.headdim, tid);
         cp_async_commit();
         if (tid < BM) {
-            const i64 i = ((i64)b * p.nheads + h) * p.seqlen_q + row0 + tid;
-            const bool valid = row0 + tid < p.seqlen_q;
+            const i64 i = SeqInfo::offset(q_begin, p.lse_batch_stride, 1, row0 + tid) + (i64)h * p.lse_head_stride;
+            const bool valid = row0 + tid < seqlen_q;
             s_lse[tid] = valid ? p.lse_log2[i] : __int_as_float(0x7f800000);  // +inf: P = 0
             s_dsum[tid] = valid ? p.dsum[i] : 0.f;
         }
@@ -215,21 +228,22 @@ struct BwdBlock {
         // ---- dV += P^T dO, dK += dS^T Q, dQ += dS K ----
         accumulate(acc_dv, Traits::OFF_P, Traits::OFF_DO);
         accumulate(acc_dk, Traits::OFF_DS, Traits::OFF_Q);
-        dq_product(row0, dq_base);
+        dq_product(row0, h, q_begin);
         __syncthreads();  // before the next step overwrites Q, dO, P, dS
     }
 
-    __device__ __forceinline__ void store_dkdv(int b, int h_kv, int n) const {
+    __device__ __forceinline__ void store_dkdv(int h_kv, int n) const {
+        const int k_begin = this->k_begin();
 #pragma unroll
         for (int dt = 0; dt < DTW; ++dt)
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
                 const int key = n * BN + kb * 16 + lane / 4 + 8 * h2, c = (half * DTW + dt) * 8 + 2 * (lane % 4);
-                if (key < p.seqlen_k && c < p.headdim) {
-                    *reinterpret_cast<u32*>(p.dk + (i64)b * p.dk_batch_stride + (i64)key * p.dk_row_stride +
+                if (key < mask.seqlen_k && c < p.headdim) {
+                    *reinterpret_cast<u32*>(p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) +
                                             (i64)h_kv * p.dk_head_stride + c) =
                         pack2<T>(acc_dk[dt][2 * h2], acc_dk[dt][2 * h2 + 1]);
-                    *reinterpret_cast<u32*>(p.dv + (i64)b * p.dv_batch_stride + (i64)key * p.dv_row_stride +
+                    *reinterpret_cast<u32*>(p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) +
                                             (i64)h_kv * p.dv_head_stride + c) =
                         pack2<T>(acc_dv[dt][2 * h2], acc_dv[dt][2 * h2 + 1]);
                 }
@@ -245,18 +259,21 @@ struct BwdBlock {
         smem0 = smem_u32(smem);
         s_lse = reinterpret_cast<float*>(smem + Traits::OFF_LSE);
         s_dsum = s_lse + BM;
-        const int h_kv = blockIdx.y, b = blockIdx.z;
-        const int diag = p.seqlen_k - p.seqlen_q;
-        mask = Mask<BAND>{p.seqlen_k, diag, p.window_left, p.window_right};
-        const int n_blocks = ceil_div(p.seqlen_k, BN), m_blocks = ceil_div(p.seqlen_q, BM);
-        float* dq_slice = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0);
+        const int h_kv = blockIdx.y;
+        const SeqInfo seq(p, blockIdx.z);
+        const int diag = seq.seqlen_k - seq.seqlen_q;
+        mask = Mask<BAND>{seq.seqlen_k, diag, p.window_left, p.window_right};
+        // A packed sequence shorter than the longest has fewer KV blocks: the loop below may not run at all. One
+        // without queries still writes dK = dV = 0 for its keys.
+        const int n_blocks = ceil_div(seq.seqlen_k, BN), m_blocks = ceil_div(seq.seqlen_q, BM);
 
         for (int n = blockIdx.x; n < n_blocks; n += gridDim.x) {
             // ---- prologue: this CTA's K and V ----
-            const i64 k_off = (i64)b * p.k_batch_stride + (i64)n * BN * p.k_row_stride + (i64)h_kv * p.k_head_stride;
-            const i64 v_off = (i64)b * p.v_batch_stride + (i64)n * BN * p.v_row_stride + (i64)h_kv * p.v_head_stride;
-            KVCopy::load_async(smem0 + Traits::OFF_K, p.k + k_off, p.k_row_stride, p.seqlen_k - n * BN, p.headdim, tid);
-            KVCopy::load_async(smem0 + Traits::OFF_V, p.v + v_off, p.v_row_stride, p.seqlen_k - n * BN, p.headdim, tid);
+            const int k_begin = this->k_begin();
+            const i64 k_off = SeqInfo::offset(k_begin, p.k_batch_stride, p.k_row_stride, n * BN) + (i64)h_kv * p.k_head_stride;
+            const i64 v_off = SeqInfo::offset(k_begin, p.v_batch_stride, p.v_row_stride, n * BN) + (i64)h_kv * p.v_head_stride;
+            KVCopy::load_async(smem0 + Traits::OFF_K, p.k + k_off, p.k_row_stride, mask.seqlen_k - n * BN, p.headdim, tid);
+            KVCopy::load_async(smem0 + Traits::OFF_V, p.v + v_off, p.v_row_stride, mask.seqlen_k - n * BN, p.headdim, tid);
             cp_async_commit();
 #pragma unroll
             for (int dt = 0; dt < DTW; ++dt)
@@ -269,13 +286,12 @@ struct BwdBlock {
                 if (p.window_right >= 0) m_min = max(0, floor_div(n * BN - diag - p.window_right, BM));
                 if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
             }
-            const bool tail = (n + 1) * BN > p.seqlen_k;
+            const bool tail = (n + 1) * BN > mask.seqlen_k;
             for (int i = 0; i < p.heads_per_kv; ++i) {
                 const int h = h_kv * p.heads_per_kv + i;
                 if (SCORE_MOD)
                     mod = ScoreMod{p.mod_scale, p.softcap,
-                                   p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f, diag};
-                float* dq_base = dq_slice + (i64)b * p.seqlen_q * p.nheads * p.headdim + (i64)h * p.headdim;
+                                   p.alibi != nullptr ? p.alibi[(i64)blockIdx.z * p.alibi_batch_stride + h] : 0.f, diag};
                 for (int m = m_min; m < m_max; ++m) {
                     // Unmasked iff every (query, key) pair of the tile is inside the band and below seqlen_k.
                     bool full = !tail;
@@ -284,14 +300,14 @@ struct BwdBlock {
                         if (p.window_left >= 0) full = full && n * BN >= m * BM + BM - 1 + diag - p.window_left;
                     }
                     if (full && !SCORE_MOD)  // score-mod kernels keep one (masked) copy of the step: registers
-                        step<false>(b, h, n, m, dq_base);
+                        step<false>(h, n, m);
                     else
-                        step<true>(b, h, n, m, dq_base);
+                        step<true>(h, n, m);
                 }
             }
             cp_async_wait<0>();  // a CTA whose keys no query sees never waited for its K and V
             __syncthreads();     // (and the next KV block's loads must not overtake this one's last reads)
-            store_dkdv(b, h_kv, n);
+            store_dkdv(h_kv, n);
         }
     }
 };

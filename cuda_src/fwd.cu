@@ -5,7 +5,10 @@
 // inter-warp reduction; K and V tiles are shared in shared memory. Per KV block n:
 //     wait K[n] | issue V[n] | S = Q K[n]^T | mask, online softmax | wait V[n] | issue K[n-1] | O += P V[n]
 // so each tile's load overlaps the other's math. Normalization by the row sum waits for the epilogue.
+// Packed variable-length batches run the same code: seqlen.cuh says where sequence b starts and how long it is,
+// and CTAs past the end of a shorter sequence exit at once (the grid is sized for the longest).
 #include "params.cuh"
+#include "seqlen.cuh"
 #include "tile.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
@@ -65,7 +68,7 @@ struct FwdBlock {
         : p(params), q_addr(0, 0, 0), k_addr(0, 0, 0), v_addr(0, 0, 0) {}
 
     __device__ __forceinline__ void load_kv(u32 dst, const u16* gmem, i64 row_stride, int n) {
-        KVCopy::load_async(dst, gmem + (i64)n * BN * row_stride, row_stride, p.seqlen_k - n * BN, p.headdim, tid);
+        KVCopy::load_async(dst, gmem + (i64)n * BN * row_stride, row_stride, mask.seqlen_k - n * BN, p.headdim, tid);
         cp_async_commit();
     }
 
@@ -165,7 +168,8 @@ struct FwdBlock {
         pv(pa);
     }
 
-    __device__ __forceinline__ void epilogue(char* smem, int b, int h) {
+    __device__ __forceinline__ void epilogue(char* smem, int h) {
+        const SeqInfo seq(p, blockIdx.z);  // read again rather than held in registers through the main loop
         cp_async_wait<0>();
         __syncthreads();  // Q's shared memory is free for staging O
         float lse[MT][2];
@@ -181,40 +185,42 @@ struct FwdBlock {
                         pack2<T>(acc_o[mt][dt][2 * h2], acc_o[mt][dt][2 * h2 + 1]);
                 }
         __syncthreads();  // through shared memory so that global stores are 16 bytes wide and coalesced
-        u16* o_gmem = p.o + (i64)b * p.o_batch_stride + (i64)row0 * p.o_row_stride + (i64)h * p.o_head_stride;
-        QCopy::store(o_gmem, p.o_row_stride, sQ, p.seqlen_q - row0, p.headdim, tid);
+        u16* o_gmem = p.o + seq.q_offset(p.o_batch_stride, p.o_row_stride, row0) + (i64)h * p.o_head_stride;
+        QCopy::store(o_gmem, p.o_row_stride, sQ, seq.seqlen_q - row0, p.headdim, tid);
 
         if (p.lse != nullptr && lane % 4 == 0) {
-            float* lse_row = p.lse + ((i64)b * p.nheads + h) * p.seqlen_q;
+            float* lse_row = p.lse + seq.q_offset(p.lse_batch_stride, 1) + (i64)h * p.lse_head_stride;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h2 = 0; h2 < 2; ++h2) {
                     int r = row0 + warp_row0 + mt * 16 + lane / 4 + 8 * h2;
-                    if (r < p.seqlen_q) lse_row[r] = lse[mt][h2];
+                    if (r < seq.seqlen_q) lse_row[r] = lse[mt][h2];
                 }
         }
     }
 
     __device__ __forceinline__ void run(char* smem) {
         const int m_block = BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // band: longest rows first
-        const int h = blockIdx.y, b = blockIdx.z, h_kv = h / p.heads_per_kv;
+        const int h = blockIdx.y, h_kv = h / p.heads_per_kv;
+        const SeqInfo seq(p, blockIdx.z);
+        row0 = m_block * BM;
+        if (row0 >= seq.seqlen_q) return;  // a packed sequence shorter than the longest: the whole CTA leaves
         tid = threadIdx.x;
         lane = tid % 32;
         warp_row0 = (tid / 32) * Traits::ROWS_PER_WARP;
-        row0 = m_block * BM;
         sQ = smem_u32(smem);
         sK = sQ + QTile::BYTES;
         sV = sK + KVTile::BYTES;
         q_addr = LdmatrixAddr<QTile>(sQ, lane % 16, lane / 16);
         k_addr = LdmatrixAddr<KVTile>(sK, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
         v_addr = LdmatrixAddr<KVTile>(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
-        k_gmem = p.k + (i64)b * p.k_batch_stride + (i64)h_kv * p.k_head_stride;
-        v_gmem = p.v + (i64)b * p.v_batch_stride + (i64)h_kv * p.v_head_stride;
-        mask = Mask<BAND>{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        k_gmem = p.k + seq.k_offset(p.k_batch_stride, p.k_row_stride) + (i64)h_kv * p.k_head_stride;
+        v_gmem = p.v + seq.k_offset(p.v_batch_stride, p.v_row_stride) + (i64)h_kv * p.v_head_stride;
+        mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
         if (SCORE_MOD) {
-            float slope = p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f;
-            mod = ScoreMod{p.mod_scale, p.softcap, slope, p.seqlen_k - p.seqlen_q};
+            float slope = p.alibi != nullptr ? p.alibi[(i64)blockIdx.z * p.alibi_batch_stride + h] : 0.f;
+            mod = ScoreMod{p.mod_scale, p.softcap, slope, seq.seqlen_k - seq.seqlen_q};
         }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -229,8 +235,8 @@ struct FwdBlock {
         n_min = range.n_min;
         int n = range.n_max - 1;
         if (n >= n_min) {
-            const u16* q_gmem = p.q + (i64)b * p.q_batch_stride + (i64)row0 * p.q_row_stride + (i64)h * p.q_head_stride;
-            QCopy::load_async(sQ, q_gmem, p.q_row_stride, p.seqlen_q - row0, p.headdim, tid);
+            const u16* q_gmem = p.q + seq.q_offset(p.q_batch_stride, p.q_row_stride, row0) + (i64)h * p.q_head_stride;
+            QCopy::load_async(sQ, q_gmem, p.q_row_stride, seq.seqlen_q - row0, p.headdim, tid);
             load_kv(sK, k_gmem, p.k_row_stride, n);  // one group: Q and K[n]
             load_kv(sV, v_gmem, p.v_row_stride, n);  // a second: the first step needs V[n] only after softmax
 
@@ -245,7 +251,7 @@ struct FwdBlock {
                 for (; n >= n_min; --n) step<true, false>(n);
         }
         // ---- epilogue: normalize, stage O through shared memory, write O and lse ----
-        epilogue(smem, b, h);
+        epilogue(smem, h);
     }
 };
 

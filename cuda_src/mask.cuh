@@ -21,20 +21,24 @@ struct Mask {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = row0 + mt * 16 + lane / 4 + 8 * h;
-                int hi = seqlen_k - col_lane, lo = -col_lane;
-                if (BAND) {
-                    if (right >= 0) hi = min(hi, row + diag + right + 1 - col_lane);
-                    if (left >= 0) lo = max(lo, row + diag - left - col_lane);
-                }
+            for (int h = 0; h < 2; ++h) apply_row(s[mt], h, row0 + mt * 16 + lane / 4 + 8 * h, col_lane);
+    }
+
+    // Masks the h-th row of a thread's 16-row fragment tile, holding query `row`; col_lane: the thread's first
+    // column. (Decode packs several heads into one tile, so its rows are not consecutive queries.)
+    template <int NT>
+    __device__ __forceinline__ void apply_row(float (&s)[NT][4], int h, int row, int col_lane) const {
+        int hi = seqlen_k - col_lane, lo = -col_lane;
+        if (BAND) {
+            if (right >= 0) hi = min(hi, row + diag + right + 1 - col_lane);
+            if (left >= 0) lo = max(lo, row + diag - left - col_lane);
+        }
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int c = nt * 8 + e;  // column offset from the thread's first column
-                        if (c < lo || c >= hi) s[mt][nt][2 * h + e] = NEG_INF;
-                    }
+            for (int e = 0; e < 2; ++e) {
+                const int c = nt * 8 + e;  // column offset from the thread's first column
+                if (c < lo || c >= hi) s[nt][2 * h + e] = NEG_INF;
             }
     }
 
@@ -73,13 +77,18 @@ struct BlockRange {
 
 template <int BM, int BN, bool BAND>
 __device__ __forceinline__ BlockRange block_range(const Mask<BAND>& mask, int row0) {
+    return block_range<BN>(mask, row0, row0 + BM - 1);
+}
+
+// The same for query rows [row0, last_row].
+template <int BN, bool BAND>
+__device__ __forceinline__ BlockRange block_range(const Mask<BAND>& mask, int row0, int last_row) {
     BlockRange r;
     r.n_min = 0;
     r.n_max = ceil_div(mask.seqlen_k, BN);
     r.full_lo = 0;
     r.full_hi = mask.seqlen_k / BN - 1;  // the last partial block is masked by the seqlen_k bound
     if (BAND) {
-        int last_row = row0 + BM - 1;
         if (mask.right >= 0) {
             r.n_max = min(r.n_max, floor_div(last_row + mask.diag + mask.right, BN) + 1);
             r.full_hi = min(r.full_hi, floor_div(row0 + mask.diag + mask.right + 1, BN) - 1);

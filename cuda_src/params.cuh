@@ -6,18 +6,22 @@
 namespace cuflash {
 
 struct FwdParams {
-    const u16* q;          // (batch, seqlen_q, nheads, headdim), any strides, last dim contiguous
+    const u16* q;          // (batch, seqlen_q, nheads, headdim) or packed (total_q, nheads, headdim); any strides,
+                           // last dim contiguous
     const u16* k;          // (batch, seqlen_k, nheads_k, headdim)
     const u16* v;          // (batch, seqlen_k, nheads_k, headdim)
     u16* o;                // (batch, seqlen_q, nheads, headdim)
-    float* lse;            // (batch, nheads, seqlen_q) contiguous, natural log; nullptr: not written
+    float* lse;            // (batch, nheads, seqlen_q), natural log, rows contiguous; nullptr: not written
     const float* alibi;    // slopes, (nheads,) or (batch, nheads); nullptr: no ALiBi
-    i64 q_batch_stride, q_row_stride, q_head_stride;  // strides in elements
+    const int* cu_seqlens_q;  // packed sequences (seqlen.cuh): (batch + 1,) row offsets into q, o, lse; nullptr: padded
+    const int* cu_seqlens_k;  // (batch + 1,) row offsets into k, v (set together with cu_seqlens_q)
+    i64 q_batch_stride, q_row_stride, q_head_stride;  // strides in elements; packed: batch stride = row stride
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
     i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 lse_batch_stride, lse_head_stride;  // padded (nheads * seqlen_q, seqlen_q); packed (nheads, total_q): (1, total_q)
     i64 alibi_batch_stride;  // 0 when the slopes are shared by the batch
-    int seqlen_q, seqlen_k;
+    int seqlen_q, seqlen_k;    // padded: the lengths; packed: max_seqlen_q, max_seqlen_k (the grid's size only)
     int nheads, heads_per_kv;  // query heads; query heads per KV head (GQA group size)
     int headdim;               // real head dim (<= the compiled one; the rest is zero padding)
     int window_left, window_right;  // -1: unbounded; causal is (-1, 0)
@@ -38,19 +42,23 @@ struct BwdParams {
     const u16* dout;       // like q
     u16* dk;               // like k
     u16* dv;               // like v
-    float* dq_accum;       // fp32 (slices, batch, seqlen_q, nheads, headdim), contiguous
-    const float* lse_log2; // (batch, nheads, seqlen_q): lse * log2(e); +inf where a row sees no key
-    const float* dsum;     // (batch, nheads, seqlen_q): rowsum(dO * O)
+    float* dq_accum;       // fp32 (slices, batch, seqlen_q, nheads, headdim), or (slices, total_q, ...) packed
+    const float* lse_log2; // (batch, nheads, seqlen_q) or (nheads, total_q): lse * log2(e); +inf: row sees no key
+    const float* dsum;     // like lse_log2: rowsum(dO * O)
     const float* alibi;    // as in FwdParams
+    const int* cu_seqlens_q;  // as in FwdParams
+    const int* cu_seqlens_k;
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+    i64 lse_batch_stride, lse_head_stride;  // of lse_log2 and dsum, as in FwdParams
+    i64 dq_batch_stride;   // of dq_accum: seqlen_q * nheads * headdim; packed: the row stride, nheads * headdim
     i64 alibi_batch_stride;
     i64 dq_slice_stride;   // elements between dq_accum slices
-    int batch, seqlen_q, seqlen_k;
+    int batch, seqlen_q, seqlen_k;  // packed: seqlen_q, seqlen_k are the maxima
     int nheads, heads_per_kv, headdim;
     int window_left, window_right;
     int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only
@@ -75,6 +83,43 @@ struct BwdConvertParams {
     u16* dq;
     i64 slice_stride;      // elements per slice = number of dq elements
     int slices;
+};
+
+}  // namespace cuflash
+
+namespace cuflash {
+
+// Decode against a KV cache (cuda_src/decode.cu, decode_aux.cu). Layout mirrored by cuflash/plan.py
+// DECODE_PARAMS_DTYPE. Batch row b attends to cache positions [0, len_b), len_b = cache_seqlens[b] (or
+// cache_len) + seqlen_new_k; the new keys were appended at [len_b - seqlen_new_k, len_b) first.
+struct DecodeParams {
+    const u16* q;              // (batch, seqlen_q, nheads, headdim)
+    const u16* k_cache;        // (batch_cache, max_len, nheads_k, headdim), or pages (num_pages, page_size, ...)
+    const u16* v_cache;
+    const u16* k_new;          // (batch, seqlen_new_k, nheads_k, headdim) to append, or nullptr
+    const u16* v_new;
+    u16* o;                    // (batch, seqlen_q, nheads, headdim)
+    float* lse;                // (batch, nheads, seqlen_q) contiguous, or nullptr
+    float* o_partial;          // num_splits > 1: fp32 (splits, batch, nheads, seqlen_q, headdim), contiguous
+    float* lse_partial;        // num_splits > 1: (splits, batch, nheads, seqlen_q)
+    const int* cache_seqlens;  // (batch,), or nullptr: every row holds cache_len
+    const int* cache_batch_idx;  // (batch,) cache row of each batch row, or nullptr: row b
+    const int* block_table;    // (batch, max_pages) page indices, or nullptr: contiguous cache
+    const float* alibi;        // as in FwdParams
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride = page stride when paged
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 kn_batch_stride, kn_row_stride, kn_head_stride;
+    i64 vn_batch_stride, vn_row_stride, vn_head_stride;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 alibi_batch_stride;
+    i64 block_table_stride;    // elements between rows of block_table
+    int batch, seqlen_q, seqlen_new_k, cache_len;
+    int nheads, heads_per_kv, headdim;
+    int page_size;             // paged only
+    int window_left, window_right;
+    int num_splits;            // KV splits per (batch, KV head, row tile); 1 writes o and lse directly
+    float scale_log2, mod_scale, softcap;
 };
 
 }  // namespace cuflash

@@ -69,6 +69,29 @@ struct TileCopy {
         }
     }
 
+    // Like load_async, for rows that lie anywhere: row r comes from row_ptr(r), or is zero-filled where that is
+    // nullptr (decode gathers KV cache pages and the query rows of several heads). `any` is some valid address,
+    // given to zero-filling copies that read nothing.
+    template <class RowPtr>
+    static __device__ __forceinline__ void load_rows_async(u32 smem, const RowPtr& row_ptr, int d_valid,
+                                                           const u16* any, int tid) {
+        const int row = tid / 8, chunk = tid % 8;
+        const u32 dst = smem + SmemTile<ROWS, DP>::offset(row, chunk);
+#pragma unroll
+        for (int r = 0; r < ROWS; r += ROW_STEP) {
+            const u16* src = row_ptr(row + r);
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn) {
+                int col = pn * 64 + chunk * 8;
+                if (col < D) {
+                    bool valid = src != nullptr && col < d_valid;
+                    cp_async_16(dst + pn * SmemTile<ROWS, DP>::PANEL_BYTES + r * 128, valid ? src + col : any,
+                                valid);
+                }
+            }
+        }
+    }
+
     // Copies shared -> global, rows < rows_valid and columns < d_valid only.
     static __device__ __forceinline__ void store(u16* gmem, i64 row_stride, u32 smem, int rows_valid, int d_valid,
                                                  int tid) {

@@ -4,8 +4,10 @@ Public functions take and return CuPy arrays; ``cuflash.torch`` and ``cuflash.ja
 those frameworks. ``cuflash.reference`` is the float64 NumPy specification of every function.
 """
 from . import reference
-from .api import attention, attention_backward
+from .api import (attention, attention_backward, attention_varlen, attention_varlen_backward,
+                  attention_with_kvcache)
 from .build import precompile
 
-__all__ = ["attention", "attention_backward", "precompile", "reference"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
+           "attention_with_kvcache", "precompile", "reference"]
 __version__ = "0.1.0"

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import struct
+
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from . import build, checks, plan
 
-__all__ = ["attention", "attention_backward"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
+           "attention_with_kvcache"]
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -67,19 +72,25 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     return (out, lse) if return_lse else out
 
 
-def launch_forward(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes):
+def launch_forward(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   cu_seqlens_q=None, cu_seqlens_k=None):
     """Launch the forward into given arrays, on the current device and stream; no checks, no allocation.
 
     The public :func:`attention` checks and allocates, then calls this; framework wrappers (JAX's FFI
     handler) call it with buffers they own. ``out`` is contiguous like q, ``lse`` is contiguous
     ``(batch, nheads, seqlen_q)`` float32 or None.
+
+    Packed variable-length sequences (:func:`attention_varlen`): give ``cu_seqlens_q`` and ``cu_seqlens_k``
+    (int32 ``(batch + 1,)`` on the device); q/out are then ``(total_q, nheads, d)``, k/v
+    ``(total_k, nheads_k, d)``, lse ``(nheads, total_q)``, and ``problem`` carries the maximum lengths.
     """
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
     device_id = q.device.id
     launch = plan.plan_forward(problem, left, right, score_mod, build.device_arch(device_id))
-    params = _fwd_params(problem, q, k, v, out, lse, alibi_slopes, left, right, scale, float(softcap), score_mod)
+    params = _fwd_params(problem, q, k, v, out, lse, alibi_slopes, left, right, scale, float(softcap), score_mod,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     kernel = build.get_kernel(launch.spec, device_id)
     kernel(launch.grid, launch.block, (params,), shared_mem=launch.smem)
 
@@ -127,43 +138,52 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
 
 
 def launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, deterministic):
+                    alibi_slopes, deterministic, cu_seqlens_q=None, cu_seqlens_k=None):
     """Launch the backward into given dq/dk/dv (contiguous), on the current device and stream; no checks.
 
     Workspaces (fp32 dQ accumulator, rowsum(dO*O), lse in log2) come from CuPy's current allocator, so a
-    wrapper that sets one (``cupy.cuda.using_allocator``) decides where they live.
+    wrapper that sets one (``cupy.cuda.using_allocator``) decides where they live. With ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` the arrays are packed as in :func:`launch_forward`, and the workspaces too: one row per
+    query token.
     """
     import cupy
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
     device_id = q.device.id
-    sm_count = cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+    sm_count = build.sm_count(device_id)
     launch = plan.plan_backward(problem, left, right, score_mod, bool(deterministic),
                                 build.device_arch(device_id), sm_count)
     dtype = launch.spec.dtype
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
+    packed = cu_seqlens_q is not None
+    # Per-row workspaces: (b, h, sq) and (slices, b, sq, h, d); packed, one row per query token, (h, total_q) and
+    # (slices, total_q, h, d). The elementwise launches see a packed batch as one sequence of total_q rows.
+    pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
+    rows = pre_b * pre_sq  # query rows of all sequences
 
-    dsum = cupy.empty((b, h, sq), dtype=np.float32)
-    lse_log2 = cupy.empty((b, h, sq), dtype=np.float32)
-    dq_accum = cupy.zeros((launch.slices, b, sq, h, d), dtype=np.float32)
+    dsum = cupy.empty((pre_b, h, pre_sq), dtype=np.float32)
+    lse_log2 = cupy.empty((pre_b, h, pre_sq), dtype=np.float32)
+    dq_accum = cupy.zeros((launch.slices, pre_b, pre_sq, h, d), dtype=np.float32)
 
     # D = rowsum(dO * O) and lse in the log2 domain: one warp per row
     pre = plan.AuxSpec("bwd_preprocess", dtype)
     pp = np.zeros((), dtype=plan.BWD_PRE_PARAMS_DTYPE)
     _set_pointers(pp, out=out, dout=dout, lse=lse, dsum=dsum, lse_log2=lse_log2)
     _set_strides(pp, o=out, do=dout)
-    pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = b, sq, h, d
+    pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
     rows_per_cta = pre.threads // 32
-    build.get_kernel(pre, device_id)((min(-(-b * h * sq // rows_per_cta), 65535 * 8),), (pre.threads,), (pp[()],))
+    build.get_kernel(pre, device_id)((min(-(-rows * h // rows_per_cta), 65535 * 8),), (pre.threads,), (pp[()],))
 
     # the main kernel
     bp = np.zeros((), dtype=plan.BWD_PARAMS_DTYPE)
     _set_pointers(bp, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv, dq_accum=dq_accum, lse_log2=lse_log2, dsum=dsum,
-                  alibi=alibi_slopes)
+                  alibi=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _set_strides(bp, q=q, k=k, v=v, do=dout, dk=dk, dv=dv)
+    bp["lse_batch_stride"], bp["lse_head_stride"] = _lse_strides(dsum[0] if packed else dsum)
+    bp["dq_batch_stride"] = h * d if packed else sq * h * d  # packed: sequence b starts at row cu_seqlens_q[b]
     bp["alibi_batch_stride"] = _elem_strides(alibi_slopes)[0] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
-    bp["dq_slice_stride"] = b * sq * h * d
+    bp["dq_slice_stride"] = rows * h * d
     bp["batch"], bp["seqlen_q"], bp["seqlen_k"] = b, sq, problem.seqlen_k
     bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
     bp["window_left"], bp["window_right"] = left, right
@@ -178,9 +198,275 @@ def launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_sca
     conv = plan.AuxSpec("bwd_convert_dq", dtype)
     cp = np.zeros((), dtype=plan.BWD_CONVERT_PARAMS_DTYPE)
     _set_pointers(cp, dq_accum=dq_accum, dq=dq)
-    cp["slice_stride"], cp["slices"] = b * sq * h * d, launch.slices
-    n_pairs = b * sq * h * d // 2
+    cp["slice_stride"], cp["slices"] = rows * h * d, launch.slices
+    n_pairs = rows * h * d // 2
     build.get_kernel(conv, device_id)((min(-(-n_pairs // conv.threads), 65535 * 16),), (conv.threads,), (cp[()],))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
+                     stream=None):
+    """Attention over a batch of variable-length sequences packed along one token axis (flash-attn's layout).
+
+    Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
+    of k and v. Each sequence is attended on its own, exactly as :func:`attention` with batch 1 would: masks are
+    aligned bottom-right with the sequence's own lengths. For lengths ``sq = 2``, ``sk = 5``, causal::
+
+        x x x x .
+        x x x x x
+
+    Parameters
+    ----------
+    q : cupy.ndarray, (total_q, nheads, headdim), float16 or bfloat16
+    k, v : cupy.ndarray, (total_k, nheads_k, headdim), same dtype as q
+        ``nheads % nheads_k == 0`` (GQA/MQA). Last axis contiguous, other strides free (16-byte aligned).
+    cu_seqlens_q, cu_seqlens_k : cupy.ndarray, int32, (batch + 1,), on the device
+        Cumulative sequence starts: non-decreasing, ``cu_seqlens[0] = 0`` and ``cu_seqlens[-1]`` at most the
+        token count. Equal neighbours make an empty sequence. They are read by the kernels, never by the host
+        (no synchronization); out and lse rows outside every sequence are not written.
+    max_seqlen_q, max_seqlen_k : int
+        Upper bounds on the sequence lengths (they size the grid and pick the tile config); a sequence longer
+        than ``max_seqlen_q`` would be left partly uncomputed.
+    softmax_scale, causal, window_size, softcap : as in :func:`attention`, per sequence.
+    alibi_slopes : cupy.ndarray, float32, (nheads,) or (batch, nheads), optional
+        Row ``b`` for sequence ``b``.
+    return_lse : bool
+        Also return the float32 log-sum-exp ``(nheads, total_q)`` (natural log).
+    stream : cupy.cuda.Stream, optional
+
+    Returns
+    -------
+    out : cupy.ndarray, (total_q, nheads, headdim), contiguous, dtype of q
+    lse : cupy.ndarray, (nheads, total_q), float32 -- only if ``return_lse``
+
+    A query row that sees no key (also every row of a sequence with no keys) gets ``out = 0`` and
+    ``lse = -inf``.
+
+    Examples
+    --------
+    >>> cu = cupy.asarray([0, 100, 100, 612], dtype=cupy.int32)   # lengths 100, 0, 512
+    >>> q = cupy.random.randn(612, 16, 128).astype(cupy.float16)
+    >>> out = cuflash.attention_varlen(q, q, q, cu, cu, 512, 512, causal=True)
+    """
+    problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                  softcap=softcap, alibi_slopes=alibi_slopes)
+    _require_device_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           alibi_slopes=alibi_slopes)
+    import cupy
+    with cupy.cuda.Device(q.device.id), _on(stream):
+        out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((problem.nheads, q.shape[0]), dtype=np.float32) if return_lse else None
+        launch_forward(problem, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, deterministic=False, stream=None):
+    """Gradients of :func:`attention_varlen`: the kernels of :func:`attention_backward`, per sequence.
+
+    Parameters
+    ----------
+    dout : cupy.ndarray, (total_q, nheads, headdim), dtype of q
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k : as in :func:`attention_varlen`;
+        head dims up to 128 (larger ones raise NotImplementedError).
+    out : cupy.ndarray, (total_q, nheads, headdim)
+        The forward's output.
+    lse : cupy.ndarray, float32, (nheads, total_q), contiguous
+        The forward's log-sum-exp (``attention_varlen(..., return_lse=True)``).
+    softmax_scale, causal, window_size, softcap, alibi_slopes
+        Exactly as given to the forward.
+    deterministic : bool
+        Bitwise-repeatable dQ, as in :func:`attention_backward`.
+    stream : cupy.cuda.Stream, optional
+
+    Returns
+    -------
+    dq, dk, dv : cupy.ndarray
+        Shaped and typed like q, k, v (contiguous). Keys of a sequence without queries get zero gradients.
+        Token rows outside every sequence get dq = 0; their dk, dv are not written.
+    """
+    problem = checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    _require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    if not lse.flags.c_contiguous:
+        raise ValueError(f"lse: must be contiguous (nheads, total_q); got strides {_elem_strides(lse)} elements")
+    import cupy
+    with cupy.cuda.Device(q.device.id), _on(stream):
+        dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
+                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return dq, dk, dv
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                           block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, num_splits=0, return_lse=False, stream=None):
+    """Attention of new query rows against a KV cache (decode), with FlashAttention's semantics.
+
+    Parameters
+    ----------
+    q : cupy.ndarray, (batch, seqlen_new, nheads, headdim)
+        Usually seqlen_new = 1; up to a few hundred rows (speculative decoding) work too.
+    k_cache, v_cache : cupy.ndarray
+        Contiguous cache ``(batch_cache, max_len, nheads_k, headdim)``, or with ``block_table`` a page pool
+        ``(num_pages, page_size, nheads_k, headdim)``, page_size any multiple of 16. Updated in place when
+        ``k``/``v`` are given.
+    k, v : cupy.ndarray, (batch, seqlen_new_k, nheads_k, headdim), optional
+        Appended to the cache at positions ``cache_seqlens[b] ..`` (in place) before attending.
+    cache_seqlens : int or cupy int32 (batch,), optional
+        Keys already in the cache per batch row (before the append); default: the whole capacity.
+    cache_batch_idx : cupy int32 (batch,), optional
+        Batch row b reads (and appends to) cache row ``cache_batch_idx[b]``. Not with ``block_table``.
+    block_table : cupy int32 (batch, max_pages), optional
+        Page indices: logical position p of row b lives at page ``block_table[b, p // page_size]``,
+        row ``p % page_size``.
+    softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream
+        As in :func:`attention`. Row b attends to ``L_b = cache_seqlens[b] + seqlen_new_k`` keys; causal and
+        window masks are aligned bottom-right over that length (new query i sits at position
+        ``L_b - seqlen_new + i``).
+    num_splits : int
+        Splits of the keys across CTAs (merged by a combine kernel). 0 chooses from the SM count, the number
+        of (batch, KV head) pairs and the cache length; 1 writes the output directly.
+
+    Returns
+    -------
+    out : cupy.ndarray, (batch, seqlen_new, nheads, headdim); lse (batch, nheads, seqlen_new) float32 if asked.
+    A row with no key (``L_b = 0``) gets ``out = 0`` and ``lse = -inf``.
+
+    The query heads that share a KV head are processed together, so every K/V byte is read once.
+    """
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+            window_size, softcap, alibi_slopes, num_splits, return_lse)
+    key = checks.call_signature(args)
+    prep = _decode_calls.get(key) if key is not None else None
+    if prep is None:
+        prep = _prepare_decode(*args)
+        if key is not None:
+            if len(_decode_calls) >= 4096:
+                _decode_calls.clear()
+            _decode_calls[key] = prep
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if x is not None and x.data.ptr % 16:
+            raise ValueError(f"{name}: must be 16-byte aligned; data pointer {x.data.ptr:#x}")
+
+    import cupy
+    with _device(prep.device_id), _on(stream):
+        # one allocation: out, then lse, then the split workspace (partial O, partial lse)
+        mem = cupy.cuda.alloc(prep.nbytes)
+        out = cupy.ndarray(q.shape, q.dtype, memptr=mem)
+        lse = cupy.ndarray(prep.lse_shape, np.float32, memptr=mem + prep.lse_offset) if return_lse else None
+        o_partial = mem.ptr + prep.partial_offset if prep.partial_offset else 0
+        lse_partial = mem.ptr + prep.lse_partial_offset if prep.partial_offset else 0
+        params = np.frombuffer(_DECODE_POINTERS.pack(
+            q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse),
+            o_partial, lse_partial, _ptr(prep.seqlens_array(cache_seqlens)), _ptr(cache_batch_idx),
+            _ptr(block_table), _ptr(alibi_slopes)) + prep.params, plan.DECODE_PARAMS_DTYPE)[0]
+        for kernel, grid, block, smem in prep.launches:
+            kernel(grid, block, (params,), shared_mem=smem)
+    return (out, lse) if return_lse else out
+
+
+# DecodeParams starts with 13 pointers (q .. alibi, params.cuh); a call packs them in front of the constant rest
+# (struct.pack and one frombuffer: about 20x faster than setting fields of a NumPy structured scalar).
+_DECODE_POINTERS = struct.Struct("13Q")
+assert [plan.DECODE_PARAMS_DTYPE[i] for i in range(13)] == [np.dtype(np.uint64)] * 13
+_decode_calls: dict = {}  # call signature -> _DecodeCall: checks, plan and constant params, done once
+
+
+class _DecodeCall(NamedTuple):
+    device_id: int
+    params: bytes             # DecodeParams after the pointers: strides, sizes, scales
+    lse_shape: tuple
+    nbytes: int               # one allocation per call: out | lse | partial O | partial lse
+    lse_offset: int           # byte offsets into it; partial_offset 0: one split, no workspace
+    partial_offset: int
+    lse_partial_offset: int
+    launches: tuple           # (kernel, grid, block, smem) in order: append, decode, combine
+    seqlens_array: Callable   # cache_seqlens -> the array to point at, or None
+
+
+def _ptr(x) -> int:
+    return 0 if x is None else x.data.ptr
+
+
+def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+                    causal, window_size, softcap, alibi_slopes, num_splits, return_lse) -> _DecodeCall:
+    """Everything about a decode call that depends only on shapes, strides, dtypes and options."""
+    problem = checks.check_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                                   cache_batch_idx=cache_batch_idx, block_table=block_table,
+                                   num_splits=num_splits, softmax_scale=softmax_scale, causal=causal,
+                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    _require_device_arrays(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, alibi_slopes=alibi_slopes)
+    seqlens_is_array = not (cache_seqlens is None or checks._is_int(cache_seqlens))
+    _require_device_index_arrays(cache_seqlens=cache_seqlens if seqlens_is_array else None,
+                                 cache_batch_idx=cache_batch_idx, block_table=block_table)
+    scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
+    left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
+    score_mod = softcap > 0 or alibi_slopes is not None
+    seqlen_new_k = 0 if k is None else k.shape[1]
+    capacity = problem.seqlen_k
+    if cache_seqlens is None:
+        cache_len = capacity
+    else:
+        cache_len = 0 if seqlens_is_array else int(cache_seqlens)
+    known_keys = capacity if seqlens_is_array else cache_len + seqlen_new_k  # bounds the split count
+    device_id = q.device.id
+    launch = plan.plan_decode(dataclasses.replace(problem, seqlen_k=max(known_keys, 1)), left, right, score_mod,
+                              int(num_splits), build.sm_count(device_id))
+    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
+
+    p = np.zeros((), dtype=plan.DECODE_PARAMS_DTYPE)
+    _set_strides(p, q=q, k=k_cache, v=v_cache, o=q)  # out is allocated contiguous like q's shape
+    p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = sq * h * d, h * d, d
+    if k is not None:
+        _set_strides(p, kn=k, vn=v)
+    p["alibi_batch_stride"] = _elem_strides(alibi_slopes)[0] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
+    p["block_table_stride"] = _elem_strides(block_table)[0] if block_table is not None else 0
+    p["batch"], p["seqlen_q"], p["seqlen_new_k"], p["cache_len"] = b, sq, seqlen_new_k, cache_len
+    p["nheads"], p["heads_per_kv"], p["headdim"] = h, h // problem.nheads_k, d
+    p["page_size"] = k_cache.shape[1] if block_table is not None else 0
+    p["window_left"], p["window_right"] = left, right
+    p["num_splits"] = launch.splits
+    for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
+        p[name] = value
+
+    dtype = launch.spec.dtype
+    launches = []
+    if k is not None:
+        append = plan.DecodeAuxSpec("decode_append", dtype)
+        chunks = b * seqlen_new_k * problem.nheads_k * (d // 8)
+        launches.append((build.get_kernel(append, device_id), (min(-(-chunks // append.threads), 65535),),
+                         (append.threads,), 0))
+    launches.append((build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
+                     launch.spec.smem_bytes))
+    partial_rows = launch.splits * b * h * sq if launch.splits > 1 else 0
+    if partial_rows:
+        combine = plan.DecodeAuxSpec("decode_combine", dtype)
+        launches.append((build.get_kernel(combine, device_id), (-(-b * h * sq // (combine.threads // 32)),),
+                         (combine.threads,), 0))
+    align = lambda n: -(-n // 256) * 256  # noqa: E731
+    lse_offset = align(q.size * q.itemsize)
+    partial_offset = align(lse_offset + (b * h * sq * 4 if return_lse else 0)) if partial_rows else 0
+    lse_partial_offset = partial_offset + partial_rows * d * 4
+    nbytes = lse_partial_offset + partial_rows * 4 if partial_rows else partial_offset or align(lse_offset + b * h * sq * 4)
+    return _DecodeCall(device_id, p.tobytes()[_DECODE_POINTERS.size:], (b, h, sq), nbytes, lse_offset,
+                       partial_offset, lse_partial_offset, tuple(launches),
+                       (lambda x: x) if seqlens_is_array else (lambda x: None))
+
+
+def _require_device_index_arrays(**arrays) -> None:
+    import cupy
+    for name, x in arrays.items():
+        if x is not None and not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name}: expected a cupy.ndarray of int32, got "
+                            f"{type(x).__module__}.{type(x).__name__}")
 
 
 def _set_pointers(p, **arrays) -> None:
@@ -189,15 +475,34 @@ def _set_pointers(p, **arrays) -> None:
 
 
 def _set_strides(p, **arrays) -> None:
-    """`name_{batch,row,head}_stride` fields from the first three axes of each array, in elements."""
+    """`name_{batch,row,head}_stride` fields of each array, in elements (see _seq_strides)."""
     for name, x in arrays.items():
-        p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = _elem_strides(x)[:3]
+        p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = _seq_strides(x)
 
 
-def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, score_mod):
+def _seq_strides(x) -> tuple:
+    """(batch, row, head) strides in elements: the first three axes of a padded (batch, seqlen, heads, d) array.
+    A packed (total, heads, d) array gives its row stride as the batch stride: the kernels place sequence b at
+    begin * batch_stride, with begin = b padded and cu_seqlens[b] packed (cuda_src/seqlen.cuh)."""
+    strides = _elem_strides(x)
+    return strides[:3] if len(strides) == 4 else (strides[0],) + strides[:2]
+
+
+def _lse_strides(lse) -> tuple:
+    """(batch, head) strides in elements of lse (batch, nheads, seqlen_q), or of packed lse (nheads, total_q),
+    whose "batch" stride is its row stride, 1 (see _seq_strides); rows are contiguous. (0, 0) without lse."""
+    if lse is None:
+        return 0, 0
+    strides = _elem_strides(lse)
+    return strides[:2] if len(strides) == 3 else (1, strides[0])
+
+
+def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, score_mod, *, cu_seqlens_q=None,
+                cu_seqlens_k=None):
     p = np.zeros((), dtype=plan.FWD_PARAMS_DTYPE)
-    _set_pointers(p, q=q, k=k, v=v, o=out, lse=lse, alibi=alibi)
+    _set_pointers(p, q=q, k=k, v=v, o=out, lse=lse, alibi=alibi, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _set_strides(p, q=q, k=k, v=v, o=out)
+    p["lse_batch_stride"], p["lse_head_stride"] = _lse_strides(lse)
     p["alibi_batch_stride"] = _elem_strides(alibi)[0] if alibi is not None and alibi.ndim == 2 else 0
     p["seqlen_q"], p["seqlen_k"] = problem.seqlen_q, problem.seqlen_k
     p["nheads"], p["heads_per_kv"] = problem.nheads, problem.nheads // problem.nheads_k
@@ -221,7 +526,7 @@ def _require_device_arrays(**arrays) -> None:
         if not isinstance(x, cupy.ndarray):
             raise TypeError(f"{name}: expected a cupy.ndarray, got {type(x).__module__}.{type(x).__name__} "
                             "(torch and JAX arrays convert without a copy: cupy.from_dlpack(x))")
-        if x.dtype == np.float32:  # ALiBi slopes, lse: read one float at a time
+        if x.dtype in (np.float32, np.int32):  # ALiBi slopes, lse, cu_seqlens: read one element at a time
             continue
         bad = [axis for axis, (n, s) in enumerate(zip(x.shape[:-1], x.strides[:-1])) if n > 1 and s % 16]
         if x.data.ptr % 16 or bad:
@@ -229,6 +534,14 @@ def _require_device_arrays(**arrays) -> None:
                 f"data pointer {x.data.ptr:#x}"
             raise ValueError(f"{name}: must be 16-byte aligned (pointer and strides multiples of 8 elements); "
                              f"{where}")
+
+
+def _device(device_id: int):
+    """Switch to `device_id` unless it is current already (a context switch costs microseconds per call)."""
+    import cupy
+    if cupy.cuda.runtime.getDevice() == device_id:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(device_id)
 
 
 def _on(stream):

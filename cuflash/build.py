@@ -81,6 +81,13 @@ def device_arch(device_id: int) -> str:
     return arch_of(cupy.cuda.Device(device_id).compute_capability)
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    """Multiprocessors of a device (asked once: ``Device.attributes`` queries every attribute)."""
+    import cupy
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
 _kernels: dict = {}
 
 

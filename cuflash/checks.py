@@ -19,6 +19,7 @@ dims are multiples of 8 in 8..256, and all arrays of one call live on one device
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -452,3 +453,67 @@ def _given(value) -> str:
 
 def _device(x: TensorSpec) -> str:
     return "host" if x.device is None else str(x.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Memo: a call with the same array layouts and options as an earlier valid one skips the checks
+# --------------------------------------------------------------------------------------------
+
+_MEMO_SIZE = 4096
+
+
+_VALUE_TYPES = (type(None), bool, int, float, str)
+
+
+def _signature(x):
+    """What a check can depend on: an array's type, shape, byte strides, dtype and device; a value.
+    (Ordered for speed: this runs on every call of a public function.)"""
+    t = type(x)
+    if t in _VALUE_TYPES or t is TensorSpec or isinstance(x, np.generic):  # values, NumPy scalars too
+        return (t, x)
+    if hasattr(x, "shape"):
+        return (t, tuple(x.shape), tuple(x.strides), x.dtype, getattr(getattr(x, "device", None), "id", None))
+    if isinstance(x, (tuple, list)):
+        return (t,) + tuple(_signature(v) for v in x)
+    if isinstance(x, numbers.Number):
+        return (t, x)
+    raise TypeError("no signature")
+
+
+def call_signature(args: tuple):
+    """A hashable key of a call's arguments (see _signature), or None if some argument has none."""
+    try:
+        key = tuple(_signature(a) for a in args)
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def _memoized(check):
+    """Wraps a check_* function: results of valid calls are kept, keyed by the arguments' signatures, so a
+    decode loop pays for validation once (about 30 us of Python per call otherwise). Failing calls raise
+    every time; nothing about an array's contents is part of any check."""
+    memo: dict = {}
+
+    @functools.wraps(check)
+    def checked(*args, **kwargs):
+        key = call_signature(args + tuple(kwargs.items()))
+        if key is None:
+            return check(*args, **kwargs)
+        hit = memo.get(key)
+        if hit is None:
+            hit = check(*args, **kwargs)
+            if len(memo) >= _MEMO_SIZE:
+                memo.clear()
+            memo[key] = hit
+        return hit
+
+    return checked
+
+
+check_attention = _memoized(check_attention)
+check_backward = _memoized(check_backward)
+check_varlen = _memoized(check_varlen)
+check_varlen_backward = _memoized(check_varlen_backward)
+check_kvcache = _memoized(check_kvcache)

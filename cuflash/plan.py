@@ -274,7 +274,7 @@ def all_backward_specs(arch: str) -> list:
 
 def all_specs(arch: str) -> list:
     """Every kernel the planner can choose on `arch` (compile test, precompile)."""
-    return all_forward_specs(arch) + all_backward_specs(arch)
+    return all_forward_specs(arch) + all_backward_specs(arch) + all_decode_specs(arch)
 
 
 @dataclass(frozen=True)
@@ -338,13 +338,14 @@ def _strides(*tensors) -> list:
 
 # Layouts of the structs in cuda_src/params.cuh: same field order, C alignment (tests/test_plan.py checks).
 FWD_PARAMS_DTYPE = _struct(
-    ("q", "k", "v", "o", "lse", "alibi"),
-    _strides("q", "k", "v", "o") + ["alibi_batch_stride"],
+    ("q", "k", "v", "o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k"),
+    _strides("q", "k", "v", "o") + ["lse_batch_stride", "lse_head_stride", "alibi_batch_stride"],
     ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right"),
     ("scale_log2", "mod_scale", "softcap"))
 BWD_PARAMS_DTYPE = _struct(
-    ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi"),
-    _strides("q", "k", "v", "do", "dk", "dv") + ["alibi_batch_stride", "dq_slice_stride"],
+    ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi", "cu_seqlens_q", "cu_seqlens_k"),
+    _strides("q", "k", "v", "do", "dk", "dv")
+    + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
     ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
      "deterministic"),
     ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
@@ -361,3 +362,162 @@ def forward_scales(softmax_scale: float, softcap: float, score_mod: bool) -> dic
         "mod_scale": softmax_scale / softcap if softcap > 0 else softmax_scale,
         "softcap": softcap,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Decode (attention_with_kvcache): cuda_src/decode.cu, decode_aux.cu
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile shape of the decode kernel (4 warps)."""
+
+    row_warps: int     # 1: 16 packed rows shared by all warps, keys split 4 ways; 4: 64 rows, 16 per warp
+    block_n: int       # keys per KV block
+    stages: int        # depth of the cp.async ring of K/V blocks
+
+
+# compiled head dim -> (config for up to 16 packed rows, config for more). Decode reads K/V at memory speed, so
+# the ring must keep enough bytes in flight per SM. H200, bf16, d 128, 32/8 heads, one new row, TB/s of K/V
+# (benchmarks/tune_decode.py, docs/bench/tune_decode.txt; block_n x stages):
+#   batch x keys   64x2  64x3  64x4  64x6  128x2 128x3
+#   1 x 256k       4.13  4.16  3.87  3.85  3.36  4.16
+#   8 x 64k        4.43  4.36  4.06  3.99  3.45  4.41
+#   32 x 64k       4.53  4.55  4.18  4.14  3.53  4.62
+#   64 x 256k      3.88  4.57  4.23  4.10  3.53  4.60
+# 128 x 3 (196 KB, one CTA per SM with 128 KB in flight) wins at d = 128; other head dims keep 64-key blocks,
+# rings of about 100 KB (two CTAs per SM) up to d = 128 and two stages beyond. With more than 16 rows each
+# warp holds a whole block of scores beside its O accumulator, so blocks stay at 64 keys (32 past d = 128).
+_R1, _R4 = 1, 4
+DECODE_TABLE = {
+    32: (DecodeConfig(_R1, 64, 4), DecodeConfig(_R4, 64, 4)),
+    64: (DecodeConfig(_R1, 64, 4), DecodeConfig(_R4, 64, 4)),
+    96: (DecodeConfig(_R1, 64, 3), DecodeConfig(_R4, 64, 3)),
+    128: (DecodeConfig(_R1, 128, 3), DecodeConfig(_R4, 64, 3)),
+    160: (DecodeConfig(_R1, 64, 2), DecodeConfig(_R4, 32, 2)),
+    192: (DecodeConfig(_R1, 64, 2), DecodeConfig(_R4, 32, 2)),
+    224: (DecodeConfig(_R1, 64, 2), DecodeConfig(_R4, 32, 2)),
+    256: (DecodeConfig(_R1, 64, 2), DecodeConfig(_R4, 32, 2)),
+}
+DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decode_aux.cu)
+SMEM_PER_SM = 227 * 1024   # usable shared memory per SM on sm_80 / sm_90 (1 KB per CTA reserved)
+
+
+def decode_config(headdim: int, packed_rows: int) -> DecodeConfig:
+    """packed_rows = seqlen_q * (nheads // nheads_k): the rows of one KV head's GQA group."""
+    return DECODE_TABLE[compiled_headdim(headdim)][0 if packed_rows <= 16 else 1]
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """One compiled decode kernel."""
+
+    dtype: str
+    headdim: int
+    config: DecodeConfig
+    score_mod: bool
+
+    source = "decode.cu"
+    threads = 128
+
+    @property
+    def name(self) -> str:
+        c = self.config
+        return (f"decode_{self.dtype}_d{self.headdim}_r{c.row_warps}n{c.block_n}s{c.stages}"
+                f"{'_mod' if self.score_mod else ''}")
+
+    @property
+    def template(self) -> str:
+        c = self.config
+        return _template("decode_kernel", self.dtype, (self.headdim, c.row_warps, c.block_n, c.stages),
+                         (self.score_mod,))
+
+    @property
+    def smem_bytes(self) -> int:
+        # DecodeTraits::SMEM_BYTES: Q tile and the K/V ring, or the merge buffer if larger.
+        c = self.config
+        row = _smem_row_bytes(self.headdim)
+        tiles = 16 * c.row_warps * row + c.stages * 2 * c.block_n * row
+        merge = 64 * (self.headdim + 4 + 2) * 4
+        return max(tiles, merge)
+
+
+@dataclass(frozen=True)
+class DecodeAuxSpec:
+    """decode_append or decode_combine (cuda_src/decode_aux.cu), templated on the dtype only."""
+
+    kernel: str
+    dtype: str
+
+    source = "decode_aux.cu"
+    threads = 256
+    smem_bytes = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}_{self.dtype}"
+
+    @property
+    def template(self) -> str:
+        return _template(self.kernel, self.dtype, (), ())
+
+
+def all_decode_specs(arch: str) -> list:
+    specs = [DecodeAuxSpec(k, dtype) for k in ("decode_append", "decode_combine") for dtype in ("fp16", "bf16")]
+    for dtype in ("fp16", "bf16"):
+        for d in COMPILED_HEADDIMS:
+            for rows in (1, 64):
+                for mod in (False, True):
+                    specs.append(DecodeSpec(dtype, d, decode_config(d, rows), mod))
+    return specs
+
+
+def num_splits_heuristic(work: int, slots: int, n_blocks: int, max_splits: int = DECODE_MAX_SPLITS) -> int:
+    """Split count for `work` CTAs (batch x KV heads x row tiles) over `n_blocks` KV blocks, `slots` CTAs
+    resident at once. Like FlashAttention-2: no split once the work fills 80% of the slots, and a count that
+    gives some split as many blocks as one fewer split would is never taken. Unlike FA2 (the smallest count
+    within 85% of the best wave efficiency), the largest count that still fits one wave: decode is bound by
+    memory and by the bytes each CTA keeps in flight, so every idle slot costs bandwidth. (FA2's rule gave 29
+    splits = 232 of 264 slots for batch 1 x 8 KV heads: 8% slower at 64k-256k keys on the H200,
+    benchmarks/bench_decode.py.)"""
+    if work >= 0.8 * slots:
+        return 1
+    best = 1
+    for s in range(2, max(1, min(max_splits, n_blocks, slots // work)) + 1):
+        if math.ceil(n_blocks / s) != math.ceil(n_blocks / (s - 1)):
+            best = s
+    return best
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    spec: DecodeSpec
+    grid: tuple
+    splits: int
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int, sm_count: int) -> DecodeLaunch:
+    """Decode kernel, its grid (row tiles x splits, KV heads, batch) and split count. `problem.seqlen_k` is
+    the most keys a row can see (the cache capacity, or the known length); `num_splits` 0 picks by heuristic."""
+    dtype = DTYPES[np.dtype(problem.dtype).name][0]
+    d = compiled_headdim(problem.headdim)
+    group = problem.nheads // problem.nheads_k
+    spec = DecodeSpec(dtype, d, decode_config(d, problem.seqlen_q * group), score_mod)
+    m_tiles = math.ceil(problem.seqlen_q * group / (16 * spec.config.row_warps))
+    n_blocks = max(1, math.ceil(problem.seqlen_k / spec.config.block_n))
+    if num_splits == 0:
+        ctas_per_sm = max(1, SMEM_PER_SM // (spec.smem_bytes + 1024))
+        num_splits = num_splits_heuristic(problem.batch * problem.nheads_k * m_tiles, sm_count * ctas_per_sm,
+                                          n_blocks)
+    splits = max(1, min(num_splits, n_blocks, DECODE_MAX_SPLITS))
+    return DecodeLaunch(spec, check_grid((m_tiles * splits, problem.nheads_k, problem.batch)), splits)
+
+
+DECODE_PARAMS_DTYPE = _struct(
+    ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "cache_seqlens",
+     "cache_batch_idx", "block_table", "alibi"),
+    _strides("q", "k", "v", "kn", "vn", "o") + ["alibi_batch_stride", "block_table_stride"],
+    ("batch", "seqlen_q", "seqlen_new_k", "cache_len", "nheads", "heads_per_kv", "headdim", "page_size",
+     "window_left", "window_right", "num_splits"),
+    ("scale_log2", "mod_scale", "softcap"))

@@ -11,6 +11,8 @@
 #   bench      benchmarks/bench_attention.py --op all: forward then backward (SKIP_BENCH=1)
 #                  -> $OUT/bench.txt (both tables), bench.json (both ops' rows, field "op"),
 #                     bench.png (forward plot), bench_bwd.png (backward plot)
+#              then benchmarks/bench_varlen.py --bwd (SKIP_VARLEN=1): its tables appended to bench.txt,
+#                  its rows (op "varlen") appended to bench.json
 # then a short summary on stdout (with both benchmark tables). Exit status 1 if any step
 # that ran failed.
 #
@@ -177,6 +179,17 @@ else
     rc=$?
     if [ "$rc" = 0 ]; then record bench ok "$LAST_DT"
     else record bench "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
+
+    # Packed variable-length sequences: no files of its own (the device returns at most 8), its log goes to the
+    # end of bench.txt and its rows into bench.json.
+    if [ "${SKIP_VARLEN:-0}" != 1 ]; then
+        run_step varlen "${BENCH_TIMEOUT:-}" "${TMPDIR:-/tmp}/bench_varlen.txt" \
+            python3 benchmarks/bench_varlen.py --bwd --json "$OUT/bench.json" --append
+        rc=$?
+        cat "${TMPDIR:-/tmp}/bench_varlen.txt" >>"$OUT/bench.txt"
+        if [ "$rc" = 0 ]; then record varlen ok "$LAST_DT"
+        else record varlen "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
+    fi
 fi
 
 # ----------------------------------------------------------------------- summary

@@ -15,6 +15,9 @@ Each case names a cuflash function; a case whose function does not exist yet is
 skipped (listed as such), so backward and KV-cache cases can sit in the table before
 their kernels land. Shapes are deliberately off every tile size (17, 33, 70, 113, 129, ...).
 
+Varlen cases (``--only varlen``) call ``cuflash.attention_varlen`` and its backward on packed
+sequences with lengths 0 (on either side), 1 and off-tile sizes.
+
 Backward cases (``--only bwd_``) call ``cuflash.attention_backward(dout, q, k, v, out, lse,
 causal=..., window_size=..., softcap=..., alibi_slopes=..., deterministic=False|True,
 stream=...)`` with out, lse from ``cuflash.attention(..., return_lse=True)`` under the
@@ -146,10 +149,35 @@ def _kvcache_cases() -> list[dict]:
              shape=decode, opts=dict(cache_seqlens=(300, 17), num_splits=3)),
         dict(name="kvcache_fp16_prefill_causal", fn="attention_with_kvcache", dtype="fp16",
              shape=dict(decode, sq=5), opts=dict(cache_seqlens=(300, 17), causal=True)),
+        dict(name="kvcache_bf16_paged48_append_split", fn="attention_with_kvcache", dtype="bf16",
+             shape=decode, opts=dict(cache_seqlens=(250, 0), page_size=48, new_k=3, num_splits=4,
+                                     alibi=True, softcap=10.0)),
+        dict(name="kvcache_fp16_speculative_paged16", fn="attention_with_kvcache", dtype="fp16",
+             shape=dict(decode, sq=20), opts=dict(cache_seqlens=(200, 33), page_size=16, new_k=20,
+                                                  causal=True, num_splits=2)),
+        dict(name="kvcache_bf16_d256_window", fn="attention_with_kvcache", dtype="bf16",
+             shape=dict(decode, d=256, sq=3), opts=dict(cache_seqlens=(297, 5), window_size=(40, 0))),
     ]
 
 
-CASES = _fwd_cases() + _bwd_cases() + _kvcache_cases()
+# Packed variable-length sequences: lengths 0 on either side, 1, and off-tile ones; GQA 2:1.
+VARLEN = dict(lens_q=(17, 0, 33, 1, 70), lens_k=(33, 12, 0, 1, 129), h=2, hk=1, d=64)
+
+
+def _varlen_cases() -> list[dict]:
+    return [
+        dict(name="varlen_fwd_bf16_causal_lse", fn="attention_varlen", dtype="bf16", shape=VARLEN,
+             opts=dict(causal=True, return_lse=True)),
+        dict(name="varlen_fwd_fp16_d40_window_softcap_alibi", fn="attention_varlen", dtype="fp16",
+             shape=dict(VARLEN, d=40), opts=dict(window_size=(8, 4), softcap=5.0, alibi=True)),
+        dict(name="varlen_bwd_bf16_causal_atomic", fn="attention_varlen_backward", dtype="bf16", shape=VARLEN,
+             opts=dict(causal=True, deterministic=False)),
+        dict(name="varlen_bwd_fp16_softcap_alibi_det", fn="attention_varlen_backward", dtype="fp16", shape=VARLEN,
+             opts=dict(softcap=5.0, alibi=True, deterministic=True)),
+    ]
+
+
+CASES = _fwd_cases() + _bwd_cases() + _kvcache_cases() + _varlen_cases()
 
 
 # --------------------------------------------------------------------------- #
@@ -214,11 +242,52 @@ def run_attention_with_kvcache(rng, case, stream):
     v_cache = _rand(rng, (s["b"], s["sk"], s["hk"], s["d"]), dt)
     kw = _kwargs(rng, case, stream)
     kw["cache_seqlens"] = cupy.asarray(np.array(kw["cache_seqlens"], dtype=np.int32))
+    page_size, new_k = kw.pop("page_size", None), kw.pop("new_k", 0)
+    if page_size:  # the same capacity as pages, shuffled, plus two spare pages
+        pages = -(-s["sk"] // page_size)
+        k_cache = _rand(rng, (s["b"] * pages + 2, page_size, s["hk"], s["d"]), dt)
+        v_cache = _rand(rng, (s["b"] * pages + 2, page_size, s["hk"], s["d"]), dt)
+        kw["block_table"] = cupy.asarray(rng.permutation(s["b"] * pages + 2)[:s["b"] * pages]
+                                         .reshape(s["b"], pages).astype(np.int32))
+    if new_k:
+        kw["k"] = _rand(rng, (s["b"], new_k, s["hk"], s["d"]), dt)
+        kw["v"] = _rand(rng, (s["b"], new_k, s["hk"], s["d"]), dt)
     _ready()
     return cuflash.attention_with_kvcache(q, k_cache, v_cache, **kw)
 
 
+def _varlen_inputs(rng, case):
+    """Packed q (total_q, h, d), k, v (total_k, hk, d), their cu_seqlens and the maximum lengths."""
+    s, dt = case["shape"], case["dtype"]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(s[n])]).astype(np.int32) for n in ("lens_q", "lens_k"))
+    q = _rand(rng, (int(cu_q[-1]), s["h"], s["d"]), dt)
+    k = _rand(rng, (int(cu_k[-1]), s["hk"], s["d"]), dt)
+    v = _rand(rng, (int(cu_k[-1]), s["hk"], s["d"]), dt)
+    return q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), max(s["lens_q"]), max(s["lens_k"])
+
+
+def run_attention_varlen(rng, case, stream):
+    args = _varlen_inputs(rng, case)
+    kw = _kwargs(rng, case, stream)
+    _ready()
+    return cuflash.attention_varlen(*args, **kw)
+
+
+def run_attention_varlen_backward(rng, case, stream):
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(rng, case)
+    kw = _kwargs(rng, case, stream)
+    deterministic = bool(kw.pop("deterministic", False))
+    _ready()
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **kw)
+    dout = _rand(rng, out.shape, case["dtype"])
+    _ready()
+    return cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                                             deterministic=deterministic, **kw)
+
+
 RUNNERS = {
+    "attention_varlen": run_attention_varlen,
+    "attention_varlen_backward": run_attention_varlen_backward,
     "attention": run_attention,
     "attention_backward": run_attention_backward,
     "attention_with_kvcache": run_attention_with_kvcache,

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import checks
 
 
 def _qkv(d=64, dtype=np.float16):
@@ -32,3 +33,91 @@ def test_backward_rejects_bad_input_before_launch():
 
 def test_public_names():
     assert set(cuflash.__all__) >= {"attention", "attention_backward", "precompile", "reference"}
+
+
+def _varlen_args(total_q=10, total_k=12, h=2, d=64):
+    q = np.zeros((total_q, h, d), np.float16)
+    k = np.zeros((total_k, 1, d), np.float16)
+    cu_q, cu_k = np.array([0, 4, total_q], np.int32), np.array([0, 0, total_k], np.int32)
+    return q, k, k.copy(), cu_q, cu_k
+
+
+def test_varlen_rejects_bad_input_before_launch():
+    q, k, v, cu_q, cu_k = _varlen_args()
+    with pytest.raises(TypeError, match=r"q: expected a cupy\.ndarray"):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 6, 12)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        cuflash.attention_varlen(q, k, v, cu_q.astype(np.int64), cu_k, 6, 12)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 0, 12)
+    lse = np.zeros((2, 10), np.float32)
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        cuflash.attention_varlen_backward(q, q, k, v, q, lse, cu_q, cu_k, 6, 12)
+    with pytest.raises(ValueError, match="lse"):
+        cuflash.attention_varlen_backward(q, q, k, v, q, lse[:, :9], cu_q, cu_k, 6, 12)
+
+
+def test_packed_arrays_pass_the_row_stride_as_batch_stride():
+    """Kernels address row r of sequence b at begin * batch_stride + r * row_stride (seqlen.cuh), begin = b padded
+    and cu_seqlens[b] packed: packed arrays pass their row stride as the batch stride."""
+    from cuflash import api
+    padded = np.zeros((3, 5, 4, 64), np.float16)
+    assert api._seq_strides(padded) == (5 * 4 * 64, 4 * 64, 64)
+    assert api._seq_strides(np.zeros((7, 3, 2, 4, 64), np.float16)[:, :, 0]) == (3 * 2 * 4 * 64, 2 * 4 * 64, 64)
+    packed = np.zeros((17, 4, 64), np.float16)
+    assert api._seq_strides(packed) == (4 * 64, 4 * 64, 64)
+    assert api._seq_strides(np.zeros((17, 3, 4, 64), np.float16)[:, 1]) == (3 * 4 * 64, 3 * 4 * 64, 64)  # qkv view
+    assert api._lse_strides(np.zeros((3, 4, 5), np.float32)) == (20, 5)
+    assert api._lse_strides(np.zeros((4, 17), np.float32)) == (1, 17)
+    assert api._lse_strides(None) == (0, 0)
+
+
+def test_public_varlen_names():
+    assert {"attention_varlen", "attention_varlen_backward"} <= set(cuflash.__all__)
+
+
+def test_kvcache_rejects_bad_input_before_launch():
+    q = np.zeros((2, 1, 4, 64), np.float16)
+    kc = np.zeros((2, 32, 2, 64), np.float16)
+    with pytest.raises(TypeError, match=r"q: expected a cupy\.ndarray"):
+        cuflash.attention_with_kvcache(q, kc, kc)
+    with pytest.raises(ValueError, match="page_size"):
+        cuflash.attention_with_kvcache(q, kc[:, :24], kc[:, :24], block_table=np.zeros((2, 2), np.int32))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        cuflash.attention_with_kvcache(q, kc, kc, k=kc[:, :1], v=kc[:, :1], cache_seqlens=32)
+    with pytest.raises(ValueError, match="num_splits"):
+        cuflash.attention_with_kvcache(q, kc, kc, num_splits=-1)
+    assert "attention_with_kvcache" in cuflash.__all__
+
+
+class _FakeDeviceArray:
+    """What the params builders read from a CuPy array: shape, strides, itemsize, ndim and data.ptr."""
+
+    def __init__(self, host, ptr):
+        self.shape, self.strides, self.itemsize, self.ndim = host.shape, host.strides, host.itemsize, host.ndim
+        self.data = type("Ptr", (), {"ptr": ptr})()
+
+
+def test_packed_forward_params():
+    """The forward's params for a packed call: cu_seqlens pointers set, row strides as batch strides, lse
+    (nheads, total_q) with batch stride 1; the padded call leaves the cu_seqlens pointers null."""
+    from cuflash import api
+    q = _FakeDeviceArray(np.zeros((30, 4, 64), np.float16), 0x1000)
+    k = _FakeDeviceArray(np.zeros((50, 2, 64), np.float16), 0x2000)
+    lse = _FakeDeviceArray(np.zeros((4, 30), np.float32), 0x3000)
+    cu_q, cu_k = _FakeDeviceArray(np.zeros(3, np.int32), 0x4000), _FakeDeviceArray(np.zeros(3, np.int32), 0x5000)
+    problem = checks.Problem(2, 20, 40, 4, 2, 64, np.dtype(np.float16))
+    p = api._fwd_params(problem, q, k, k, q, lse, None, -1, 0, 0.125, 0.0, False, cu_seqlens_q=cu_q,
+                        cu_seqlens_k=cu_k)
+    assert (int(p["cu_seqlens_q"]), int(p["cu_seqlens_k"])) == (0x4000, 0x5000)
+    assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (256, 256, 64)
+    assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (128, 128, 64)
+    assert (p["lse_batch_stride"], p["lse_head_stride"]) == (1, 30)
+    assert (p["seqlen_q"], p["seqlen_k"], p["heads_per_kv"]) == (20, 40, 2)
+
+    qp = _FakeDeviceArray(np.zeros((2, 20, 4, 64), np.float16), 0x1000)
+    lsep = _FakeDeviceArray(np.zeros((2, 4, 20), np.float32), 0x3000)
+    p = api._fwd_params(problem, qp, qp, qp, qp, lsep, None, -1, -1, 0.125, 0.0, False)
+    assert int(p["cu_seqlens_q"]) == 0 and int(p["cu_seqlens_k"]) == 0
+    assert (p["q_batch_stride"], p["q_row_stride"]) == (20 * 256, 256)
+    assert (p["lse_batch_stride"], p["lse_head_stride"]) == (80, 20)

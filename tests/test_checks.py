@@ -547,3 +547,16 @@ def test_kvcache_devices_include_index_arrays():
     seqlens = on_device(spec(arr(B, np.int32), "cache_seqlens"), 1)
     with raises(ValueError, "q and cache_seqlens are on different devices (0 and 1)"):
         check_kvcache(**t, cache_seqlens=seqlens)
+
+
+def test_memoized_checks_still_reject_bad_values():
+    """The memo keys on values as well as layouts: a bad scalar after a good one with the same arrays fails."""
+    q = np.zeros((1, 4, 2, 64), np.float16)
+    check_attention(q, q, q, softmax_scale=np.float32(0.5))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        check_attention(q, q, q, softmax_scale=np.float32(-0.5))
+    check_attention(q, q, q, window_size=[4, 0])
+    with pytest.raises(ValueError, match="window_size"):
+        check_attention(q, q, q, window_size=[-4, 0])
+    with pytest.raises(ValueError):
+        check_attention(q, q[..., :32], q)

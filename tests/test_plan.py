@@ -82,7 +82,8 @@ def _c_fields(struct: str) -> list:
 
 @pytest.mark.parametrize("struct,dtype", [("FwdParams", plan.FWD_PARAMS_DTYPE), ("BwdParams", plan.BWD_PARAMS_DTYPE),
                                           ("BwdPreParams", plan.BWD_PRE_PARAMS_DTYPE),
-                                          ("BwdConvertParams", plan.BWD_CONVERT_PARAMS_DTYPE)])
+                                          ("BwdConvertParams", plan.BWD_CONVERT_PARAMS_DTYPE),
+                                          ("DecodeParams", plan.DECODE_PARAMS_DTYPE)])
 def test_params_dtypes_match_params_cuh(struct, dtype):
     """Each NumPy params dtype mirrors its C struct field by field, with C alignment."""
     fields = _c_fields(struct)
@@ -141,3 +142,41 @@ def test_source_hash_covers_headers(tmp_path, monkeypatch):
     build.source_hash.cache_clear()
     assert build.source_hash() != before
     build.source_hash.cache_clear()
+
+
+# ---- decode ----
+
+def test_num_splits_heuristic_no_split_when_the_grid_is_full():
+    assert plan.num_splits_heuristic(work=264, slots=264, n_blocks=1000) == 1
+    assert plan.num_splits_heuristic(work=220, slots=264, n_blocks=1000) == 1
+
+
+def test_num_splits_heuristic_fills_the_gpu_for_batch_one():
+    # batch 1, 8 KV heads, 8k keys in 64-key blocks, two CTAs per SM on 132 SMs
+    s = plan.num_splits_heuristic(work=8, slots=264, n_blocks=128)
+    assert 8 * s >= 0.85 * 264 and 8 * s <= 264
+    assert plan.num_splits_heuristic(work=8, slots=264, n_blocks=3) <= 3   # never more splits than blocks
+
+
+@pytest.mark.parametrize("sq,group,row_warps", [(1, 8, 1), (2, 8, 1), (3, 8, 4), (17, 1, 4), (1, 1, 1)])
+def test_plan_decode_packs_gqa_groups(sq, group, row_warps):
+    problem = checks.Problem(2, sq, 4096, 8 * group, 8, 128, np.dtype(np.float16))
+    launch = plan.plan_decode(problem, -1, -1, False, 1, 132)
+    assert launch.spec.config.row_warps == row_warps
+    rows_per_tile = 16 * row_warps
+    assert launch.grid == (-(-sq * group // rows_per_tile), 8, 2) and launch.splits == 1
+
+
+def test_plan_decode_splits_clamped():
+    problem = checks.Problem(1, 1, 300, 32, 8, 128, np.dtype(np.float16))
+    blocks = -(-300 // plan.decode_config(128, 4).block_n)
+    launch = plan.plan_decode(problem, -1, -1, False, 50, 132)
+    assert launch.splits == blocks  # never more splits than KV blocks
+    launch = plan.plan_decode(problem, -1, -1, False, 0, 132)
+    assert 1 <= launch.splits <= blocks and launch.grid[0] == launch.splits
+
+
+def test_decode_smem_fits_and_matches_traits():
+    for spec in plan.all_decode_specs("sm_90a"):
+        if isinstance(spec, plan.DecodeSpec):
+            assert spec.smem_bytes <= plan.SMEM_PER_SM, spec.name

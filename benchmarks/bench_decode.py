@@ -1,0 +1,144 @@
+"""Decode benchmark: cuflash.attention_with_kvcache beside PyTorch SDPA (flash, cudnn backends), same run.
+
+One new query row per sequence, 32 query heads, 8 KV heads, d = 128, bf16, on the grid
+batch {1, 8, 32, 64} x KV length {1k, 8k, 64k, 256k} (cells whose K/V exceed --max-gb are skipped).
+Reports microseconds per call and TB/s of K/V read (2 * batch * len * nheads_k * d * 2 bytes over the
+time). cuflash and the peers read the same K/V storage: it is allocated once as (batch, nheads_k, len, d),
+SDPA's layout, and cuflash takes the (batch, len, nheads_k, d) view of it (strides, no copy). The paged
+column (page size 64, pages shuffled) uses its own pool and runs where K/V fit under --paged-max-gb.
+
+Timing: triton.testing.do_bench (CUDA events, L2 flushed before every call), median.
+
+    python benchmarks/bench_decode.py [--json out.json] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+BATCHES = (1, 8, 32, 64)
+LENGTHS = (1024, 8192, 65536, 262144)
+H, HK, D = 32, 8, 128
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--quick", action="store_true", help="batch {1, 32} x len {8k, 64k} only")
+    p.add_argument("--max-gb", type=float, default=72.0, help="skip cells whose K/V exceed this")
+    p.add_argument("--paged-max-gb", type=float, default=8.0, help="paged column only up to this K/V size")
+    p.add_argument("--rep", type=int, default=100)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import cupy
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    import cuflash
+
+    def time_us(fn):
+        return 1e3 * float(do_bench(fn, warmup=10, rep=args.rep, return_mode="median"))
+
+    batches, lengths = ((1, 32), (8192, 65536)) if args.quick else (BATCHES, LENGTHS)
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    header = (f"{'batch':>5} {'len':>7} {'KV MB':>8} | {'cuflash':>8} {'TB/s':>5} {'paged':>8} {'flash':>8} "
+              f"{'cudnn':>8} | {'cf/flash':>8} {'cf/cudnn':>8}  (us per call)")
+    print(header)
+    print("-" * len(header))
+    for b in batches:
+        for n in lengths:
+            kv_bytes = 2 * b * n * HK * D * 2
+            if kv_bytes > args.max_gb * 2**30:
+                print(f"{b:>5} {n:>7} {kv_bytes / 2**20:>8.0f} | skipped (K/V over --max-gb)")
+                continue
+            torch.cuda.empty_cache()
+            cupy.get_default_memory_pool().free_all_blocks()
+            k = torch.randn(b, HK, n, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            v = torch.randn(b, HK, n, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            q = torch.randn(b, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            # cuflash's view of the same storage: (batch, len, nheads_k, d) and q (batch, 1, nheads, d)
+            kc, vc = cupy.from_dlpack(k.transpose(1, 2)), cupy.from_dlpack(v.transpose(1, 2))
+            qc = cupy.from_dlpack(q.transpose(1, 2))
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            row = dict(batch=b, len=n, kv_mb=kv_bytes / 2**20)
+
+            def cf():
+                with stream:
+                    return cuflash.attention_with_kvcache(qc, kc, vc, cache_seqlens=n)
+
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True) \
+                if kv_bytes <= 2**31 else None
+            out = torch.from_dlpack(cf()).transpose(1, 2)
+            if ref is not None:
+                row["cuflash_err"] = float((out.float() - ref).abs().max())
+            row["cuflash_us"] = time_us(cf)
+            row["cuflash_tbs"] = kv_bytes / row["cuflash_us"] / 1e6
+
+            if kv_bytes <= args.paged_max_gb * 2**30:  # same keys in shuffled 64-row pages
+                ps = 64
+                pages = b * (n // ps)
+                perm = torch.randperm(pages, device="cuda", generator=gen)
+                pool_k = torch.empty(pages, ps, HK, D, device="cuda", dtype=torch.bfloat16)
+                pool_v = torch.empty_like(pool_k)
+                pool_k[perm] = k.transpose(1, 2).reshape(pages, ps, HK, D)
+                pool_v[perm] = v.transpose(1, 2).reshape(pages, ps, HK, D)
+                table = cupy.from_dlpack(perm.to(torch.int32).reshape(b, n // ps).contiguous())
+                pk, pv = cupy.from_dlpack(pool_k), cupy.from_dlpack(pool_v)
+
+                def cf_paged():
+                    with stream:
+                        return cuflash.attention_with_kvcache(qc, pk, pv, cache_seqlens=n, block_table=table)
+
+                paged_out = torch.from_dlpack(cf_paged()).transpose(1, 2)
+                row["paged_matches"] = bool(torch.equal(paged_out, out))
+                row["paged_us"] = time_us(cf_paged)
+                del pool_k, pool_v, pk, pv, table
+
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                def peer(backend=backend):
+                    with sdpa_kernel([backend]):
+                        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                try:
+                    peer_out = peer()
+                    if ref is not None:
+                        row[f"{name}_err"] = float((peer_out.float() - ref).abs().max())
+                    row[f"{name}_us"] = time_us(peer)
+                except Exception as e:  # a backend that refuses the shape is reported, not fatal
+                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            rows.append(row)
+
+            def us(key):
+                return f"{row[key]:>8.1f}" if key in row else f"{'n/a':>8}"
+
+            def ratio(peer):
+                return f"{row[peer + '_us'] / row['cuflash_us']:>8.2f}" if peer + "_us" in row else f"{'n/a':>8}"
+            print(f"{b:>5} {n:>7} {row['kv_mb']:>8.0f} | {us('cuflash_us')} {row['cuflash_tbs']:>5.2f} "
+                  f"{us('paged_us')} {us('flash_us')} {us('cudnn_us')} | {ratio('flash')} {ratio('cudnn')}",
+                  flush=True)
+            del k, v, q, kc, vc, qc, ref, out
+    for row in rows:
+        for key in ("flash_error", "cudnn_error"):
+            if key in row:
+                print(f"note: batch {row['batch']} len {row['len']}: {key[:-6]} failed: {row[key]}")
+        errs = {k: v for k, v in row.items() if k.endswith("_err")}
+        if errs and max(errs.values()) > 0.05:
+            print(f"warning: batch {row['batch']} len {row['len']}: max errors vs fp32 {errs}")
+        if row.get("paged_matches") is False:
+            print(f"warning: batch {row['batch']} len {row['len']}: paged output differs from contiguous")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(h=H, hk=HK, d=D, dtype="bf16", rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+// Decode: a few new query rows attend to a KV cache (contiguous or paged), with the keys split across CTAs.
+//
+// Grid (row tiles x splits, KV heads, batch). GQA packing: the g = nheads / nheads_k query heads that share a KV
+// head run in one CTA; packed row r = i * g + j is query i of head h_kv * g + j, so each K/V byte is read from
+// memory once per row tile. Decode is bound by that read, and everything here serves it:
+//  - up to 16 packed rows (the usual decode): the four warps share one 16-row mma tile and split every KV block's
+//    keys between them (KEY_WARPS = 4), each with its own online softmax, merged once through shared memory at the
+//    end. Longer tiles (speculative decoding) give each warp 16 rows of its own (ROW_WARPS = 4);
+//  - K/V blocks stream through a STAGES-deep cp.async ring with one barrier per block;
+//  - with num_splits > 1 a CTA covers 1/num_splits of the visible KV blocks and writes fp32 partial O and lse,
+//    which decode_combine (decode_aux.cu) merges.
+// Blocks run from the last to the first, so the masked tail block (cache length, causal diagonal) comes first.
+#include "params.cuh"
+#include "kvcache.cuh"
+#include "tile.cuh"
+#include "softmax.cuh"
+#include "mask.cuh"
+#include "score_mod.cuh"
+
+namespace cuflash {
+
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+template <class T_, int D, int ROW_WARPS_, int BN_, int STAGES_>
+struct DecodeTraits {
+    using T = T_;
+    static constexpr int HEADDIM = D, DP = (D + 63) / 64 * 64;
+    static constexpr int WARPS = 4, THREADS = WARPS * 32;
+    static constexpr int ROW_WARPS = ROW_WARPS_, KEY_WARPS = WARPS / ROW_WARPS;
+    static constexpr int BM = 16 * ROW_WARPS, BN = BN_, STAGES = STAGES_;
+    static constexpr int WARP_KEYS = BN / KEY_WARPS;  // keys of each block that one warp handles
+    static constexpr int NT = WARP_KEYS / 8, DT = D / 8;
+    using QTile = SmemTile<BM, DP>;
+    using KVTile = SmemTile<BN, DP>;
+    static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;  // K, then V
+    // Q's fragments stay in registers (D / 4 of them) unless a 16-row warp tile at d > 192 cannot afford them
+    // beside its O accumulator and scores; then they are re-read from shared memory for every block.
+    static constexpr bool Q_IN_REGS = !(ROW_WARPS > 1 && D > 192);
+    // Merge buffer (reuses the tiles' space): per warp slot and row, O (padded rows), max and sum.
+    static constexpr int O_STRIDE = D + 4;
+    static constexpr int MERGE_ROWS = KEY_WARPS * BM;
+    static constexpr int MERGE_BYTES = MERGE_ROWS * (O_STRIDE + 2) * 4;
+    static constexpr int SMEM_BYTES = cmax(QTile::BYTES + STAGES * STAGE_BYTES, MERGE_BYTES);
+
+    static_assert(WARP_KEYS % 16 == 0 && D % 16 == 0, "ldmatrix.x4 loads 16 x 16 pieces");
+    static_assert(STAGES >= 2, "the ring needs a block in flight while one is computed");
+};
+
+template <class Traits, bool SCORE_MOD>
+struct DecodeBlock {
+    using T = typename Traits::T;
+    static constexpr int D = Traits::HEADDIM, DP = Traits::DP, BM = Traits::BM, BN = Traits::BN;
+    static constexpr int THREADS = Traits::THREADS, NT = Traits::NT, DT = Traits::DT, STAGES = Traits::STAGES;
+    using QTile = typename Traits::QTile;
+    using KVTile = typename Traits::KVTile;
+    using QCopy = TileCopy<BM, D, DP, THREADS>;
+    using KVCopy = TileCopy<BN, D, DP, THREADS>;
+
+    const DecodeParams& p;
+    int tid, lane, row_warp, key_warp;
+    int b, h_kv, group, rows, row0;  // group: query heads per KV head; rows: packed rows in all; row0: the tile's
+    int len;                         // keys this batch row sees
+    int n_begin, n_end;              // this split's KV blocks
+    u32 sQ, sKV;
+    LdmatrixAddr<QTile> q_addr;
+    LdmatrixAddr<KVTile> k_addr, v_addr;  // into ring slot 0, as if K and V both started there
+    CacheView cache;
+    Mask<true> mask;
+    ScoreMod mod;
+    int query[2];    // query index of this thread's two rows
+    float slope[2];  // their ALiBi slopes
+    OnlineSoftmax<1> softmax;
+    float acc_o[1][DT][4];
+    u32 q_frag[Traits::Q_IN_REGS ? D / 16 : 1][4];
+
+    __device__ __forceinline__ DecodeBlock(const DecodeParams& params, int b_, int h_kv_)
+        : p(params), b(b_), h_kv(h_kv_), q_addr(0, 0, 0), k_addr(0, 0, 0), v_addr(0, 0, 0),
+          cache(params, b_, h_kv_) {}
+
+    // Packed row -> address of its query row (nullptr past the last row: zero-filled).
+    __device__ __forceinline__ const u16* q_row(int r) const {
+        const int pr = row0 + r;
+        if (pr >= rows) return nullptr;
+        const int i = pr / group, head = h_kv * group + pr % group;
+        return p.q + (i64)b * p.q_batch_stride + (i64)i * p.q_row_stride + (i64)head * p.q_head_stride;
+    }
+
+    // Issues K and V of block n into ring slot `stage` (positions past the cache length are zero-filled).
+    __device__ __forceinline__ void load_kv(int stage, int n) {
+        const u32 dst = sKV + stage * Traits::STAGE_BYTES;
+        const int pos0 = n * BN;
+        KVCopy::load_rows_async(dst, [&](int r) -> const u16* {
+            if (pos0 + r >= len) return nullptr;
+            i64 k_off, v_off;
+            cache.locate(pos0 + r, k_off, v_off);
+            return cache.k + k_off;
+        }, p.headdim, p.k_cache, tid);
+        KVCopy::load_rows_async(dst + KVTile::BYTES, [&](int r) -> const u16* {
+            if (pos0 + r >= len) return nullptr;
+            i64 k_off, v_off;
+            cache.locate(pos0 + r, k_off, v_off);
+            return cache.v + v_off;
+        }, p.headdim, p.v_cache, tid);
+    }
+
+    // Iteration t handles block n = n_end - 1 - t from ring slot t % STAGES; block t + STAGES - 1 is issued.
+    template <bool MASK, bool FIRST>
+    __device__ __forceinline__ void step(int t) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // block t has landed, and every warp is done with slot (t - 1) % STAGES
+        const int t_next = t + STAGES - 1;
+        if (n_end - 1 - t_next >= n_begin) load_kv(t_next % STAGES, n_end - 1 - t_next);
+        cp_async_commit();  // possibly empty: keeps one group per iteration
+        if (FIRST && Traits::Q_IN_REGS) {
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(q_frag[ks], q_addr(row_warp, ks));
+        }
+        const u32 k_slot = (t % STAGES) * Traits::STAGE_BYTES, v_slot = k_slot + KVTile::BYTES;
+
+        float s[1][NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            u32 qa[4];
+            if (Traits::Q_IN_REGS) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) qa[e] = q_frag[ks][e];
+            } else {
+                ldmatrix_x4(qa, q_addr(row_warp, ks));
+            }
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 kb[4];
+                ldmatrix_x4(kb, k_addr(key_warp * (NT / 2) + np, ks) + k_slot);
+                mma_16816<T>(s[0][2 * np], qa, kb[0], kb[1]);
+                mma_16816<T>(s[0][2 * np + 1], qa, kb[2], kb[3]);
+            }
+        }
+
+        const int n = n_end - 1 - t;
+        const int col_lane = n * BN + key_warp * Traits::WARP_KEYS + 2 * (lane % 4);
+        if (SCORE_MOD) mod.apply_rows(s[0], query, slope, col_lane);
+        if (MASK) {
+            mask.apply_row(s[0], 0, query[0], col_lane);
+            mask.apply_row(s[0], 1, query[1], col_lane);
+        }
+        softmax.template update<FIRST, MASK>(s, acc_o, p.scale_log2);
+
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            u32 pa[4];
+            pa[0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+            pa[1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+            pa[2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+            pa[3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; ++dp) {
+                u32 vb[4];
+                ldmatrix_x4_trans(vb, v_addr(key_warp * (NT / 2) + kk, dp) + v_slot);
+                mma_16816<T>(acc_o[0][2 * dp], pa, vb[0], vb[1]);
+                mma_16816<T>(acc_o[0][2 * dp + 1], pa, vb[2], vb[3]);
+            }
+        }
+    }
+
+    // Merges the key warps' (max, sum, O) per row and writes O and lse: final (one split) or fp32 partial.
+    __device__ __forceinline__ void epilogue(char* smem, int split) {
+        cp_async_wait<0>();
+        __syncthreads();  // the tiles' space becomes the merge buffer
+        float* m_buf = reinterpret_cast<float*>(smem) + Traits::MERGE_ROWS * Traits::O_STRIDE;
+        float* l_buf = m_buf + Traits::MERGE_ROWS;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int slot_row = key_warp * BM + row_warp * 16 + lane / 4 + 8 * h;
+            const float sum = quad_sum(softmax.row_sum[0][h]);
+            if (lane % 4 == 0) {
+                m_buf[slot_row] = softmax.row_max[0][h] * p.scale_log2;  // log2 units; -inf stays -inf
+                l_buf[slot_row] = sum;
+            }
+            float* o_row = reinterpret_cast<float*>(smem) + slot_row * Traits::O_STRIDE + 2 * (lane % 4);
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+                *reinterpret_cast<float2*>(o_row + dt * 8) = make_float2(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
+        }
+        __syncthreads();
+
+        for (int idx = tid; idx < BM * (D / 4); idx += THREADS) {
+            const int r = idx / (D / 4), c = idx % (D / 4) * 4;
+            const int pr = row0 + r;
+            if (pr >= rows || c >= p.headdim) continue;
+            float m = NEG_INF;
+#pragma unroll
+            for (int w = 0; w < Traits::KEY_WARPS; ++w) m = fmaxf(m, m_buf[w * BM + r]);
+            float l = 0.f;
+            float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int w = 0; w < Traits::KEY_WARPS; ++w) {
+                const float mw = m_buf[w * BM + r];
+                if (mw == NEG_INF) continue;  // this warp saw no key of the row: nothing to add
+                const float wgt = exp2f(mw - m);
+                const float4 ow = *reinterpret_cast<const float4*>(reinterpret_cast<float*>(smem) +
+                                                                   (w * BM + r) * Traits::O_STRIDE + c);
+                l += wgt * l_buf[w * BM + r];
+                o.x += wgt * ow.x;
+                o.y += wgt * ow.y;
+                o.z += wgt * ow.z;
+                o.w += wgt * ow.w;
+            }
+            const bool empty = !(l > 0.f);
+            const float inv = empty ? 0.f : 1.f / l;
+            const float lse = empty ? NEG_INF : (m + __log2f(l)) * LN2;
+            const int i = pr / group, head = h_kv * group + pr % group;
+            const i64 lse_index = ((i64)b * p.nheads + head) * p.seqlen_q + i;
+            if (p.num_splits == 1) {
+                u16* dst = p.o + (i64)b * p.o_batch_stride + (i64)i * p.o_row_stride + (i64)head * p.o_head_stride + c;
+                *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(o.x * inv, o.y * inv), pack2<T>(o.z * inv, o.w * inv));
+                if (c == 0 && p.lse != nullptr) p.lse[lse_index] = lse;
+            } else {
+                const i64 partial = (i64)split * p.batch * p.nheads * p.seqlen_q + lse_index;
+                *reinterpret_cast<float4*>(p.o_partial + partial * p.headdim + c) =
+                    make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+                if (c == 0) p.lse_partial[partial] = lse;
+            }
+        }
+    }
+
+    __device__ __forceinline__ void run(char* smem) {
+        const int m_tiles = (p.seqlen_q * p.heads_per_kv + BM - 1) / BM;
+        const int m_tile = blockIdx.x % m_tiles, split = blockIdx.x / m_tiles;
+        tid = threadIdx.x;
+        lane = tid % 32;
+        row_warp = (tid / 32) % Traits::ROW_WARPS;
+        key_warp = (tid / 32) / Traits::ROW_WARPS;
+        group = p.heads_per_kv;
+        rows = p.seqlen_q * group;
+        row0 = m_tile * BM;
+        len = cache_length(p, b);
+        sQ = smem_u32(smem);
+        sKV = sQ + QTile::BYTES;
+        q_addr = LdmatrixAddr<QTile>(sQ, lane % 16, lane / 16);
+        k_addr = LdmatrixAddr<KVTile>(sKV, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+        v_addr = LdmatrixAddr<KVTile>(sKV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);  // + the slot's V offset
+        mask = Mask<true>{len, len - p.seqlen_q, p.window_left, p.window_right};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int pr = row0 + row_warp * 16 + lane / 4 + 8 * h;  // past the last row: a harmless dummy
+            query[h] = pr / group;
+            const int head = h_kv * group + pr % group;
+            slope[h] = SCORE_MOD && p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + head] : 0.f;
+        }
+        if (SCORE_MOD) mod = ScoreMod{p.mod_scale, p.softcap, 0.f, len - p.seqlen_q};
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+        softmax.reset();
+
+        // The tile's visible blocks, cut into num_splits equal runs; this CTA takes run `split`.
+        const int last = min(row0 + BM, rows) - 1;
+        const BlockRange range = block_range<BN>(mask, row0 / group, last / group);
+        const int per_split = (range.n_max - range.n_min + p.num_splits - 1) / p.num_splits;
+        n_begin = range.n_min + split * per_split;
+        n_end = min(range.n_max, n_begin + per_split);
+
+        if (n_begin < n_end) {
+            QCopy::load_rows_async(sQ, [&](int r) { return q_row(r); }, p.headdim, p.q, tid);
+#pragma unroll
+            for (int t = 0; t < STAGES - 1; ++t) {  // one group per block; Q joins the first
+                if (n_end - 1 - t >= n_begin) load_kv(t, n_end - 1 - t);
+                cp_async_commit();
+            }
+            int t = 0, n = n_end - 1;
+            if (n > range.full_hi || n < range.full_lo)
+                step<true, true>(t);
+            else
+                step<false, true>(t);
+            for (++t, --n; n >= n_begin && n > range.full_hi; ++t, --n) step<true, false>(t);
+            for (; n >= n_begin && n >= range.full_lo; ++t, --n) step<false, false>(t);
+            for (; n >= n_begin; ++t, --n) step<true, false>(t);
+        }
+        epilogue(smem, split);
+    }
+};
+
+template <class T, int D, int ROW_WARPS, int BN, int STAGES, bool SCORE_MOD>
+__global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
+    extern __shared__ __align__(1024) char smem[];
+    DecodeBlock<DecodeTraits<T, D, ROW_WARPS, BN, STAGES>, SCORE_MOD> block(p, blockIdx.z, blockIdx.y);
+    block.run(smem);
+}
+
+}  // namespace cuflash

@@ -1,0 +1,281 @@
+"""JAX entry point: :func:`attention` on jax arrays, under ``jax.jit`` and ``jax.grad``.
+
+    import cuflash.jax
+    out = cuflash.jax.attention(q, k, v, causal=True)   # q (b, s, h, d) float16/bfloat16 on a GPU
+
+Forward and backward are each one XLA custom call (``jax.ffi.ffi_call``) to a handler registered with
+XLA's typed FFI (``api_version=1``). The handler is a ctypes callback into Python: it reads the buffer
+pointers and the CUDA stream XLA hands it, wraps the buffers as CuPy arrays without copying, and launches
+:func:`cuflash.api.launch_forward` / :func:`~cuflash.api.launch_backward` on that stream. Nothing goes
+through the host: no ``pure_callback``, no device-to-host copy, no synchronization.
+
+Options travel as one string attribute of the custom call. The backward's workspaces (fp32 dQ
+accumulator, rowsum(dO*O), lse in log2) are a fourth output of the backward call, sized at trace time by
+:func:`backward_workspace_bytes`, so XLA allocates them like any temporary and the handler allocates
+nothing. Why the typed FFI and not the older ``api_version=0`` custom call: see ``docs/frameworks.md``.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from . import _xla_ffi as ffi
+from . import api, checks, plan
+
+__all__ = ["attention", "backward_workspace_bytes"]
+
+FWD_TARGET = "cuflash_attention_fwd"
+BWD_TARGET = "cuflash_attention_bwd"
+WORKSPACE_ALIGN = 256  # bytes; each backward workspace array starts on this boundary
+
+_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+           "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8)}
+
+
+def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, deterministic=False):
+    """:func:`cuflash.attention` on jax arrays, differentiable with respect to q, k and v.
+
+    Parameters
+    ----------
+    q : jax.Array, (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on a CUDA GPU
+    k, v : jax.Array, (batch, seqlen_k, nheads_k, headdim), dtype of q; ``nheads % nheads_k == 0``
+    softmax_scale, causal, window_size, softcap, alibi_slopes
+        As in :func:`cuflash.attention` (Python values, static under ``jax.jit``; ``alibi_slopes`` a float32
+        array ``(nheads,)`` or ``(batch, nheads)``, not differentiated). ``causal`` is bottom-right
+        aligned when ``seqlen_q != seqlen_k`` (``jax.nn.dot_product_attention``'s ``is_causal`` is
+        top-left); for seqlen_q = 2, seqlen_k = 5 (x = visible)::
+
+            x x x x .
+            x x x x x
+
+    deterministic : bool
+        Backward with a fixed dQ summation order (bitwise-repeatable gradients).
+
+    Returns
+    -------
+    out : jax.Array, (batch, seqlen_q, nheads, headdim), dtype of q
+
+    Examples
+    --------
+    >>> loss = lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True).astype(jnp.float32).sum()
+    >>> dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    """
+    options = _Options.make(q, k, v, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
+    return _attention(q, k, v, alibi_slopes, options)
+
+
+# --------------------------------------------------------------------------------------------
+# Options: checked once at trace time, then carried to the handler as one string attribute
+# --------------------------------------------------------------------------------------------
+
+class _Options(tuple):
+    """(softmax_scale or None, causal, left, right, softcap, deterministic): hashable, static under jit."""
+
+    @classmethod
+    def make(cls, q, k, v, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic):
+        problem = checks.check_attention(*(_spec(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
+                                         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                         softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"))
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
+        del problem  # only checked here; the handler rebuilds it from the buffer shapes
+        left, right = checks.window(causal, window_size)
+        scale = None if softmax_scale is None else float(softmax_scale)
+        return cls((scale, bool(causal), left, right, float(softcap), bool(deterministic)))
+
+    def encode(self) -> str:
+        return repr(tuple(self))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def decode(text: bytes) -> tuple:
+        """The launch keywords (a tuple of pairs; make a dict per call) and the deterministic flag."""
+        scale, causal, left, right, softcap, det = ast.literal_eval(text.decode())
+        return (("softmax_scale", scale), ("causal", causal), ("window_size", (left, right)),
+                ("softcap", softcap)), det
+
+
+def _spec(x, name):
+    """A TensorSpec for a jax array or tracer: row-major (XLA's default layout for custom-call operands)."""
+    if x is None:
+        return None
+    if not all(hasattr(x, a) for a in ("shape", "dtype")):
+        raise TypeError(f"{name}: expected a jax array, got {type(x).__name__}")
+    shape = tuple(int(n) for n in x.shape)
+    strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+    return checks.TensorSpec(name, shape, np.dtype(x.dtype), strides, None)
+
+
+# --------------------------------------------------------------------------------------------
+# custom_vjp: forward and backward are one ffi_call each
+# --------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, alibi_slopes, options):
+    return _forward_call(q, k, v, alibi_slopes, options)[0]
+
+
+def _attention_fwd(q, k, v, alibi_slopes, options):
+    out, lse = _forward_call(q, k, v, alibi_slopes, options)
+    return out, (q, k, v, alibi_slopes, out, lse)
+
+
+def _attention_bwd(options, residuals, dout):
+    q, k, v, alibi_slopes, out, lse = residuals
+    dq, dk, dv = _backward_call(dout, q, k, v, out, lse, alibi_slopes, options)
+    return dq, dk, dv, None if alibi_slopes is None else jnp.zeros_like(alibi_slopes)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _forward_call(q, k, v, alibi_slopes, options):
+    _register()
+    b, sq, h, _ = q.shape
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+    args = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
+    return jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="sequential")(*args, config=options.encode())
+
+
+def _backward_call(dout, q, k, v, out, lse, alibi_slopes, options):
+    _register()
+    problem = checks.Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                             np.dtype(q.dtype))
+    workspace = backward_workspace_bytes(problem, options[2], options[3], options[4] > 0 or alibi_slopes is not None,
+                                         options[5])
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+    args = (dout.astype(q.dtype), q, k, v, out, lse) + (() if alibi_slopes is None else (alibi_slopes,))
+    dq, dk, dv, _ = jax.ffi.ffi_call(BWD_TARGET, results, vmap_method="sequential")(*args, config=options.encode())
+    return dq, dk, dv
+
+
+def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, deterministic: bool) -> int:
+    """Bytes of the workspaces :func:`cuflash.api.launch_backward` asks its allocator for, in its order:
+    ``dsum`` and ``lse_log2`` (float32 ``(b, h, sq)``), then the fp32 dQ accumulator
+    ``(slices, b, sq, h, d)``; each rounded up to :data:`WORKSPACE_ALIGN`.
+
+    Deterministic mode's slice count grows with the GPU's SM count, so it is planned for the largest
+    GPU visible here (an upper bound for any of them).
+    """
+    left, right = plan.normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
+    launch = plan.plan_backward(problem, left, right, score_mod, deterministic, "sm_80", _max_sm_count())
+    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
+    sizes = (b * h * sq * 4, b * h * sq * 4, launch.slices * b * sq * h * d * 4)
+    return sum(_aligned(n) for n in sizes)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+
+@functools.lru_cache(maxsize=None)
+def _max_sm_count() -> int:
+    try:
+        import cupy
+        return max(cupy.cuda.runtime.getDeviceProperties(i)["multiProcessorCount"]
+                   for i in range(cupy.cuda.runtime.getDeviceCount()))
+    except Exception:  # no GPU here (tracing on a CPU machine): plan for one slice per KV block
+        return 1 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# The FFI handlers (run by XLA on its own thread, on the stream it hands us)
+# --------------------------------------------------------------------------------------------
+
+def _parse(frame):
+    """(options, deterministic, input buffers, output buffers) of one call; buffers are (ptr, shape, dtype name)."""
+    options, deterministic = _Options.decode(ffi.string_attr(frame, "config"))
+    return dict(options), deterministic, ffi.buffers(frame.args), ffi.buffers(frame.rets)
+
+
+def _problem(q, k) -> checks.Problem:
+    (b, sq, h, d), (sk, hk) = q[1], k[1][1:3]
+    return checks.Problem(b, sq, sk, h, hk, d, _DTYPES[q[2]])
+
+
+def _run_forward(frame):
+    import cupy
+    options, _, ins, outs = _parse(frame)
+    device = _device_of(ins[0][0])
+    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
+        q, k, v, *alibi = (_cupy(buf, device) for buf in ins)
+        out, lse = (_cupy(buf, device) for buf in outs)
+        options["alibi_slopes"] = alibi[0] if alibi else None
+        api.launch_forward(_problem(ins[0], ins[1]), q, k, v, out, lse, **options)
+
+
+def _run_backward(frame):
+    import cupy
+    options, deterministic, ins, outs = _parse(frame)
+    device = _device_of(ins[1][0])
+    workspace = _Workspace(outs[3][0], outs[3][1][0], device)
+    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device), cupy.cuda.using_allocator(workspace.malloc):
+        dout, q, k, v, out, lse, *alibi = (_cupy(buf, device) for buf in ins)
+        dq, dk, dv = (_cupy(buf, device) for buf in outs[:3])
+        options["alibi_slopes"] = alibi[0] if alibi else None
+        api.launch_backward(_problem(ins[1], ins[2]), dout, q, k, v, out, lse, dq, dk, dv,
+                            deterministic=deterministic, **options)
+
+
+class _Workspace:
+    """A CuPy allocator that hands out consecutive aligned pieces of one XLA-owned buffer."""
+
+    def __init__(self, ptr: int, size: int, device: int):
+        self.ptr, self.size, self.device, self.used = ptr, size, device, 0
+
+    def malloc(self, nbytes: int):
+        import cupy
+        size = _aligned(nbytes)
+        if self.used + size > self.size:
+            raise RuntimeError(f"backward workspace exhausted: asked for {nbytes} bytes with {self.used} of "
+                               f"{self.size} in use (backward_workspace_bytes is out of step with launch_backward)")
+        mem = cupy.cuda.UnownedMemory(self.ptr + self.used, size, self, self.device)
+        self.used += size
+        return cupy.cuda.MemoryPointer(mem, 0)
+
+
+def _cupy(buf, device: int):
+    import cupy
+    ptr, shape, dtype = buf
+    dtype = _DTYPES[dtype]
+    nbytes = max(1, ffi.nbytes(shape, dtype))
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, device)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _device_of(ptr: int) -> int:
+    import cupy
+    return cupy.cuda.runtime.pointerGetAttributes(ptr).device
+
+
+_streams: dict = {}
+
+
+def _stream(handle: int, device: int):
+    import cupy
+    key = (handle, device)
+    s = _streams.get(key)
+    if s is None:
+        if len(_streams) > 64:
+            _streams.clear()
+        s = _streams[key] = cupy.cuda.ExternalStream(handle, device)
+    return s
+
+
+_handlers: dict = {}
+
+
+def _register() -> None:
+    """Registers both targets with XLA for CUDA, once (the handlers must outlive every call)."""
+    if _handlers:
+        return
+    for name, run in ((FWD_TARGET, _run_forward), (BWD_TARGET, _run_backward)):
+        _handlers[name] = handler = ffi.make_handler(run)
+        jax.ffi.register_ffi_target(name, ffi.capsule(handler), platform="CUDA", api_version=1)

@@ -1,0 +1,247 @@
+"""cuflash.attention_with_kvcache on the GPU against the float64 reference: contiguous and paged caches,
+in-place append, cache_batch_idx, split-KV, GQA packing, every option."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from cuflash import reference
+from tests.gpu.helpers import DTYPES, assert_close_to_reference, assert_lse_close, naive_lowp, randn
+
+pytestmark = pytest.mark.gpu
+
+
+def make_cache(rng, *, b, capacity, hk, d, dt, page_size=None, batch_idx=False):
+    """A cache filled with random keys/values, as NumPy arrays plus the layout arguments for the call.
+
+    Contiguous: (batch_cache, capacity, hk, d), batch_cache > b when batch_idx (rows in shuffled order).
+    Paged: a pool with pages shuffled (and spare pages), block_table mapping each row's logical pages."""
+    if page_size is None:
+        rows = b + 2 if batch_idx else b
+        kc, vc = randn(rng, (rows, capacity, hk, d), dt), randn(rng, (rows, capacity, hk, d), dt)
+        idx = rng.permutation(rows)[:b].astype(np.int32) if batch_idx else None
+        return kc, vc, dict(cache_batch_idx=idx)
+    max_pages = -(-capacity // page_size)
+    num_pages = b * max_pages + 3
+    kc, vc = randn(rng, (num_pages, page_size, hk, d), dt), randn(rng, (num_pages, page_size, hk, d), dt)
+    table = rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+    return kc, vc, dict(block_table=table)
+
+
+def run_case(rng, *, b, sq, h, hk, d, dtype, capacity, lens, new_k=0, page_size=None, batch_idx=False,
+             seqlens_kind="array", causal=False, window_size=(-1, -1), softcap=0.0, alibi=None,
+             softmax_scale=None, num_splits=0, check_naive=True):
+    """Runs one call on the GPU and the reference on the host; checks out, lse and the updated cache."""
+    import cupy
+    import cuflash
+    dt = DTYPES[dtype]
+    kc, vc, layout = make_cache(rng, b=b, capacity=capacity, hk=hk, d=d, dt=dt, page_size=page_size,
+                                batch_idx=batch_idx)
+    q = randn(rng, (b, sq, h, d), dt)
+    kn = vn = None
+    if new_k:
+        kn, vn = randn(rng, (b, new_k, hk, d), dt), randn(rng, (b, new_k, hk, d), dt)
+    lens = np.asarray(lens, dtype=np.int32)
+    if seqlens_kind == "int":
+        assert (lens == lens[0]).all()
+        seqlens = int(lens[0])
+    elif seqlens_kind == "none":
+        assert new_k == 0
+        seqlens = None
+        lens = np.full(b, (kc.shape[1] * layout["block_table"].shape[1]) if page_size else capacity, np.int32)
+    else:
+        seqlens = lens
+    slopes = None
+    if alibi is not None:
+        slopes = rng.uniform(0.0, 0.5, (h,) if alibi == "h" else (b, h)).astype(np.float32)
+    opts = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale)
+
+    dev = lambda x: None if x is None else cupy.asarray(x)  # noqa: E731
+    kc_d, vc_d = dev(kc), dev(vc)
+    out, lse = cuflash.attention_with_kvcache(
+        dev(q), kc_d, vc_d, k=dev(kn), v=dev(vn), cache_seqlens=seqlens if seqlens_kind != "array" else dev(seqlens),
+        cache_batch_idx=dev(layout.get("cache_batch_idx")), block_table=dev(layout.get("block_table")),
+        alibi_slopes=dev(slopes), num_splits=num_splits, return_lse=True, **opts)
+    cupy.cuda.get_current_stream().synchronize()
+
+    kc_ref, vc_ref = kc.copy(), vc.copy()
+    ref_out, ref_lse = reference.attention_with_kvcache(
+        q, kc_ref, vc_ref, k=kn, v=vn, cache_seqlens=seqlens, alibi_slopes=slopes, return_lse=True,
+        **layout, **opts)
+    ctx = (f"b={b} sq={sq} h={h} hk={hk} d={d} {dtype} capacity={capacity} lens={lens.tolist()} new_k={new_k} "
+           f"page={page_size} batch_idx={batch_idx} seqlens={seqlens_kind} {opts} alibi={alibi} "
+           f"splits={num_splits}")
+    # the append, exactly; nothing else in the cache touched
+    np.testing.assert_array_equal(kc_d.get().view(np.uint16), kc_ref.view(np.uint16), err_msg=ctx)
+    np.testing.assert_array_equal(vc_d.get().view(np.uint16), vc_ref.view(np.uint16), err_msg=ctx)
+
+    naive = np.zeros(q.shape, dtype=dt)
+    if check_naive:
+        for i in range(b):  # the naive low-precision bound, on each row's visible keys
+            n = int(lens[i]) + new_k
+            if n == 0:
+                continue
+            kb, vb = _logical(kc_ref, layout, i, n), _logical(vc_ref, layout, i, n)
+            naive[i] = naive_lowp(q[i:i + 1], kb[None], vb[None], alibi_slopes=None if slopes is None else
+                                  np.broadcast_to(slopes.reshape(-1, h), (b, h))[i], **opts)[0]
+    assert out.shape == q.shape and out.dtype == q.dtype, ctx
+    assert_close_to_reference(out.get(), ref_out, naive if check_naive else ref_out, context=ctx,
+                              floor=1e-3 if check_naive else 2e-2)
+    assert lse.shape == (b, h, sq) and lse.dtype == np.float32, ctx
+    assert_lse_close(lse.get(), ref_lse, context=ctx)
+    return out.get(), lse.get()
+
+
+def _logical(cache, layout, row, n):
+    """Positions 0..n-1 of batch row `row`, gathered from a contiguous or paged NumPy cache."""
+    if layout.get("block_table") is not None:
+        page_size = cache.shape[1]
+        pos = np.arange(n)
+        return cache[layout["block_table"][row, pos // page_size], pos % page_size]
+    idx = layout.get("cache_batch_idx")
+    return cache[row if idx is None else idx[row], :n]
+
+
+@st.composite
+def kvcache_cases(draw):
+    hk = draw(st.sampled_from([1, 2, 8]))
+    group = draw(st.sampled_from([1, 2, 4, 5, 8]))
+    b = draw(st.integers(1, 3))
+    sq = draw(st.sampled_from([1, 1, 1, 2, 3, 17, 40]))
+    capacity = draw(st.sampled_from([16, 64, 100, 257, 1000, 1500]) | st.integers(1, 400))
+    paged = draw(st.booleans())
+    page_size = draw(st.sampled_from([16, 32, 48, 64, 256])) if paged else None
+    new_k = draw(st.sampled_from([0, 0, 1, sq, 5]))
+    new_k = min(new_k, capacity)
+    seqlens_kind = draw(st.sampled_from(["array", "array", "int"] + (["none"] if new_k == 0 else [])))
+    top = capacity - new_k
+    if seqlens_kind == "int":
+        lens = [draw(st.integers(0, top))] * b
+    else:
+        lens = [draw(st.sampled_from([0, top, top // 2]) | st.integers(0, top)) for _ in range(b)]
+    return dict(
+        b=b, sq=sq, hk=hk, h=hk * group,
+        d=draw(st.sampled_from([64, 128, 128, 40, 96, 256])),
+        dtype=draw(st.sampled_from(["fp16", "bf16"])),
+        capacity=capacity, lens=lens, new_k=new_k, page_size=page_size,
+        batch_idx=not paged and draw(st.booleans()),
+        seqlens_kind=seqlens_kind,
+        causal=draw(st.booleans()),
+        window_size=draw(st.sampled_from([(-1, -1)] * 4 + [(32, 0), (100, -1), (7, 3)])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 0.0, 20.0])),
+        alibi=draw(st.sampled_from([None, None, None, "h", "bh"])),
+        num_splits=draw(st.sampled_from([0, 0, 1, 2, 5, 16])),
+    )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=kvcache_cases(), seed=st.integers(0, 2**31 - 1))
+def test_kvcache_matches_reference(compiled, case, seed):
+    run_case(np.random.default_rng(seed), **case)
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_paged_equals_contiguous(compiled, page_size, dtype):
+    """The same logical cache, contiguous and paged (shuffled pages): bitwise equal outputs and lse."""
+    import cupy
+    import cuflash
+    rng = np.random.default_rng(page_size)
+    dt = DTYPES[dtype]
+    b, capacity, hk, h, d = 3, 1000, 2, 8, 128
+    lens = np.array([1000 - 7, 0, 517], dtype=np.int32)
+    kc, vc = randn(rng, (b, capacity, hk, d), dt), randn(rng, (b, capacity, hk, d), dt)
+    max_pages = -(-capacity // page_size)
+    table = rng.permutation(b * max_pages).reshape(b, max_pages).astype(np.int32)
+    pool_k = np.zeros((b * max_pages, page_size, hk, d), dt)
+    pool_v = np.zeros_like(pool_k)
+    for i in range(b):
+        for pg in range(max_pages):
+            rows = kc[i, pg * page_size:(pg + 1) * page_size]
+            pool_k[table[i, pg], :len(rows)] = rows
+            pool_v[table[i, pg], :len(rows)] = vc[i, pg * page_size:(pg + 1) * page_size]
+    q = cupy.asarray(randn(rng, (b, 1, h, d), dt))
+    kn, vn = cupy.asarray(randn(rng, (b, 1, hk, d), dt)), cupy.asarray(randn(rng, (b, 1, hk, d), dt))
+    seqlens = cupy.asarray(lens)
+    for splits in (1, 4):
+        # the same keys on both sides: the append goes into fresh copies each time
+        c_out, c_lse = cuflash.attention_with_kvcache(q, cupy.asarray(kc), cupy.asarray(vc), k=kn, v=vn,
+                                                      cache_seqlens=seqlens, num_splits=splits,
+                                                      causal=True, return_lse=True)
+        p_out, p_lse = cuflash.attention_with_kvcache(q, cupy.asarray(pool_k), cupy.asarray(pool_v), k=kn, v=vn,
+                                                      cache_seqlens=seqlens, block_table=cupy.asarray(table),
+                                                      num_splits=splits, causal=True, return_lse=True)
+        np.testing.assert_array_equal(c_out.get().view(np.uint16), p_out.get().view(np.uint16))
+        np.testing.assert_array_equal(c_lse.get(), p_lse.get())
+
+
+def test_every_split_count_agrees(compiled):
+    """num_splits = 1..N (and the heuristic's 0) all match the reference and each other closely."""
+    rng = np.random.default_rng(7)
+    outs = []
+    for splits in [0] + list(range(1, 21)):
+        out, _ = run_case(np.random.default_rng(3), b=2, sq=1, h=16, hk=4, d=128, dtype="bf16", capacity=1200,
+                          lens=[1200, 731], num_splits=splits)
+        outs.append(out.astype(np.float32))
+    spread = max(float(np.abs(o - outs[1]).max()) for o in outs)
+    assert spread < 2e-2, spread
+    del rng
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_lengths_zero_to_capacity(compiled, splits):
+    """Every row length 0..L in one batch; length 0 gives out 0 and lse -inf."""
+    capacity = 70
+    lens = list(range(0, capacity + 1))
+    out, lse = run_case(np.random.default_rng(1), b=len(lens), sq=1, h=4, hk=2, d=64, dtype="fp16",
+                        capacity=capacity, lens=lens, num_splits=splits)
+    assert (out[0] == 0).all() and np.isneginf(lse[0]).all()
+    assert np.isfinite(lse[1:]).all()
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8])
+def test_gqa_ratios(compiled, group):
+    run_case(np.random.default_rng(group), b=2, sq=1, h=2 * group, hk=2, d=128, dtype="bf16", capacity=3000,
+             lens=[2999, 1234], new_k=1, causal=True)
+
+
+@pytest.mark.parametrize("sq", [4, 16, 33, 128])
+def test_speculative_rows(compiled, sq):
+    """Several new rows per step (more than one 16-row tile once packed): causal over the appended keys."""
+    run_case(np.random.default_rng(sq), b=2, sq=sq, h=8, hk=2, d=128, dtype="fp16", capacity=2048,
+             lens=[1500, 77], new_k=sq, causal=True, page_size=64)
+
+
+def test_long_cache_many_splits(compiled):
+    """64k keys, batch 1: the heuristic splits the keys across the GPU; the combine restores the result."""
+    run_case(np.random.default_rng(5), b=1, sq=1, h=32, hk=8, d=128, dtype="bf16", capacity=65536,
+             lens=[65536 - 1], new_k=1)
+
+
+def test_append_with_batch_idx_leaves_other_rows(compiled):
+    run_case(np.random.default_rng(11), b=3, sq=2, h=4, hk=4, d=64, dtype="bf16", capacity=300,
+             lens=[10, 250, 0], new_k=2, batch_idx=True, causal=True)
+
+
+def test_known_wrong_output_is_rejected():
+    """The checker itself must fail a result that ignores the appended keys."""
+    import cupy
+    import cuflash
+    rng = np.random.default_rng(0)
+    dt = DTYPES["bf16"]
+    q = randn(rng, (1, 1, 4, 64), dt)
+    kc, vc = randn(rng, (1, 64, 2, 64), dt), randn(rng, (1, 64, 2, 64), dt)
+    kn, vn = randn(rng, (1, 1, 2, 64), dt), randn(rng, (1, 1, 2, 64), dt)
+    wrong = cuflash.attention_with_kvcache(cupy.asarray(q), cupy.asarray(kc), cupy.asarray(vc), cache_seqlens=20)
+    ref = reference.attention_with_kvcache(q, kc.copy(), vc.copy(), k=kn, v=vn, cache_seqlens=20)
+    naive = naive_lowp(q, np.concatenate([kc[:, :20], kn], axis=1), np.concatenate([vc[:, :20], vn], axis=1))
+    with pytest.raises(AssertionError):
+        assert_close_to_reference(wrong.get(), ref, naive)
+
+
+def test_host_index_arrays_are_refused():
+    import cupy
+    import cuflash
+    q = cupy.zeros((1, 1, 2, 64), dtype=np.float16)
+    kc = cupy.zeros((1, 32, 2, 64), dtype=np.float16)
+    with pytest.raises((TypeError, ValueError), match="cache_seqlens"):  # "on different devices (0 and host)"
+        cuflash.attention_with_kvcache(q, kc, kc, cache_seqlens=np.array([3], dtype=np.int32))

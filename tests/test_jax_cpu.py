@@ -1,0 +1,145 @@
+"""cuflash.jax without a GPU: the custom_vjp, the ffi_call plumbing and the typed-FFI handler's parsing.
+
+The same target names are registered for XLA's CPU backend with a host handler that reads the call frame
+exactly like the CUDA one (``cuflash.jax._parse``) and computes with ``cuflash.reference``. So jit, grad,
+option passing, the workspace output and error reporting all run for real against the installed jaxlib;
+only the CuPy launch is left to the GPU tests (tests/gpu/test_jax.py).
+"""
+import ctypes
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+import cuflash.jax  # noqa: E402
+from cuflash import _xla_ffi, reference  # noqa: E402
+
+_host_handlers = []
+
+
+def _np(buf):
+    ptr, shape, dtype = buf
+    dtype = cuflash.jax._DTYPES[dtype]
+    raw = (ctypes.c_char * _xla_ffi.nbytes(shape, dtype)).from_address(ptr)
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def _host_forward(frame):
+    options, _, ins, outs = cuflash.jax._parse(frame)
+    q, k, v, *alibi = (_np(b).astype(np.float64) for b in ins)
+    out, lse = (_np(b) for b in outs)
+    o, l = reference.attention(q, k, v, alibi_slopes=alibi[0] if alibi else None, return_lse=True, **options)
+    out[...], lse[...] = o.astype(out.dtype), l
+
+
+def _host_backward(frame):
+    options, deterministic, ins, outs = cuflash.jax._parse(frame)
+    dout, q, k, v, out, lse, *alibi = (_np(b).astype(np.float64) for b in ins)
+    grads = reference.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi[0] if alibi else None,
+                                         deterministic=deterministic, **options)
+    for dst, g in zip(outs[:3], grads):
+        _np(dst)[...] = g.astype(_np(dst).dtype)
+    _np(outs[3])[...] = 0xAB  # the workspace is ours to scribble on
+    if options["softcap"] == 1.25:  # a marker value: report an error the way the CUDA handler would
+        raise ValueError("softcap 1.25 refused by the test handler")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_targets():
+    if not _host_handlers:
+        for name, run in ((cuflash.jax.FWD_TARGET, _host_forward), (cuflash.jax.BWD_TARGET, _host_backward)):
+            handler = _xla_ffi.make_handler(run)
+            _host_handlers.append(handler)
+            jax.ffi.register_ffi_target(name, _xla_ffi.capsule(handler), platform="cpu", api_version=1)
+
+
+def _inputs(b=2, sq=33, sk=47, h=4, hk=2, d=32, dtype=jnp.float16, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (b, sk, hk, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (b, sk, hk, d), jnp.float32).astype(dtype)
+    dout = jax.random.normal(keys[3], (b, sq, h, d), jnp.float32).astype(dtype)
+    return q, k, v, dout
+
+
+def _xla_reference(q, k, v, causal):
+    return jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                        is_causal=causal, implementation="xla")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_jit_grad_matches_jax_xla_attention(dtype, causal):
+    q, k, v, dout = _inputs(sq=40, sk=40, dtype=getattr(jnp, dtype))  # equal lengths: is_causal agrees
+
+    def loss(fn, q, k, v):
+        return (fn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32)).sum()
+
+    ours = jax.jit(jax.value_and_grad(lambda *a: loss(lambda *x: cuflash.jax.attention(*x, causal=causal), *a),
+                                      argnums=(0, 1, 2)))
+    want = jax.value_and_grad(lambda *a: loss(lambda *x: _xla_reference(*x, causal), *a), argnums=(0, 1, 2))
+    (l1, g1), (l2, g2) = ours(q, k, v), want(q, k, v)
+    tol = 3e-2 if dtype == "bfloat16" else 4e-3
+    assert abs(float(l1) - float(l2)) <= tol * max(1.0, abs(float(l2)))
+    for got, ref in zip(g1, g2):
+        assert got.dtype == q.dtype and got.shape == ref.shape
+        err = float(jnp.abs(got.astype(jnp.float32) - ref).max()) / max(1.0, float(jnp.abs(ref).max()))
+        assert err < 4 * tol, err
+
+
+def test_eager_forward_and_options_reach_the_handler():
+    q, k, v, _ = _inputs()
+    slopes = jnp.linspace(0.1, 0.5, q.shape[2], dtype=jnp.float32)
+    out = cuflash.jax.attention(q, k, v, causal=True, window_size=(7, -1), softcap=3.0, softmax_scale=0.2,
+                                alibi_slopes=slopes)
+    want = reference.attention(*(np.asarray(x, np.float64) for x in (q, k, v)), causal=True, window_size=(7, -1),
+                               softcap=3.0, softmax_scale=0.2, alibi_slopes=np.asarray(slopes))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.abs(np.asarray(out, np.float64) - want).max() < 4e-3
+
+
+def test_grad_with_alibi_gives_zero_slope_cotangent():
+    q, k, v, _ = _inputs()
+    slopes = jnp.full((q.shape[0], q.shape[2]), 0.25, jnp.float32)
+    g = jax.grad(lambda s: cuflash.jax.attention(q, k, v, alibi_slopes=s).astype(jnp.float32).sum())(slopes)
+    assert g.shape == slopes.shape and not np.asarray(g).any()
+
+
+def test_lowering_is_two_custom_calls_with_a_workspace_output():
+    q, k, v, _ = _inputs()
+    f = jax.jit(jax.grad(lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True).astype(jnp.float32).sum(),
+                         argnums=(0, 1, 2)))
+    text = f.lower(q, k, v).as_text()
+    assert text.count("@cuflash_attention_fwd") == 1 and text.count("@cuflash_attention_bwd") == 1
+    assert "callback" not in text  # no host round trip (pure_callback / io_callback lower to *callback*)
+    problem = cuflash.checks.Problem(2, 33, 47, 4, 2, 32, np.dtype(np.float16))
+    workspace = cuflash.jax.backward_workspace_bytes(problem, -1, 0, False, False)
+    assert f"tensor<{workspace}xui8>" in text
+    assert workspace == 2 * cuflash.jax._aligned(2 * 4 * 33 * 4) + cuflash.jax._aligned(2 * 33 * 4 * 32 * 4)
+
+
+def test_bad_input_fails_at_trace_time_with_cuflash_messages():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match=r"k: head dim \(axis 3\) is 16 but q's is 32"):
+        cuflash.jax.attention(q, k[..., :16], v[..., :16])
+    with pytest.raises(TypeError, match="q: dtype float32 is not supported"):
+        jax.jit(cuflash.jax.attention)(q.astype(jnp.float32), k, v)
+    with pytest.raises(TypeError, match="deterministic"):
+        cuflash.jax.attention(q, k, v, deterministic=1)
+
+
+def test_handler_errors_surface_as_jax_errors():
+    q, k, v, _ = _inputs()
+    grad = jax.grad(lambda q: cuflash.jax.attention(q, k, v, softcap=1.25).astype(jnp.float32).sum())
+    with pytest.raises(Exception, match="softcap 1.25 refused by the test handler"):
+        jax.block_until_ready(grad(q))
+
+
+def test_deterministic_backward_is_repeatable():
+    q, k, v, _ = _inputs()
+    grad = jax.jit(jax.grad(lambda q, k, v: cuflash.jax.attention(q, k, v, deterministic=True)
+                            .astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    a, b = grad(q, k, v), grad(q, k, v)
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
