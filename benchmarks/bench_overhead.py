@@ -9,8 +9,11 @@ host-side cost of a call -- Python, dispatch, checks, allocation, launch. Each r
 GPU is not the bottleneck. The target is cuflash within 2x of SDPA's forward call overhead.
 
 Rows: the forward of each (no autograd), forward+backward of each (requires_grad inputs), cuflash's own
-CuPy API on the same memory, and the per-tensor cost of the two ways to see a torch tensor from CuPy
-(cupy.from_dlpack vs the pointer view cuflash.torch uses).
+CuPy API on the same memory, the op path (torch.ops.cuflash.attention_fwd called directly: what an eager call
+would cost through the torch.library dispatcher, which cuflash.torch skips in plain eager calls),
+cuflash.torch.attention_varlen on the same tokens packed as one sequence, a one-token decode step with
+attention_with_kvcache (append to a 256-key cache) beside the CuPy API's, and the per-tensor cost of the two
+ways to see a torch tensor from CuPy (cupy.from_dlpack vs the pointer view cuflash.torch uses).
 """
 import argparse
 import json
@@ -64,6 +67,15 @@ def main():
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     qgt, kgt, vgt = (x.clone().transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
     cq, ck, cv = (cuflash.torch._view(x) for x in (q, k, v))
+    # varlen: batch row 0 as one packed sequence
+    cu = torch.tensor([0, s], dtype=torch.int32, device="cuda")
+    pq, pk, pv = (x[0] for x in (q, k, v))
+    pqg, pkg, pvg = (x.clone().requires_grad_() for x in (pq, pk, pv))
+    # decode: one new token per row, appended to a 256-key cache that holds 128
+    dq, dk, dv = (torch.randn(b, 1, h, d, device="cuda", dtype=dtype) for _ in range(3))
+    k_cache, v_cache = (torch.randn(b, 256, h, d, device="cuda", dtype=dtype) for _ in range(2))
+    lens = torch.full((b,), 128, dtype=torch.int32, device="cuda")
+    cdq, cdk, cdv, ckc, cvc, clens = (cuflash.torch._view(x) for x in (dq, dk, dv, k_cache, v_cache, lens))
 
     def fwd_bwd(fn, *xs):
         def run():
@@ -71,21 +83,35 @@ def main():
         return run
 
     rows = []
-    cases = [
+    no_grad = [
         ("sdpa forward", lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)),
         ("cuflash.torch forward", lambda: cuflash.torch.attention(q, k, v, causal=True)),
         ("cuflash (CuPy API) forward", lambda: cuflash.attention(cq, ck, cv, causal=True)),
-        ("sdpa forward+backward", fwd_bwd(lambda *x: F.scaled_dot_product_attention(*x, is_causal=True), qgt, kgt, vgt)),
+        ("cuflash.torch forward, op path",
+         lambda: torch.ops.cuflash.attention_fwd(q, k, v, None, None, True, -1, -1, 0.0, False)),
+        ("cuflash.torch varlen forward", lambda: cuflash.torch.attention_varlen(pq, pk, pv, cu, cu, s, s, causal=True)),
+        ("cuflash.torch kvcache decode", lambda: cuflash.torch.attention_with_kvcache(
+            dq, k_cache, v_cache, k=dk, v=dv, cache_seqlens=lens, causal=True)),
+        ("cuflash (CuPy API) kvcache decode", lambda: cuflash.attention_with_kvcache(
+            cdq, ckc, cvc, k=cdk, v=cdv, cache_seqlens=clens, causal=True)),
+    ]
+    with_grad = [
+        ("sdpa forward+backward",
+         fwd_bwd(lambda *x: F.scaled_dot_product_attention(*x, is_causal=True), qgt, kgt, vgt)),
         ("cuflash.torch forward+backward", fwd_bwd(lambda *x: cuflash.torch.attention(*x, causal=True), qg, kg, vg)),
+        ("cuflash.torch varlen fwd+bwd",
+         fwd_bwd(lambda *x: cuflash.torch.attention_varlen(*x, cu, cu, s, s, causal=True), pqg, pkg, pvg)),
+    ]
+    views = [
         ("cupy.from_dlpack (1 tensor)", lambda: cupy.from_dlpack(q)),
         ("cuflash.torch._view (1 tensor)", lambda: cuflash.torch._view(q)),
     ]
     with torch.no_grad():
-        for name, fn in cases[:3]:
+        for name, fn in no_grad:
             rows.append((name, *per_call_us(fn, args.calls, args.repeats)))
-    for name, fn in cases[3:5]:
+    for name, fn in with_grad:
         rows.append((name, *per_call_us(fn, max(1, args.calls // 3), args.repeats)))
-    for name, fn in cases[5:]:
+    for name, fn in views:
         rows.append((name, *per_call_us(fn, args.calls, args.repeats)))
 
     gpu = torch.cuda.get_device_name()

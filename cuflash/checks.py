@@ -469,7 +469,7 @@ def _signature(x):
     """What a check can depend on: an array's type, shape, byte strides, dtype and device; a value.
     (Ordered for speed: this runs on every call of a public function.)"""
     t = type(x)
-    if t in _VALUE_TYPES or t is TensorSpec or isinstance(x, np.generic):  # values, NumPy scalars too
+    if t in _VALUE_TYPES or t is TensorSpec or t is Problem or isinstance(x, np.generic):  # NumPy scalars too
         return (t, x)
     if hasattr(x, "shape"):
         return (t, tuple(x.shape), tuple(x.strides), x.dtype, getattr(getattr(x, "device", None), "id", None))

@@ -31,7 +31,7 @@ __all__ = ["attention", "backward_workspace_bytes"]
 
 FWD_TARGET = "cuflash_attention_fwd"
 BWD_TARGET = "cuflash_attention_bwd"
-WORKSPACE_ALIGN = 256  # bytes; each backward workspace array starts on this boundary
+WORKSPACE_ALIGN = plan.WORKSPACE_ALIGN  # bytes; each piece handed out by _Workspace starts on this boundary
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
            "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8)}
@@ -157,18 +157,16 @@ def _backward_call(dout, q, k, v, out, lse, alibi_slopes, options):
 
 
 def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, deterministic: bool) -> int:
-    """Bytes of the workspaces :func:`cuflash.api.launch_backward` asks its allocator for, in its order:
-    ``dsum`` and ``lse_log2`` (float32 ``(b, h, sq)``), then the fp32 dQ accumulator
-    ``(slices, b, sq, h, d)``; each rounded up to :data:`WORKSPACE_ALIGN`.
+    """Bytes of the one workspace :func:`cuflash.api.launch_backward` asks its allocator for
+    (:func:`cuflash.plan.backward_workspace`: ``dsum``, ``lse_log2``, the fp32 dQ accumulator).
 
     Deterministic mode's slice count grows with the GPU's SM count, so it is planned for the largest
     GPU visible here (an upper bound for any of them).
     """
     left, right = plan.normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
     launch = plan.plan_backward(problem, left, right, score_mod, deterministic, "sm_80", _max_sm_count())
-    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
-    sizes = (b * h * sq * 4, b * h * sq * 4, launch.slices * b * sq * h * d * 4)
-    return sum(_aligned(n) for n in sizes)
+    return plan.backward_workspace(problem.batch * problem.seqlen_q, problem.nheads, problem.headdim,
+                                   launch.slices)[2]
 
 
 def _aligned(n: int) -> int:

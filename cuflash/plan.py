@@ -298,6 +298,19 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     return BwdLaunch(spec, check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1)
 
 
+WORKSPACE_ALIGN = 256  # bytes; each piece of a workspace starts on this boundary
+
+
+def backward_workspace(rows: int, nheads: int, headdim: int, slices: int) -> tuple[int, int, int]:
+    """The backward's one workspace allocation: byte offsets of lse_log2 and of the dQ accumulator, and the total.
+    Layout: dsum and lse_log2 (fp32, one per query row and head), then the fp32 dQ accumulator
+    (slices x rows x heads x headdim), each piece aligned to WORKSPACE_ALIGN. `rows`: batch * seqlen_q, or
+    total_q when packed."""
+    aligned = lambda n: -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN  # noqa: E731
+    per_row = aligned(rows * nheads * 4)
+    return per_row, 2 * per_row, 2 * per_row + aligned(slices * rows * nheads * headdim * 4)
+
+
 def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     """Drops window sides that cannot hide any key (-1 = unbounded), so full attention runs unmasked."""
     if left >= seqlen_k - 1:   # j >= i + sk - sq - left holds for every row once left >= sk - 1
@@ -385,15 +398,18 @@ class DecodeConfig:
 #   8 x 64k        4.43  4.36  4.06  3.99  3.45  4.41
 #   32 x 64k       4.53  4.55  4.18  4.14  3.53  4.62
 #   64 x 256k      3.88  4.57  4.23  4.10  3.53  4.60
-# 128 x 3 (196 KB, one CTA per SM with 128 KB in flight) wins at d = 128; other head dims keep 64-key blocks,
-# rings of about 100 KB (two CTAs per SM) up to d = 128 and two stages beyond. With more than 16 rows each
-# warp holds a whole block of scores beside its O accumulator, so blocks stay at 64 keys (32 past d = 128).
+# That tune used caches laid out (batch, len, nheads_k, d). In benchmarks/bench_decode.py, whose cache is
+# SDPA's (batch, nheads_k, len, d) viewed through strides, and with 64-row pages, 128 x 3 lost: 4.36 against
+# 4.51 TB/s at 64 x 256k, and paged calls ran 2x slower (same run, 2026-11-29). 64 x 3 (about 100 KB, two CTAs
+# per SM) is within 1.5% of the best everywhere, so it stays; other head dims keep 64-key blocks, rings of
+# about 100 KB up to d = 128 and two stages beyond. With more than 16 rows each warp holds a whole block of
+# scores beside its O accumulator, so blocks stay at 64 keys (32 past d = 128).
 _R1, _R4 = 1, 4
 DECODE_TABLE = {
     32: (DecodeConfig(_R1, 64, 4), DecodeConfig(_R4, 64, 4)),
     64: (DecodeConfig(_R1, 64, 4), DecodeConfig(_R4, 64, 4)),
     96: (DecodeConfig(_R1, 64, 3), DecodeConfig(_R4, 64, 3)),
-    128: (DecodeConfig(_R1, 128, 3), DecodeConfig(_R4, 64, 3)),
+    128: (DecodeConfig(_R1, 64, 3), DecodeConfig(_R4, 64, 3)),
     160: (DecodeConfig(_R1, 64, 2), DecodeConfig(_R4, 32, 2)),
     192: (DecodeConfig(_R1, 64, 2), DecodeConfig(_R4, 32, 2)),
     224: (DecodeConfig(_R1, 64, 2), DecodeConfig(_R4, 32, 2)),
@@ -443,23 +459,10 @@ class DecodeSpec:
 
 
 @dataclass(frozen=True)
-class DecodeAuxSpec:
+class DecodeAuxSpec(AuxSpec):
     """decode_append or decode_combine (cuda_src/decode_aux.cu), templated on the dtype only."""
 
-    kernel: str
-    dtype: str
-
     source = "decode_aux.cu"
-    threads = 256
-    smem_bytes = 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.kernel}_{self.dtype}"
-
-    @property
-    def template(self) -> str:
-        return _template(self.kernel, self.dtype, (), ())
 
 
 def all_decode_specs(arch: str) -> list:

@@ -1,22 +1,29 @@
-"""PyTorch entry point: :func:`attention` on torch tensors, differentiable, a ``torch.library`` op.
+"""PyTorch entry points: cuflash's functions on torch tensors, as ``torch.library`` ops.
 
     import cuflash.torch
     out = cuflash.torch.attention(q, k, v, causal=True)      # q (b, s, h, d) torch tensors on a GPU
 
-Two custom ops, ``torch.ops.cuflash.attention_fwd`` (returns ``out, lse``) and
-``torch.ops.cuflash.attention_bwd`` (returns ``dq, dk, dv``), each with a fake (shape-only)
-implementation, and autograd wiring the first to the second: ``torch.compile`` traces through them
-without a graph break.
+* :func:`attention` -- differentiable in q, k, v: ops ``cuflash::attention_fwd`` (``out, lse``) and
+  ``cuflash::attention_bwd`` (``dq, dk, dv``);
+* :func:`attention_varlen` -- packed variable-length sequences, differentiable in q, k, v:
+  ``cuflash::attention_varlen_fwd`` and ``cuflash::attention_varlen_bwd``;
+* :func:`attention_with_kvcache` -- decode against a KV cache, appending to it in place, not differentiable:
+  ``cuflash::attention_with_kvcache`` (mutates ``k_cache``, ``v_cache``).
 
-Kernels run on ``torch.cuda.current_stream(q.device)``, on the tensors' own GPU. Outputs come from
-torch's caching allocator (``torch.empty``), and so do the backward's workspaces (CuPy's allocator is
-pointed at torch for the duration of the call). Inputs and outputs reach the launcher as CuPy views of the
-same memory -- pointer, shape and strides, as DLPack would carry them, minus the capsule round trip. No
-copy is made of anything.
+Every op has a fake (shape-only) implementation, and the forward ops carry their backward through
+``register_autograd``, so ``torch.compile`` traces them without a graph break. A plain eager call skips the
+op dispatcher (tens of microseconds of Python per call): it runs the same implementation directly, under a
+``torch.autograd.Function`` when a gradient is needed. Anything that traces or intercepts -- torch.compile,
+export, a dispatch mode, fake or functional tensors, functorch, the JIT tracer -- goes through the op.
+
+Kernels run on ``torch.cuda.current_stream(q.device)``, on the tensors' own GPU. Outputs come from torch's
+caching allocator, and so do the workspaces (CuPy's allocator is pointed at torch for the duration of the
+call). Tensors reach the launcher as CuPy views of the same memory -- pointer, shape and strides, as DLPack
+would carry them, minus the capsule round trip. No copy is made of anything.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import cupy
 import ml_dtypes
@@ -25,7 +32,7 @@ import torch
 
 from . import api, checks
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -61,33 +68,174 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     ...            for _ in range(3))
     >>> cuflash.torch.attention(q, k, v, causal=True).sum().backward()
     """
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
-        checks.window(causal, window_size)  # raises the usual TypeError
-    left, right = window_size
-    out, lse = torch.ops.cuflash.attention_fwd(q, k, v, alibi_slopes, softmax_scale, causal, left, right, softcap,
-                                               deterministic)
+    left, right = _window(causal, window_size)
+    out, lse = _differentiable(_Attention, (q, k, v),
+                               (q, k, v, alibi_slopes, softmax_scale, causal, left, right, softcap, deterministic))
     return (out, lse) if return_lse else out
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
+                     deterministic=False):
+    """:func:`cuflash.attention_varlen` on torch tensors (flash-attn's ``flash_attn_varlen_func`` layout),
+    differentiable in q, k and v.
+
+    Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
+    of k and v, attended on its own exactly as :func:`attention` with batch 1 would: masks are aligned
+    bottom-right with the sequence's own lengths (``sq = 2``, ``sk = 5``, causal)::
+
+        x x x x .
+        x x x x x
+
+    Parameters
+    ----------
+    q : torch.Tensor, (total_q, nheads, headdim), float16 or bfloat16, on a CUDA device
+    k, v : torch.Tensor, (total_k, nheads_k, headdim), dtype and device of q; ``nheads % nheads_k == 0``
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor, int32, (batch + 1,), on q's device
+        Cumulative sequence starts (``cu_seqlens[0] = 0``); read by the kernels, never by the host.
+    max_seqlen_q, max_seqlen_k : int
+        Upper bounds on the sequence lengths (they size the grid).
+    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic
+        As in :func:`attention`, per sequence; ``alibi_slopes`` row ``b`` is sequence ``b``'s.
+    return_lse : bool
+        Also return the float32 log-sum-exp ``(nheads, total_q)``; it is not differentiable.
+
+    Returns
+    -------
+    out : torch.Tensor, (total_q, nheads, headdim), contiguous, dtype of q
+    lse : torch.Tensor, (nheads, total_q), float32 -- only if ``return_lse``
+
+    Rows of q outside every sequence get unspecified out/lse and zero dq; keys outside every sequence get
+    unspecified dk/dv.
+
+    Examples
+    --------
+    >>> cu = torch.tensor([0, 100, 612], dtype=torch.int32, device="cuda")     # lengths 100 and 512
+    >>> q = torch.randn(612, 16, 128, device="cuda", dtype=torch.float16, requires_grad=True)
+    >>> cuflash.torch.attention_varlen(q, q, q, cu, cu, 512, 512, causal=True).sum().backward()
+    """
+    left, right = _window(causal, window_size)
+    out, lse = _differentiable(_AttentionVarlen, (q, k, v), (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                              max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                                              left, right, softcap, deterministic))
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                           block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, num_splits=0, return_lse=False):
+    """:func:`cuflash.attention_with_kvcache` on torch tensors: new query rows against a KV cache (decode).
+
+    Not differentiable. When ``k`` and ``v`` are given, they are written into ``k_cache``/``v_cache`` in
+    place, at positions ``cache_seqlens[b] ..``, before attending (the op declares both caches mutated).
+
+    Parameters
+    ----------
+    q : torch.Tensor, (batch, seqlen_new, nheads, headdim), float16 or bfloat16, on a CUDA device
+    k_cache, v_cache : torch.Tensor
+        ``(batch_cache, max_len, nheads_k, headdim)``, or with ``block_table`` a page pool
+        ``(num_pages, page_size, nheads_k, headdim)`` (page_size a multiple of 16).
+    k, v : torch.Tensor, (batch, seqlen_new_k, nheads_k, headdim), optional
+        Appended to the cache in place before attending.
+    cache_seqlens : int or torch.Tensor int32 (batch,), optional
+        Keys already in the cache per batch row, before the append; default the whole capacity.
+    cache_batch_idx : torch.Tensor int32 (batch,), optional
+        Batch row b reads (and appends to) cache row ``cache_batch_idx[b]``. Not with ``block_table``.
+    block_table : torch.Tensor int32 (batch, max_pages), optional
+        Logical position p of row b lives at page ``block_table[b, p // page_size]``, row ``p % page_size``.
+    softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits
+        As in :func:`cuflash.attention_with_kvcache`. Row b attends to ``L_b = cache_seqlens[b] +
+        seqlen_new_k`` keys; masks are aligned bottom-right over that length.
+    return_lse : bool
+        Also return the float32 log-sum-exp ``(batch, nheads, seqlen_new)``.
+
+    Returns
+    -------
+    out : torch.Tensor, (batch, seqlen_new, nheads, headdim), contiguous, dtype of q
+    lse : torch.Tensor, (batch, nheads, seqlen_new), float32 -- only if ``return_lse``
+
+    Examples
+    --------
+    >>> k_cache = torch.zeros(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16); v_cache = torch.zeros_like(k_cache)
+    >>> lens = torch.zeros(4, dtype=torch.int32, device="cuda")
+    >>> out = cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens)
+    """
+    left, right = _window(causal, window_size)
+    seqlens, cache_len = _cache_seqlens(cache_seqlens)
+    args = (q, k_cache, v_cache, k, v, seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
+            softmax_scale, causal, left, right, softcap, num_splits, return_lse)
+    if _eager(q, k_cache, v_cache):
+        out, lse = _kvcache(*args)
+        if k is not None:  # as the op's in-place bookkeeping does: autograd sees the caches as modified
+            torch.autograd.graph.increment_version((k_cache, v_cache))
+    else:
+        out, lse = torch.ops.cuflash.attention_with_kvcache(*args)
+    return (out, lse) if return_lse else out
+
+
+def _window(causal, window_size) -> tuple:
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        checks.window(causal, window_size)  # raises the usual TypeError
+    return tuple(window_size)
+
+
+def _cache_seqlens(cache_seqlens) -> tuple:
+    """The op's two arguments for ``cache_seqlens``: (int32 tensor or None, int or -1 for none)."""
+    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens, -1
+    if not checks._is_int(cache_seqlens):
+        raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got "
+                        f"{type(cache_seqlens).__name__} {cache_seqlens!r}")
+    if cache_seqlens < 0:
+        raise ValueError(f"cache_seqlens: expected an int >= 0, got {cache_seqlens!r}")
+    return None, cache_seqlens
+
+
 # --------------------------------------------------------------------------------------------
-# The ops
+# Eager or traced: the ops when something traces or intercepts, else their implementations directly
 # --------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("cuflash::attention_fwd", mutates_args=())
+def _eager(*tensors) -> bool:
+    """A plain eager call on real tensors: nothing that should see the op is tracing or intercepting."""
+    return (not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors)
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
+            and not torch._C._get_tracing_state())
+
+
+class _Differentiable(NamedTuple):
+    op: object        # the forward op, with its backward registered
+    impl: Callable    # the op's implementation
+    function: type    # a torch.autograd.Function of the implementations of the op and its backward op
+
+
+def _differentiable(ops: _Differentiable, tensors, args):
+    """``ops.op(*args)``; eagerly the same implementation, under the autograd.Function when a gradient is needed,
+    else directly."""
+    if not _eager(*tensors):
+        return ops.op(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return ops.function.apply(*args)
+    return ops.impl(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# Dense attention: forward and backward ops
+# --------------------------------------------------------------------------------------------
+
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
                    softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     options = _options(softmax_scale, causal, window_left, window_right, softcap)
     problem = _check_forward(q, k, v, alibi_slopes, options)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=torch.float32, device=q.device)
-    with _on_torch_stream(q.device):
+    _require_aligned(q=q, k=k, v=v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=torch.float32)
+    with _on_torch_stream(q.device.index):
         api.launch_forward(problem, _view(q), _view(k), _view(v), _view(out), _view(lse),
                            alibi_slopes=_view(alibi_slopes), **options)
     return out, lse
 
 
-@_attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
                         deterministic):
     if _concrete(q, k, v, alibi_slopes):
@@ -96,22 +244,22 @@ def _attention_fwd_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_lef
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("cuflash::attention_bwd", mutates_args=())
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float],
                    causal: bool, window_left: int, window_right: int, softcap: float,
                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     options = _options(softmax_scale, causal, window_left, window_right, softcap)
     problem = _check_backward(dout, q, k, v, out, lse, alibi_slopes, options)
-    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    with _on_torch_stream(q.device), cupy.cuda.using_allocator(_torch_allocator(q.device)):
+    _require_aligned(dout=dout, q=q, k=k, v=v, out=out)
+    dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    index = q.device.index
+    with _on_torch_stream(index), cupy.cuda.using_allocator(_torch_allocator(index)):
         api.launch_backward(problem, _view(dout), _view(q), _view(k), _view(v), _view(out), _view(lse),
                             _view(dq), _view(dk), _view(dv), alibi_slopes=_view(alibi_slopes),
                             deterministic=deterministic, **options)
     return dq, dk, dv
 
 
-@_attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, softmax_scale, causal, window_left, window_right,
                         softcap, deterministic):
     if _concrete(dout, q, k, v, out, lse, alibi_slopes):
@@ -120,63 +268,226 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, softmax_scale, ca
     return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, alibi_slopes, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.options = options
-    ctx.mark_non_differentiable(lse)
+# --------------------------------------------------------------------------------------------
+# Varlen attention: forward and backward ops
+# --------------------------------------------------------------------------------------------
+
+def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, alibi_slopes: Optional[torch.Tensor], max_seqlen_q: int,
+                          max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
+                          window_right: int, softcap: float,
+                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    options = _options(softmax_scale, causal, window_left, window_right, softcap)
+    problem = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, options)
+    _require_aligned(q=q, k=k, v=v)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = q.new_empty((problem.nheads, q.shape[0]), dtype=torch.float32)
+    with _on_torch_stream(q.device.index):
+        api.launch_forward(problem, _view(q), _view(k), _view(v), _view(out), _view(lse),
+                           alibi_slopes=_view(alibi_slopes), cu_seqlens_q=_view(cu_seqlens_q),
+                           cu_seqlens_k=_view(cu_seqlens_k), **options)
+    return out, lse
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cuflash.attention_bwd(dout.contiguous(), q, k, v, out, lse, alibi_slopes, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    if _concrete(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, ints=(max_seqlen_q, max_seqlen_k)):
+        _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                      _options(softmax_scale, causal, window_left, window_right, softcap))
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                          alibi_slopes: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                          softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                          softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _options(softmax_scale, causal, window_left, window_right, softcap)
+    problem = _check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                     max_seqlen_q, max_seqlen_k, options)
+    _require_aligned(dout=dout, q=q, k=k, v=v, out=out)
+    dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    index = q.device.index
+    with _on_torch_stream(index), cupy.cuda.using_allocator(_torch_allocator(index)):
+        api.launch_backward(problem, _view(dout), _view(q), _view(k), _view(v), _view(out), _view(lse),
+                            _view(dq), _view(dk), _view(dv), alibi_slopes=_view(alibi_slopes),
+                            deterministic=deterministic, cu_seqlens_q=_view(cu_seqlens_q),
+                            cu_seqlens_k=_view(cu_seqlens_k), **options)
+    return dq, dk, dv
+
+
+def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
+                               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    if _concrete(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, ints=(max_seqlen_q, max_seqlen_k)):
+        _check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
+                               max_seqlen_k, _options(softmax_scale, causal, window_left, window_right, softcap))
+    return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
 
 # --------------------------------------------------------------------------------------------
-# Checks: cuflash.checks on TensorSpecs of the torch tensors, before anything is allocated
+# KV-cache attention: one op that mutates the caches
+# --------------------------------------------------------------------------------------------
+
+def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+             v: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor], cache_len: int,
+             cache_batch_idx: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+             alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
+             window_right: int, softcap: float, num_splits: int,
+             return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache_seqlens`` is given as a tensor, or as the int ``cache_len`` (-1: neither). Returns ``out, lse``;
+    lse is empty, ``(0,)``, unless ``return_lse``."""
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                   cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes)
+    options = dict(_options(softmax_scale, causal, window_left, window_right, softcap), num_splits=num_splits)
+    _check_kvcache(tensors, cache_len, options)
+    seqlens = _view(cache_seqlens) if cache_seqlens is not None else None if cache_len < 0 else cache_len
+    index = q.device.index
+    blocks = []  # api.attention_with_kvcache allocates out | lse | split workspace as one torch block
+    with _on_torch_stream(index), cupy.cuda.using_allocator(_torch_allocator(index, blocks)):
+        result = api.attention_with_kvcache(
+            _view(q), _view(k_cache), _view(v_cache), k=_view(k), v=_view(v), cache_seqlens=seqlens,
+            cache_batch_idx=_view(cache_batch_idx), block_table=_view(block_table), alibi_slopes=_view(alibi_slopes),
+            return_lse=return_lse, **options)
+    if not return_lse:
+        return _as_torch(result, blocks), q.new_empty((0,), dtype=torch.float32)
+    out, lse = result
+    # out and lse share that block; an op's outputs must not alias each other, so lse (small) gets its own
+    return _as_torch(out, blocks), _as_torch(lse, blocks).clone()
+
+
+def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
+                  softmax_scale, causal, window_left, window_right, softcap, num_splits, return_lse):
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                   cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes)
+    if _concrete(*tensors.values(), ints=(cache_len, num_splits)):
+        _check_kvcache(tensors, cache_len,
+                       dict(_options(softmax_scale, causal, window_left, window_right, softcap), num_splits=num_splits))
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq) if return_lse else (0,), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration: ops, fake implementations, autograd (the ops' and the eager autograd.Functions)
+# --------------------------------------------------------------------------------------------
+
+def _register(name, fn, fake, mutates_args=()):
+    op = torch.library.custom_op(f"cuflash::{name}", fn, mutates_args=mutates_args)
+    op.register_fake(fake)
+    return op
+
+
+_attention_fwd_op = _register("attention_fwd", _attention_fwd, _attention_fwd_fake)
+_attention_bwd_op = _register("attention_bwd", _attention_bwd, _attention_bwd_fake)
+_attention_varlen_fwd_op = _register("attention_varlen_fwd", _attention_varlen_fwd, _attention_varlen_fwd_fake)
+_attention_varlen_bwd_op = _register("attention_varlen_bwd", _attention_varlen_bwd, _attention_varlen_bwd_fake)
+_kvcache_op = _register("attention_with_kvcache", _kvcache, _kvcache_fake, mutates_args=("k_cache", "v_cache"))
+
+
+def _autograd(forward_op, forward, backward, backward_op, tensors: int) -> _Differentiable:
+    """Wire ``backward`` to ``forward``: the op ``backward_op`` to ``forward_op`` (register_autograd), and the
+    plain functions in an autograd.Function for eager calls.
+
+    The forward's arguments are q, k, v, then ``tensors - 3`` more tensors (not differentiated), then options;
+    it returns ``out, lse``. The backward takes ``dout, q, k, v, out, lse``, the other tensors and the options,
+    and returns ``dq, dk, dv``.
+    """
+    def setup_context(ctx, inputs, output):
+        out, lse = output
+        ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:tensors])
+        ctx.options = inputs[tensors:]
+        ctx.mark_non_differentiable(lse)
+
+    def gradients(run):
+        def grads(ctx, dout, _dlse):
+            dq, dk, dv = run(dout.contiguous(), *ctx.saved_tensors, *ctx.options)
+            return (dq, dk, dv) + (None,) * (tensors - 3 + len(ctx.options))
+        return grads
+
+    def forward_with_context(ctx, *inputs):  # forward(ctx, ...): apply() then skips binding the arguments
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    forward_op.register_autograd(gradients(backward_op), setup_context=setup_context)
+    function = type(f"{forward.__name__}_function", (torch.autograd.Function,), dict(
+        forward=staticmethod(forward_with_context),
+        backward=staticmethod(torch.autograd.function.once_differentiable(gradients(backward)))))
+    return _Differentiable(forward_op, forward, function)
+
+
+_Attention = _autograd(_attention_fwd_op, _attention_fwd, _attention_bwd, torch.ops.cuflash.attention_bwd, 4)
+_AttentionVarlen = _autograd(_attention_varlen_fwd_op, _attention_varlen_fwd, _attention_varlen_bwd,
+                             torch.ops.cuflash.attention_varlen_bwd, 6)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks: cuflash.checks on TensorSpecs of the torch tensors, once per call signature
 # --------------------------------------------------------------------------------------------
 
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
                  torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
                  torch.int32: np.dtype(np.int32), torch.int64: np.dtype(np.int64)}
+_TORCH_DTYPES = {v: k for k, v in _NUMPY_DTYPES.items()}
+_EXPECTED_DTYPE = dict(alibi_slopes="torch.float32", lse="torch.float32", cu_seqlens_q="torch.int32",
+                       cu_seqlens_k="torch.int32", cache_seqlens="torch.int32", cache_batch_idx="torch.int32",
+                       block_table="torch.int32")
 
 
 def _options(softmax_scale, causal, left, right, softcap) -> dict:
     return dict(softmax_scale=softmax_scale, causal=causal, window_size=(left, right), softcap=softcap)
 
 
-_checked: dict = {}  # signature of a call -> its Problem: the checks run once per distinct signature
-
-
 def _check_forward(q, k, v, alibi_slopes, options) -> checks.Problem:
-    key = ("fwd", _signature(q), _signature(k), _signature(v), _signature(alibi_slopes), *options.values())
-    problem = _checked.get(key)
-    if problem is None:
-        specs = _specs(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
-        problem = checks.check_attention(specs["q"], specs["k"], specs["v"], alibi_slopes=specs["alibi_slopes"],
-                                         **options)
-        _require_cuda(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
-        _remember(key, problem)
-    _require_aligned(q=q, k=k, v=v)
-    return problem
+    return _checked(("fwd", *options.values()), dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), lambda s: (
+        checks.check_attention(s["q"], s["k"], s["v"], alibi_slopes=s["alibi_slopes"], **options)))
 
 
 def _check_backward(dout, q, k, v, out, lse, alibi_slopes, options) -> checks.Problem:
     tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
-    key = ("bwd", *(_signature(t) for t in tensors.values()), *options.values())
-    problem = _checked.get(key)
+    return _checked(("bwd", *options.values()), tensors, lambda s: checks.check_backward(
+        s["dout"], s["q"], s["k"], s["v"], s["out"], s["lse"], alibi_slopes=s["alibi_slopes"], **options))
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, options):
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+    return _checked(("varlen", max_seqlen_q, max_seqlen_k, *options.values()), tensors, lambda s: checks.check_varlen(
+        s["q"], s["k"], s["v"], s["cu_seqlens_q"], s["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
+        alibi_slopes=s["alibi_slopes"], **options))
+
+
+def _check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
+                           max_seqlen_k, options):
+    tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   alibi_slopes=alibi_slopes)
+    return _checked(("varlen_bwd", max_seqlen_q, max_seqlen_k, *options.values()), tensors, lambda s: (
+        checks.check_varlen_backward(s["dout"], s["q"], s["k"], s["v"], s["out"], s["lse"], s["cu_seqlens_q"],
+                                     s["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, alibi_slopes=s["alibi_slopes"],
+                                     **options)))
+
+
+def _check_kvcache(tensors: dict, cache_len: int, options: dict) -> checks.Problem:
+    def check(s):
+        seqlens = s["cache_seqlens"] if s["cache_seqlens"] is not None else None if cache_len < 0 else cache_len
+        return checks.check_kvcache(s["q"], s["k_cache"], s["v_cache"], k=s["k"], v=s["v"], cache_seqlens=seqlens,
+                                    cache_batch_idx=s["cache_batch_idx"], block_table=s["block_table"],
+                                    alibi_slopes=s["alibi_slopes"], **options)
+    return _checked(("kvcache", cache_len, *options.values()), tensors, check)
+
+
+_problems: dict = {}  # signature of a call -> its Problem: the checks run once per distinct signature
+
+
+def _checked(values: tuple, tensors: dict, check) -> checks.Problem:
+    """``check(specs)`` (TensorSpecs of ``tensors`` by name), then the CUDA requirements -- once per signature of
+    the tensors (shape, strides, dtype, device) and ``values``; later calls get the remembered Problem."""
+    key = (*values, *map(_signature, tensors.values()))
+    problem = _problems.get(key)
     if problem is None:
-        s = _specs(**tensors)
-        problem = checks.check_backward(s["dout"], s["q"], s["k"], s["v"], s["out"], s["lse"],
-                                        alibi_slopes=s["alibi_slopes"], **options)
+        problem = check(_specs(tensors))
         _require_cuda(**tensors)
-        _remember(key, problem)
-    _require_aligned(dout=dout, q=q, k=k, v=v, out=out)
+        if len(_problems) > 4096:
+            _problems.clear()
+        _problems[key] = problem
     return problem
 
 
@@ -184,13 +495,7 @@ def _signature(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _remember(key, problem) -> None:
-    if len(_checked) > 4096:
-        _checked.clear()
-    _checked[key] = problem
-
-
-def _specs(**tensors) -> dict:
+def _specs(tensors: dict) -> dict:
     specs = {}
     for name, t in tensors.items():
         if t is None:
@@ -200,7 +505,7 @@ def _specs(**tensors) -> dict:
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
         dtype = _NUMPY_DTYPES.get(t.dtype)
         if dtype is None:
-            expected = "torch.float32" if name in ("alibi_slopes", "lse") else "torch.float16 or torch.bfloat16"
+            expected = _EXPECTED_DTYPE.get(name, "torch.float16 or torch.bfloat16")
             raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected {expected}")
         device = t.device.index if t.device.type == "cuda" else None
         specs[name] = checks.TensorSpec(name, tuple(t.shape), dtype, tuple(t.stride()), device)
@@ -208,14 +513,14 @@ def _specs(**tensors) -> dict:
 
 
 def _require_cuda(**tensors) -> None:
-    """CUDA tensors whose strides keep 16-byte chunks along the last axis aligned (the kernels copy 16 bytes
-    at a time); the pointers are checked on every call by :func:`_require_aligned`."""
+    """CUDA tensors; fp16/bf16 ones with strides that keep 16-byte chunks along the last axis aligned (the
+    kernels copy 16 bytes at a time); the pointers are checked on every call by :func:`_require_aligned`."""
     for name, t in tensors.items():
         if t is None:
             continue
         if t.device.type != "cuda":
             raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
-        if t.dtype == torch.float32:  # ALiBi slopes, lse: read one float at a time
+        if t.dtype not in (torch.float16, torch.bfloat16):  # slopes, lse, index arrays: one element at a time
             continue
         per16 = 16 // t.element_size()
         bad = [axis for axis, (n, s) in enumerate(zip(t.shape[:-1], t.stride()[:-1])) if n > 1 and s % per16]
@@ -226,32 +531,50 @@ def _require_cuda(**tensors) -> None:
 
 def _require_aligned(**tensors) -> None:
     for name, t in tensors.items():
-        if isinstance(t, torch._subclasses.FakeTensor):
-            return
         if t.data_ptr() % 16:
             raise ValueError(f"{name}: must be 16-byte aligned (pointer and strides multiples of "
                              f"{16 // t.element_size()} elements); data pointer {t.data_ptr():#x}")
 
 
-def _concrete(*tensors) -> bool:
-    """All sizes and strides are plain ints (not symbolic): the checks would otherwise specialize them."""
-    return all(t is None or all(isinstance(n, int) for n in (*t.shape, *t.stride())) for t in tensors)
+def _concrete(*tensors, ints=()) -> bool:
+    """All sizes, strides and ints are plain ints (not symbolic): the checks would otherwise specialize them."""
+    return all(isinstance(n, int) for n in ints) and all(
+        t is None or all(isinstance(n, int) for n in (*t.shape, *t.stride())) for t in tensors)
 
 
 # --------------------------------------------------------------------------------------------
-# torch memory as CuPy arrays; torch's stream and allocator for CuPy
+# torch memory as CuPy arrays and back; torch's stream and allocator for CuPy
 # --------------------------------------------------------------------------------------------
+
+_layouts: dict = {}  # (shape, strides, dtype) of a tensor -> what its CuPy view needs besides the pointer
+
 
 def _view(t: torch.Tensor | None):
     """A CuPy array over the tensor's memory (no copy; the tensor is kept alive by the view)."""
     if t is None:
         return None
-    dtype = _NUMPY_DTYPES[t.dtype]
-    itemsize = dtype.itemsize
-    shape, strides = tuple(t.shape), t.stride()
-    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if t.numel() else 0
-    mem = cupy.cuda.UnownedMemory(t.data_ptr(), extent * itemsize, t, t.device.index)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), tuple(s * itemsize for s in strides))
+    key = (t.shape, t.stride(), t.dtype)
+    layout = _layouts.get(key)
+    if layout is None:
+        dtype = _NUMPY_DTYPES[t.dtype]
+        shape, strides = tuple(t.shape), t.stride()
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if t.numel() else 0
+        if len(_layouts) > 4096:
+            _layouts.clear()
+        layout = _layouts[key] = (shape, dtype, tuple(s * dtype.itemsize for s in strides), extent * dtype.itemsize)
+    shape, dtype, strides, nbytes = layout
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.get_device())
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
+
+
+def _as_torch(x, blocks) -> torch.Tensor:
+    """The torch tensor over contiguous CuPy array ``x``, which lies in one of ``blocks`` (torch uint8 tensors
+    that :func:`_torch_allocator` handed to CuPy): a view, no copy."""
+    for block in blocks:
+        offset = x.data.ptr - block.data_ptr()
+        if 0 <= offset < block.numel():
+            return block[offset:offset + x.nbytes].view(_TORCH_DTYPES[x.dtype]).view(x.shape)
+    raise RuntimeError("cuflash.torch: an output was not allocated by torch")
 
 
 _streams: dict = {}  # (device index, cudaStream_t) -> cupy.cuda.ExternalStream
@@ -259,33 +582,48 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int, wi
 
 
 class _on_torch_stream:
-    """Context: CuPy's current device is the tensor's, its current stream torch's current stream there."""
+    """Context: CuPy's current device is ``index`` (switched only if it is not already), its current stream
+    torch's current stream there."""
 
-    __slots__ = ("device", "stream")
+    __slots__ = ("index", "stream", "previous")
 
-    def __init__(self, device: torch.device):
-        index = device.index
+    def __init__(self, index: int):
         handle = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
         stream = _streams.get((index, handle))
         if stream is None:
             if len(_streams) > 64:
                 _streams.clear()
             stream = _streams[(index, handle)] = cupy.cuda.ExternalStream(handle, index)
-        self.device, self.stream = cupy.cuda.Device(index), stream
+        self.index, self.stream = index, stream
 
     def __enter__(self):
-        self.device.__enter__()
+        self.previous = cupy.cuda.runtime.getDevice()
+        if self.previous != self.index:
+            cupy.cuda.runtime.setDevice(self.index)
         self.stream.__enter__()
 
     def __exit__(self, *exc):
         self.stream.__exit__(*exc)
-        self.device.__exit__(*exc)
+        if self.previous != self.index:
+            cupy.cuda.runtime.setDevice(self.previous)
 
 
-def _torch_allocator(device: torch.device):
-    """A CuPy allocator over torch's caching allocator: each block is a torch uint8 tensor on ``device``,
-    allocated on (and so ordered with) torch's current stream, freed when CuPy drops the array."""
-    def malloc(nbytes: int):
-        t = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, device.index), 0)
+_allocators: dict = {}  # device index -> the allocator below
+
+
+def _torch_allocator(index: int, blocks: list | None = None):
+    """A CuPy allocator over torch's caching allocator: each block is a torch uint8 tensor on device ``index``,
+    allocated on (and so ordered with) torch's current stream, freed when CuPy drops the array. Blocks are also
+    appended to ``blocks`` when it is given."""
+    malloc = _allocators.get(index) if blocks is None else None
+    if malloc is None:
+        device = torch.device("cuda", index)
+
+        def malloc(nbytes: int):
+            t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            if blocks is not None:
+                blocks.append(t)
+            return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, index), 0)
+        if blocks is None:
+            _allocators[index] = malloc
     return malloc

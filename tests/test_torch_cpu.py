@@ -29,27 +29,51 @@ def on_host(monkeypatch):
     """Launch into torch-allocated CPU tensors with the float64 reference; count launches."""
     calls = []
 
-    def forward(problem, q, k, v, out, lse, *, alibi_slopes, **options):
+    def forward(problem, q, k, v, out, lse, *, alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, **options):
         calls.append(("fwd", options))
-        o, l = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), alibi_slopes=alibi_slopes,
-                                   return_lse=True, **options)
+        q, k, v = (x.astype(np.float64) for x in (q, k, v))
+        if cu_seqlens_q is None:
+            o, l = reference.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options)
+        else:
+            o, l = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem.seqlen_q,
+                                              problem.seqlen_k, alibi_slopes=alibi_slopes, return_lse=True, **options)
         out[...], lse[...] = o.astype(out.dtype), l
 
-    def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, alibi_slopes, deterministic, **options):
+    def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, alibi_slopes, deterministic, cu_seqlens_q=None,
+                 cu_seqlens_k=None, **options):
         calls.append(("bwd", dict(options, deterministic=deterministic)))
-        grads = reference.attention_backward(*(x.astype(np.float64) for x in (dout, q, k, v, out)), lse,
-                                             alibi_slopes=alibi_slopes, **options)
+        arrays = (x.astype(np.float64) for x in (dout, q, k, v, out))
+        if cu_seqlens_q is None:
+            grads = reference.attention_backward(*arrays, lse, alibi_slopes=alibi_slopes, **options)
+        else:
+            grads = reference.attention_varlen_backward(*arrays, lse, cu_seqlens_q, cu_seqlens_k, problem.seqlen_q,
+                                                        problem.seqlen_k, alibi_slopes=alibi_slopes, **options)
         for dst, g in zip((dq, dk, dv), grads):
             dst[...] = g.astype(dst.dtype)
 
+    def kvcache(q, k_cache, v_cache, *, return_lse, **options):
+        calls.append(("kvcache", options))
+        out, lse = reference.attention_with_kvcache(q, k_cache, v_cache, return_lse=True, **options)
+        out = out.astype(q.dtype)
+        return (out, lse.astype(np.float32)) if return_lse else out
+
     monkeypatch.setattr(api, "launch_forward", forward)
     monkeypatch.setattr(api, "launch_backward", backward)
+    monkeypatch.setattr(api, "attention_with_kvcache", kvcache)
     monkeypatch.setattr(cuflash.torch, "_view", _host)
+    monkeypatch.setattr(cuflash.torch, "_as_torch", lambda x, blocks: _tensor(x))
     monkeypatch.setattr(cuflash.torch, "_on_torch_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(cuflash.torch, "_require_cuda", lambda **tensors: None)
     monkeypatch.setattr(cuflash.torch, "_require_aligned", lambda **tensors: None)
-    monkeypatch.setattr(cuflash.torch, "_checked", {})
+    monkeypatch.setattr(cuflash.torch, "_problems", {})
     return calls
+
+
+def _tensor(x):
+    import ml_dtypes
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x))
 
 
 def _qkv(dtype=torch.float16, b=2, sq=17, sk=29, h=4, hk=2, d=32, requires_grad=True):
@@ -139,7 +163,7 @@ def test_torch_compile_has_no_graph_break(on_host):
 
 
 def test_errors_name_the_tensor(monkeypatch):
-    monkeypatch.setattr(cuflash.torch, "_checked", {})
+    monkeypatch.setattr(cuflash.torch, "_problems", {})
     q, k, v = _qkv(requires_grad=False)
     with pytest.raises(ValueError, match="q: expected a CUDA tensor, got one on cpu"):
         cuflash.torch.attention(q, k, v)
@@ -151,3 +175,233 @@ def test_errors_name_the_tensor(monkeypatch):
         cuflash.torch.attention(q, k, v.transpose(1, 3).contiguous().transpose(1, 3))
     with pytest.raises(TypeError, match=r"window_size: expected a pair of ints"):
         cuflash.torch.attention(q, k, v, window_size=5)
+
+
+# --------------------------------------------------------------------------------------------
+# The eager fast path and the op path run the same implementation
+# --------------------------------------------------------------------------------------------
+
+def test_eager_calls_skip_the_dispatcher_and_match_the_op(on_host):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv()
+    out = cuflash.torch.attention(q, k, v, causal=True)
+    out.backward(torch.ones_like(out))
+    eager = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    with Seen() as seen:  # a dispatch mode is active: the call goes through the ops, which the mode sees
+        traced = cuflash.torch.attention(q, k, v, causal=True)
+        traced.backward(torch.ones_like(traced))
+    assert "cuflash.attention_fwd.default" in seen.ops and "cuflash.attention_bwd.default" in seen.ops
+    assert torch.equal(out, traced)
+    assert all(torch.equal(a, x.grad) for a, x in zip(eager, (q, k, v)))
+    assert [c[0] for c in on_host] == ["fwd", "bwd", "fwd", "bwd"]
+
+
+def test_eager_backward_is_once_differentiable(on_host):
+    q, k, v = _qkv()
+    out = cuflash.torch.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out, q, torch.ones_like(out).requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        dq.float().sum().backward()
+
+
+# --------------------------------------------------------------------------------------------
+# attention_varlen
+# --------------------------------------------------------------------------------------------
+
+LENS_Q, LENS_K = (5, 1, 12), (9, 3, 12)  # per sequence; the middle one has more keys than queries
+
+
+def _packed(dtype=torch.float16, h=4, hk=2, d=32, requires_grad=True):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(LENS_Q), h, d, generator=g).to(dtype)
+    k = torch.randn(sum(LENS_K), hk, d, generator=g).to(dtype)
+    v = torch.randn(sum(LENS_K), hk, d, generator=g).to(dtype)
+    cu_q, cu_k = (torch.tensor(np.cumsum((0,) + lens), dtype=torch.int32) for lens in (LENS_Q, LENS_K))
+    return tuple(x.requires_grad_(requires_grad) for x in (q, k, v)) + (cu_q, cu_k)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_varlen_autograd_matches_float32_math_per_sequence(on_host, dtype):
+    q, k, v, cu_q, cu_k = _packed(getattr(torch, dtype))
+    out, lse = cuflash.torch.attention_varlen(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), causal=True,
+                                              return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (4, sum(LENS_Q)) and not lse.requires_grad
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    tol = 3e-2 if dtype == "bfloat16" else 4e-3
+    for b in range(len(LENS_Q)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ref, (qf, kf, vf) = _math(q[None, sq], k[None, sk], v[None, sk], True)
+        ref.backward(dout[None, sq].float())
+        assert (out[sq].float() - ref[0]).abs().max().item() < tol
+        for got, want in ((q.grad[sq], qf.grad), (k.grad[sk], kf.grad), (v.grad[sk], vf.grad)):
+            assert (got.float() - want.transpose(1, 2)[0]).abs().max().item() < 4 * tol
+    assert [c[0] for c in on_host] == ["fwd", "bwd"]
+
+
+def test_varlen_opcheck(on_host):
+    q, k, v, cu_q, cu_k = _packed()
+    args = (q, k, v, cu_q, cu_k, None, max(LENS_Q), max(LENS_K), None, True, -1, -1, 0.0, False)
+    torch.library.opcheck(torch.ops.cuflash.attention_varlen_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    out, lse = torch.ops.cuflash.attention_varlen_fwd(*args)
+    q, k, v = (x.detach() for x in (q, k, v))
+    bwd_args = (torch.randn_like(out), q, k, v, out.detach(), lse, cu_q, cu_k, None, max(LENS_Q), max(LENS_K),
+                None, True, -1, -1, 0.0, False)
+    torch.library.opcheck(torch.ops.cuflash.attention_varlen_bwd.default, bwd_args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_varlen_fake_tensors_give_shapes_and_run_the_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(40, 8, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(50, 2, 64, dtype=torch.bfloat16, device="cuda")
+        cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.cuflash.attention_varlen_fwd(q, k, k, cu, cu, None, 20, 30, None, False, -1, -1, 0.0,
+                                                          False)
+        assert out.shape == q.shape and lse.shape == (8, 40) and lse.dtype == torch.float32
+        dq, dk, dv = torch.ops.cuflash.attention_varlen_bwd(out, q, k, k, out, lse, cu, cu, None, 20, 30, None,
+                                                            False, -1, -1, 0.0, False)
+        assert dq.shape == q.shape and dk.shape == k.shape
+        with pytest.raises(TypeError, match="cu_seqlens_k: dtype int64 is not supported; expected int32"):
+            torch.ops.cuflash.attention_varlen_fwd(q, k, k, cu, cu.long(), None, 20, 30, None, False, -1, -1, 0.0,
+                                                   False)
+
+
+def test_varlen_torch_compile_has_no_graph_break(on_host):
+    q, k, v, cu_q, cu_k = _packed(requires_grad=False)
+
+    def f(q, k, v):
+        return cuflash.torch.attention_varlen(q * 2, k, v, cu_q, cu_k, 12, 12, causal=True).float().sum()
+
+    explain = torch._dynamo.explain(f)(q, k, v)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    torch._dynamo.reset()
+    qg = q.clone().requires_grad_()
+    torch.compile(f, backend="aot_eager", fullgraph=True)(qg, k, v).backward()
+    assert qg.grad is not None and qg.grad.shape == q.shape
+    assert [c[0] for c in on_host][-2:] == ["fwd", "bwd"]
+
+
+def test_varlen_errors_name_the_tensor(monkeypatch):
+    monkeypatch.setattr(cuflash.torch, "_problems", {})
+    q, k, v, cu_q, cu_k = _packed(requires_grad=False)
+    with pytest.raises(TypeError, match="cu_seqlens_q: dtype torch.bool is not supported; expected torch.int32"):
+        cuflash.torch.attention_varlen(q, k, v, cu_q.bool(), cu_k, 12, 12)
+    with pytest.raises(ValueError, match="max_seqlen_k: expected a positive int, got 0"):
+        cuflash.torch.attention_varlen(q, k, v, cu_q, cu_k, 12, 0)
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor, got one on cpu"):
+        cuflash.torch.attention_varlen(q, k, v, cu_q, cu_k, 12, 12)
+
+
+# --------------------------------------------------------------------------------------------
+# attention_with_kvcache
+# --------------------------------------------------------------------------------------------
+
+def _decode(dtype=torch.float16, b=3, sq=1, s_new=2, max_len=40, h=4, hk=2, d=32):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(b, sq, h, d, generator=g).to(dtype)
+    k_cache = torch.randn(b, max_len, hk, d, generator=g).to(dtype)
+    v_cache = torch.randn(b, max_len, hk, d, generator=g).to(dtype)
+    k = torch.randn(b, s_new, hk, d, generator=g).to(dtype)
+    v = torch.randn(b, s_new, hk, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, k, v
+
+
+@pytest.mark.parametrize("seqlens", ["int", "tensor"])
+def test_kvcache_appends_in_place_and_matches_the_reference(on_host, seqlens):
+    q, k_cache, v_cache, k, v = _decode()
+    lens = 7 if seqlens == "int" else torch.tensor([3, 0, 20], dtype=torch.int32)
+    want_k, want_v = k_cache.numpy().copy(), v_cache.numpy().copy()
+    want, want_lse = reference.attention_with_kvcache(q.numpy(), want_k, want_v, k=k.numpy(), v=v.numpy(),
+                                                      cache_seqlens=_host(lens) if seqlens == "tensor" else lens,
+                                                      causal=True, return_lse=True)
+    version = k_cache._version
+    out, lse = cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens, causal=True,
+                                                    return_lse=True)
+    assert k_cache._version > version  # autograd knows the cache was written
+    assert np.array_equal(k_cache.numpy(), want_k) and np.array_equal(v_cache.numpy(), want_v)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (3, 4, 1) and lse.dtype == torch.float32
+    assert np.abs(out.numpy() - want).max() < 4e-3 and np.abs(lse.numpy() - want_lse).max() < 1e-5
+    assert on_host[0][1]["cache_seqlens"] is lens if seqlens == "int" else on_host[0][1]["cache_seqlens"] is not None
+
+
+def test_kvcache_paged_and_options_reach_the_call(on_host):
+    q, _, _, k, v = _decode(b=2)
+    pool_k, pool_v = torch.randn(6, 16, 2, 32).half(), torch.randn(6, 16, 2, 32).half()
+    table = torch.tensor([[5, 0, 3], [1, 4, 2]], dtype=torch.int32)
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    out = cuflash.torch.attention_with_kvcache(q, pool_k, pool_v, k=k, v=v, cache_seqlens=20, block_table=table,
+                                               softmax_scale=0.2, window_size=(8, 0), softcap=3.0,
+                                               alibi_slopes=slopes, num_splits=3)
+    assert out.shape == q.shape
+    options = on_host[0][1]
+    assert options["block_table"] is not None and options["num_splits"] == 3 and options["cache_seqlens"] == 20
+    assert options["softmax_scale"] == 0.2 and options["window_size"] == (8, 0) and options["softcap"] == 3.0
+    assert options["alibi_slopes"] is not None and options["cache_batch_idx"] is None
+    assert torch.equal(pool_k[0, 4:6], k[0])  # logical positions 20, 21 of row 0: page table[0, 1] = 0, rows 4, 5
+
+
+def test_kvcache_opcheck(on_host):
+    q, k_cache, v_cache, k, v = _decode()
+    lens = torch.tensor([3, 0, 20], dtype=torch.int32)
+    for args in ((q, k_cache, v_cache, k, v, lens, -1, None, None, None, None, True, -1, -1, 0.0, 0, True),
+                 (q, k_cache, v_cache, None, None, None, 5, None, None, None, 0.3, False, -1, -1, 0.0, 1, False)):
+        torch.library.opcheck(torch.ops.cuflash.attention_with_kvcache.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+def test_kvcache_fake_tensors_give_shapes_and_run_the_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(2, 3, 8, 64, dtype=torch.float16, device="cuda")
+        cache = torch.empty(2, 100, 2, 64, dtype=torch.float16, device="cuda")
+        out, lse = torch.ops.cuflash.attention_with_kvcache(q, cache, cache, None, None, None, 10, None, None, None,
+                                                            None, True, -1, -1, 0.0, 0, True)
+        assert out.shape == q.shape and lse.shape == (2, 8, 3)
+        with pytest.raises(ValueError, match="cache_seqlens: 99 cached \\+ 3 new keys exceed the cache capacity 100"):
+            torch.ops.cuflash.attention_with_kvcache(q, cache, cache, q[:, :, :2], q[:, :, :2], None, 99, None, None,
+                                                     None, None, True, -1, -1, 0.0, 0, False)
+
+
+def test_kvcache_torch_compile_has_no_graph_break_and_appends(on_host):
+    q, k_cache, v_cache, k, v = _decode()
+    lens = torch.tensor([3, 0, 20], dtype=torch.int32)
+
+    def f(q, k_cache, v_cache, k, v, lens):
+        return cuflash.torch.attention_with_kvcache(q * 2, k_cache, v_cache, k=k, v=v, cache_seqlens=lens,
+                                                    causal=True).float()
+
+    explain = torch._dynamo.explain(f)(q, k_cache.clone(), v_cache.clone(), k, v, lens)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    torch._dynamo.reset()
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    want = f(q, eager_k, eager_v, k, v, lens)
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k_cache, v_cache, k, v, lens)
+    assert torch.equal(got, want) and torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+
+
+def test_kvcache_errors(monkeypatch):
+    monkeypatch.setattr(cuflash.torch, "_problems", {})
+    q, k_cache, v_cache, k, v = _decode()
+    with pytest.raises(ValueError, match="cache_seqlens: expected an int >= 0, got -1"):
+        cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=-1)
+    with pytest.raises(TypeError, match="cache_seqlens: expected an int or an int32 tensor, got float 2.0"):
+        cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=2.0)
+    with pytest.raises(ValueError, match="k and v must be given together; got k but not v"):
+        cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, cache_seqlens=3)
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor, got one on cpu"):
+        cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=3)
