@@ -167,74 +167,41 @@ def launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_sca
     ``cu_seqlens_k`` the arrays are packed as in :func:`launch_forward`, and the workspaces too: one row per
     query token.
     """
-    key = checks.call_signature((problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_size,
-                                 softcap, alibi_slopes, deterministic, cu_seqlens_q, cu_seqlens_k))
-    prep = _bwd_launches.get(key) if key is not None else None
-    if prep is None:
-        prep = _prepare_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_size,
-                                 softcap, alibi_slopes, deterministic, cu_seqlens_q is not None)
-        if key is not None:
-            if len(_bwd_launches) >= 4096:
-                _bwd_launches.clear()
-            _bwd_launches[key] = prep
     import cupy
-    # one workspace: dsum | lse_log2 | dQ accumulator (zeroed), laid out by plan.backward_workspace
-    mem = cupy.cuda.alloc(prep.nbytes)
-    dsum, lse_log2, dq_accum = mem.ptr, mem.ptr + prep.lse_log2_offset, mem.ptr + prep.dq_accum_offset
-    cupy.cuda.runtime.memsetAsync(dq_accum, 0, prep.nbytes - prep.dq_accum_offset,
-                                  cupy.cuda.get_current_stream().ptr)
-    pointers = (
-        _PRE_POINTERS.pack(out.data.ptr, dout.data.ptr, lse.data.ptr, dsum, lse_log2),
-        _BWD_POINTERS.pack(q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr, dk.data.ptr, dv.data.ptr, dq_accum,
-                           lse_log2, dsum, _ptr(alibi_slopes), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k)),
-        _CONVERT_POINTERS.pack(dq_accum, dq.data.ptr))
-    for (kernel, grid, block, smem, dtype, constants), ptrs in zip(prep.launches, pointers):
-        kernel(grid, block, (np.frombuffer(ptrs + constants, dtype)[0],), shared_mem=smem)
-
-
-# Pointer prefixes of BwdPreParams, BwdParams, BwdConvertParams (params.cuh), packed per call in front of the
-# constant rest of each struct, which _prepare_backward computes once per call signature.
-_PRE_POINTERS, _BWD_POINTERS, _CONVERT_POINTERS = struct.Struct("5Q"), struct.Struct("12Q"), struct.Struct("2Q")
-_bwd_launches: dict = {}
-
-
-class _BackwardCall(NamedTuple):
-    nbytes: int
-    lse_log2_offset: int
-    dq_accum_offset: int
-    launches: tuple  # (kernel, grid, block, smem, params dtype, constant bytes): preprocess, main, convert
-
-
-def _prepare_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, packed) -> _BackwardCall:
-    """Everything about a backward call that depends only on shapes, strides, dtypes and options."""
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
     device_id = q.device.id
+    sm_count = build.sm_count(device_id)
     launch = plan.plan_backward(problem, left, right, score_mod, bool(deterministic),
-                                build.device_arch(device_id), build.sm_count(device_id))
+                                build.device_arch(device_id), sm_count)
     dtype = launch.spec.dtype
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
+    packed = cu_seqlens_q is not None
     # Per-row workspaces: (b, h, sq) and (slices, b, sq, h, d); packed, one row per query token, (h, total_q) and
     # (slices, total_q, h, d). The elementwise launches see a packed batch as one sequence of total_q rows.
     pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
     rows = pre_b * pre_sq  # query rows of all sequences
-    lse_log2_offset, dq_accum_offset, nbytes = plan.backward_workspace(rows, h, d, launch.slices)
+
+    dsum = cupy.empty((pre_b, h, pre_sq), dtype=np.float32)
+    lse_log2 = cupy.empty((pre_b, h, pre_sq), dtype=np.float32)
+    dq_accum = cupy.zeros((launch.slices, pre_b, pre_sq, h, d), dtype=np.float32)
 
     # D = rowsum(dO * O) and lse in the log2 domain: one warp per row
     pre = plan.AuxSpec("bwd_preprocess", dtype)
     pp = np.zeros((), dtype=plan.BWD_PRE_PARAMS_DTYPE)
+    _set_pointers(pp, out=out, dout=dout, lse=lse, dsum=dsum, lse_log2=lse_log2)
     _set_strides(pp, o=out, do=dout)
     pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
     rows_per_cta = pre.threads // 32
-    pre_launch = (build.get_kernel(pre, device_id), (min(-(-rows * h // rows_per_cta), 65535 * 8),), (pre.threads,),
-                  0, plan.BWD_PRE_PARAMS_DTYPE, pp.tobytes()[_PRE_POINTERS.size:])
+    build.get_kernel(pre, device_id)((min(-(-rows * h // rows_per_cta), 65535 * 8),), (pre.threads,), (pp[()],))
 
     # the main kernel
     bp = np.zeros((), dtype=plan.BWD_PARAMS_DTYPE)
+    _set_pointers(bp, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv, dq_accum=dq_accum, lse_log2=lse_log2, dsum=dsum,
+                  alibi=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _set_strides(bp, q=q, k=k, v=v, do=dout, dk=dk, dv=dv)
-    bp["lse_batch_stride"], bp["lse_head_stride"] = (0, pre_sq) if packed else (h * sq, sq)  # dsum, lse_log2
+    bp["lse_batch_stride"], bp["lse_head_stride"] = _lse_strides(dsum[0] if packed else dsum)
     bp["dq_batch_stride"] = h * d if packed else sq * h * d  # packed: sequence b starts at row cu_seqlens_q[b]
     bp["alibi_batch_stride"] = _elem_strides(alibi_slopes)[0] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
     bp["dq_slice_stride"] = rows * h * d
@@ -245,17 +212,16 @@ def _prepare_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scal
     for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
         bp[name] = value
     bp["softmax_scale"] = scale
-    main_launch = (build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
-                   launch.spec.smem_bytes, plan.BWD_PARAMS_DTYPE, bp.tobytes()[_BWD_POINTERS.size:])
+    build.get_kernel(launch.spec, device_id)(launch.grid, (launch.spec.threads,), (bp[()],),
+                                             shared_mem=launch.spec.smem_bytes)
 
     # dQ: sum the slices (fixed order), cast
     conv = plan.AuxSpec("bwd_convert_dq", dtype)
     cp = np.zeros((), dtype=plan.BWD_CONVERT_PARAMS_DTYPE)
+    _set_pointers(cp, dq_accum=dq_accum, dq=dq)
     cp["slice_stride"], cp["slices"] = rows * h * d, launch.slices
     n_pairs = rows * h * d // 2
-    conv_launch = (build.get_kernel(conv, device_id), (min(-(-n_pairs // conv.threads), 65535 * 16),),
-                   (conv.threads,), 0, plan.BWD_CONVERT_PARAMS_DTYPE, cp.tobytes()[_CONVERT_POINTERS.size:])
-    return _BackwardCall(nbytes, lse_log2_offset, dq_accum_offset, (pre_launch, main_launch, conv_launch))
+    build.get_kernel(conv, device_id)((min(-(-n_pairs // conv.threads), 65535 * 16),), (conv.threads,), (cp[()],))
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,

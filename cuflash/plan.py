@@ -302,9 +302,10 @@ WORKSPACE_ALIGN = 256  # bytes; each piece of a workspace starts on this boundar
 
 
 def backward_workspace(rows: int, nheads: int, headdim: int, slices: int) -> tuple[int, int, int]:
-    """The backward's one workspace allocation: byte offsets of lse_log2 and of the dQ accumulator, and the total.
-    Layout: dsum and lse_log2 (fp32, one per query row and head), then the fp32 dQ accumulator
-    (slices x rows x heads x headdim), each piece aligned to WORKSPACE_ALIGN. `rows`: batch * seqlen_q, or
+    """The backward's workspaces as one aligned block: byte offsets of lse_log2 and of the dQ accumulator, and
+    the total. In the order cuflash.api.launch_backward allocates them: dsum and lse_log2 (fp32, one per query
+    row and head), then the fp32 dQ accumulator (slices x rows x heads x headdim), each piece rounded up to
+    WORKSPACE_ALIGN (cuflash.jax hands them out of one XLA buffer this size). `rows`: batch * seqlen_q, or
     total_q when packed."""
     aligned = lambda n: -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN  # noqa: E731
     per_row = aligned(rows * nheads * 4)

@@ -180,3 +180,9 @@ def test_decode_smem_fits_and_matches_traits():
     for spec in plan.all_decode_specs("sm_90a"):
         if isinstance(spec, plan.DecodeSpec):
             assert spec.smem_bytes <= plan.SMEM_PER_SM, spec.name
+
+
+def test_backward_workspace_layout():
+    lse_log2, dq_accum, total = plan.backward_workspace(rows=300, nheads=4, headdim=128, slices=3)
+    assert lse_log2 == 4864 and dq_accum == 2 * 4864  # 300 * 4 * 4 = 4800 bytes, rounded up to 256
+    assert total == dq_accum + 3 * 300 * 4 * 128 * 4 and total % plan.WORKSPACE_ALIGN == 0
