@@ -1,0 +1,157 @@
+// Hopper (sm_90a) primitives as thin inline-PTX wrappers: mbarriers, TMA tile loads, wgmma with shared-memory
+// matrix descriptors. The groundwork of the Hopper forward path (issue 8); sm90_selftest.cu checks each piece
+// against a host matmul before any attention kernel relies on it.
+//
+// Conventions (PTX ISA 8.x, "Asynchronous warpgroup level matrix multiply"):
+//  - tiles are K-major (the reduction dim contiguous), 16-bit, stored as 64-element (128-byte) panels with the
+//    128-byte swizzle: 16-byte chunk c of row r sits at chunk c ^ (r % 8). That is what TMA writes with
+//    CU_TENSOR_MAP_SWIZZLE_128B and what SmemTile (tile.cuh) uses, so both paths share one layout;
+//  - a panel's 8-row groups are 1024 bytes apart (descriptor stride byte offset), and the panel must start on a
+//    1024-byte boundary; one k16 step is 32 bytes further along the row.
+#pragma once
+#include "types.cuh"
+
+namespace cuflash {
+namespace sm90 {
+
+// ---------------------------------------------------------------------------------------------------- mbarrier
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
+}
+// Makes initialized barriers visible to the async proxy (TMA) before anyone uses them; then __syncthreads().
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::); }
+
+// One arrival that also announces `bytes` of transactions (the TMA copies that will complete on this barrier).
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase with parity `phase` has completed (phases alternate 0, 1, 0, ...).
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 phase) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar), "r"(phase) : "memory");
+}
+
+// ------------------------------------------------------------------------------------------------------- TMA
+
+// A CUtensorMap: 128 opaque bytes, built on the host (cuflash/tma.py) and passed inside a __grid_constant__
+// kernel parameter, whose generic address the copies take.
+struct alignas(64) TmaMap {
+    unsigned long long opaque[16];
+};
+
+// Copies the box at element coordinates (x = innermost, y) of `map` into shared memory at `dst`, completing
+// `bytes` of transactions on barrier `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap* map, int x, int y, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar) : "memory");
+}
+
+// The same for a 3-D map (x innermost): e.g. (head dim, heads, rows) of a (batch, seqlen, heads, d) tensor.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
+}
+
+// Shared memory written by ordinary stores, read next by wgmma or TMA: each writer fences, then a barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ------------------------------------------------------------------------------------------------------ wgmma
+
+// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand starting at `addr` (1024-aligned panel;
+// advance by 32 bytes per k16 step): start address >> 4 in bits 0-13, leading byte offset (unused when swizzled,
+// 1) in bits 16-29, stride byte offset 1024 >> 4 in bits 32-45, swizzle mode 1 (128 B) in bits 62-63.
+__device__ __forceinline__ unsigned long long smem_desc(u32 addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// The same for an MN-major operand (B = V in O += P V: keys are K, the head dim is N and contiguous): 8-row K groups
+// are 1024 bytes apart (stride byte offset), 64-element N panels `panel_bytes` apart (leading byte offset). Advance
+// by 16 rows (2048 bytes) per k16 step.
+__device__ __forceinline__ unsigned long long smem_desc_mn(u32 addr, u32 panel_bytes) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((panel_bytes >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B both K-major in shared memory, fp32 accumulators. Per thread
+// (warp w of the warpgroup, lane l): d[4j + e] is row 16w + l/4 + 8(e/2), column 8j + 2(l%4) + e%2, the
+// mma.sync C layout of each warp's 16 rows. accumulate = false overwrites D.
+template <class T> __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long a_desc,
+                                                                      unsigned long long b_desc, bool accumulate);
+
+#define CUFLASH_WGMMA_M64N64K16(TYPE)                                                                             \
+    asm volatile(                                                                                                 \
+        "{\n"                                                                                                     \
+        ".reg .pred acc;\n"                                                                                       \
+        "setp.ne.b32 acc, %34, 0;\n"                                                                              \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                           \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                       \
+        "%32, %33, acc, 1, 1, 0, 0;\n"                                                                            \
+        "}\n"                                                                                                     \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+        : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
+
+template <> __device__ __forceinline__ void wgmma_m64n64k16_ss<bf16_t>(float (&d)[32], unsigned long long a_desc,
+                                                                       unsigned long long b_desc, bool accumulate) {
+    CUFLASH_WGMMA_M64N64K16("bf16");
+}
+template <> __device__ __forceinline__ void wgmma_m64n64k16_ss<half_t>(float (&d)[32], unsigned long long a_desc,
+                                                                       unsigned long long b_desc, bool accumulate) {
+    CUFLASH_WGMMA_M64N64K16("f16");
+}
+#undef CUFLASH_WGMMA_M64N64K16
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (per warp the mma.sync m16n8k16 A fragment of its 16
+// rows: P straight from the S accumulators), B MN-major in shared memory (smem_desc_mn), fp32 accumulators.
+template <class T> __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4],
+                                                                      unsigned long long b_desc, bool accumulate);
+
+#define CUFLASH_WGMMA_M64N64K16_RS(TYPE)                                                                          \
+    asm volatile(                                                                                                 \
+        "{\n"                                                                                                     \
+        ".reg .pred acc;\n"                                                                                       \
+        "setp.ne.b32 acc, %37, 0;\n"                                                                              \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                           \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                       \
+        "{%32, %33, %34, %35}, %36, acc, 1, 1, 1;\n"                                                               \
+        "}\n"                                                                                                     \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"((int)accumulate))
+
+template <> __device__ __forceinline__ void wgmma_m64n64k16_rs<bf16_t>(float (&d)[32], const u32 (&a)[4],
+                                                                       unsigned long long b_desc, bool accumulate) {
+    CUFLASH_WGMMA_M64N64K16_RS("bf16");
+}
+template <> __device__ __forceinline__ void wgmma_m64n64k16_rs<half_t>(float (&d)[32], const u32 (&a)[4],
+                                                                       unsigned long long b_desc, bool accumulate) {
+    CUFLASH_WGMMA_M64N64K16_RS("f16");
+}
+#undef CUFLASH_WGMMA_M64N64K16_RS
+
+}  // namespace sm90
+}  // namespace cuflash

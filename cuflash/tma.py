@@ -1,0 +1,86 @@
+"""TMA tensor maps (CUtensorMap) built on the host through the driver's ``cuTensorMapEncodeTiled`` (ctypes on
+``libcuda.so.1``; no extra dependency), for the Hopper kernels (``cuda_src/sm90.cuh``).
+
+A map embeds the global pointer, so it is cached per (pointer, dtype, dims, strides, box, swizzle): a decode or
+training loop that reuses its buffers pays the encode once. The argument rules are checked here first (they are
+pure Python and testable without a GPU), so a bad layout gives a ValueError that names the problem instead of
+the driver's CUDA_ERROR_INVALID_VALUE.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+__all__ = ["encode_tiled", "check_tiled", "MAP_BYTES"]
+
+MAP_BYTES = 128
+_DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7}  # CUtensorMapDataType (cuda.h, CUDA 12-13)
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+_SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}                      # CUtensorMapSwizzle: none, 32B, 64B, 128B
+_L2_PROMOTION_128B = 2
+_INTERLEAVE_NONE = 0
+_OOB_FILL_ZERO = 0
+
+
+def check_tiled(ptr: int, dtype, dims: tuple, strides: tuple, box: tuple, swizzle: int) -> None:
+    """The driver's rules for a tiled map, as ValueErrors. `dims` and `box` list the innermost dimension first;
+    `strides` are the byte strides of dims[1:]."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in _DATA_TYPES:
+        raise ValueError(f"TMA: dtype {name} is not one of {sorted(_DATA_TYPES)}")
+    itemsize = _ITEMSIZE[name]
+    if not 1 <= len(dims) <= 5 or len(box) != len(dims) or len(strides) != len(dims) - 1:
+        raise ValueError(f"TMA: rank {len(dims)} with box {box} and strides {strides} do not fit together")
+    if ptr % 16:
+        raise ValueError(f"TMA: global address {ptr:#x} is not 16-byte aligned")
+    for i, s in enumerate(strides):
+        if s % 16 or s <= 0:
+            raise ValueError(f"TMA: stride of dimension {i + 1} is {s} bytes; must be a positive multiple of 16")
+    for i, (n, b) in enumerate(zip(dims, box)):
+        if not 1 <= b <= 256 or n < 1:
+            raise ValueError(f"TMA: box {b} of dimension {i} must be in 1..256 (dimension size {n})")
+    if swizzle not in _SWIZZLES:
+        raise ValueError(f"TMA: swizzle {swizzle} is not one of {sorted(_SWIZZLES)}")
+    inner_bytes = box[0] * itemsize
+    if inner_bytes % 16:
+        raise ValueError(f"TMA: inner box of {inner_bytes} bytes is not a multiple of 16")
+    if swizzle and inner_bytes > swizzle:
+        raise ValueError(f"TMA: inner box of {inner_bytes} bytes exceeds the {swizzle}-byte swizzle span")
+
+
+def encode_tiled(ptr: int, dtype, dims: tuple, strides: tuple, box: tuple, swizzle: int = 128) -> bytes:
+    """The 128 bytes of a CUtensorMap for a tiled copy (zero fill out of bounds, 128-byte L2 promotion)."""
+    key = (int(ptr), np.dtype(dtype).name, tuple(map(int, dims)), tuple(map(int, strides)), tuple(map(int, box)),
+           int(swizzle))
+    return _encode(*key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _encode(ptr, dtype_name, dims, strides, box, swizzle) -> bytes:
+    check_tiled(ptr, dtype_name, dims, strides, box, swizzle)
+    rank = len(dims)
+    buf = ctypes.create_string_buffer(MAP_BYTES + 64)
+    out = (ctypes.addressof(buf) + 63) & ~63  # CUtensorMap is 64-byte aligned
+    status = _driver().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(out), _DATA_TYPES[dtype_name], rank, ctypes.c_void_p(ptr),
+        (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * max(rank - 1, 1))(*strides),
+        (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+        _INTERLEAVE_NONE, _SWIZZLES[swizzle], _L2_PROMOTION_128B, _OOB_FILL_ZERO)
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} (dtype {dtype_name}, dims {dims}, "
+                           f"strides {strides}, box {box}, swizzle {swizzle})")
+    return ctypes.string_at(out, MAP_BYTES)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return lib
