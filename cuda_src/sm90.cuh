@@ -63,6 +63,14 @@ __device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, int x, i
         ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
 }
 
+// And 4-D: (head dim, heads, rows, batch) of a (batch, seqlen, heads, d) tensor with any strides.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int x, int y, int z, int w, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(bar)
+        : "memory");
+}
+
 // Shared memory written by ordinary stores, read next by wgmma or TMA: each writer fences, then a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 

@@ -62,3 +62,15 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
     report = build.resource_report(log)
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, log
     assert not re.search(r"\(C75\d\d\).*wgmma|wgmma.*serializ", log), log
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("band", [False, True])
+def test_hopper_forward_draft_compiles_with_async_wgmma(d, band):
+    import re
+    from cuflash.hopper import FwdSm90Spec
+    for dtype in ("fp16", "bf16"):
+        _, log = build.compile_cubin(FwdSm90Spec(dtype, d, band), "sm_90a")
+        report = build.resource_report(log)
+        assert report["spill_stores"] == 0 and report["spill_loads"] == 0, log
+        assert not re.search(r"\(C75\d\d\).*wgmma|wgmma.*serializ", log), log

@@ -1,0 +1,227 @@
+// Forward attention on Hopper (sm_90a), first version: TMA loads and wgmma, no warp specialization yet.
+//
+// Grid (query blocks, heads, batch); a CTA owns BM = 128 query rows as two consumer warpgroups of 64 rows each,
+// sharing K/V tiles. Thread 0 issues the TMA copies: Q once, then K/V blocks into a two-slot ring whose "full"
+// mbarriers count the bytes in; the slot a block leaves is refilled after a CTA barrier. Per KV block each
+// warpgroup runs
+//     S = Q K^T            wgmma m64n64k16, both from shared memory (K-major, 128-byte swizzle)
+//     mask, online softmax  on the accumulators, which have the mma.sync layout per warp (softmax.cuh, mask.cuh)
+//     O += P V              wgmma m64n64k16 with P in registers and V MN-major, one per 64-column half of O
+// and the epilogue normalizes O by the row sums and writes O and lse from registers.
+//
+// Status: drafted without a GPU run (tests/gpu/test_sm90.py::test_fwd_sm90_* check it against the reference).
+// Head dims 64 and 128, no softcap/ALiBi: the planner keeps every other case on the portable kernel (fwd.cu).
+#include "sm90.cuh"
+#include "mma.cuh"
+#include "softmax.cuh"
+#include "mask.cuh"
+
+namespace cuflash {
+
+struct FwdSm90Params {
+    sm90::TmaMap q;        // (d, heads, seqlen_q, batch), box (64, 1, BM, 1)
+    sm90::TmaMap k;        // (d, heads_k, seqlen_k, batch), box (64, 1, BN, 1)
+    sm90::TmaMap v;
+    u16* o;                // (batch, seqlen_q, nheads, headdim)
+    float* lse;            // (batch, nheads, seqlen_q) contiguous, or nullptr
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    int seqlen_q, seqlen_k, nheads, heads_per_kv;
+    int window_left, window_right;
+    float scale_log2;
+};
+// The layout cuflash/hopper.py PARAMS_DTYPE writes.
+static_assert(__builtin_offsetof(FwdSm90Params, o) == 384 && __builtin_offsetof(FwdSm90Params, o_batch_stride) == 400 &&
+              __builtin_offsetof(FwdSm90Params, seqlen_q) == 424 && __builtin_offsetof(FwdSm90Params, scale_log2) == 448 &&
+              sizeof(FwdSm90Params) == 512, "FwdSm90Params no longer matches cuflash/hopper.py");
+
+template <class T, int D, bool BAND>
+struct FwdSm90 {
+    static constexpr int BM = 128, BN = 64, PANELS = D / 64;
+    static constexpr u32 Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+    static constexpr u32 Q_PANEL = BM * 128, KV_PANEL = BN * 128;  // bytes of one 64-column panel
+    // shared memory (1024-aligned): Q | K[2] | V[2] | barriers (q, full[2])
+    static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + 2 * KV_BYTES, OFF_BAR = OFF_V + 2 * KV_BYTES;
+    static constexpr u32 SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;  // + room to align the base to 1024
+    static_assert(D % 64 == 0, "whole 64-column panels");
+
+    const FwdSm90Params& p;
+    int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
+    u32 base;
+    int row0, b, h, h_kv;
+    Mask<BAND> mask;
+    OnlineSoftmax<1> softmax;
+    float acc_o[PANELS][32];
+
+    __device__ __forceinline__ explicit FwdSm90(const FwdSm90Params& params) : p(params) {}
+
+    __device__ __forceinline__ u32 full_bar(int slot) const { return base + OFF_BAR + 8 + 8 * slot; }
+
+    __device__ __forceinline__ void issue_kv(int n, int slot) {  // thread 0 only
+        sm90::mbar_arrive_expect_tx(full_bar(slot), 2 * KV_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn) {
+            sm90::tma_load_4d(base + OFF_K + slot * KV_BYTES + pn * KV_PANEL, &p.k, pn * 64, h_kv, n * BN, b,
+                              full_bar(slot));
+            sm90::tma_load_4d(base + OFF_V + slot * KV_BYTES + pn * KV_PANEL, &p.v, pn * 64, h_kv, n * BN, b,
+                              full_bar(slot));
+        }
+    }
+
+    // One KV block from ring slot `slot`: S, softmax, O += P V. MASK: element-wise masking needed.
+    template <bool MASK, bool FIRST>
+    __device__ __forceinline__ void step(int n, int slot, u32 phase) {
+        sm90::mbar_wait(full_bar(slot), phase);
+        const u32 k_tile = base + OFF_K + slot * KV_BYTES, v_tile = base + OFF_V + slot * KV_BYTES;
+        const u32 q_tile = base + wg * 64 * 128;  // this warpgroup's 64 rows of every Q panel
+
+        float s[1][8][4];
+        float* sf = &s[0][0][0];
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const u32 q_addr = q_tile + (ks / 4) * Q_PANEL + (ks % 4) * 32;
+            const u32 k_addr = k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32;
+            sm90::wgmma_m64n64k16_ss<T>(*reinterpret_cast<float(*)[32]>(sf), sm90::smem_desc(q_addr),
+                                        sm90::smem_desc(k_addr), ks > 0);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+
+        if (MASK) {
+            const int row = row0 + wg * 64 + warp * 16 + lane / 4, col_lane = n * BN + 2 * (lane % 4);
+            mask.apply_row(s[0], 0, row, col_lane);
+            mask.apply_row(s[0], 1, row + 8, col_lane);
+        }
+        rescale_and_exp<FIRST, MASK>(s);
+
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            u32 pa[4];
+            pa[0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+            pa[1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+            pa[2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+            pa[3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn)
+                sm90::wgmma_m64n64k16_rs<T>(acc_o[pn], pa, sm90::smem_desc_mn(v_tile + pn * KV_PANEL + kk * 2048,
+                                                                             KV_PANEL), true);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+    }
+
+    // Online softmax over the 16 x 64 scores of each warp; the O accumulator panels are rescaled in place.
+    template <bool FIRST, bool CHECK_INF>
+    __device__ __forceinline__ void rescale_and_exp(float (&s)[1][8][4]) {
+        // OnlineSoftmax::update wants the O accumulator as [MT][DT][4]: one call per 64-column panel would rescale
+        // the row sums twice, so rescale panel 0 through update() and the others with the same factors.
+        float old_max[2] = {softmax.row_max[0][0], softmax.row_max[0][1]};
+        softmax.template update<FIRST, CHECK_INF>(s, *reinterpret_cast<float(*)[1][8][4]>(&acc_o[0][0]), p.scale_log2);
+        if (!FIRST) {
+#pragma unroll
+            for (int pn = 1; pn < PANELS; ++pn)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const float m_new = softmax.row_max[0][hh];
+                    const float m_safe = (CHECK_INF && m_new == NEG_INF) ? 0.f : m_new;
+                    const float alpha = exp2f((old_max[hh] - m_safe) * p.scale_log2);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        acc_o[pn][4 * j + 2 * hh] *= alpha;
+                        acc_o[pn][4 * j + 2 * hh + 1] *= alpha;
+                    }
+                }
+        }
+    }
+
+    __device__ __forceinline__ void epilogue() {
+        float lse[1][2];
+        float inv[2];
+        {
+            // finalize() normalizes panel 0 and gives lse; the other panels take the same 1 / l
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const float sum = quad_sum(softmax.row_sum[0][hh]);
+                inv[hh] = sum > 0.f ? 1.f / sum : 0.f;
+            }
+            softmax.finalize(*reinterpret_cast<float(*)[1][8][4]>(&acc_o[0][0]), p.scale_log2, lse);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
+            if (r >= p.seqlen_q) continue;
+            u16* o_row = p.o + (i64)b * p.o_batch_stride + (i64)r * p.o_row_stride + (i64)h * p.o_head_stride;
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float scale = pn == 0 ? 1.f : inv[hh];
+                    *reinterpret_cast<u32*>(o_row + pn * 64 + 8 * j + 2 * (lane % 4)) =
+                        pack2<T>(acc_o[pn][4 * j + 2 * hh] * scale, acc_o[pn][4 * j + 2 * hh + 1] * scale);
+                }
+            if (p.lse != nullptr && lane % 4 == 0) p.lse[((i64)b * p.nheads + h) * p.seqlen_q + r] = lse[0][hh];
+        }
+    }
+
+    __device__ __forceinline__ void run(char* smem) {
+        const int m_block = BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+        h = blockIdx.y;
+        b = blockIdx.z;
+        h_kv = h / p.heads_per_kv;
+        tid = threadIdx.x;
+        wg = tid / 128;
+        warp = (tid / 32) % 4;
+        lane = tid % 32;
+        row0 = m_block * BM;
+        base = (smem_u32(smem) + 1023) & ~1023u;
+        mask = Mask<BAND>{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+#pragma unroll
+            for (int i = 0; i < 32; ++i) acc_o[pn][i] = 0.f;
+        softmax.reset();
+
+        const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
+        const int count = range.n_max - range.n_min;  // blocks, walked from n_max - 1 down
+        if (tid == 0) {
+            for (int i = 0; i < 3; ++i) sm90::mbar_init(base + OFF_BAR + 8 * i, 1);
+            sm90::mbar_fence_init();
+        }
+        __syncthreads();
+        if (count > 0) {
+            if (tid == 0) {
+                sm90::mbar_arrive_expect_tx(base + OFF_BAR, Q_BYTES);
+#pragma unroll
+                for (int pn = 0; pn < PANELS; ++pn)
+                    sm90::tma_load_4d(base + pn * Q_PANEL, &p.q, pn * 64, h, row0, b, base + OFF_BAR);
+                for (int i = 0; i < 2 && i < count; ++i) issue_kv(range.n_max - 1 - i, i);
+            }
+            sm90::mbar_wait(base + OFF_BAR, 0);
+            for (int t = 0; t < count; ++t) {
+                const int n = range.n_max - 1 - t, slot = t % 2;
+                const u32 phase = (t / 2) & 1;
+                const bool masked = n > range.full_hi || n < range.full_lo;
+                if (t == 0) {
+                    if (masked) step<true, true>(n, slot, phase);
+                    else step<false, true>(n, slot, phase);
+                } else {
+                    if (masked) step<true, false>(n, slot, phase);
+                    else step<false, false>(n, slot, phase);
+                }
+                __syncthreads();  // both warpgroups are done with this slot
+                if (tid == 0 && t + 2 < count) issue_kv(n - 2, slot);
+            }
+        }
+        epilogue();
+    }
+};
+
+template <class T, int D, bool BAND>
+__global__ void __launch_bounds__(256, 1) fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
+    extern __shared__ __align__(1024) char smem[];
+    FwdSm90<T, D, BAND> block(p);
+    block.run(smem);
+}
+
+}  // namespace cuflash
