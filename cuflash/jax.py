@@ -27,14 +27,16 @@ import numpy as np
 from . import _xla_ffi as ffi
 from . import api, checks, plan
 
-__all__ = ["attention", "backward_workspace_bytes"]
+__all__ = ["attention", "attention_varlen", "backward_workspace_bytes"]
 
 FWD_TARGET = "cuflash_attention_fwd"
 BWD_TARGET = "cuflash_attention_bwd"
+VARLEN_FWD_TARGET = "cuflash_attention_varlen_fwd"
+VARLEN_BWD_TARGET = "cuflash_attention_varlen_bwd"
 WORKSPACE_ALIGN = plan.WORKSPACE_ALIGN  # bytes; each piece handed out by _Workspace starts on this boundary
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-           "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8)}
+           "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8), "int32": np.dtype(np.int32)}
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -70,6 +72,19 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     return _attention(q, k, v, alibi_slopes, options)
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
+    """:func:`cuflash.attention_varlen` on jax arrays (packed sequences), differentiable in q, k and v.
+
+    q ``(total_q, nheads, headdim)``, k/v ``(total_k, nheads_k, headdim)``, cu_seqlens_q/k int32
+    ``(batch + 1,)`` (traced values are fine), max_seqlen_q/k Python ints (static under ``jax.jit``: they size
+    the grid). Options as in :func:`attention`; masks are bottom-right aligned per sequence.
+    """
+    options = _Options.make_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                                   softmax_scale, causal, window_size, softcap, deterministic)
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)
+
+
 # --------------------------------------------------------------------------------------------
 # Options: checked once at trace time, then carried to the handler as one string attribute
 # --------------------------------------------------------------------------------------------
@@ -89,6 +104,21 @@ class _Options(tuple):
         scale = None if softmax_scale is None else float(softmax_scale)
         return cls((scale, bool(causal), left, right, float(softcap), bool(deterministic)))
 
+    @classmethod
+    def make_varlen(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                    softmax_scale, causal, window_size, softcap, deterministic):
+        """The options plus (max_seqlen_q, max_seqlen_k), checked like cuflash.attention_varlen's."""
+        specs = [_spec(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
+                                          (cu_seqlens_k, "cu_seqlens_k"))]
+        checks.check_varlen(*specs, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                            window_size=window_size, softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"))
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
+        left, right = checks.window(causal, window_size)
+        scale = None if softmax_scale is None else float(softmax_scale)
+        return cls((scale, bool(causal), left, right, float(softcap), bool(deterministic), int(max_seqlen_q),
+                    int(max_seqlen_k)))
+
     def encode(self) -> str:
         return repr(tuple(self))
 
@@ -96,9 +126,9 @@ class _Options(tuple):
     @functools.lru_cache(maxsize=256)
     def decode(text: bytes) -> tuple:
         """The launch keywords (a tuple of pairs; make a dict per call) and the deterministic flag."""
-        scale, causal, left, right, softcap, det = ast.literal_eval(text.decode())
+        scale, causal, left, right, softcap, det, *max_seqlens = ast.literal_eval(text.decode())
         return (("softmax_scale", scale), ("causal", causal), ("window_size", (left, right)),
-                ("softcap", softcap)), det
+                ("softcap", softcap)), det, tuple(max_seqlens)
 
 
 def _spec(x, name):
@@ -156,17 +186,57 @@ def _backward_call(dout, q, k, v, out, lse, alibi_slopes, options):
     return dq, dk, dv
 
 
-def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, deterministic: bool) -> int:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options):
+    return _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)[0]
+
+
+def _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options):
+    out, lse = _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)
+    return out, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse)
+
+
+def _attention_varlen_bwd(options, residuals, dout):
+    q, k, v, cu_q, cu_k, alibi_slopes, out, lse = residuals
+    _register()
+    total_q, h, d = q.shape
+    problem = checks.Problem(cu_q.shape[0] - 1, options[6], options[7], h, k.shape[1], d, np.dtype(q.dtype))
+    workspace = backward_workspace_bytes(problem, options[2], options[3], options[4] > 0 or alibi_slopes is not None,
+                                         options[5], rows=total_q)
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((workspace,), jnp.uint8))
+    args = (dout.astype(q.dtype), q, k, v, out, lse, cu_q, cu_k) + (() if alibi_slopes is None else (alibi_slopes,))
+    dq, dk, dv, _ = jax.ffi.ffi_call(VARLEN_BWD_TARGET, results, vmap_method="sequential")(
+        *args, config=options.encode())
+    zero_int = lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0)  # noqa: E731  (integer inputs)
+    return (dq, dk, dv, zero_int(cu_q), zero_int(cu_k),
+            None if alibi_slopes is None else jnp.zeros_like(alibi_slopes))
+
+
+_attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
+
+
+def _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options):
+    _register()
+    total_q, h, _ = q.shape
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((h, total_q), jnp.float32))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (() if alibi_slopes is None else (alibi_slopes,))
+    return jax.ffi.ffi_call(VARLEN_FWD_TARGET, results, vmap_method="sequential")(*args, config=options.encode())
+
+
+def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, deterministic: bool,
+                             rows: int | None = None) -> int:
     """Bytes of the one workspace :func:`cuflash.api.launch_backward` asks its allocator for
     (:func:`cuflash.plan.backward_workspace`: ``dsum``, ``lse_log2``, the fp32 dQ accumulator).
 
     Deterministic mode's slice count grows with the GPU's SM count, so it is planned for the largest
-    GPU visible here (an upper bound for any of them).
+    GPU visible here (an upper bound for any of them). `rows`: query rows of the workspaces, batch *
+    seqlen_q by default, total_q for packed sequences.
     """
     left, right = plan.normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
     launch = plan.plan_backward(problem, left, right, score_mod, deterministic, "sm_80", _max_sm_count())
-    return plan.backward_workspace(problem.batch * problem.seqlen_q, problem.nheads, problem.headdim,
-                                   launch.slices)[2]
+    rows = problem.batch * problem.seqlen_q if rows is None else rows  # total_q for packed sequences
+    return plan.backward_workspace(rows, problem.nheads, problem.headdim, launch.slices)[2]
 
 
 def _aligned(n: int) -> int:
@@ -188,9 +258,19 @@ def _max_sm_count() -> int:
 # --------------------------------------------------------------------------------------------
 
 def _parse(frame):
-    """(options, deterministic, input buffers, output buffers) of one call; buffers are (ptr, shape, dtype name)."""
-    options, deterministic = _Options.decode(ffi.string_attr(frame, "config"))
+    """(options, deterministic, input buffers, output buffers) of one call; buffers are (ptr, shape, dtype name).
+    Varlen calls also carry (max_seqlen_q, max_seqlen_k): see _parse_varlen."""
+    options, deterministic, _ = _Options.decode(ffi.string_attr(frame, "config"))
     return dict(options), deterministic, ffi.buffers(frame.args), ffi.buffers(frame.rets)
+
+
+def _parse_varlen(frame):
+    """_parse plus the varlen problem: (options, deterministic, problem, inputs, outputs)."""
+    options, deterministic, (max_q, max_k) = _Options.decode(ffi.string_attr(frame, "config"))
+    ins, outs = ffi.buffers(frame.args), ffi.buffers(frame.rets)
+    q, k, cu_q = ins[0], ins[1], ins[3]
+    problem = checks.Problem(cu_q[1][0] - 1, max_q, max_k, q[1][1], k[1][1], q[1][2], _DTYPES[q[2]])
+    return dict(options), deterministic, problem, ins, outs
 
 
 def _problem(q, k) -> checks.Problem:
@@ -220,6 +300,30 @@ def _run_backward(frame):
         options["alibi_slopes"] = alibi[0] if alibi else None
         api.launch_backward(_problem(ins[1], ins[2]), dout, q, k, v, out, lse, dq, dk, dv,
                             deterministic=deterministic, **options)
+
+
+def _run_varlen_forward(frame):
+    import cupy
+    options, _, problem, ins, outs = _parse_varlen(frame)
+    device = _device_of(ins[0][0])
+    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
+        q, k, v, cu_q, cu_k, *alibi = (_cupy(buf, device) for buf in ins)
+        out, lse = (_cupy(buf, device) for buf in outs)
+        api.launch_forward(problem, q, k, v, out, lse, alibi_slopes=alibi[0] if alibi else None,
+                           cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)
+
+
+def _run_varlen_backward(frame):
+    import cupy
+    options, deterministic, problem, ins, outs = _parse_varlen(frame)
+    device = _device_of(ins[1][0])
+    workspace = _Workspace(outs[3][0], outs[3][1][0], device)
+    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device), cupy.cuda.using_allocator(workspace.malloc):
+        dout, q, k, v, out, lse, cu_q, cu_k, *alibi = (_cupy(buf, device) for buf in ins)
+        dq, dk, dv = (_cupy(buf, device) for buf in outs[:3])
+        api.launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, deterministic=deterministic,
+                            alibi_slopes=alibi[0] if alibi else None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            **options)
 
 
 class _Workspace:
@@ -274,6 +378,7 @@ def _register() -> None:
     """Registers both targets with XLA for CUDA, once (the handlers must outlive every call)."""
     if _handlers:
         return
-    for name, run in ((FWD_TARGET, _run_forward), (BWD_TARGET, _run_backward)):
+    for name, run in ((FWD_TARGET, _run_forward), (BWD_TARGET, _run_backward),
+                      (VARLEN_FWD_TARGET, _run_varlen_forward), (VARLEN_BWD_TARGET, _run_varlen_backward)):
         _handlers[name] = handler = ffi.make_handler(run)
         jax.ffi.register_ffi_target(name, ffi.capsule(handler), platform="CUDA", api_version=1)

@@ -46,10 +46,33 @@ def _host_backward(frame):
         raise ValueError("softcap 1.25 refused by the test handler")
 
 
+def _host_varlen_forward(frame):
+    options, _, problem, ins, outs = cuflash.jax._parse_varlen(frame)
+    q, k, v = (_np(b).astype(np.float64) for b in ins[:3])
+    cu_q, cu_k, *alibi = (_np(b) for b in ins[3:])
+    out, lse = (_np(b) for b in outs)
+    o, l = reference.attention_varlen(q, k, v, cu_q, cu_k, problem.seqlen_q, problem.seqlen_k,
+                                      alibi_slopes=alibi[0] if alibi else None, return_lse=True, **options)
+    out[...], lse[...] = o.astype(out.dtype), l
+
+
+def _host_varlen_backward(frame):
+    options, deterministic, problem, ins, outs = cuflash.jax._parse_varlen(frame)
+    dout, q, k, v, out, lse = (_np(b).astype(np.float64) for b in ins[:6])
+    cu_q, cu_k, *alibi = (_np(b) for b in ins[6:])
+    grads = reference.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, problem.seqlen_q,
+                                                problem.seqlen_k, alibi_slopes=alibi[0] if alibi else None,
+                                                deterministic=deterministic, **options)
+    for dst, g in zip(outs[:3], grads):
+        _np(dst)[...] = g.astype(_np(dst).dtype)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def host_targets():
     if not _host_handlers:
-        for name, run in ((cuflash.jax.FWD_TARGET, _host_forward), (cuflash.jax.BWD_TARGET, _host_backward)):
+        for name, run in ((cuflash.jax.FWD_TARGET, _host_forward), (cuflash.jax.BWD_TARGET, _host_backward),
+                          (cuflash.jax.VARLEN_FWD_TARGET, _host_varlen_forward),
+                          (cuflash.jax.VARLEN_BWD_TARGET, _host_varlen_backward)):
             handler = _xla_ffi.make_handler(run)
             _host_handlers.append(handler)
             jax.ffi.register_ffi_target(name, _xla_ffi.capsule(handler), platform="cpu", api_version=1)
@@ -143,3 +166,51 @@ def test_deterministic_backward_is_repeatable():
                             .astype(jnp.float32).sum(), argnums=(0, 1, 2)))
     a, b = grad(q, k, v), grad(q, k, v)
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+
+
+def test_varlen_jit_grad_matches_per_sequence_xla_attention():
+    """Packed sequences (lengths 5, 0, 17 against 9, 3, 17): value and gradients of jit(grad) equal those of
+    jax.nn.dot_product_attention run on each sequence alone (equal lengths: is_causal agrees)."""
+    lens_q, lens_k = [5, 0, 17], [5, 3, 17]
+    cu_q, cu_k = (jnp.asarray(np.concatenate([[0], np.cumsum(n)]), jnp.int32) for n in (lens_q, lens_k))
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q = jax.random.normal(keys[0], (sum(lens_q), 4, 32), jnp.float32).astype(jnp.float16)
+    k = jax.random.normal(keys[1], (sum(lens_k), 2, 32), jnp.float32).astype(jnp.float16)
+    v = jax.random.normal(keys[2], (sum(lens_k), 2, 32), jnp.float32).astype(jnp.float16)
+    w = jax.random.normal(keys[3], q.shape, jnp.float32)
+
+    def ours(q, k, v):
+        out = cuflash.jax.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        return (out.astype(jnp.float32) * w).sum()
+
+    def want(q, k, v):
+        total, oq, ok = 0.0, 0, 0
+        for nq, nk in zip(lens_q, lens_k):
+            if nq:
+                o = _xla_reference(q[None, oq:oq + nq], k[None, ok:ok + nk], v[None, ok:ok + nk], True)[0]
+                total = total + (o * w[oq:oq + nq]).sum()
+            oq, ok = oq + nq, ok + nk
+        return total
+
+    (l1, g1) = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(q, k, v)
+    (l2, g2) = jax.value_and_grad(want, argnums=(0, 1, 2))(q, k, v)
+    assert abs(float(l1) - float(l2)) <= 4e-3 * max(1.0, abs(float(l2)))
+    for got, ref in zip(g1, g2):
+        assert got.shape == ref.shape and got.dtype == q.dtype
+        err = float(jnp.abs(got.astype(jnp.float32) - ref).max()) / max(1.0, float(jnp.abs(ref).max()))
+        assert err < 2e-2, err
+
+
+def test_varlen_lowering_and_trace_time_checks():
+    cu = jnp.asarray([0, 7, 20], jnp.int32)
+    q = jnp.zeros((20, 4, 32), jnp.bfloat16)
+    k = jnp.zeros((20, 2, 32), jnp.bfloat16)
+    f = jax.jit(jax.grad(lambda q: cuflash.jax.attention_varlen(q, k, k, cu, cu, 13, 13).astype(jnp.float32)
+                         .sum()))
+    text = f.lower(q).as_text()
+    assert text.count("@cuflash_attention_varlen_fwd") == 1 and text.count("@cuflash_attention_varlen_bwd") == 1
+    assert "callback" not in text
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        cuflash.jax.attention_varlen(q, k, k, cu.astype(jnp.float32), cu, 13, 13)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        cuflash.jax.attention_varlen(q, k, k, cu, cu, 0, 13)
