@@ -1,6 +1,6 @@
 """Decode tile/ring tuning: times attention_with_kvcache (bf16, d 128, 32 query heads, 8 KV heads, one new row)
-for several (block_n, stages) configs on a few cells, same run. The winner goes into plan.DECODE_STAGES /
-DECODE_BLOCK_N with this output as its record (docs/bench/tune_decode.txt).
+for several (block_n, stages) configs on a few cells, same run. The winner goes into plan.DECODE_TABLE with
+this output as its record (docs/bench/tune_decode.txt).
 
     python benchmarks/tune_decode.py
 """

@@ -50,7 +50,9 @@ struct FwdSm90 {
     int row0, b, h, h_kv;
     Mask<BAND> mask;
     OnlineSoftmax<1> softmax;
-    float acc_o[PANELS][32];
+    // O's accumulators: per 64-column panel the 32 of one wgmma m64n64; viewed whole, the [rows][8-col tiles][4]
+    // layout softmax.cuh rescales and normalizes
+    float acc_o[1][PANELS * 8][4];
 
     __device__ __forceinline__ explicit FwdSm90(const FwdSm90Params& params) : p(params) {}
 
@@ -92,7 +94,7 @@ struct FwdSm90 {
             mask.apply_row(s[0], 0, row, col_lane);
             mask.apply_row(s[0], 1, row + 8, col_lane);
         }
-        rescale_and_exp<FIRST, MASK>(s);
+        softmax.template update<FIRST, MASK>(s, acc_o, p.scale_log2);
 
         sm90::wgmma_fence();
 #pragma unroll
@@ -104,49 +106,20 @@ struct FwdSm90 {
             pa[3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
 #pragma unroll
             for (int pn = 0; pn < PANELS; ++pn)
-                sm90::wgmma_m64n64k16_rs<T>(acc_o[pn], pa, sm90::smem_desc_mn(v_tile + pn * KV_PANEL + kk * 2048,
-                                                                             KV_PANEL), true);
+                sm90::wgmma_m64n64k16_rs<T>(panel(pn), pa,
+                                            sm90::smem_desc_mn(v_tile + pn * KV_PANEL + kk * 2048, KV_PANEL), true);
         }
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
     }
 
-    // Online softmax over the 16 x 64 scores of each warp; the O accumulator panels are rescaled in place.
-    template <bool FIRST, bool CHECK_INF>
-    __device__ __forceinline__ void rescale_and_exp(float (&s)[1][8][4]) {
-        // OnlineSoftmax::update wants the O accumulator as [MT][DT][4]: one call per 64-column panel would rescale
-        // the row sums twice, so rescale panel 0 through update() and the others with the same factors.
-        float old_max[2] = {softmax.row_max[0][0], softmax.row_max[0][1]};
-        softmax.template update<FIRST, CHECK_INF>(s, *reinterpret_cast<float(*)[1][8][4]>(&acc_o[0][0]), p.scale_log2);
-        if (!FIRST) {
-#pragma unroll
-            for (int pn = 1; pn < PANELS; ++pn)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const float m_new = softmax.row_max[0][hh];
-                    const float m_safe = (CHECK_INF && m_new == NEG_INF) ? 0.f : m_new;
-                    const float alpha = exp2f((old_max[hh] - m_safe) * p.scale_log2);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        acc_o[pn][4 * j + 2 * hh] *= alpha;
-                        acc_o[pn][4 * j + 2 * hh + 1] *= alpha;
-                    }
-                }
-        }
+    __device__ __forceinline__ float (&panel(int pn))[32] {
+        return *reinterpret_cast<float(*)[32]>(&acc_o[0][pn * 8][0]);
     }
 
     __device__ __forceinline__ void epilogue() {
         float lse[1][2];
-        float inv[2];
-        {
-            // finalize() normalizes panel 0 and gives lse; the other panels take the same 1 / l
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const float sum = quad_sum(softmax.row_sum[0][hh]);
-                inv[hh] = sum > 0.f ? 1.f / sum : 0.f;
-            }
-            softmax.finalize(*reinterpret_cast<float(*)[1][8][4]>(&acc_o[0][0]), p.scale_log2, lse);
-        }
+        softmax.finalize(acc_o, p.scale_log2, lse);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
@@ -155,11 +128,9 @@ struct FwdSm90 {
 #pragma unroll
             for (int pn = 0; pn < PANELS; ++pn)
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const float scale = pn == 0 ? 1.f : inv[hh];
+                for (int j = 0; j < 8; ++j)
                     *reinterpret_cast<u32*>(o_row + pn * 64 + 8 * j + 2 * (lane % 4)) =
-                        pack2<T>(acc_o[pn][4 * j + 2 * hh] * scale, acc_o[pn][4 * j + 2 * hh + 1] * scale);
-                }
+                        pack2<T>(acc_o[0][pn * 8 + j][2 * hh], acc_o[0][pn * 8 + j][2 * hh + 1]);
             if (p.lse != nullptr && lane % 4 == 0) p.lse[((i64)b * p.nheads + h) * p.seqlen_q + r] = lse[0][hh];
         }
     }
@@ -177,9 +148,9 @@ struct FwdSm90 {
         base = (smem_u32(smem) + 1023) & ~1023u;
         mask = Mask<BAND>{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
 #pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn)
+        for (int dt = 0; dt < PANELS * 8; ++dt)
 #pragma unroll
-            for (int i = 0; i < 32; ++i) acc_o[pn][i] = 0.f;
+            for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
         softmax.reset();
 
         const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
