@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call that checks everything a session touched, from the repository root:
+#
+#     OUT=... bash scripts/gpu_session.sh
+#
+#   1. tests/gpu/test_sm90.py (the Hopper path) in its own processes with short timeouts: a draft kernel
+#      that deadlocks on an mbarrier must not eat the call. Selftests first, then the forward.  -> sm90.log
+#   2. scripts/gpu_check.sh without the benchmark: the full GPU suite (test_sm90 excluded, it ran in 1),
+#      memcheck and racecheck.               -> env.txt, pytest_gpu.log, memcheck.log, racecheck.log
+#   3. benchmarks/bench_varlen.py --bwd (--quick unless VARLEN_ARGS says otherwise)  -> varlen.txt
+#   4. benchmarks/bench_overhead.py (torch per-call overhead beside SDPA)              -> overhead.txt
+# Environment: OUT, SKIP_SM90=1, SKIP_CHECK=1, SKIP_VARLEN=1, SKIP_OVERHEAD=1, TESTS_TIMEOUT (300),
+# SANITIZE_TIMEOUT (100), PYTEST_ARGS (passed on to gpu_check.sh).
+set -u
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+t0=$SECONDS
+if [ "${SKIP_SM90:-0}" != 1 ]; then
+    timeout -k 5 "${SM90_SELFTEST_TIMEOUT:-60}" python3 -m pytest -v --tb=short -p no:cacheprovider \
+        tests/gpu/test_sm90.py -k "not fwd_sm90" >"$OUT/sm90.log" 2>&1
+    echo "sm90 selftests: exit $? [$((SECONDS - t0))s]"
+    timeout -k 5 "${SM90_FWD_TIMEOUT:-90}" python3 -m pytest -v --tb=short -x -p no:cacheprovider \
+        tests/gpu/test_sm90.py -k "fwd_sm90" >>"$OUT/sm90.log" 2>&1
+    echo "sm90 forward: exit $? [$((SECONDS - t0))s]"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/sm90.log" | grep -v "^tests.*PASSED" | tail -15
+fi
+if [ "${SKIP_CHECK:-0}" != 1 ]; then
+    SKIP_BENCH=1 TESTS_TIMEOUT=${TESTS_TIMEOUT:-300} SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-100} \
+        PYTEST_ARGS="--ignore=tests/gpu/test_sm90.py --maxfail=100 ${PYTEST_ARGS:-}" \
+        bash scripts/gpu_check.sh 2>&1 | sed -n '/gpu_check summary/,$p'
+    grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -20
+    echo "check [$((SECONDS - t0))s]"
+fi
+if [ "${SKIP_VARLEN:-0}" != 1 ]; then
+    timeout -k 5 "${VARLEN_TIMEOUT:-90}" python3 benchmarks/bench_varlen.py --bwd ${VARLEN_ARGS:---quick} \
+        >"$OUT/varlen.txt" 2>&1
+    echo "varlen bench: exit $? [$((SECONDS - t0))s]"
+    grep -A14 "^=== " "$OUT/varlen.txt" | head -40
+fi
+if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
+    timeout -k 5 "${OVERHEAD_TIMEOUT:-80}" python3 benchmarks/bench_overhead.py >"$OUT/overhead.txt" 2>&1
+    echo "overhead bench: exit $? [$((SECONDS - t0))s]"
+    tail -22 "$OUT/overhead.txt"
+fi
+echo "done [$((SECONDS - t0))s]"
