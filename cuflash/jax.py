@@ -264,11 +264,13 @@ def _parse(frame):
     return dict(options), deterministic, ffi.buffers(frame.args), ffi.buffers(frame.rets)
 
 
-def _parse_varlen(frame):
-    """_parse plus the varlen problem: (options, deterministic, problem, inputs, outputs)."""
+def _parse_varlen(frame, first: int):
+    """_parse plus the varlen problem: (options, deterministic, problem, inputs, outputs). q and k are inputs
+    `first` and `first + 1`, cu_seqlens_q comes after (q, k, v) in the forward (first = 0) and after
+    (dout, q, k, v, out, lse) in the backward (first = 1)."""
     options, deterministic, (max_q, max_k) = _Options.decode(ffi.string_attr(frame, "config"))
     ins, outs = ffi.buffers(frame.args), ffi.buffers(frame.rets)
-    q, k, cu_q = ins[0], ins[1], ins[3]
+    q, k, cu_q = ins[first], ins[first + 1], ins[3 if first == 0 else 6]
     problem = checks.Problem(cu_q[1][0] - 1, max_q, max_k, q[1][1], k[1][1], q[1][2], _DTYPES[q[2]])
     return dict(options), deterministic, problem, ins, outs
 
@@ -304,7 +306,7 @@ def _run_backward(frame):
 
 def _run_varlen_forward(frame):
     import cupy
-    options, _, problem, ins, outs = _parse_varlen(frame)
+    options, _, problem, ins, outs = _parse_varlen(frame, 0)
     device = _device_of(ins[0][0])
     with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
         q, k, v, cu_q, cu_k, *alibi = (_cupy(buf, device) for buf in ins)
@@ -315,7 +317,7 @@ def _run_varlen_forward(frame):
 
 def _run_varlen_backward(frame):
     import cupy
-    options, deterministic, problem, ins, outs = _parse_varlen(frame)
+    options, deterministic, problem, ins, outs = _parse_varlen(frame, 1)
     device = _device_of(ins[1][0])
     workspace = _Workspace(outs[3][0], outs[3][1][0], device)
     with cupy.cuda.Device(device), _stream(ffi.stream(frame), device), cupy.cuda.using_allocator(workspace.malloc):

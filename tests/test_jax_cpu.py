@@ -46,10 +46,19 @@ def _host_backward(frame):
         raise ValueError("softcap 1.25 refused by the test handler")
 
 
+def _check_problem(problem, q, k, cu_q):
+    """The problem the CUDA handler would launch with must describe these buffers (the host reference below
+    reads the buffers themselves, so a wrong problem would otherwise go unseen)."""
+    want = (len(cu_q) - 1, q.shape[1], k.shape[1], q.shape[2], q.dtype.itemsize)
+    got = (problem.batch, problem.nheads, problem.nheads_k, problem.headdim, 8)  # the buffers are float64 here
+    assert got == want, f"handler problem {problem} does not match the buffers {want}"
+
+
 def _host_varlen_forward(frame):
-    options, _, problem, ins, outs = cuflash.jax._parse_varlen(frame)
+    options, _, problem, ins, outs = cuflash.jax._parse_varlen(frame, 0)
     q, k, v = (_np(b).astype(np.float64) for b in ins[:3])
     cu_q, cu_k, *alibi = (_np(b) for b in ins[3:])
+    _check_problem(problem, q, k, cu_q)
     out, lse = (_np(b) for b in outs)
     o, l = reference.attention_varlen(q, k, v, cu_q, cu_k, problem.seqlen_q, problem.seqlen_k,
                                       alibi_slopes=alibi[0] if alibi else None, return_lse=True, **options)
@@ -57,9 +66,10 @@ def _host_varlen_forward(frame):
 
 
 def _host_varlen_backward(frame):
-    options, deterministic, problem, ins, outs = cuflash.jax._parse_varlen(frame)
+    options, deterministic, problem, ins, outs = cuflash.jax._parse_varlen(frame, 1)
     dout, q, k, v, out, lse = (_np(b).astype(np.float64) for b in ins[:6])
     cu_q, cu_k, *alibi = (_np(b) for b in ins[6:])
+    _check_problem(problem, q, k, cu_q)
     grads = reference.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, problem.seqlen_q,
                                                 problem.seqlen_k, alibi_slopes=alibi[0] if alibi else None,
                                                 deterministic=deterministic, **options)
