@@ -20,6 +20,7 @@
 #   OUT            output folder (default ./out). At most 8 files come back from the
 #                  device; this script writes 8: env.txt, pytest_gpu.log, memcheck.log,
 #                  racecheck.log, bench.txt, bench.json, bench.png, bench_bwd.png.
+#   PER_FILE=1     one pytest process per tests/gpu file (scripts/pytest_per_file.sh), totals summed
 #   PYTEST_ARGS    appended to the pytest call, e.g. PYTEST_ARGS='-k forward --hypothesis-seed=0'
 #   SANITIZE_ARGS  appended to sanitize_cases.py, e.g. SANITIZE_ARGS='--only fwd_'
 #   BENCH_ARGS     appended to the benchmark, e.g. BENCH_ARGS='--quick', or '--op fwd' for the
@@ -117,8 +118,14 @@ PYTEST_SUMMARY="(skipped)"
 if [ "${SKIP_TESTS:-0}" = 1 ]; then
     record tests skipped 0
 else
-    run_step tests "${TESTS_TIMEOUT:-}" "$OUT/pytest_gpu.log" \
-        python3 -m pytest tests -m gpu -q -x -p no:cacheprovider ${PYTEST_EXTRA[@]+"${PYTEST_EXTRA[@]}"}
+    if [ "${PER_FILE:-0}" = 1 ]; then
+        # one process per test file: an illegal address kills the CUDA context of its process only
+        run_step tests "${TESTS_TIMEOUT:-}" "$OUT/pytest_gpu.log" bash scripts/pytest_per_file.sh \
+            ${PYTEST_EXTRA[@]+"${PYTEST_EXTRA[@]}"}
+    else
+        run_step tests "${TESTS_TIMEOUT:-}" "$OUT/pytest_gpu.log" \
+            python3 -m pytest tests -m gpu -q -x -p no:cacheprovider ${PYTEST_EXTRA[@]+"${PYTEST_EXTRA[@]}"}
+    fi
     rc=$?
     PYTEST_SUMMARY=$(grep -E '([0-9]+ (passed|failed|error|errors|skipped|deselected|xfailed|xpassed))|no tests ran' \
         "$OUT/pytest_gpu.log" | tail -1)

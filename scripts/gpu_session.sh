@@ -28,7 +28,7 @@ if [ "${SKIP_SM90:-0}" != 1 ]; then
 fi
 if [ "${SKIP_CHECK:-0}" != 1 ]; then
     SKIP_BENCH=1 TESTS_TIMEOUT=${TESTS_TIMEOUT:-300} SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-100} \
-        PYTEST_ARGS="--ignore=tests/gpu/test_sm90.py --maxfail=100 ${PYTEST_ARGS:-}" \
+        PER_FILE=1 PYTEST_ARGS="--ignore=tests/gpu/test_sm90.py ${PYTEST_ARGS:-}" \
         bash scripts/gpu_check.sh 2>&1 | sed -n '/gpu_check summary/,$p'
     grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -20
     echo "check [$((SECONDS - t0))s]"
