@@ -9,6 +9,7 @@
 #      memcheck and racecheck.               -> env.txt, pytest_gpu.log, memcheck.log, racecheck.log
 #   3. benchmarks/bench_varlen.py --bwd (--quick unless VARLEN_ARGS says otherwise)  -> varlen.txt
 #   4. benchmarks/bench_overhead.py (torch per-call overhead beside SDPA)              -> overhead.txt
+#   5. with PROFILE=1: benchmarks/host_overhead.py --profile (cProfile of the CuPy API)  -> host_profile.txt
 # Environment: OUT, SKIP_SM90=1, SKIP_CHECK=1, SKIP_VARLEN=1, SKIP_OVERHEAD=1, TESTS_TIMEOUT (300),
 # SANITIZE_TIMEOUT (100), PYTEST_ARGS (passed on to gpu_check.sh).
 set -u
@@ -43,5 +44,10 @@ if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
     timeout -k 5 "${OVERHEAD_TIMEOUT:-80}" python3 benchmarks/bench_overhead.py >"$OUT/overhead.txt" 2>&1
     echo "overhead bench: exit $? [$((SECONDS - t0))s]"
     tail -22 "$OUT/overhead.txt"
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+    timeout -k 5 60 python3 benchmarks/host_overhead.py --calls 1000 --profile >"$OUT/host_profile.txt" 2>&1
+    echo "host profile: exit $? [$((SECONDS - t0))s]"
+    grep "us per call" "$OUT/host_profile.txt"
 fi
 echo "done [$((SECONDS - t0))s]"
