@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(256) decode_combine(const __grid_constant__ De
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
     __syncwarp();
     const bool empty = !(sum > 0.f);
-    const float inv = empty ? 0.f : 1.f / sum;
+    const float inv = empty ? 0.f : __frcp_rn(sum);  // inline; 1.f / sum calls a slow-path routine that spills
 
     u16* dst = p.o + (i64)b * p.o_batch_stride + (i64)i * p.o_row_stride + (i64)head * p.o_head_stride;
     for (int c = lane * 4; c < p.headdim; c += 128) {

@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import build, checks, plan
+from .launcher import KernelCall
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "attention_with_kvcache"]
@@ -60,16 +61,53 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     >>> q = cupy.random.randn(2, 1024, 16, 128).astype(cupy.float16)
     >>> out = cuflash.attention(q, q, q, causal=True)
     """
-    problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    _require_device_arrays(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
     import cupy
-    with _device(q.device.id), _on(stream):
-        out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=np.float32) if return_lse else None
-        launch_forward(problem, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    try:  # one key for the checks and the launch: layouts of the arrays, values of the options
+        key = (_layout(q), _layout(k), _layout(v), alibi_slopes is not None and _layout(alibi_slopes),
+               type(softmax_scale), softmax_scale, type(causal), causal, type(window_size), window_size,
+               type(softcap), softcap, bool(return_lse))
+        hit = _attention_calls.get(key)
+    except (AttributeError, TypeError):  # not CuPy arrays, or an unhashable option: the checks say what is wrong
+        key = hit = None
+    if hit is None:
+        problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        _require_device_arrays(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+        lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
+        device_id = q.device.id
+        with _device(device_id):
+            call = forward_call(problem, q, k, v, _contiguous("out", q.shape, q.dtype),
+                                _contiguous("lse", lse_shape, np.float32) if return_lse else None,
+                                device_id=device_id, softmax_scale=softmax_scale, causal=causal,
+                                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        hit = (call, device_id, lse_shape)
+        if key is not None:
+            if len(_attention_calls) >= 4096:
+                _attention_calls.clear()
+            _attention_calls[key] = hit
+    elif (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
+        _require_device_arrays(q=q, k=k, v=v)  # says which pointer
+    call, device_id, lse_shape = hit
+    with _device(device_id), _on(stream):
+        out = cupy.ndarray(q.shape, q.dtype)
+        lse = cupy.ndarray(lse_shape, np.float32) if return_lse else None
+        call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, _ptr(lse),
+             _ptr(alibi_slopes), 0, 0)
     return (out, lse) if return_lse else out
+
+
+_attention_calls: dict = {}  # key of an attention() call -> (KernelCall, device id, lse shape)
+
+
+def _layout(x) -> tuple:
+    """What a check or a launch can depend on in a CuPy array (AttributeError for anything else)."""
+    return type(x), x.shape, x.strides, x.dtype, x.data.device_id
+
+
+def _contiguous(name, shape, dtype, device=None) -> checks.TensorSpec:
+    """The layout of an output allocated contiguous (only its strides are read)."""
+    strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+    return checks.TensorSpec(name, tuple(shape), np.dtype(dtype), strides, device)
 
 
 def launch_forward(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -86,34 +124,38 @@ def launch_forward(problem, q, k, v, out, lse, *, softmax_scale, causal, window_
     """
     key = checks.call_signature((problem, q, k, v, out, lse, softmax_scale, causal, window_size, softcap,
                                  alibi_slopes, cu_seqlens_q, cu_seqlens_k))
-    prep = _fwd_launches.get(key) if key is not None else None
-    if prep is None:
-        scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
-        left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q,
-                                            problem.seqlen_k)
-        score_mod = softcap > 0 or alibi_slopes is not None
-        device_id = q.device.id
-        launch = plan.plan_forward(problem, left, right, score_mod, build.device_arch(device_id))
-        params = _fwd_params(problem, q, k, v, out, lse, alibi_slopes, left, right, scale, float(softcap),
-                             score_mod, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-        prep = (build.get_kernel(launch.spec, device_id), launch.grid, launch.block, launch.smem,
-                params.tobytes()[_FWD_POINTERS.size:])
+    call = _fwd_launches.get(key) if key is not None else None
+    if call is None:
+        call = forward_call(problem, q, k, v, out, lse, device_id=q.device.id, softmax_scale=softmax_scale,
+                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
         if key is not None:
             if len(_fwd_launches) >= 4096:
                 _fwd_launches.clear()
-            _fwd_launches[key] = prep
-    kernel, grid, block, smem, constants = prep
-    params = np.frombuffer(_FWD_POINTERS.pack(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, _ptr(lse),
-                                              _ptr(alibi_slopes), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k))
-                           + constants, plan.FWD_PARAMS_DTYPE)[0]
-    kernel(grid, block, (params,), shared_mem=smem)
+            _fwd_launches[key] = call
+    import cupy
+    call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, _ptr(lse),
+         _ptr(alibi_slopes), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k))
 
 
-# FwdParams starts with 8 pointers (q .. cu_seqlens_k); a repeated call packs them in front of the constant
-# rest, computed once per call signature (shapes, strides, dtypes, device, options).
-_FWD_POINTERS = struct.Struct("8Q")
-assert [plan.FWD_PARAMS_DTYPE[i] for i in range(8)] == [np.dtype(np.uint64)] * 8
-_fwd_launches: dict = {}
+_fwd_launches: dict = {}  # call signature -> KernelCall
+
+
+def forward_call(problem, q, k, v, out, lse, *, device_id, softmax_scale, causal, window_size, softcap,
+                 alibi_slopes) -> KernelCall:
+    """The forward's :class:`~cuflash.launcher.KernelCall` for these layouts and options on device `device_id`
+    (current). q .. lse and alibi_slopes are arrays or TensorSpecs: only shapes and strides are read, packed
+    ones ((total, heads, d); lse (nheads, total_q)) as in :func:`launch_forward`. A call then takes the stream and
+    the pointers ``q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k`` (0 where absent)."""
+    scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
+    left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
+    score_mod = softcap > 0 or alibi_slopes is not None
+    launch = plan.plan_forward(problem, left, right, score_mod, build.device_arch(device_id))
+    params = _fwd_params(problem, q, k, v, out, lse, alibi_slopes, left, right, scale, float(softcap), score_mod)
+    return KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, launch.block, launch.smem)],
+                      params, FWD_POINTERS)
+
+
+FWD_POINTERS = plan.FWD_PARAMS_DTYPE.names[:8]   # q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k
 
 
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -159,51 +201,94 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
 
 
 def launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, deterministic, cu_seqlens_q=None, cu_seqlens_k=None):
+                    alibi_slopes, deterministic, cu_seqlens_q=None, cu_seqlens_k=None, workspace=None):
     """Launch the backward into given dq/dk/dv (contiguous), on the current device and stream; no checks.
 
-    Workspaces (fp32 dQ accumulator, rowsum(dO*O), lse in log2) come from CuPy's current allocator, so a
-    wrapper that sets one (``cupy.cuda.using_allocator``) decides where they live. With ``cu_seqlens_q`` and
-    ``cu_seqlens_k`` the arrays are packed as in :func:`launch_forward`, and the workspaces too: one row per
-    query token.
+    The fp32 workspaces (rowsum(dO*O), lse in log2, the dQ accumulator) are one block of
+    ``backward_call(...).workspace_bytes`` bytes: ``workspace`` (a uint8 array at least that long, e.g. a buffer
+    XLA owns) or, without it, one allocation from CuPy's current allocator (a wrapper that sets one with
+    ``cupy.cuda.using_allocator`` decides where it lives). With ``cu_seqlens_q`` and ``cu_seqlens_k`` the arrays
+    are packed as in :func:`launch_forward`, and the workspaces too: one row per query token.
     """
+    key = checks.call_signature((problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_size,
+                                 softcap, alibi_slopes, deterministic, cu_seqlens_q, cu_seqlens_k))
+    call = _bwd_launches.get(key) if key is not None else None
+    if call is None:
+        call = backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, device_id=q.device.id,
+                             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                             alibi_slopes=alibi_slopes, deterministic=deterministic,
+                             packed=cu_seqlens_q is not None)
+        if key is not None:
+            if len(_bwd_launches) >= 4096:
+                _bwd_launches.clear()
+            _bwd_launches[key] = call
     import cupy
+    if workspace is None:
+        workspace = cupy.empty(call.workspace_bytes, dtype=np.uint8)
+    elif workspace.nbytes < call.workspace_bytes:
+        raise ValueError(f"workspace: {workspace.nbytes} bytes, the backward needs {call.workspace_bytes}")
+    call(cupy.cuda.get_current_stream().ptr, dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
+         lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, _ptr(alibi_slopes), _ptr(cu_seqlens_q),
+         _ptr(cu_seqlens_k), workspace.data.ptr)
+
+
+_bwd_launches: dict = {}  # call signature -> BackwardCall
+
+
+class BackwardCall(NamedTuple):
+    """The backward's three launches for one call signature, and where its workspace pieces lie: dsum at 0,
+    lse_log2 at ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed first) at ``dq_offset``
+    (:func:`cuflash.plan.backward_workspace`)."""
+    preprocess: KernelCall   # D = rowsum(dO * O), lse in log2: out, dout, lse, dsum, lse_log2
+    main: KernelCall         # dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k
+    convert: KernelCall      # dQ = sum of the slices, cast: dq_accum, dq
+    lse_log2_offset: int
+    dq_offset: int
+    dq_bytes: int
+    workspace_bytes: int
+
+    def __call__(self, stream, dout, q, k, v, out, lse, dq, dk, dv, alibi, cu_seqlens_q, cu_seqlens_k, workspace):
+        """Launch on ``stream`` with these data pointers (0 where absent)."""
+        from cupy_backends.cuda.api import runtime
+        dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
+        runtime.memsetAsync(dq_accum, 0, self.dq_bytes, stream)
+        self.preprocess(stream, out, dout, lse, dsum, lse_log2)
+        self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k)
+        self.convert(stream, dq_accum, dq)
+
+
+def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, softmax_scale, causal, window_size,
+                  softcap, alibi_slopes, deterministic, packed) -> BackwardCall:
+    """The backward's launches for these layouts (arrays or TensorSpecs; dq, dk, dv contiguous) and options on
+    device `device_id` (current); ``packed``: varlen layouts, as in :func:`launch_backward`."""
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
-    device_id = q.device.id
-    sm_count = build.sm_count(device_id)
     launch = plan.plan_backward(problem, left, right, score_mod, bool(deterministic),
-                                build.device_arch(device_id), sm_count)
+                                build.device_arch(device_id), build.sm_count(device_id))
     dtype = launch.spec.dtype
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
-    packed = cu_seqlens_q is not None
     # Per-row workspaces: (b, h, sq) and (slices, b, sq, h, d); packed, one row per query token, (h, total_q) and
     # (slices, total_q, h, d). The elementwise launches see a packed batch as one sequence of total_q rows.
     pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
     rows = pre_b * pre_sq  # query rows of all sequences
-
-    dsum = cupy.empty((pre_b, h, pre_sq), dtype=np.float32)
-    lse_log2 = cupy.empty((pre_b, h, pre_sq), dtype=np.float32)
-    dq_accum = cupy.zeros((launch.slices, pre_b, pre_sq, h, d), dtype=np.float32)
+    lse_log2_offset, dq_offset, workspace_bytes = plan.backward_workspace(rows, h, d, launch.slices)
 
     # D = rowsum(dO * O) and lse in the log2 domain: one warp per row
     pre = plan.AuxSpec("bwd_preprocess", dtype)
     pp = np.zeros((), dtype=plan.BWD_PRE_PARAMS_DTYPE)
-    _set_pointers(pp, out=out, dout=dout, lse=lse, dsum=dsum, lse_log2=lse_log2)
     _set_strides(pp, o=out, do=dout)
     pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
-    rows_per_cta = pre.threads // 32
-    build.get_kernel(pre, device_id)((min(-(-rows * h // rows_per_cta), 65535 * 8),), (pre.threads,), (pp[()],))
+    pre_grid = (min(-(-rows * h // (pre.threads // 32)), 65535 * 8),)
+    preprocess = KernelCall([(build.get_kernel(pre, device_id), pre_grid, (pre.threads,), 0)], pp,
+                            plan.BWD_PRE_PARAMS_DTYPE.names[:5])
 
-    # the main kernel
+    # the main kernel; dsum and lse_log2 are (pre_b, h, pre_sq) contiguous, seen per sequence
     bp = np.zeros((), dtype=plan.BWD_PARAMS_DTYPE)
-    _set_pointers(bp, q=q, k=k, v=v, dout=dout, dk=dk, dv=dv, dq_accum=dq_accum, lse_log2=lse_log2, dsum=dsum,
-                  alibi=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _set_strides(bp, q=q, k=k, v=v, do=dout, dk=dk, dv=dv)
-    bp["lse_batch_stride"], bp["lse_head_stride"] = _lse_strides(dsum[0] if packed else dsum)
+    bp["lse_batch_stride"], bp["lse_head_stride"] = (1, pre_sq) if packed else (h * sq, sq)
     bp["dq_batch_stride"] = h * d if packed else sq * h * d  # packed: sequence b starts at row cu_seqlens_q[b]
-    bp["alibi_batch_stride"] = _elem_strides(alibi_slopes)[0] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
+    bp["alibi_batch_stride"] = _alibi_batch_stride(alibi_slopes)
     bp["dq_slice_stride"] = rows * h * d
     bp["batch"], bp["seqlen_q"], bp["seqlen_k"] = b, sq, problem.seqlen_k
     bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
@@ -212,16 +297,18 @@ def launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_sca
     for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
         bp[name] = value
     bp["softmax_scale"] = scale
-    build.get_kernel(launch.spec, device_id)(launch.grid, (launch.spec.threads,), (bp[()],),
-                                             shared_mem=launch.spec.smem_bytes)
+    main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
+                        launch.spec.smem_bytes)], bp, plan.BWD_PARAMS_DTYPE.names[:12])
 
     # dQ: sum the slices (fixed order), cast
     conv = plan.AuxSpec("bwd_convert_dq", dtype)
     cp = np.zeros((), dtype=plan.BWD_CONVERT_PARAMS_DTYPE)
-    _set_pointers(cp, dq_accum=dq_accum, dq=dq)
     cp["slice_stride"], cp["slices"] = rows * h * d, launch.slices
-    n_pairs = rows * h * d // 2
-    build.get_kernel(conv, device_id)((min(-(-n_pairs // conv.threads), 65535 * 16),), (conv.threads,), (cp[()],))
+    conv_grid = (min(-(-(rows * h * d // 2) // conv.threads), 65535 * 16),)
+    convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
+                         plan.BWD_CONVERT_PARAMS_DTYPE.names[:2])
+    return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
+                        workspace_bytes)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
@@ -448,7 +535,7 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = sq * h * d, h * d, d
     if k is not None:
         _set_strides(p, kn=k, vn=v)
-    p["alibi_batch_stride"] = _elem_strides(alibi_slopes)[0] if alibi_slopes is not None and alibi_slopes.ndim == 2 else 0
+    p["alibi_batch_stride"] = _alibi_batch_stride(alibi_slopes)
     p["block_table_stride"] = _elem_strides(block_table)[0] if block_table is not None else 0
     p["batch"], p["seqlen_q"], p["seqlen_new_k"], p["cache_len"] = b, sq, seqlen_new_k, cache_len
     p["nheads"], p["heads_per_kv"], p["headdim"] = h, h // problem.nheads_k, d
@@ -490,11 +577,6 @@ def _require_device_index_arrays(**arrays) -> None:
                             f"{type(x).__module__}.{type(x).__name__}")
 
 
-def _set_pointers(p, **arrays) -> None:
-    for name, x in arrays.items():
-        p[name] = 0 if x is None else x.data.ptr
-
-
 def _set_strides(p, **arrays) -> None:
     """`name_{batch,row,head}_stride` fields of each array, in elements (see _seq_strides)."""
     for name, x in arrays.items():
@@ -518,13 +600,13 @@ def _lse_strides(lse) -> tuple:
     return strides[:2] if len(strides) == 3 else (1, strides[0])
 
 
-def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, score_mod, *, cu_seqlens_q=None,
-                cu_seqlens_k=None):
+def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, score_mod):
+    """FwdParams but its pointers (each call gives them): strides of the layouts (arrays or TensorSpecs), sizes,
+    window, scales."""
     p = np.zeros((), dtype=plan.FWD_PARAMS_DTYPE)
-    _set_pointers(p, q=q, k=k, v=v, o=out, lse=lse, alibi=alibi, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     _set_strides(p, q=q, k=k, v=v, o=out)
     p["lse_batch_stride"], p["lse_head_stride"] = _lse_strides(lse)
-    p["alibi_batch_stride"] = _elem_strides(alibi)[0] if alibi is not None and alibi.ndim == 2 else 0
+    p["alibi_batch_stride"] = _alibi_batch_stride(alibi)
     p["seqlen_q"], p["seqlen_k"] = problem.seqlen_q, problem.seqlen_k
     p["nheads"], p["heads_per_kv"] = problem.nheads, problem.nheads // problem.nheads_k
     p["headdim"] = problem.headdim
@@ -535,7 +617,15 @@ def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, 
 
 
 def _elem_strides(x) -> tuple:
+    """Strides in elements of an array, or of a TensorSpec (which holds them so)."""
+    if isinstance(x, checks.TensorSpec):
+        return x.strides
     return tuple(s // x.itemsize for s in x.strides)
+
+
+def _alibi_batch_stride(alibi) -> int:
+    """Slopes (nheads,) are shared by the batch (stride 0); (batch, nheads) have a row per batch entry."""
+    return _elem_strides(alibi)[0] if alibi is not None and len(alibi.shape) == 2 else 0
 
 
 def _require_device_arrays(**arrays) -> None:

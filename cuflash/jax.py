@@ -33,7 +33,6 @@ FWD_TARGET = "cuflash_attention_fwd"
 BWD_TARGET = "cuflash_attention_bwd"
 VARLEN_FWD_TARGET = "cuflash_attention_varlen_fwd"
 VARLEN_BWD_TARGET = "cuflash_attention_varlen_bwd"
-WORKSPACE_ALIGN = plan.WORKSPACE_ALIGN  # bytes; each piece handed out by _Workspace starts on this boundary
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
            "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8), "int32": np.dtype(np.int32)}
@@ -226,8 +225,8 @@ def _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, opti
 
 def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, deterministic: bool,
                              rows: int | None = None) -> int:
-    """Bytes of the one workspace :func:`cuflash.api.launch_backward` asks its allocator for
-    (:func:`cuflash.plan.backward_workspace`: ``dsum``, ``lse_log2``, the fp32 dQ accumulator).
+    """Bytes of the workspace :func:`cuflash.api.launch_backward` needs, the backward call's fourth result (an XLA
+    buffer; :func:`cuflash.plan.backward_workspace`: ``dsum``, ``lse_log2``, the fp32 dQ accumulator).
 
     Deterministic mode's slice count grows with the GPU's SM count, so it is planned for the largest
     GPU visible here (an upper bound for any of them). `rows`: query rows of the workspaces, batch *
@@ -237,10 +236,6 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     launch = plan.plan_backward(problem, left, right, score_mod, deterministic, "sm_80", _max_sm_count())
     rows = problem.batch * problem.seqlen_q if rows is None else rows  # total_q for packed sequences
     return plan.backward_workspace(rows, problem.nheads, problem.headdim, launch.slices)[2]
-
-
-def _aligned(n: int) -> int:
-    return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
 @functools.lru_cache(maxsize=None)
@@ -295,13 +290,12 @@ def _run_backward(frame):
     import cupy
     options, deterministic, ins, outs = _parse(frame)
     device = _device_of(ins[1][0])
-    workspace = _Workspace(outs[3][0], outs[3][1][0], device)
-    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device), cupy.cuda.using_allocator(workspace.malloc):
+    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
         dout, q, k, v, out, lse, *alibi = (_cupy(buf, device) for buf in ins)
-        dq, dk, dv = (_cupy(buf, device) for buf in outs[:3])
+        dq, dk, dv, workspace = (_cupy(buf, device) for buf in outs)
         options["alibi_slopes"] = alibi[0] if alibi else None
         api.launch_backward(_problem(ins[1], ins[2]), dout, q, k, v, out, lse, dq, dk, dv,
-                            deterministic=deterministic, **options)
+                            deterministic=deterministic, workspace=workspace, **options)
 
 
 def _run_varlen_forward(frame):
@@ -319,30 +313,12 @@ def _run_varlen_backward(frame):
     import cupy
     options, deterministic, problem, ins, outs = _parse_varlen(frame, 1)
     device = _device_of(ins[1][0])
-    workspace = _Workspace(outs[3][0], outs[3][1][0], device)
-    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device), cupy.cuda.using_allocator(workspace.malloc):
+    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
         dout, q, k, v, out, lse, cu_q, cu_k, *alibi = (_cupy(buf, device) for buf in ins)
-        dq, dk, dv = (_cupy(buf, device) for buf in outs[:3])
+        dq, dk, dv, workspace = (_cupy(buf, device) for buf in outs)
         api.launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, deterministic=deterministic,
                             alibi_slopes=alibi[0] if alibi else None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                            **options)
-
-
-class _Workspace:
-    """A CuPy allocator that hands out consecutive aligned pieces of one XLA-owned buffer."""
-
-    def __init__(self, ptr: int, size: int, device: int):
-        self.ptr, self.size, self.device, self.used = ptr, size, device, 0
-
-    def malloc(self, nbytes: int):
-        import cupy
-        size = _aligned(nbytes)
-        if self.used + size > self.size:
-            raise RuntimeError(f"backward workspace exhausted: asked for {nbytes} bytes with {self.used} of "
-                               f"{self.size} in use (backward_workspace_bytes is out of step with launch_backward)")
-        mem = cupy.cuda.UnownedMemory(self.ptr + self.used, size, self, self.device)
-        self.used += size
-        return cupy.cuda.MemoryPointer(mem, 0)
+                            workspace=workspace, **options)
 
 
 def _cupy(buf, device: int):

@@ -226,14 +226,29 @@ def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slop
                    softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     options = _options(softmax_scale, causal, window_left, window_right, softcap)
-    problem = _check_forward(q, k, v, alibi_slopes, options)
+    problem, launch = _check_forward(q, k, v, alibi_slopes, options, _forward_launch)
     _require_aligned(q=q, k=k, v=v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=torch.float32)
-    with _on_torch_stream(q.device.index):
-        api.launch_forward(problem, _view(q), _view(k), _view(v), _view(out), _view(lse),
-                           alibi_slopes=_view(alibi_slopes), **options)
+    launch(q, k, v, out, lse, alibi_slopes)
     return out, lse
+
+
+def _forward_launch(problem, specs: dict, options: dict):
+    """The forward of one call signature (built once): a function ``(q, k, v, out, lse, alibi_slopes)`` that
+    launches it on torch's current stream into a contiguous ``out`` and ``lse`` -- raw pointers, no views."""
+    q, index = specs["q"], specs["q"].device
+    lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
+    with cupy.cuda.Device(index):
+        call = api.forward_call(problem, q, specs["k"], specs["v"], api._contiguous("out", q.shape, q.dtype),
+                                api._contiguous("lse", lse_shape, np.float32), device_id=index,
+                                alibi_slopes=specs["alibi_slopes"], **options)
+
+    def launch(q, k, v, out, lse, alibi_slopes):
+        with _on_device(index) as stream:
+            call(stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                 0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0)
+    return launch
 
 
 def _attention_fwd_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
@@ -249,15 +264,32 @@ def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    causal: bool, window_left: int, window_right: int, softcap: float,
                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     options = _options(softmax_scale, causal, window_left, window_right, softcap)
-    problem = _check_backward(dout, q, k, v, out, lse, alibi_slopes, options)
+    _, launch = _check_backward(dout, q, k, v, out, lse, alibi_slopes, options, deterministic, _backward_launch)
     _require_aligned(dout=dout, q=q, k=k, v=v, out=out)
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    index = q.device.index
-    with _on_torch_stream(index), cupy.cuda.using_allocator(_torch_allocator(index)):
-        api.launch_backward(problem, _view(dout), _view(q), _view(k), _view(v), _view(out), _view(lse),
-                            _view(dq), _view(dk), _view(dv), alibi_slopes=_view(alibi_slopes),
-                            deterministic=deterministic, **options)
+    launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes)
     return dq, dk, dv
+
+
+def _backward_launch(problem, specs: dict, options: dict, deterministic: bool):
+    """The backward of one call signature (built once): a function ``(dout, q, k, v, out, lse, dq, dk, dv,
+    alibi_slopes)`` launching it on torch's current stream into contiguous dq, dk, dv, with its workspace from
+    torch's caching allocator."""
+    index = specs["q"].device
+    grads = (api._contiguous(n, specs[x].shape, specs[x].dtype) for n, x in (("dq", "q"), ("dk", "k"), ("dv", "v")))
+    with cupy.cuda.Device(index):
+        call = api.backward_call(problem, specs["dout"], specs["q"], specs["k"], specs["v"], specs["out"],
+                                 specs["lse"], *grads, device_id=index, alibi_slopes=specs["alibi_slopes"],
+                                 deterministic=deterministic, packed=False, **options)
+    device = torch.device("cuda", index)
+
+    def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes):
+        workspace = torch.empty(call.workspace_bytes, dtype=torch.uint8, device=device)  # freed in stream order
+        with _on_device(index) as stream:
+            call(stream, dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                 dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                 0, 0, workspace.data_ptr())
+    return launch
 
 
 def _attention_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, softmax_scale, causal, window_left, window_right,
@@ -437,20 +469,24 @@ def _options(softmax_scale, causal, left, right, softcap) -> dict:
     return dict(softmax_scale=softmax_scale, causal=causal, window_size=(left, right), softcap=softcap)
 
 
-def _check_forward(q, k, v, alibi_slopes, options) -> checks.Problem:
+def _check_forward(q, k, v, alibi_slopes, options, make_launch=None):
+    """(Problem, make_launch(problem, specs, options) or None), once per signature."""
     return _checked(("fwd", *options.values()), dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), lambda s: (
-        checks.check_attention(s["q"], s["k"], s["v"], alibi_slopes=s["alibi_slopes"], **options)))
+        checks.check_attention(s["q"], s["k"], s["v"], alibi_slopes=s["alibi_slopes"], **options)),
+        make_launch and (lambda problem, s: make_launch(problem, s, options)))
 
 
-def _check_backward(dout, q, k, v, out, lse, alibi_slopes, options) -> checks.Problem:
+def _check_backward(dout, q, k, v, out, lse, alibi_slopes, options, deterministic=False, make_launch=None):
+    """(Problem, make_launch(problem, specs, options, deterministic) or None), once per signature."""
     tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
-    return _checked(("bwd", *options.values()), tensors, lambda s: checks.check_backward(
-        s["dout"], s["q"], s["k"], s["v"], s["out"], s["lse"], alibi_slopes=s["alibi_slopes"], **options))
+    return _checked(("bwd", bool(deterministic), *options.values()), tensors, lambda s: checks.check_backward(
+        s["dout"], s["q"], s["k"], s["v"], s["out"], s["lse"], alibi_slopes=s["alibi_slopes"], **options),
+        make_launch and (lambda problem, s: make_launch(problem, s, options, bool(deterministic))))
 
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, options):
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
-    return _checked(("varlen", max_seqlen_q, max_seqlen_k, *options.values()), tensors, lambda s: checks.check_varlen(
+    return _checked_problem(("varlen", max_seqlen_q, max_seqlen_k, *options.values()), tensors, lambda s: checks.check_varlen(
         s["q"], s["k"], s["v"], s["cu_seqlens_q"], s["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
         alibi_slopes=s["alibi_slopes"], **options))
 
@@ -459,7 +495,7 @@ def _check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, 
                            max_seqlen_k, options):
     tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    alibi_slopes=alibi_slopes)
-    return _checked(("varlen_bwd", max_seqlen_q, max_seqlen_k, *options.values()), tensors, lambda s: (
+    return _checked_problem(("varlen_bwd", max_seqlen_q, max_seqlen_k, *options.values()), tensors, lambda s: (
         checks.check_varlen_backward(s["dout"], s["q"], s["k"], s["v"], s["out"], s["lse"], s["cu_seqlens_q"],
                                      s["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, alibi_slopes=s["alibi_slopes"],
                                      **options)))
@@ -471,24 +507,31 @@ def _check_kvcache(tensors: dict, cache_len: int, options: dict) -> checks.Probl
         return checks.check_kvcache(s["q"], s["k_cache"], s["v_cache"], k=s["k"], v=s["v"], cache_seqlens=seqlens,
                                     cache_batch_idx=s["cache_batch_idx"], block_table=s["block_table"],
                                     alibi_slopes=s["alibi_slopes"], **options)
-    return _checked(("kvcache", cache_len, *options.values()), tensors, check)
+    return _checked_problem(("kvcache", cache_len, *options.values()), tensors, check)
 
 
-_problems: dict = {}  # signature of a call -> its Problem: the checks run once per distinct signature
+_problems: dict = {}  # signature of a call -> (Problem, launch or None): checks and planning once per signature
 
 
-def _checked(values: tuple, tensors: dict, check) -> checks.Problem:
-    """``check(specs)`` (TensorSpecs of ``tensors`` by name), then the CUDA requirements -- once per signature of
-    the tensors (shape, strides, dtype, device) and ``values``; later calls get the remembered Problem."""
-    key = (*values, *map(_signature, tensors.values()))
-    problem = _problems.get(key)
-    if problem is None:
-        problem = check(_specs(tensors))
+def _checked_problem(values: tuple, tensors: dict, check) -> checks.Problem:
+    return _checked(values, tensors, check)[0]
+
+
+def _checked(values: tuple, tensors: dict, check, make_launch=None) -> tuple:
+    """``check(specs)`` (TensorSpecs of ``tensors`` by name), then the CUDA requirements, then
+    ``make_launch(problem, specs)`` if given -- once per signature of the tensors (shape, strides, dtype, device)
+    and ``values``; later calls get the remembered ``(problem, launch)``."""
+    key = (make_launch is not None, *values, *map(_signature, tensors.values()))
+    hit = _problems.get(key)
+    if hit is None:
+        specs = _specs(tensors)
+        problem = check(specs)
         _require_cuda(**tensors)
+        hit = (problem, make_launch(problem, specs) if make_launch is not None else None)
         if len(_problems) > 4096:
             _problems.clear()
-        _problems[key] = problem
-    return problem
+        _problems[key] = hit
+    return hit
 
 
 def _signature(t):
@@ -604,6 +647,26 @@ class _on_torch_stream:
 
     def __exit__(self, *exc):
         self.stream.__exit__(*exc)
+        if self.previous != self.index:
+            cupy.cuda.runtime.setDevice(self.previous)
+
+
+class _on_device:
+    """Context: device ``index`` is current (switched only if it is not already); gives torch's current stream
+    there, as a ``cudaStream_t`` handle."""
+
+    __slots__ = ("index", "previous")
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __enter__(self) -> int:
+        self.previous = cupy.cuda.runtime.getDevice()
+        if self.previous != self.index:
+            cupy.cuda.runtime.setDevice(self.index)
+        return _raw_stream(self.index) if _raw_stream else torch.cuda.current_stream(self.index).cuda_stream
+
+    def __exit__(self, *exc):
         if self.previous != self.index:
             cupy.cuda.runtime.setDevice(self.previous)
 

@@ -98,17 +98,45 @@ class _FakeDeviceArray:
         self.data = type("Ptr", (), {"ptr": ptr})()
 
 
-def test_packed_forward_params():
-    """The forward's params for a packed call: cu_seqlens pointers set, row strides as batch strides, lse
-    (nheads, total_q) with batch stride 1; the padded call leaves the cu_seqlens pointers null."""
-    from cuflash import api
+def _struct(call, dtype, *pointers):
+    """The parameter struct a KernelCall passes for these pointers, as a NumPy structured scalar."""
+    return np.frombuffer(call.params(*pointers), dtype)[0]
+
+
+@pytest.fixture
+def no_gpu_kernels(monkeypatch):
+    """build's device queries and kernel loading replaced: the launch objects are built, never launched."""
+    from types import SimpleNamespace
+    from cuflash import build
+    monkeypatch.setattr(build, "get_kernel", lambda spec, device_id: SimpleNamespace(kernel=SimpleNamespace(ptr=7)))
+    monkeypatch.setattr(build, "device_arch", lambda device_id: "sm_90")
+    monkeypatch.setattr(build, "sm_count", lambda device_id: 132)
+
+
+def test_kernel_call_puts_each_pointer_in_its_field():
+    from cuflash import plan
+    from cuflash.launcher import KernelCall
+    p = np.zeros((), plan.FWD_PARAMS_DTYPE)
+    p["seqlen_q"], p["softcap"] = 77, 1.5
+    call = KernelCall((), p, plan.FWD_PARAMS_DTYPE.names[:8])
+    got = _struct(call, plan.FWD_PARAMS_DTYPE, *range(1, 9))
+    assert [int(got[n]) for n in plan.FWD_PARAMS_DTYPE.names[:8]] == list(range(1, 9))
+    assert got["seqlen_q"] == 77 and got["softcap"] == 1.5
+    with pytest.raises(ValueError, match="leading uint64"):
+        KernelCall((), p, ("k", "q"))
+
+
+def test_packed_forward_params(no_gpu_kernels):
+    """The forward's params for a packed call: cu_seqlens pointers in their fields, row strides as batch strides,
+    lse (nheads, total_q) with batch stride 1; a padded call's strides are the arrays' own."""
+    from cuflash import api, plan
     q = _FakeDeviceArray(np.zeros((30, 4, 64), np.float16), 0x1000)
     k = _FakeDeviceArray(np.zeros((50, 2, 64), np.float16), 0x2000)
     lse = _FakeDeviceArray(np.zeros((4, 30), np.float32), 0x3000)
-    cu_q, cu_k = _FakeDeviceArray(np.zeros(3, np.int32), 0x4000), _FakeDeviceArray(np.zeros(3, np.int32), 0x5000)
     problem = checks.Problem(2, 20, 40, 4, 2, 64, np.dtype(np.float16))
-    p = api._fwd_params(problem, q, k, k, q, lse, None, -1, 0, 0.125, 0.0, False, cu_seqlens_q=cu_q,
-                        cu_seqlens_k=cu_k)
+    opts = dict(device_id=0, softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    call = api.forward_call(problem, q, k, k, q, lse, **opts)
+    p = _struct(call, plan.FWD_PARAMS_DTYPE, 0x1000, 0x2000, 0x2000, 0x1000, 0x3000, 0, 0x4000, 0x5000)
     assert (int(p["cu_seqlens_q"]), int(p["cu_seqlens_k"])) == (0x4000, 0x5000)
     assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (256, 256, 64)
     assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (128, 128, 64)
@@ -116,8 +144,43 @@ def test_packed_forward_params():
     assert (p["seqlen_q"], p["seqlen_k"], p["heads_per_kv"]) == (20, 40, 2)
 
     qp = _FakeDeviceArray(np.zeros((2, 20, 4, 64), np.float16), 0x1000)
-    lsep = _FakeDeviceArray(np.zeros((2, 4, 20), np.float32), 0x3000)
-    p = api._fwd_params(problem, qp, qp, qp, qp, lsep, None, -1, -1, 0.125, 0.0, False)
-    assert int(p["cu_seqlens_q"]) == 0 and int(p["cu_seqlens_k"]) == 0
+    lsep = api._contiguous("lse", (2, 4, 20), np.float32)  # a TensorSpec works as well as an array
+    p = _struct(api.forward_call(problem, qp, qp, qp, qp, lsep, **opts), plan.FWD_PARAMS_DTYPE, *range(8))
     assert (p["q_batch_stride"], p["q_row_stride"]) == (20 * 256, 256)
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (80, 20)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_call_layout(no_gpu_kernels, packed, deterministic):
+    """The backward's three structs: every pointer in its field, the workspace pieces where
+    plan.backward_workspace puts them, lse/dsum strides of (b, h, sq) or packed (h, total_q), dq strides."""
+    from cuflash import api, plan
+    b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64  # several KV blocks: deterministic mode gets several slices
+    rows = 37 if packed else b * sq  # total_q when packed
+    lead_q, lead_k = ((rows,), (555,)) if packed else ((b, sq), (b, sk))
+    q = _FakeDeviceArray(np.zeros(lead_q + (h, d), np.float16), 0)
+    k = _FakeDeviceArray(np.zeros(lead_k + (hk, d), np.float16), 0)
+    lse = _FakeDeviceArray(np.zeros((h, rows) if packed else (b, h, sq), np.float32), 0)
+    problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(np.float16))
+    call = api.backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None, causal=True,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=deterministic,
+                             packed=packed)
+    slices = plan.plan_backward(problem, -1, 0, False, deterministic, "sm_90", 132).slices
+    assert (slices > 1) == deterministic
+    lse_off, dq_off, total = plan.backward_workspace(rows, h, d, slices)
+    assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
+    assert call.dq_bytes == slices * rows * h * d * 4 and dq_off + call.dq_bytes <= total
+
+    main = _struct(call.main, plan.BWD_PARAMS_DTYPE, *range(101, 113))
+    assert [int(main[n]) for n in plan.BWD_PARAMS_DTYPE.names[:12]] == list(range(101, 113))
+    assert (main["lse_batch_stride"], main["lse_head_stride"]) == ((1, rows) if packed else (h * sq, sq))
+    assert main["dq_batch_stride"] == (h * d if packed else sq * h * d) and main["dq_slice_stride"] == rows * h * d
+    assert (main["batch"], main["seqlen_q"], main["seqlen_k"], main["heads_per_kv"]) == (b, sq, sk, 2)
+    assert (main["q_row_stride"], main["k_row_stride"], main["deterministic"]) == (h * d, hk * d, deterministic)
+    pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 6))
+    assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2")] == [1, 2, 3, 4, 5]
+    assert (pre["batch"], pre["seqlen_q"], pre["nheads"]) == ((1, rows, h) if packed else (b, sq, h))
+    conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, 8, 9)
+    assert (int(conv["dq_accum"]), int(conv["dq"]), conv["slice_stride"], conv["slices"]) == (
+        8, 9, rows * h * d, slices)

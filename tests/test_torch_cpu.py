@@ -57,8 +57,21 @@ def on_host(monkeypatch):
         out = out.astype(q.dtype)
         return (out, lse.astype(np.float32)) if return_lse else out
 
+    def forward_launch(problem, specs, options):  # the dense ops launch by pointer: same reference underneath
+        def launch(q, k, v, out, lse, alibi_slopes):
+            forward(problem, *map(_host, (q, k, v, out, lse)), alibi_slopes=_host(alibi_slopes), **options)
+        return launch
+
+    def backward_launch(problem, specs, options, deterministic):
+        def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes):
+            backward(problem, *map(_host, (dout, q, k, v, out, lse, dq, dk, dv)), alibi_slopes=_host(alibi_slopes),
+                     deterministic=deterministic, **options)
+        return launch
+
     monkeypatch.setattr(api, "launch_forward", forward)
     monkeypatch.setattr(api, "launch_backward", backward)
+    monkeypatch.setattr(cuflash.torch, "_forward_launch", forward_launch)
+    monkeypatch.setattr(cuflash.torch, "_backward_launch", backward_launch)
     monkeypatch.setattr(api, "attention_with_kvcache", kvcache)
     monkeypatch.setattr(cuflash.torch, "_view", _host)
     monkeypatch.setattr(cuflash.torch, "_as_torch", lambda x, blocks: _tensor(x))
