@@ -9,7 +9,8 @@
 #      memcheck and racecheck.               -> env.txt, pytest_gpu.log, memcheck.log, racecheck.log
 #   3. benchmarks/bench_varlen.py --bwd (--quick unless VARLEN_ARGS says otherwise)  -> varlen.txt
 #   4. benchmarks/bench_overhead.py (torch per-call overhead beside SDPA)              -> overhead.txt
-#   5. with PROFILE=1: benchmarks/host_overhead.py --profile (cProfile of the CuPy API)  -> host_profile.txt
+#   5. benchmarks/bench_sm90.py, then bench_attention.py --op fwd --quick (SKIP_BENCH=1 skips) -> bench.txt
+#   6. with PROFILE=1: benchmarks/host_overhead.py --profile (cProfile of the CuPy API)  -> host_profile.txt
 # Environment: OUT, SKIP_SM90=1, SKIP_CHECK=1, SKIP_VARLEN=1, SKIP_OVERHEAD=1, TESTS_TIMEOUT (300),
 # SANITIZE_TIMEOUT (100), PYTEST_ARGS (passed on to gpu_check.sh).
 set -u
@@ -44,6 +45,14 @@ if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
     timeout -k 5 "${OVERHEAD_TIMEOUT:-80}" python3 benchmarks/bench_overhead.py >"$OUT/overhead.txt" 2>&1
     echo "overhead bench: exit $? [$((SECONDS - t0))s]"
     tail -22 "$OUT/overhead.txt"
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then  # Hopper draft beside the portable kernel and SDPA, then the forward grid
+    timeout -k 5 "${SM90_BENCH_TIMEOUT:-150}" python3 benchmarks/bench_sm90.py ${SM90_BENCH_ARGS:-} >"$OUT/bench.txt" 2>&1
+    echo "sm90 bench: exit $? [$((SECONDS - t0))s]"
+    timeout -k 5 "${FWD_BENCH_TIMEOUT:-150}" python3 benchmarks/bench_attention.py --op fwd ${FWD_BENCH_ARGS:---quick} \
+        >>"$OUT/bench.txt" 2>&1
+    echo "forward bench: exit $? [$((SECONDS - t0))s]"
+    awk '/^=== /{p=1} /^$/{if (p) print ""; p=0} p' "$OUT/bench.txt"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
     timeout -k 5 60 python3 benchmarks/host_overhead.py --calls 1000 --profile >"$OUT/host_profile.txt" 2>&1
