@@ -144,8 +144,12 @@ def precompile(specs=None, device_id: int | None = None, workers: int = 1, progr
         chunks = [(specs[i::workers], device_id) for i in range(min(workers, len(specs)))]
         if progress:
             print(f"[cuflash] compiling {len(specs)} kernels in {len(chunks)} processes", file=sys.stderr, flush=True)
-        with multiprocessing.get_context("spawn").Pool(len(chunks)) as pool:
-            pool.map(_precompile_worker, chunks)
+        # spawn (a forked CUDA context is unusable); an executor, not a Pool: a worker that dies on start (e.g.
+        # a __main__ that spawn cannot re-import, like a script on stdin) raises BrokenProcessPool at once
+        # instead of being respawned forever
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_precompile_worker, chunks))
     names = []
     for i, spec in enumerate(specs, 1):
         if progress and workers <= 1:

@@ -59,14 +59,7 @@ PY
 } 2>&1 | tee "$TESTS_LOG"
 
 if [ "${SKIP_PRECOMPILE:-0}" != 1 ]; then
-    step precompile "$TESTS_LOG" python3 - <<'PY'
-import re, cupy, cuflash
-from cuflash import build, plan
-arch = build.device_arch(cupy.cuda.Device().id)
-specs = [s for s in plan.all_specs(arch) if re.match(r"(fwd|bwd)_", s.name) and
-         (re.search(r"_d(64|128)_", s.name) or not re.search(r"_d\d+", s.name))]
-print(len(cuflash.precompile(specs, workers=16, progress=False)), "kernels for", arch)
-PY
+    step precompile "$TESTS_LOG" python3 scripts/precompile.py --pattern '(fwd|bwd)_' --headdims 64,128 --workers 16
 fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
