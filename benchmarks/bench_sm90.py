@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"seqlens {','.join(map(str, QUICK_SEQLENS))} only")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--variant", choices=("lockstep", "ws"), default="lockstep",
+                   help="the Hopper kernel's variant (cuflash.hopper.VARIANTS): lockstep (first version) or ws "
+                        "(warp-specialized producer, deeper ring)")
     p.add_argument("--dims", type=ba._int_list, default=list(HEADDIMS),
                    help="head dims, comma-separated, from 64,128 (default both)")
     p.add_argument("--seqlens", type=ba._int_list, default=None,
@@ -112,8 +115,8 @@ def sm90_cell(cell: dict, args) -> dict:
     b, s, h, d, causal = cell["batch"], cell["seqlen"], cell["nheads"], cell["d"], cell["causal"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     flops = ba.forward_flops(b, h, s, s, d, causal)
-    row = dict(op="fwd_sm90", dtype=args.dtype, d=d, causal=causal, seqlen=s, batch=b, nheads=h,
-               flops=flops)
+    row = dict(op="fwd_sm90", variant=args.variant, dtype=args.dtype, d=d, causal=causal, seqlen=s, batch=b,
+               nheads=h, flops=flops)
 
     # Inputs as bench_attention's forward: once per cell, random, (b, s, h, d).
     q = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
@@ -130,7 +133,7 @@ def sm90_cell(cell: dict, args) -> dict:
 
     def run_sm90():
         with stream:  # attention_sm90 takes no stream: it launches on CuPy's current one
-            return hopper.attention_sm90(qc, kc, vc, causal=causal)
+            return hopper.attention_sm90(qc, kc, vc, causal=causal, variant=args.variant)
 
     def run_portable():
         return cuflash.attention(qc, kc, vc, causal=causal, stream=stream)
@@ -203,7 +206,7 @@ def _spread(xs) -> str:
 
 def print_table(rows: list[dict], args) -> None:
     print()
-    print(f"=== {OP.title} {OP.unit} ({args.dtype}; ratios = sm90 / peer; "
+    print(f"=== {OP.title} {OP.unit} ({args.dtype}, variant {args.variant}; ratios = sm90 / peer; "
           f"maxdiff = max |sm90 - portable|) ===")
     print(ba.table_header(OP, list(IMPLS)))
     for r in rows:

@@ -1,15 +1,20 @@
-// Forward attention on Hopper (sm_90a), first version: TMA loads and wgmma, no warp specialization yet.
+// Forward attention on Hopper (sm_90a): TMA loads and wgmma.
 //
 // Grid (query blocks, heads, batch); a CTA owns BM = 128 query rows as two consumer warpgroups of 64 rows each,
-// sharing K/V tiles. Thread 0 issues the TMA copies: Q once, then K/V blocks into a two-slot ring whose "full"
-// mbarriers count the bytes in; the slot a block leaves is refilled after a CTA barrier. Per KV block each
-// warpgroup runs
+// sharing K/V tiles that TMA brings into a ring of STAGES slots; each slot has a "full" mbarrier counting the
+// bytes in. Per KV block each consumer warpgroup runs
 //     S = Q K^T            wgmma m64n64k16, both from shared memory (K-major, 128-byte swizzle)
 //     mask, online softmax  on the accumulators, which have the mma.sync layout per warp (softmax.cuh, mask.cuh)
-//     O += P V              wgmma m64n64k16 with P in registers and V MN-major, one per 64-column half of O
+//     O += P V              wgmma m64n64k16 with P in registers and V MN-major, one per 64-column panel of O
 // and the epilogue normalizes O by the row sums and writes O and lse from registers.
 //
-// Status: drafted without a GPU run (tests/gpu/test_sm90.py::test_fwd_sm90_* check it against the reference).
+// Two ways to feed the ring (template flag WS):
+//  - WS = false (the first version, GPU-verified): thread 0 of the consumers issues the copies; after each block a
+//    CTA barrier, then the freed slot is refilled. The two warpgroups run in lockstep.
+//  - WS = true (warp-specialized): a third warpgroup is the producer; one of its threads issues Q and then every
+//    K/V block as soon as the slot is free, which each slot's "empty" mbarrier tells (all 256 consumer threads
+//    arrive when done with it). No CTA barrier in the loop: the consumer warpgroups drift apart, so one's softmax
+//    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead.
 // Head dims 64 and 128, no softcap/ALiBi: the planner keeps every other case on the portable kernel (fwd.cu).
 #include "sm90.cuh"
 #include "mma.cuh"
@@ -32,15 +37,17 @@ struct FwdSm90Params {
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is asserted).
 static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params no longer matches cuflash/hopper.py");
 
-template <class T, int D, bool BAND>
+template <class T, int D, bool BAND, int STAGES, bool WS>
 struct FwdSm90 {
     static constexpr int BM = 128, BN = 64, PANELS = D / 64;
+    static constexpr int THREADS = WS ? 384 : 256, CONSUMER0 = WS ? 128 : 0;  // consumers: threads CONSUMER0 ..
     static constexpr u32 Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     static constexpr u32 Q_PANEL = BM * 128, KV_PANEL = BN * 128;  // bytes of one 64-column panel
-    // shared memory (1024-aligned): Q | K[2] | V[2] | barriers (q, full[2])
-    static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + 2 * KV_BYTES, OFF_BAR = OFF_V + 2 * KV_BYTES;
-    static constexpr u32 SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;  // + room to align the base to 1024
+    // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] | barriers (q, full[STAGES], empty[STAGES])
+    static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_BAR = OFF_V + STAGES * KV_BYTES;
+    static constexpr u32 SMEM_BYTES = OFF_BAR + (1 + 2 * STAGES) * 8 + 1024;  // + room to align the base to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
+    static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
@@ -55,8 +62,15 @@ struct FwdSm90 {
     __device__ __forceinline__ explicit FwdSm90(const FwdSm90Params& params) : p(params) {}
 
     __device__ __forceinline__ u32 full_bar(int slot) const { return base + OFF_BAR + 8 + 8 * slot; }
+    __device__ __forceinline__ u32 empty_bar(int slot) const { return base + OFF_BAR + 8 * (1 + STAGES + slot); }
 
-    __device__ __forceinline__ void issue_kv(int n, int slot) {  // thread 0 only
+    __device__ __forceinline__ void issue_q() {  // one thread
+        sm90::mbar_arrive_expect_tx(base + OFF_BAR, Q_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn) sm90::tma_load_4d(base + pn * Q_PANEL, &p.q, pn * 64, h, row0, b, base + OFF_BAR);
+    }
+
+    __device__ __forceinline__ void issue_kv(int n, int slot) {  // one thread
         sm90::mbar_arrive_expect_tx(full_bar(slot), 2 * KV_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn) {
@@ -133,13 +147,22 @@ struct FwdSm90 {
         }
     }
 
+    // Block t of the walk (from range.n_max - 1 down) in slot t % STAGES, its phase-th use of the slot.
+    template <bool FIRST>
+    __device__ __forceinline__ void consume(const BlockRange& range, int t) {
+        const int n = range.n_max - 1 - t, slot = t % STAGES;
+        const u32 phase = (t / STAGES) & 1;
+        if (n > range.full_hi || n < range.full_lo) step<true, FIRST>(n, slot, phase);
+        else step<false, FIRST>(n, slot, phase);
+    }
+
     __device__ __forceinline__ void run(char* smem) {
         const int m_block = BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
         h = blockIdx.y;
         b = blockIdx.z;
         h_kv = h / p.heads_per_kv;
         tid = threadIdx.x;
-        wg = tid / 128;
+        wg = (tid - CONSUMER0) / 128;  // consumers 0, 1 (producer threads return before using it)
         warp = (tid / 32) % 4;
         lane = tid % 32;
         row0 = m_block * BM;
@@ -154,42 +177,58 @@ struct FwdSm90 {
         const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
         const int count = range.n_max - range.n_min;  // blocks, walked from n_max - 1 down
         if (tid == 0) {
-            for (int i = 0; i < 3; ++i) sm90::mbar_init(base + OFF_BAR + 8 * i, 1);
+            sm90::mbar_init(base + OFF_BAR, 1);
+            for (int i = 0; i < STAGES; ++i) {
+                sm90::mbar_init(full_bar(i), 1);
+                sm90::mbar_init(empty_bar(i), THREADS - CONSUMER0);
+            }
             sm90::mbar_fence_init();
         }
-        __syncthreads();
-        if (count > 0) {
+        __syncthreads();  // the last CTA-wide barrier of the warp-specialized kernel
+        if constexpr (WS) {
+            // The role as a value the compiler can see is warp-uniform (a shuffle from lane 0): a branch on tid
+            // alone looks divergent to ptxas, which then serializes every wgmma behind it (C7520).
+            if (__shfl_sync(0xffffffff, tid / 128, 0) == 0) {  // producer warpgroup: one thread moves the data
+                if (tid == 0 && count > 0) {
+                    issue_q();
+                    for (int t = 0; t < count; ++t) {
+                        const int slot = t % STAGES;
+                        if (t >= STAGES) sm90::mbar_wait(empty_bar(slot), ((t / STAGES) - 1) & 1);
+                        issue_kv(range.n_max - 1 - t, slot);
+                    }
+                }
+                return;
+            }
+            if (count > 0) {
+                sm90::mbar_wait(base + OFF_BAR, 0);
+                consume<true>(range, 0);
+                sm90::mbar_arrive(empty_bar(0));
+                for (int t = 1; t < count; ++t) {
+                    consume<false>(range, t);
+                    sm90::mbar_arrive(empty_bar(t % STAGES));  // this thread's wgmma reads of the slot are done
+                }
+            }
+        } else if (count > 0) {
             if (tid == 0) {
-                sm90::mbar_arrive_expect_tx(base + OFF_BAR, Q_BYTES);
-#pragma unroll
-                for (int pn = 0; pn < PANELS; ++pn)
-                    sm90::tma_load_4d(base + pn * Q_PANEL, &p.q, pn * 64, h, row0, b, base + OFF_BAR);
+                issue_q();
                 for (int i = 0; i < 2 && i < count; ++i) issue_kv(range.n_max - 1 - i, i);
             }
             sm90::mbar_wait(base + OFF_BAR, 0);
             for (int t = 0; t < count; ++t) {
-                const int n = range.n_max - 1 - t, slot = t % 2;
-                const u32 phase = (t / 2) & 1;
-                const bool masked = n > range.full_hi || n < range.full_lo;
-                if (t == 0) {
-                    if (masked) step<true, true>(n, slot, phase);
-                    else step<false, true>(n, slot, phase);
-                } else {
-                    if (masked) step<true, false>(n, slot, phase);
-                    else step<false, false>(n, slot, phase);
-                }
+                if (t == 0) consume<true>(range, t);
+                else consume<false>(range, t);
                 __syncthreads();  // both warpgroups are done with this slot
-                if (tid == 0 && t + 2 < count) issue_kv(n - 2, slot);
+                if (tid == 0 && t + 2 < count) issue_kv(range.n_max - 1 - t - 2, t % 2);
             }
         }
         epilogue();
     }
 };
 
-template <class T, int D, bool BAND>
-__global__ void __launch_bounds__(256, 1) fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
+template <class T, int D, int STAGES, bool BAND, bool WS>
+__global__ void __launch_bounds__(WS ? 384 : 256, 1) fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BAND> block(p);
+    FwdSm90<T, D, BAND, STAGES, WS> block(p);
     block.run(smem);
 }
 

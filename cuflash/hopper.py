@@ -1,6 +1,6 @@
 """Experimental launcher of the Hopper forward (``cuda_src/fwd_sm90.cu``): TMA tensor maps and the kernel's
-parameters. Not chosen by the planner yet and not public: ``tests/gpu/test_sm90.py`` compares it with the
-reference first (issue 8). Head dims 64 and 128, fp16/bf16, causal and local windows, GQA, lse; no softcap or
+parameters. Not chosen by the planner yet and not public: ``tests/gpu/test_sm90.py`` compares each variant with
+the reference (issue 8). Head dims 64 and 128, fp16/bf16, causal and local windows, GQA, lse; no softcap or
 ALiBi.
 """
 from __future__ import annotations
@@ -21,21 +21,32 @@ class FwdSm90Spec:
     dtype: str     # "fp16" | "bf16"
     headdim: int   # 64 | 128
     band: bool
+    warp_specialized: bool = False  # a producer warpgroup and "empty" mbarriers (fwd_sm90.cu, WS)
+    stages: int = 2                 # K/V ring slots (2 without warp specialization)
 
     source = "fwd_sm90.cu"
-    threads = 256
+
+    @property
+    def threads(self) -> int:
+        return 384 if self.warp_specialized else 256
 
     @property
     def name(self) -> str:
-        return f"fwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}"
+        ws = f"_ws{self.stages}" if self.warp_specialized else ""
+        return f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
 
     @property
     def template(self) -> str:
-        return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim,), (self.band,))
+        return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.stages),
+                              (self.band, self.warp_specialized))
 
     @property
-    def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, two K and two V slots, three mbarriers, alignment
-        return (BLOCK_M + 4 * BLOCK_N) * self.headdim * 2 + 3 * 8 + 1024
+    def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, mbarriers, alignment
+        return (BLOCK_M + 2 * self.stages * BLOCK_N) * self.headdim * 2 + (1 + 2 * self.stages) * 8 + 1024
+
+
+# The variants: the lockstep first version, and the warp-specialized one with a deeper ring.
+VARIANTS = {"lockstep": dict(warp_specialized=False, stages=2), "ws": dict(warp_specialized=True, stages=4)}
 
 
 # FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, then pointers, strides, ints, a float; 512 bytes.
@@ -55,8 +66,9 @@ def _map(x, rows_box: int) -> bytes:
     return tma.encode_tiled(x.data.ptr, x.dtype, (d, h, s, b), (sh, ss, sb), (64, 1, rows_box, 1), swizzle=128)
 
 
-def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False):
-    """Like :func:`cuflash.attention` (without softcap/ALiBi), on the Hopper kernel."""
+def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
+                   variant="lockstep"):
+    """Like :func:`cuflash.attention` (without softcap/ALiBi), on the Hopper kernel; `variant` one of VARIANTS."""
     import cupy
     problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size)
     if problem.headdim not in HEADDIMS:
@@ -64,7 +76,7 @@ def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     band = left >= 0 or right >= 0
-    spec = FwdSm90Spec(plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim, band)
+    spec = FwdSm90Spec(plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim, band, **VARIANTS[variant])
     b, sq, h, d = q.shape
     with cupy.cuda.Device(q.device.id):
         out = cupy.empty(q.shape, dtype=q.dtype)

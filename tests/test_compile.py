@@ -64,13 +64,16 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
     assert not re.search(r"\(C75\d\d\).*wgmma|wgmma.*serializ", log), log
 
 
+@pytest.mark.parametrize("variant", ["lockstep", "ws"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("band", [False, True])
-def test_hopper_forward_draft_compiles_with_async_wgmma(d, band):
+def test_hopper_forward_compiles_with_async_wgmma(d, band, variant):
     import re
-    from cuflash.hopper import FwdSm90Spec
+    from cuflash.hopper import VARIANTS, FwdSm90Spec
     for dtype in ("fp16", "bf16"):
-        _, log = build.compile_cubin(FwdSm90Spec(dtype, d, band), "sm_90a")
+        spec = FwdSm90Spec(dtype, d, band, **VARIANTS[variant])
+        assert spec.smem_bytes <= 227 * 1024
+        _, log = build.compile_cubin(spec, "sm_90a")
         report = build.resource_report(log)
         assert report["spill_stores"] == 0 and report["spill_loads"] == 0, log
         assert not re.search(r"\(C75\d\d\).*wgmma|wgmma.*serializ", log), log

@@ -51,13 +51,14 @@ def test_register_a_mn_major_b_matches_numpy(dtype, k):
     np.testing.assert_allclose(c.get(), ref, rtol=1e-3, atol=1e-3 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("variant", ["lockstep", "ws"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("sq,sk,causal,window,h,hk", [
     (128, 128, False, (-1, -1), 2, 2), (1000, 1000, False, (-1, -1), 4, 2), (17, 300, True, (-1, -1), 2, 1),
     (300, 17, True, (-1, -1), 2, 2), (513, 777, False, (64, 8), 3, 1), (1, 1, True, (-1, -1), 1, 1)])
-def test_fwd_sm90_matches_reference(d, dtype, sq, sk, causal, window, h, hk):
-    """The Hopper forward draft (cuflash.hopper, fwd_sm90.cu) under the suite's accuracy rule."""
+def test_fwd_sm90_matches_reference(d, dtype, sq, sk, causal, window, h, hk, variant):
+    """Each variant of the Hopper forward (cuflash.hopper, fwd_sm90.cu) under the suite's accuracy rule."""
     import cupy
     from cuflash import hopper, reference
     from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
@@ -68,10 +69,10 @@ def test_fwd_sm90_matches_reference(d, dtype, sq, sk, causal, window, h, hk):
     q = cupy.asarray(randn(rng, (2, sq, h, d), dt))
     k = cupy.asarray(randn(rng, (2, sk, hk, d), dt))
     v = cupy.asarray(randn(rng, (2, sk, hk, d), dt))
-    out, lse = hopper.attention_sm90(q, k, v, causal=causal, window_size=window, return_lse=True)
+    out, lse = hopper.attention_sm90(q, k, v, causal=causal, window_size=window, return_lse=True, variant=variant)
     opts = dict(causal=causal, window_size=window)
     ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
     naive = naive_lowp(q.get(), k.get(), v.get(), **opts)
-    ctx = f"sq={sq} sk={sk} d={d} {dtype} {opts} h={h} hk={hk}"
+    ctx = f"{variant} sq={sq} sk={sk} d={d} {dtype} {opts} h={h} hk={hk}"
     assert_close_to_reference(out.get(), ref, naive, context=ctx)
     assert_lse_close(lse.get(), ref_lse, context=ctx)
