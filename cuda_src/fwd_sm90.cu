@@ -14,7 +14,9 @@
 //  - WS = true (warp-specialized): a third warpgroup is the producer; one of its threads issues Q and then every
 //    K/V block as soon as the slot is free, which each slot's "empty" mbarrier tells (all 256 consumer threads
 //    arrive when done with it). No CTA barrier in the loop: the consumer warpgroups drift apart, so one's softmax
-//    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead.
+//    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead. Within a warpgroup the loop is
+//    software-pipelined (consume_pipelined): S of block t and O += P V of block t - 1 are issued together and the
+//    softmax of block t runs while the second still computes.
 // Head dims 64 and 128, no softcap/ALiBi: the planner keeps every other case on the portable kernel (fwd.cu).
 #include "sm90.cuh"
 #include "mma.cuh"
@@ -81,48 +83,121 @@ struct FwdSm90 {
         }
     }
 
-    // One KV block from ring slot `slot`: S, softmax, O += P V. MASK: element-wise masking needed.
-    template <bool MASK, bool FIRST>
-    __device__ __forceinline__ void step(int n, int slot, u32 phase) {
-        sm90::mbar_wait(full_bar(slot), phase);
-        const u32 k_tile = base + OFF_K + slot * KV_BYTES, v_tile = base + OFF_V + slot * KV_BYTES;
+    // S = Q K^T for the block in ring slot `slot`, issued as one wgmma group (the caller fences and waits).
+    __device__ __forceinline__ void issue_s(float (&s)[1][BN / 8][4], int slot) const {
+        const u32 k_tile = base + OFF_K + slot * KV_BYTES;
         const u32 q_tile = base + wg * 64 * 128;  // this warpgroup's 64 rows of every Q panel
-
-        float s[1][8][4];
-        float* sf = &s[0][0][0];
-        sm90::wgmma_fence();
+        float(&sf)[32] = *reinterpret_cast<float(*)[32]>(&s[0][0][0]);
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            const u32 q_addr = q_tile + (ks / 4) * Q_PANEL + (ks % 4) * 32;
-            const u32 k_addr = k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32;
-            sm90::wgmma_m64n64k16_ss<T>(*reinterpret_cast<float(*)[32]>(sf), sm90::smem_desc(q_addr),
-                                        sm90::smem_desc(k_addr), ks > 0);
-        }
+        for (int ks = 0; ks < D / 16; ++ks)
+            sm90::wgmma_m64n64k16_ss<T>(sf, sm90::smem_desc(q_tile + (ks / 4) * Q_PANEL + (ks % 4) * 32),
+                                        sm90::smem_desc(k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32), ks > 0);
         sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
+    }
 
+    // O += P V over keys 16 kk .. 16 kk + 15 of the block in slot `slot`: P's A fragment `a` from registers.
+    __device__ __forceinline__ void issue_pv_k16(const u32 (&a)[4], int kk, int slot) {
+        const u32 v_tile = base + OFF_V + slot * KV_BYTES;
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+            sm90::wgmma_m64n64k16_rs<T>(panel(pn), a, sm90::smem_desc_mn(v_tile + pn * KV_PANEL + kk * 2048, KV_PANEL),
+                                        true);
+    }
+
+    // O += P V for the whole block, P packed beforehand, issued as one wgmma group. The registers of P and O belong
+    // to the wgmma until a wait says it is done.
+    __device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 16][4], int slot) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) issue_pv_k16(pa[kk], kk, slot);
+        sm90::wgmma_commit();
+    }
+
+    // Block n's scores to probabilities, in place: mask (MASK), online softmax; alpha: the factor O must be
+    // rescaled by before this block's P V is added.
+    template <bool MASK, bool FIRST>
+    __device__ __forceinline__ void probabilities(float (&s)[1][BN / 8][4], int n, float (&alpha)[1][2]) {
         if (MASK) {
             const int row = row0 + wg * 64 + warp * 16 + lane / 4, col_lane = n * BN + 2 * (lane % 4);
             mask.apply_row(s[0], 0, row, col_lane);
             mask.apply_row(s[0], 1, row + 8, col_lane);
         }
-        softmax.template update<FIRST, MASK>(s, acc_o, p.scale_log2);
+        softmax.template update_scores<FIRST, MASK>(s, p.scale_log2, alpha);
+    }
 
+    // probabilities() of block t of the walk (n = range.n_max - 1 - t), masked where the block needs it.
+    template <bool FIRST>
+    __device__ __forceinline__ void probabilities_of(const BlockRange& range, int t, float (&s)[1][BN / 8][4],
+                                                     float (&alpha)[1][2]) {
+        const int n = range.n_max - 1 - t;
+        if (n > range.full_hi || n < range.full_lo) probabilities<true, FIRST>(s, n, alpha);
+        else probabilities<false, FIRST>(s, n, alpha);
+    }
+
+    // P of keys 16 kk .. 16 kk + 15 to 16 bits: the A fragment of O += P V (mma.sync layout of each warp's rows).
+    __device__ __forceinline__ static void p_fragment(const float (&s)[1][BN / 8][4], int kk, u32 (&a)[4]) {
+        a[0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
+        a[1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
+        a[2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+        a[3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+    }
+
+    // Lockstep version, block t (key block n): S, softmax, O += P V, each waited for. MASK: the block needs
+    // element-wise masking (a template parameter here: one copy of the whole step per case keeps ptxas from
+    // injecting warpgroup fences around the branch, C7519).
+    template <bool MASK, bool FIRST>
+    __device__ __forceinline__ void step(int n, int t) {
+        const int slot = t % STAGES;
+        sm90::mbar_wait(full_bar(slot), (t / STAGES) & 1);
+        float s[1][BN / 8][4], alpha[1][2];
+        sm90::wgmma_fence();
+        issue_s(s, slot);
+        sm90::wgmma_wait<0>();
+        probabilities<MASK, FIRST>(s, n, alpha);
+        if (!FIRST) OnlineSoftmax<1>::rescale(acc_o, alpha);
         sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            u32 pa[4];
-            pa[0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
-            pa[1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
-            pa[2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-            pa[3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-#pragma unroll
-            for (int pn = 0; pn < PANELS; ++pn)
-                sm90::wgmma_m64n64k16_rs<T>(panel(pn), pa,
-                                            sm90::smem_desc_mn(v_tile + pn * KV_PANEL + kk * 2048, KV_PANEL), true);
+        for (int kk = 0; kk < BN / 16; ++kk) {  // P packed a fragment at a time, next to its wgmma
+            u32 a[4];
+            p_fragment(s, kk, a);
+            issue_pv_k16(a, kk, slot);
         }
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
+    }
+
+    // Warp-specialized consumer loop, software-pipelined within the warpgroup: S of block t and O += P V of block
+    // t - 1 are in flight together, then the softmax of block t runs (in place on S) while P V still computes. O is
+    // rescaled and P packed once that lands: the registers of P and O are the wgmma's until the wait. Each slot is
+    // handed back (its "empty" barrier) when the P V that read its V is done.
+    __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count) {
+        float s[1][BN / 8][4], alpha[1][2];
+        u32 pa[BN / 16][4];
+        sm90::mbar_wait(full_bar(0), 0);
+        sm90::wgmma_fence();
+        issue_s(s, 0);
+        sm90::wgmma_wait<0>();
+        probabilities_of<true>(range, 0, s, alpha);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
+        for (int t = 1; t < count; ++t) {
+            const int slot = t % STAGES, prev = (t - 1) % STAGES;
+            sm90::mbar_wait(full_bar(slot), (t / STAGES) & 1);
+            sm90::wgmma_fence();
+            issue_s(s, slot);
+            issue_pv(pa, prev);
+            sm90::wgmma_wait<1>();  // groups complete in order: S of block t is in
+            probabilities_of<false>(range, t, s, alpha);
+            sm90::wgmma_wait<0>();  // and O += P V of block t - 1
+            sm90::mbar_arrive(empty_bar(prev));
+            OnlineSoftmax<1>::rescale(acc_o, alpha);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
+        }
+        const int last = (count - 1) % STAGES;
+        sm90::wgmma_fence();
+        issue_pv(pa, last);
+        sm90::wgmma_wait<0>();
+        sm90::mbar_arrive(empty_bar(last));
     }
 
     __device__ __forceinline__ float (&panel(int pn))[32] {
@@ -145,15 +220,6 @@ struct FwdSm90 {
                         pack2<T>(acc_o[0][pn * 8 + j][2 * hh], acc_o[0][pn * 8 + j][2 * hh + 1]);
             if (p.lse != nullptr && lane % 4 == 0) p.lse[((i64)b * p.nheads + h) * p.seqlen_q + r] = lse[0][hh];
         }
-    }
-
-    // Block t of the walk (from range.n_max - 1 down) in slot t % STAGES, its phase-th use of the slot.
-    template <bool FIRST>
-    __device__ __forceinline__ void consume(const BlockRange& range, int t) {
-        const int n = range.n_max - 1 - t, slot = t % STAGES;
-        const u32 phase = (t / STAGES) & 1;
-        if (n > range.full_hi || n < range.full_lo) step<true, FIRST>(n, slot, phase);
-        else step<false, FIRST>(n, slot, phase);
     }
 
     __device__ __forceinline__ void run(char* smem) {
@@ -201,12 +267,7 @@ struct FwdSm90 {
             }
             if (count > 0) {
                 sm90::mbar_wait(base + OFF_BAR, 0);
-                consume<true>(range, 0);
-                sm90::mbar_arrive(empty_bar(0));
-                for (int t = 1; t < count; ++t) {
-                    consume<false>(range, t);
-                    sm90::mbar_arrive(empty_bar(t % STAGES));  // this thread's wgmma reads of the slot are done
-                }
+                consume_pipelined(range, count);
             }
         } else if (count > 0) {
             if (tid == 0) {
@@ -215,8 +276,15 @@ struct FwdSm90 {
             }
             sm90::mbar_wait(base + OFF_BAR, 0);
             for (int t = 0; t < count; ++t) {
-                if (t == 0) consume<true>(range, t);
-                else consume<false>(range, t);
+                const int n = range.n_max - 1 - t;
+                const bool masked = n > range.full_hi || n < range.full_lo;
+                if (t == 0) {
+                    if (masked) step<true, true>(n, t);
+                    else step<false, true>(n, t);
+                } else {
+                    if (masked) step<true, false>(n, t);
+                    else step<false, false>(n, t);
+                }
                 __syncthreads();  // both warpgroups are done with this slot
                 if (tid == 0 && t + 2 < count) issue_kv(range.n_max - 1 - t - 2, t % 2);
             }

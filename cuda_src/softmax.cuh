@@ -34,10 +34,11 @@ struct OnlineSoftmax {
             }
     }
 
-    // Turns scores into probabilities (in place) and rescales the output accumulator by exp2(m_old - m_new).
-    // FIRST: nothing accumulated yet, so no rescale. CHECK_INF: rows may be fully masked (max = -inf).
-    template <bool FIRST, bool CHECK_INF, int NT, int DT>
-    __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc_o)[MT][DT][4], float scale_log2) {
+    // Turns scores into probabilities (in place) and updates the running max and sum; alpha = exp2(m_old - m_new)
+    // is the factor the output accumulator must then be scaled by (see rescale; 1 when FIRST: nothing accumulated
+    // yet). CHECK_INF: rows may be fully masked (max = -inf).
+    template <bool FIRST, bool CHECK_INF, int NT>
+    __device__ __forceinline__ void update_scores(float (&s)[MT][NT][4], float scale_log2, float (&alpha)[MT][2]) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -49,15 +50,7 @@ struct OnlineSoftmax {
                 // A fully masked row keeps max -inf; exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
                 float m_safe = (CHECK_INF && m == NEG_INF) ? 0.f : m;
                 float neg_m_scaled = -m_safe * scale_log2;
-                if (!FIRST) {
-                    float alpha = exp2f(fmaf(row_max[mt][h], scale_log2, neg_m_scaled));
-                    row_sum[mt][h] *= alpha;
-#pragma unroll
-                    for (int dt = 0; dt < DT; ++dt) {
-                        acc_o[mt][dt][2 * h] *= alpha;
-                        acc_o[mt][dt][2 * h + 1] *= alpha;
-                    }
-                }
+                alpha[mt][h] = FIRST ? 1.f : exp2f(fmaf(row_max[mt][h], scale_log2, neg_m_scaled));
                 row_max[mt][h] = m;
                 float sum = 0.f;
 #pragma unroll
@@ -68,9 +61,28 @@ struct OnlineSoftmax {
                         sum += s[mt][nt][e];
                     }
                 }
-                row_sum[mt][h] = FIRST ? sum : row_sum[mt][h] + sum;
+                row_sum[mt][h] = FIRST ? sum : row_sum[mt][h] * alpha[mt][h] + sum;
             }
         }
+    }
+
+    // acc_o *= alpha, row by row.
+    template <int DT>
+    __device__ __forceinline__ static void rescale(float (&acc_o)[MT][DT][4], const float (&alpha)[MT][2]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= alpha[mt][e / 2];
+    }
+
+    // update_scores, then the rescale of the output accumulator (none when FIRST).
+    template <bool FIRST, bool CHECK_INF, int NT, int DT>
+    __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&acc_o)[MT][DT][4], float scale_log2) {
+        float alpha[MT][2];
+        update_scores<FIRST, CHECK_INF>(s, scale_log2, alpha);
+        if (!FIRST) rescale(acc_o, alpha);
     }
 
     // Deferred normalization: acc_o /= l once, and lse = ln(sum) + max (-inf for an empty row, whose output is 0).

@@ -77,3 +77,7 @@ def test_hopper_forward_compiles_with_async_wgmma(d, band, variant):
         report = build.resource_report(log)
         assert report["spill_stores"] == 0 and report["spill_loads"] == 0, log
         assert not re.search(r"\(C75\d\d\).*wgmma|wgmma.*serializ", log), log
+        # ptxas notes that it injected warpgroup fences (C7519): the lockstep version has them (its P V fragments are
+        # packed between fence and wgmma); the warp-specialized one must have none.
+        notes = set(re.findall(r"\((C75\d\d)\)", log))
+        assert notes <= ({"C7519"} if variant == "lockstep" else set()), log
