@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from . import build, checks, plan
+from . import build, checks, hopper, plan
 from .launcher import KernelCall
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
@@ -141,15 +141,20 @@ _fwd_launches: dict = {}  # call signature -> KernelCall
 
 
 def forward_call(problem, q, k, v, out, lse, *, device_id, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes) -> KernelCall:
+                 alibi_slopes):
     """The forward's :class:`~cuflash.launcher.KernelCall` for these layouts and options on device `device_id`
-    (current). q .. lse and alibi_slopes are arrays or TensorSpecs: only shapes and strides are read, packed
+    (current), or on Hopper, where the planner chooses it, :class:`cuflash.hopper.ForwardCall` (same call). q .. lse and alibi_slopes are arrays or TensorSpecs: only shapes and strides are read, packed
     ones ((total, heads, d); lse (nheads, total_q)) as in :func:`launch_forward`. A call then takes the stream and
     the pointers ``q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k`` (0 where absent)."""
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
-    launch = plan.plan_forward(problem, left, right, score_mod, build.device_arch(device_id))
+    arch = build.device_arch(device_id)
+    variant = plan.sm90_forward_variant(problem, score_mod, arch, packed=len(q.shape) == 3)
+    if variant is not None:  # the Hopper kernel, behind the same call interface
+        return hopper.forward_call(problem, q, k, v, out, lse, device_id=device_id, scale=scale, left=left,
+                                   right=right, variant=variant)
+    launch = plan.plan_forward(problem, left, right, score_mod, arch)
     params = _fwd_params(problem, q, k, v, out, lse, alibi_slopes, left, right, scale, float(softcap), score_mod)
     return KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, launch.block, launch.smem)],
                       params, FWD_POINTERS)
@@ -616,11 +621,7 @@ def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, 
     return p[()]
 
 
-def _elem_strides(x) -> tuple:
-    """Strides in elements of an array, or of a TensorSpec (which holds them so)."""
-    if isinstance(x, checks.TensorSpec):
-        return x.strides
-    return tuple(s // x.itemsize for s in x.strides)
+_elem_strides = checks.elem_strides
 
 
 def _alibi_batch_stride(alibi) -> int:

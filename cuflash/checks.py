@@ -73,6 +73,13 @@ class Problem:
     dtype: np.dtype
 
 
+def elem_strides(x) -> tuple:
+    """Strides in elements of an array (whose strides are in bytes), or of a TensorSpec (which holds them so)."""
+    if isinstance(x, TensorSpec):
+        return x.strides
+    return tuple(s // x.itemsize for s in x.strides)
+
+
 def spec(x, name: str) -> TensorSpec | None:
     """Describe array ``x`` (CuPy or NumPy) as a :class:`TensorSpec`; ``None`` gives ``None``.
 

@@ -1,16 +1,19 @@
 """Experimental launcher of the Hopper forward (``cuda_src/fwd_sm90.cu``): TMA tensor maps and the kernel's
-parameters. Not chosen by the planner yet and not public: ``tests/gpu/test_sm90.py`` compares each variant with
-the reference (issue 8). Head dims 64 and 128, fp16/bf16, causal and local windows, GQA, lse; no softcap or
-ALiBi.
+parameters, behind the call interface of the portable forward (``ForwardCall``). The planner chooses it for the
+calls it covers once ``plan.SM90_FORWARD["enabled"]`` (opt-in: ``CUFLASH_SM90=1``); ``tests/gpu/test_sm90.py``
+compares each variant with the reference, directly and through ``cuflash.attention`` (issue 8). Head dims 64
+and 128, fp16/bf16, causal and local windows, GQA, lse; no softcap or ALiBi, no packed (varlen) batches.
 """
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import build, checks, plan, tma
+from .launcher import KernelCall
 
 HEADDIMS = (64, 128)
 BLOCK_M, BLOCK_N = 128, 64
@@ -58,12 +61,60 @@ PARAMS_DTYPE = np.dtype({
     "itemsize": 512})
 
 
-def _map(x, rows_box: int) -> bytes:
-    """(batch, seqlen, heads, d) with any 16-byte-aligned strides as a 4-D map (d, heads, seqlen, batch), box
-    (64, 1, rows_box, 1): one 64-column panel of rows_box rows, 128-byte swizzle."""
+_O_LSE = struct.Struct("2Q")  # o and lse, right after the three maps (offset 384)
+
+
+class ForwardCall:
+    """The Hopper forward behind the call interface of the forward's KernelCall (``cuflash.api.forward_call``):
+    ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k)`` with data pointers (the last three
+    unused: the planner sends no ALiBi and no packed batch here). The tensor maps embed q, k and v's addresses,
+    so a call encodes them (cached per pointer by cuflash.tma) into the head of the struct."""
+
+    __slots__ = ("kernel_call", "maps", "spec")
+
+    def __init__(self, kernel_call: KernelCall, maps: tuple, spec: FwdSm90Spec):
+        self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
+
+    def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
+                 cu_seqlens_k: int = 0) -> None:
+        q_map, k_map, v_map = self.maps
+        self.kernel_call.launch_head(stream, q_map(q) + k_map(k) + v_map(v) + _O_LSE.pack(o, lse))
+
+
+def _map_layout(x, rows_box: int) -> tuple:
+    """(dtype, dims, byte strides, box) of the tensor map of a (batch, seqlen, heads, d) layout (array or
+    TensorSpec) with any 16-byte-aligned strides: 4-D (d, heads, seqlen, batch), box (64, 1, rows_box, 1), one
+    64-column panel of rows_box rows. An axis of extent 1 is only ever read at index 0; its stride is replaced by
+    the contiguous one, which TMA's rules always accept."""
     b, s, h, d = x.shape
-    sb, ss, sh, _ = x.strides
-    return tma.encode_tiled(x.data.ptr, x.dtype, (d, h, s, b), (sh, ss, sb), (64, 1, rows_box, 1), swizzle=128)
+    dtype = np.dtype(x.dtype)
+    sb, ss, sh, _ = (n * dtype.itemsize for n in checks.elem_strides(x))
+    sh = sh if h > 1 else d * dtype.itemsize
+    ss = ss if s > 1 else h * d * dtype.itemsize
+    sb = sb if b > 1 else s * h * d * dtype.itemsize
+    return dtype, (d, h, s, b), (sh, ss, sb), (64, 1, rows_box, 1)
+
+
+def _encoder(x, rows_box: int):
+    """ptr -> the tensor map (128-byte swizzle) of _map_layout(x, rows_box) at that address."""
+    return tma.encoder(*_map_layout(x, rows_box), swizzle=128)
+
+
+def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, left: int, right: int,
+                 variant: str) -> ForwardCall:
+    """The Hopper forward for these layouts (arrays or TensorSpecs; out and lse contiguous) on device `device_id`
+    (current); the window already normalized."""
+    spec = FwdSm90Spec(plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim, left >= 0 or right >= 0,
+                       **VARIANTS[variant])
+    b, sq, h = problem.batch, problem.seqlen_q, problem.nheads
+    p = np.zeros((), dtype=PARAMS_DTYPE)
+    p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = checks.elem_strides(out)[:3]
+    p["seqlen_q"], p["seqlen_k"], p["nheads"] = sq, problem.seqlen_k, h
+    p["heads_per_kv"], p["window_left"], p["window_right"] = h // problem.nheads_k, left, right
+    p["scale_log2"] = scale * plan.LOG2E
+    grid = plan.check_grid((math.ceil(sq / BLOCK_M), h, b))
+    call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
+    return ForwardCall(call, (_encoder(q, BLOCK_M), _encoder(k, BLOCK_N), _encoder(v, BLOCK_N)), spec)
 
 
 def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
@@ -75,19 +126,12 @@ def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1
         raise NotImplementedError(f"the Hopper forward covers head dims {HEADDIMS}, not {problem.headdim}")
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
-    band = left >= 0 or right >= 0
-    spec = FwdSm90Spec(plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim, band, **VARIANTS[variant])
-    b, sq, h, d = q.shape
+    b, sq, h, _ = q.shape
     with cupy.cuda.Device(q.device.id):
         out = cupy.empty(q.shape, dtype=q.dtype)
         lse = cupy.empty((b, h, sq), dtype=np.float32) if return_lse else None
-        p = np.zeros((), dtype=PARAMS_DTYPE)
-        p["q"], p["k"], p["v"] = _map(q, BLOCK_M), _map(k, BLOCK_N), _map(v, BLOCK_N)
-        p["o"], p["lse"] = out.data.ptr, 0 if lse is None else lse.data.ptr
-        p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = sq * h * d, h * d, d
-        p["seqlen_q"], p["seqlen_k"], p["nheads"] = sq, problem.seqlen_k, h
-        p["heads_per_kv"], p["window_left"], p["window_right"] = h // problem.nheads_k, left, right
-        p["scale_log2"] = scale * plan.LOG2E
-        grid = plan.check_grid((math.ceil(sq / BLOCK_M), h, b))
-        build.get_kernel(spec, q.device.id)(grid, (spec.threads,), (p[()],), shared_mem=spec.smem_bytes)
+        call = forward_call(problem, q, k, v, out, lse, device_id=q.device.id, scale=scale, left=left, right=right,
+                            variant=variant)
+        call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
+             0 if lse is None else lse.data.ptr)
     return (out, lse) if return_lse else out

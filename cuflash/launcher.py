@@ -28,7 +28,8 @@ class KernelCall:
         The struct with every non-pointer field set.
     pointers : tuple of str
         The names of the struct's leading pointer fields, in order: the arguments of a call (checked against
-        the struct's layout here, so a call cannot put a pointer in the wrong field).
+        the struct's layout here, so a call cannot put a pointer in the wrong field). Empty for a struct that
+        :meth:`launch_head` fills instead.
     """
 
     __slots__ = ("pointers", "launches", "_buffer", "_argv", "_pack", "_lock", "_kernels")
@@ -39,7 +40,7 @@ class KernelCall:
         if names[:len(pointers)] != tuple(pointers) or any(
                 params.dtype.fields[n][0] != np.uint64 for n in pointers):
             raise ValueError(f"pointer fields {pointers} are not the leading uint64 fields of {names}")
-        if params.dtype.fields[pointers[0]][1] != 0:
+        if pointers and params.dtype.fields[pointers[0]][1] != 0:
             raise ValueError("the struct must start with its pointers")
         self.pointers = tuple(pointers)
         raw = params.tobytes()
@@ -60,6 +61,14 @@ class KernelCall:
         loaded on must be current."""
         with self._lock:  # the struct is shared: one call writes and launches at a time (the driver copies it)
             self._pack(self._buffer, 0, *pointers)
+            for func, gx, gy, gz, bx, by, bz, smem, argv in self.launches:
+                _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)
+
+    def launch_head(self, stream: int, head: bytes) -> None:
+        """Launch with the struct's first ``len(head)`` bytes replaced by ``head`` (for structs that do not start
+        with plain pointers, e.g. TMA descriptors, which embed them)."""
+        with self._lock:
+            ctypes.memmove(self._buffer, head, len(head))
             for func, gx, gy, gz, bx, by, bz, smem, argv in self.launches:
                 _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)
 

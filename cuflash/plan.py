@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -338,6 +339,28 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> 
     spec = FwdSpec(dtype, d, fwd_config(arch, d, band, problem.seqlen_k), band, score_mod)
     m_blocks = math.ceil(problem.seqlen_q / spec.config.block_m)
     return Launch(spec, check_grid((m_blocks, problem.nheads, problem.batch)), (spec.threads, 1, 1), spec.smem_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hopper forward (cuda_src/fwd_sm90.cu, cuflash/hopper.py): which variant per head dim, and whether the planner
+# may choose it at all.
+#
+# Measured (H200, bf16, 2026-11-29, benchmarks/bench_sm90.py, lockstep variant): 1.05-1.61x SDPA flash and
+# 1.0-1.48x the portable kernel on the ANCHORS grid at d = 64 and 128 (0.99x portable at d = 128 causal 1k).
+# The ws variant has not run yet. Until the full GPU suite has passed with this path chosen, it stays opt-in:
+# CUFLASH_SM90=1 in the environment (or SM90_FORWARD["enabled"] = True) routes eligible calls to it.
+SM90_FORWARD = {
+    "enabled": os.environ.get("CUFLASH_SM90", "0") == "1",
+    "variants": {64: "lockstep", 128: "lockstep"},  # head dim -> cuflash.hopper.VARIANTS key
+}
+
+
+def sm90_forward_variant(problem, score_mod: bool, arch: str, packed: bool) -> str | None:
+    """The Hopper forward variant for a call, or None for the portable kernel: sm_90a, an exact head dim of the
+    table, no softcap/ALiBi, padded (not packed) sequences, and the path enabled."""
+    if not SM90_FORWARD["enabled"] or arch != "sm_90a" or score_mod or packed:
+        return None
+    return SM90_FORWARD["variants"].get(problem.headdim)
 
 
 def _struct(pointers, int64s, int32s, float32s) -> np.dtype:

@@ -57,6 +57,13 @@ def encode_tiled(ptr: int, dtype, dims: tuple, strides: tuple, box: tuple, swizz
     return _encode(*key)
 
 
+def encoder(dtype, dims: tuple, strides: tuple, box: tuple, swizzle: int = 128):
+    """``ptr -> encode_tiled(ptr, dtype, dims, strides, box, swizzle)`` with everything but the pointer normalized
+    once: what a launch path calls per call (a cache lookup for a pointer seen before)."""
+    key = (np.dtype(dtype).name, tuple(map(int, dims)), tuple(map(int, strides)), tuple(map(int, box)), int(swizzle))
+    return lambda ptr: _encode(ptr, *key)
+
+
 @functools.lru_cache(maxsize=4096)
 def _encode(ptr, dtype_name, dims, strides, box, swizzle) -> bytes:
     check_tiled(ptr, dtype_name, dims, strides, box, swizzle)

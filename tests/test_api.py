@@ -91,10 +91,11 @@ def test_kvcache_rejects_bad_input_before_launch():
 
 
 class _FakeDeviceArray:
-    """What the params builders read from a CuPy array: shape, strides, itemsize, ndim and data.ptr."""
+    """What the params builders read from a CuPy array: shape, strides, dtype, itemsize, ndim and data.ptr."""
 
     def __init__(self, host, ptr):
         self.shape, self.strides, self.itemsize, self.ndim = host.shape, host.strides, host.itemsize, host.ndim
+        self.dtype = host.dtype
         self.data = type("Ptr", (), {"ptr": ptr})()
 
 
@@ -109,7 +110,7 @@ def no_gpu_kernels(monkeypatch):
     from types import SimpleNamespace
     from cuflash import build
     monkeypatch.setattr(build, "get_kernel", lambda spec, device_id: SimpleNamespace(kernel=SimpleNamespace(ptr=7)))
-    monkeypatch.setattr(build, "device_arch", lambda device_id: "sm_90")
+    monkeypatch.setattr(build, "device_arch", lambda device_id: "sm_90a")
     monkeypatch.setattr(build, "sm_count", lambda device_id: 132)
 
 
@@ -166,7 +167,7 @@ def test_backward_call_layout(no_gpu_kernels, packed, deterministic):
     call = api.backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None, causal=True,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=deterministic,
                              packed=packed)
-    slices = plan.plan_backward(problem, -1, 0, False, deterministic, "sm_90", 132).slices
+    slices = plan.plan_backward(problem, -1, 0, False, deterministic, "sm_90a", 132).slices
     assert (slices > 1) == deterministic
     lse_off, dq_off, total = plan.backward_workspace(rows, h, d, slices)
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
@@ -184,3 +185,44 @@ def test_backward_call_layout(no_gpu_kernels, packed, deterministic):
     conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, 8, 9)
     assert (int(conv["dq_accum"]), int(conv["dq"]), conv["slice_stride"], conv["slices"]) == (
         8, 9, rows * h * d, slices)
+
+
+def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
+    from cuflash import plan
+    problem = checks.Problem(2, 300, 300, 8, 2, 128, np.dtype(np.float16))
+    monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
+    assert plan.sm90_forward_variant(problem, False, "sm_90a", False) == plan.SM90_FORWARD["variants"][128]
+    assert plan.sm90_forward_variant(problem, False, "sm_80", False) is None       # not Hopper
+    assert plan.sm90_forward_variant(problem, True, "sm_90a", False) is None       # softcap / ALiBi
+    assert plan.sm90_forward_variant(problem, False, "sm_90a", True) is None       # packed (varlen)
+    odd = checks.Problem(2, 300, 300, 8, 2, 96, np.dtype(np.float16))
+    assert plan.sm90_forward_variant(odd, False, "sm_90a", False) is None          # head dim not in the table
+    monkeypatch.setitem(plan.SM90_FORWARD, "enabled", False)
+    assert plan.sm90_forward_variant(problem, False, "sm_90a", False) is None      # opt-in
+
+
+@pytest.mark.parametrize("variant", ["lockstep", "ws"])
+def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant):
+    """api.forward_call routes an eligible call to the Hopper kernel: its struct holds out's strides, the sizes,
+    the window and the scale; the tensor maps' layouts pass TMA's rules, also for extent-1 axes with odd
+    strides (a sliced view), which are replaced by contiguous ones."""
+    from cuflash import api, hopper, plan, tma
+    monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
+    monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant, 128: variant})
+    problem = checks.Problem(1, 200, 333, 8, 2, 128, np.dtype(np.float16))
+    q = _FakeDeviceArray(np.zeros((1, 200, 8, 128), np.float16), 0)
+    kv = checks.TensorSpec("k", (1, 333, 2, 128), np.dtype(np.float16), (7, 3 * 128, 128, 1), 0)  # batch stride odd
+    out = api._contiguous("out", q.shape, np.float16)
+    call = api.forward_call(problem, q, kv, kv, out, None, device_id=0, softmax_scale=0.5, causal=True,
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert isinstance(call, hopper.ForwardCall) and call.spec == hopper.FwdSm90Spec(
+        "fp16", 128, True, **hopper.VARIANTS[variant])
+    p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
+    assert (p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"]) == (200 * 8 * 128, 8 * 128, 128)
+    assert (p["seqlen_q"], p["seqlen_k"], p["nheads"], p["heads_per_kv"]) == (200, 333, 8, 4)
+    assert (p["window_left"], p["window_right"]) == (-1, 0) and np.isclose(p["scale_log2"], 0.5 * plan.LOG2E)
+    assert call.kernel_call.launches[0][1:4] == (2, 8, 1)  # ceil(200 / 128) query blocks, heads, batch
+    for x, rows in ((q, hopper.BLOCK_M), (kv, hopper.BLOCK_N)):
+        dtype, dims, strides, box = hopper._map_layout(x, rows)
+        tma.check_tiled(0x10000, dtype, dims, strides, box, 128)
+    assert hopper._map_layout(kv, hopper.BLOCK_N)[2] == (256, 3 * 256, 333 * 2 * 256)  # rows as given, batch made valid

@@ -1,7 +1,9 @@
 """Hopper primitives (cuda_src/sm90.cuh) on the GPU: TMA tile loads with the 128-byte swizzle, mbarrier
-transaction counting and wgmma from shared-memory descriptors, checked as a small GEMM against NumPy."""
+transaction counting and wgmma from shared-memory descriptors, checked as a small GEMM against NumPy; then the
+Hopper forward (each variant) directly and as the planner's choice inside cuflash.attention."""
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tests.gpu.helpers import DTYPES, randn
 from tests.sm90_selftest import PARAMS_DTYPE, SelftestSpec
@@ -76,3 +78,83 @@ def test_fwd_sm90_matches_reference(d, dtype, sq, sk, causal, window, h, hk, var
     ctx = f"{variant} sq={sq} sk={sk} d={d} {dtype} {opts} h={h} hk={hk}"
     assert_close_to_reference(out.get(), ref, naive, context=ctx)
     assert_lse_close(lse.get(), ref_lse, context=ctx)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# cuflash.attention with the planner sending eligible calls to the Hopper kernel (plan.SM90_FORWARD)
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sm90_planned(monkeypatch):
+    """use(variant): the planner chooses the Hopper kernel, in this variant, for every call it covers; the launch
+    caches are emptied before and after, so no other test inherits a Hopper launch."""
+    import sys
+    import cupy
+    from cuflash import api, plan
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma and TMA need compute capability 9.0")
+
+    def clear():
+        api._attention_calls.clear()
+        api._fwd_launches.clear()
+        if "cuflash.torch" in sys.modules:
+            sys.modules["cuflash.torch"]._problems.clear()
+
+    def use(variant):
+        monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
+        monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant, 128: variant})
+        clear()
+
+    yield use
+    clear()
+
+
+def _routed_to_sm90() -> bool:
+    from cuflash import api, hopper
+    return any(isinstance(call, hopper.ForwardCall) for call, *_ in api._attention_calls.values())
+
+
+@st.composite
+def sm90_cases(draw):
+    from tests.gpu.test_forward import ODD_LENGTHS, WINDOWS
+    hk = draw(st.sampled_from([1, 2]))
+    return dict(
+        dtype=draw(st.sampled_from(["fp16", "bf16"])),
+        d=draw(st.sampled_from([64, 128])),
+        sq=draw(st.sampled_from(ODD_LENGTHS) | st.integers(1, 300)),
+        sk=draw(st.sampled_from(ODD_LENGTHS) | st.integers(1, 300)),
+        b=draw(st.integers(1, 2)),
+        hk=hk,
+        h=hk * draw(st.sampled_from([1, 2, 3])),
+        causal=draw(st.booleans()),
+        window_size=draw(st.sampled_from(WINDOWS[:1] * 3 + WINDOWS)),
+        softmax_scale=draw(st.sampled_from([None, None, 0.05, 0.3])),
+        return_lse=draw(st.booleans()),
+    )
+
+
+@pytest.mark.parametrize("variant", ["lockstep", "ws"])
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=sm90_cases(), seed=st.integers(0, 2**31 - 1))
+def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case, seed):
+    """The public forward on the Hopper path (the planner's choice) under the suite's rule, hypothesis shapes."""
+    from tests.gpu.test_forward import run_case
+    sm90_planned(variant)
+    run_case(np.random.default_rng(seed), **case)
+    assert _routed_to_sm90()
+
+
+@pytest.mark.parametrize("variant", ["lockstep", "ws"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_attention_planned_on_sm90_views_and_fallbacks(sm90_planned, variant, dtype):
+    """Strided q/k/v views of one packed qkv tensor take the Hopper path without copies; softcap, ALiBi and an odd
+    head dim stay on the portable kernel (and are still right)."""
+    from cuflash import api
+    from tests.gpu.test_forward import run_case
+    sm90_planned(variant)
+    run_case(np.random.default_rng(3), b=2, sq=150, sk=150, h=4, hk=4, d=64, dtype=dtype, causal=True, views=True)
+    assert _routed_to_sm90()
+    for option in (dict(softcap=10.0), dict(alibi="bh"), dict(d=96)):
+        api._attention_calls.clear()
+        run_case(np.random.default_rng(5), **{**dict(b=2, sq=200, sk=333, h=4, hk=2, d=128, dtype=dtype), **option})
+        assert not _routed_to_sm90(), option
