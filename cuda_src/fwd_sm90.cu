@@ -17,11 +17,13 @@
 //    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead. Within a warpgroup the loop is
 //    software-pipelined (consume_pipelined): S of block t and O += P V of block t - 1 are issued together and the
 //    softmax of block t runs while the second still computes.
-// Head dims 64 and 128, no softcap/ALiBi: the planner keeps every other case on the portable kernel (fwd.cu).
+// Head dims 64 and 128; softcap and ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu). Padded batches
+// only: the planner keeps packed (varlen) calls and other head dims on the portable kernel (fwd.cu).
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
+#include "score_mod.cuh"
 
 namespace cuflash {
 
@@ -31,15 +33,18 @@ struct FwdSm90Params {
     sm90::TmaMap v;
     u16* o;                // (batch, seqlen_q, nheads, headdim)
     float* lse;            // (batch, nheads, seqlen_q) contiguous, or nullptr
+    const float* alibi;    // ALiBi slopes (nheads,) or (batch, nheads), or nullptr
     i64 o_batch_stride, o_row_stride, o_head_stride;
     int seqlen_q, seqlen_k, nheads, heads_per_kv;
     int window_left, window_right;
-    float scale_log2;
+    float scale_log2;      // log2(e) in score-mod kernels (scores leave ScoreMod in natural-log units)
+    i64 alibi_batch_stride;
+    float mod_scale, softcap;  // score-mod kernels: see score_mod.cuh and plan.forward_scales
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is asserted).
 static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params no longer matches cuflash/hopper.py");
 
-template <class T, int D, bool BAND, int STAGES, bool WS>
+template <class T, int D, bool BAND, int STAGES, bool WS, bool SCORE_MOD>
 struct FwdSm90 {
     static constexpr int BM = 128, BN = 64, PANELS = D / 64;
     static constexpr int THREADS = WS ? 384 : 256, CONSUMER0 = WS ? 128 : 0;  // consumers: threads CONSUMER0 ..
@@ -56,6 +61,7 @@ struct FwdSm90 {
     u32 base;
     int row0, b, h, h_kv;
     Mask<BAND> mask;
+    ScoreMod mod;  // softcap / ALiBi (SCORE_MOD kernels)
     OnlineSoftmax<1> softmax;
     // O's accumulators: per 64-column panel the 32 of one wgmma m64n64; viewed whole, the [rows][8-col tiles][4]
     // layout softmax.cuh rescales and normalizes
@@ -116,6 +122,7 @@ struct FwdSm90 {
     // rescaled by before this block's P V is added.
     template <bool MASK, bool FIRST>
     __device__ __forceinline__ void probabilities(float (&s)[1][BN / 8][4], int n, float (&alpha)[1][2]) {
+        if (SCORE_MOD) mod.apply(s, row0 + wg * 64 + warp * 16, n * BN, lane);
         if (MASK) {
             const int row = row0 + wg * 64 + warp * 16 + lane / 4, col_lane = n * BN + 2 * (lane % 4);
             mask.apply_row(s[0], 0, row, col_lane);
@@ -234,6 +241,9 @@ struct FwdSm90 {
         row0 = m_block * BM;
         base = (smem_u32(smem) + 1023) & ~1023u;
         mask = Mask<BAND>{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        if (SCORE_MOD)
+            mod = ScoreMod{p.mod_scale, p.softcap, p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f,
+                           p.seqlen_k - p.seqlen_q};
 #pragma unroll
         for (int dt = 0; dt < PANELS * 8; ++dt)
 #pragma unroll
@@ -293,10 +303,10 @@ struct FwdSm90 {
     }
 };
 
-template <class T, int D, int STAGES, bool BAND, bool WS>
+template <class T, int D, int STAGES, bool BAND, bool WS, bool SCORE_MOD>
 __global__ void __launch_bounds__(WS ? 384 : 256, 1) fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BAND, STAGES, WS> block(p);
+    FwdSm90<T, D, BAND, STAGES, WS, SCORE_MOD> block(p);
     block.run(smem);
 }
 

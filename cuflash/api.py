@@ -150,10 +150,10 @@ def forward_call(problem, q, k, v, out, lse, *, device_id, softmax_scale, causal
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
     arch = build.device_arch(device_id)
-    variant = plan.sm90_forward_variant(problem, score_mod, arch, packed=len(q.shape) == 3)
+    variant = plan.sm90_forward_variant(problem, arch, packed=len(q.shape) == 3)
     if variant is not None:  # the Hopper kernel, behind the same call interface
         return hopper.forward_call(problem, q, k, v, out, lse, device_id=device_id, scale=scale, left=left,
-                                   right=right, variant=variant)
+                                   right=right, softcap=float(softcap), alibi_slopes=alibi_slopes, variant=variant)
     launch = plan.plan_forward(problem, left, right, score_mod, arch)
     params = _fwd_params(problem, q, k, v, out, lse, alibi_slopes, left, right, scale, float(softcap), score_mod)
     return KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, launch.block, launch.smem)],
@@ -624,9 +624,7 @@ def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, 
 _elem_strides = checks.elem_strides
 
 
-def _alibi_batch_stride(alibi) -> int:
-    """Slopes (nheads,) are shared by the batch (stride 0); (batch, nheads) have a row per batch entry."""
-    return _elem_strides(alibi)[0] if alibi is not None and len(alibi.shape) == 2 else 0
+_alibi_batch_stride = checks.alibi_batch_stride
 
 
 def _require_device_arrays(**arrays) -> None:

@@ -80,6 +80,11 @@ def elem_strides(x) -> tuple:
     return tuple(s // x.itemsize for s in x.strides)
 
 
+def alibi_batch_stride(alibi) -> int:
+    """Slopes (nheads,) are shared by the batch (stride 0); (batch, nheads) have a row per batch entry."""
+    return elem_strides(alibi)[0] if alibi is not None and len(alibi.shape) == 2 else 0
+
+
 def spec(x, name: str) -> TensorSpec | None:
     """Describe array ``x`` (CuPy or NumPy) as a :class:`TensorSpec`; ``None`` gives ``None``.
 

@@ -2,7 +2,7 @@
 parameters, behind the call interface of the portable forward (``ForwardCall``). The planner chooses it for the
 calls it covers once ``plan.SM90_FORWARD["enabled"]`` (opt-in: ``CUFLASH_SM90=1``); ``tests/gpu/test_sm90.py``
 compares each variant with the reference, directly and through ``cuflash.attention`` (issue 8). Head dims 64
-and 128, fp16/bf16, causal and local windows, GQA, lse; no softcap or ALiBi, no packed (varlen) batches.
+and 128, fp16/bf16, causal and local windows, GQA, softcap, ALiBi, lse; no packed (varlen) batches.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class FwdSm90Spec:
     band: bool
     warp_specialized: bool = False  # a producer warpgroup and "empty" mbarriers (fwd_sm90.cu, WS)
     stages: int = 2                 # K/V ring slots (2 without warp specialization)
+    score_mod: bool = False         # softcap / ALiBi
 
     source = "fwd_sm90.cu"
 
@@ -36,12 +37,13 @@ class FwdSm90Spec:
     @property
     def name(self) -> str:
         ws = f"_ws{self.stages}" if self.warp_specialized else ""
-        return f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
+        return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
+                f"{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
         return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.stages),
-                              (self.band, self.warp_specialized))
+                              (self.band, self.warp_specialized, self.score_mod))
 
     @property
     def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, mbarriers, alignment
@@ -52,22 +54,25 @@ class FwdSm90Spec:
 VARIANTS = {"lockstep": dict(warp_specialized=False, stages=2), "ws": dict(warp_specialized=True, stages=4)}
 
 
-# FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, then pointers, strides, ints, a float; 512 bytes.
+# FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, the pointers o, lse, alibi (the struct's head a
+# call writes), strides, ints, scales; 512 bytes.
 _INTS = ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "window_left", "window_right")
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "v", "o", "lse", "o_batch_stride", "o_row_stride", "o_head_stride", *_INTS, "scale_log2"],
-    "formats": ["V128"] * 3 + [np.uint64] * 2 + [np.int64] * 3 + [np.int32] * 6 + [np.float32],
-    "offsets": [0, 128, 256, 384, 392, 400, 408, 416] + [424 + 4 * i for i in range(6)] + [448],
+    "names": ["q", "k", "v", "o", "lse", "alibi", "o_batch_stride", "o_row_stride", "o_head_stride", *_INTS,
+              "scale_log2", "alibi_batch_stride", "mod_scale", "softcap"],
+    "formats": ["V128"] * 3 + [np.uint64] * 3 + [np.int64] * 3 + [np.int32] * 6 + [np.float32, np.int64]
+               + [np.float32] * 2,
+    "offsets": [0, 128, 256, 384, 392, 400, 408, 416, 424] + [432 + 4 * i for i in range(6)] + [456, 464, 472, 476],
     "itemsize": 512})
 
 
-_O_LSE = struct.Struct("2Q")  # o and lse, right after the three maps (offset 384)
+_POINTERS = struct.Struct("3Q")  # o, lse, alibi, right after the three maps (offset 384)
 
 
 class ForwardCall:
     """The Hopper forward behind the call interface of the forward's KernelCall (``cuflash.api.forward_call``):
-    ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k)`` with data pointers (the last three
-    unused: the planner sends no ALiBi and no packed batch here). The tensor maps embed q, k and v's addresses,
+    ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k)`` with data pointers (the last two
+    unused: the planner sends no packed batch here). The tensor maps embed q, k and v's addresses,
     so a call encodes them (cached per pointer by cuflash.tma) into the head of the struct."""
 
     __slots__ = ("kernel_call", "maps", "spec")
@@ -78,7 +83,7 @@ class ForwardCall:
     def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
                  cu_seqlens_k: int = 0) -> None:
         q_map, k_map, v_map = self.maps
-        self.kernel_call.launch_head(stream, q_map(q) + k_map(k) + v_map(v) + _O_LSE.pack(o, lse))
+        self.kernel_call.launch_head(stream, q_map(q) + k_map(k) + v_map(v) + _POINTERS.pack(o, lse, alibi))
 
 
 def _map_layout(x, rows_box: int) -> tuple:
@@ -101,27 +106,31 @@ def _encoder(x, rows_box: int):
 
 
 def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, left: int, right: int,
-                 variant: str) -> ForwardCall:
+                 softcap: float = 0.0, alibi_slopes=None, variant: str) -> ForwardCall:
     """The Hopper forward for these layouts (arrays or TensorSpecs; out and lse contiguous) on device `device_id`
     (current); the window already normalized."""
+    score_mod = softcap > 0 or alibi_slopes is not None
     spec = FwdSm90Spec(plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim, left >= 0 or right >= 0,
-                       **VARIANTS[variant])
+                       score_mod=score_mod, **VARIANTS[variant])
     b, sq, h = problem.batch, problem.seqlen_q, problem.nheads
     p = np.zeros((), dtype=PARAMS_DTYPE)
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = checks.elem_strides(out)[:3]
     p["seqlen_q"], p["seqlen_k"], p["nheads"] = sq, problem.seqlen_k, h
     p["heads_per_kv"], p["window_left"], p["window_right"] = h // problem.nheads_k, left, right
-    p["scale_log2"] = scale * plan.LOG2E
+    p["alibi_batch_stride"] = checks.alibi_batch_stride(alibi_slopes)
+    for name, value in plan.forward_scales(scale, softcap, score_mod).items():
+        p[name] = value
     grid = plan.check_grid((math.ceil(sq / BLOCK_M), h, b))
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
     return ForwardCall(call, (_encoder(q, BLOCK_M), _encoder(k, BLOCK_N), _encoder(v, BLOCK_N)), spec)
 
 
-def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), return_lse=False,
-                   variant="lockstep"):
-    """Like :func:`cuflash.attention` (without softcap/ALiBi), on the Hopper kernel; `variant` one of VARIANTS."""
+def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                   alibi_slopes=None, return_lse=False, variant="lockstep"):
+    """Like :func:`cuflash.attention`, on the Hopper kernel (head dims 64 and 128); `variant` one of VARIANTS."""
     import cupy
-    problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                     softcap=softcap, alibi_slopes=alibi_slopes)
     if problem.headdim not in HEADDIMS:
         raise NotImplementedError(f"the Hopper forward covers head dims {HEADDIMS}, not {problem.headdim}")
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
@@ -131,7 +140,7 @@ def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1
         out = cupy.empty(q.shape, dtype=q.dtype)
         lse = cupy.empty((b, h, sq), dtype=np.float32) if return_lse else None
         call = forward_call(problem, q, k, v, out, lse, device_id=q.device.id, scale=scale, left=left, right=right,
-                            variant=variant)
+                            softcap=float(softcap), alibi_slopes=alibi_slopes, variant=variant)
         call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
-             0 if lse is None else lse.data.ptr)
+             0 if lse is None else lse.data.ptr, 0 if alibi_slopes is None else alibi_slopes.data.ptr)
     return (out, lse) if return_lse else out

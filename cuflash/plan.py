@@ -355,10 +355,10 @@ SM90_FORWARD = {
 }
 
 
-def sm90_forward_variant(problem, score_mod: bool, arch: str, packed: bool) -> str | None:
+def sm90_forward_variant(problem, arch: str, packed: bool) -> str | None:
     """The Hopper forward variant for a call, or None for the portable kernel: sm_90a, an exact head dim of the
-    table, no softcap/ALiBi, padded (not packed) sequences, and the path enabled."""
-    if not SM90_FORWARD["enabled"] or arch != "sm_90a" or score_mod or packed:
+    table, padded (not packed) sequences, and the path enabled."""
+    if not SM90_FORWARD["enabled"] or arch != "sm_90a" or packed:
         return None
     return SM90_FORWARD["variants"].get(problem.headdim)
 

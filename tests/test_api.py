@@ -191,14 +191,13 @@ def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     from cuflash import plan
     problem = checks.Problem(2, 300, 300, 8, 2, 128, np.dtype(np.float16))
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
-    assert plan.sm90_forward_variant(problem, False, "sm_90a", False) == plan.SM90_FORWARD["variants"][128]
-    assert plan.sm90_forward_variant(problem, False, "sm_80", False) is None       # not Hopper
-    assert plan.sm90_forward_variant(problem, True, "sm_90a", False) is None       # softcap / ALiBi
-    assert plan.sm90_forward_variant(problem, False, "sm_90a", True) is None       # packed (varlen)
+    assert plan.sm90_forward_variant(problem, "sm_90a", False) == plan.SM90_FORWARD["variants"][128]
+    assert plan.sm90_forward_variant(problem, "sm_80", False) is None       # not Hopper
+    assert plan.sm90_forward_variant(problem, "sm_90a", True) is None       # packed (varlen)
     odd = checks.Problem(2, 300, 300, 8, 2, 96, np.dtype(np.float16))
-    assert plan.sm90_forward_variant(odd, False, "sm_90a", False) is None          # head dim not in the table
+    assert plan.sm90_forward_variant(odd, "sm_90a", False) is None          # head dim not in the table
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", False)
-    assert plan.sm90_forward_variant(problem, False, "sm_90a", False) is None      # opt-in
+    assert plan.sm90_forward_variant(problem, "sm_90a", False) is None      # opt-in
 
 
 @pytest.mark.parametrize("variant", ["lockstep", "ws"])
@@ -221,6 +220,15 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     assert (p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"]) == (200 * 8 * 128, 8 * 128, 128)
     assert (p["seqlen_q"], p["seqlen_k"], p["nheads"], p["heads_per_kv"]) == (200, 333, 8, 4)
     assert (p["window_left"], p["window_right"]) == (-1, 0) and np.isclose(p["scale_log2"], 0.5 * plan.LOG2E)
+    # softcap and (batch, heads) ALiBi slopes: the score-mod kernel, natural-log scores, the slopes' row stride
+    slopes = api._contiguous("alibi_slopes", (1, 8), np.float32)
+    call = api.forward_call(problem, q, kv, kv, out, None, device_id=0, softmax_scale=0.5, causal=False,
+                            window_size=(-1, -1), softcap=20.0, alibi_slopes=slopes)
+    assert isinstance(call, hopper.ForwardCall) and call.spec.score_mod and not call.spec.band
+    p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
+    assert np.isclose(p["scale_log2"], plan.LOG2E) and np.isclose(p["mod_scale"], 0.5 / 20.0)
+    assert p["softcap"] == 20.0 and p["alibi_batch_stride"] == 8
+    assert hopper.PARAMS_DTYPE.fields["alibi"][1] + 8 == 3 * 128 + hopper._POINTERS.size  # the head a call writes
     assert call.kernel_call.launches[0][1:4] == (2, 8, 1)  # ceil(200 / 128) query blocks, heads, batch
     for x, rows in ((q, hopper.BLOCK_M), (kv, hopper.BLOCK_N)):
         dtype, dims, strides, box = hopper._map_layout(x, rows)

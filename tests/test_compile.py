@@ -67,11 +67,12 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
 @pytest.mark.parametrize("variant", ["lockstep", "ws"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("band", [False, True])
-def test_hopper_forward_compiles_with_async_wgmma(d, band, variant):
+@pytest.mark.parametrize("score_mod", [False, True])
+def test_hopper_forward_compiles_with_async_wgmma(d, band, variant, score_mod):
     import re
     from cuflash.hopper import VARIANTS, FwdSm90Spec
     for dtype in ("fp16", "bf16"):
-        spec = FwdSm90Spec(dtype, d, band, **VARIANTS[variant])
+        spec = FwdSm90Spec(dtype, d, band, score_mod=score_mod, **VARIANTS[variant])
         assert spec.smem_bytes <= 227 * 1024
         _, log = build.compile_cubin(spec, "sm_90a")
         report = build.resource_report(log)

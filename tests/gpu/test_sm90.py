@@ -116,10 +116,9 @@ def _routed_to_sm90() -> bool:
 
 @st.composite
 def sm90_cases(draw):
-    """test_forward's cases, narrowed to what the Hopper kernel covers: d 64 or 128, no softcap, no ALiBi."""
+    """test_forward's cases (every option) at the head dims the Hopper kernel covers, 64 and 128."""
     from tests.gpu.test_forward import forward_cases
-    return dict(draw(forward_cases()), d=draw(st.sampled_from([64, 128])), softcap=0.0, alibi=None,
-                return_lse=draw(st.booleans()))
+    return dict(draw(forward_cases()), d=draw(st.sampled_from([64, 128])), return_lse=draw(st.booleans()))
 
 
 @pytest.mark.parametrize("variant", ["lockstep", "ws"])
@@ -135,15 +134,18 @@ def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case
 
 @pytest.mark.parametrize("variant", ["lockstep", "ws"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_attention_planned_on_sm90_views_and_fallbacks(sm90_planned, variant, dtype):
-    """Strided q/k/v views of one packed qkv tensor take the Hopper path without copies; softcap, ALiBi and an odd
-    head dim stay on the portable kernel (and are still right)."""
+def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, dtype):
+    """Strided q/k/v views of one packed qkv tensor take the Hopper path without copies; so do softcap and ALiBi
+    (each alone and all options at once); an odd head dim stays on the portable kernel (and is still right)."""
     from cuflash import api
     from tests.gpu.test_forward import run_case
     sm90_planned(variant)
     run_case(np.random.default_rng(3), b=2, sq=150, sk=150, h=4, hk=4, d=64, dtype=dtype, causal=True, views=True)
     assert _routed_to_sm90()
-    for option in (dict(softcap=10.0), dict(alibi="bh"), dict(d=96)):
+    base = dict(b=2, sq=200, sk=333, h=4, hk=2, d=128, dtype=dtype)
+    for option, sm90 in ((dict(softcap=10.0), True), (dict(alibi="h"), True), (dict(alibi="bh"), True),
+                         (dict(causal=True, window_size=(48, 3), softcap=20.0, alibi="bh"), True),
+                         (dict(d=96), False)):
         api._attention_calls.clear()
-        run_case(np.random.default_rng(5), **{**dict(b=2, sq=200, sk=333, h=4, hk=2, d=128, dtype=dtype), **option})
-        assert not _routed_to_sm90(), option
+        run_case(np.random.default_rng(5), **{**base, **option})
+        assert _routed_to_sm90() == sm90, option
