@@ -14,10 +14,11 @@
 //  - WS = true (warp-specialized): a third warpgroup is the producer; one of its threads issues Q and then every
 //    K/V block as soon as the slot is free, which each slot's "empty" mbarrier tells (all 256 consumer threads
 //    arrive when done with it). No CTA barrier in the loop: the consumer warpgroups drift apart, so one's softmax
-//    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead. Within a warpgroup the loop is
+//    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead. The producer gives its registers to the
+//    consumers (setmaxnreg 24 / 240: d = 256 keeps O in 128 of them). Within a warpgroup the loop is
 //    software-pipelined (consume_pipelined): S of block t and O += P V of block t - 1 are issued together and the
 //    softmax of block t runs while the second still computes.
-// Head dims 64 and 128; softcap and ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu). Padded batches
+// Head dims 64, 128 and 256; softcap and ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu). Padded batches
 // only: the planner keeps packed (varlen) calls and other head dims on the portable kernel (fwd.cu).
 #include "sm90.cuh"
 #include "mma.cuh"
@@ -265,6 +266,7 @@ struct FwdSm90 {
             // The role as a value the compiler can see is warp-uniform (a shuffle from lane 0): a branch on tid
             // alone looks divergent to ptxas, which then serializes every wgmma behind it (C7520).
             if (__shfl_sync(0xffffffff, tid / 128, 0) == 0) {  // producer warpgroup: one thread moves the data
+                sm90::regs_dealloc<24>();  // 128 x 24 + 256 x 240 registers fit the SM's 64 K
                 if (tid == 0 && count > 0) {
                     issue_q();
                     for (int t = 0; t < count; ++t) {
@@ -275,6 +277,7 @@ struct FwdSm90 {
                 }
                 return;
             }
+            sm90::regs_alloc<240>();
             if (count > 0) {
                 sm90::mbar_wait(base + OFF_BAR, 0);
                 consume_pipelined(range, count);

@@ -2,7 +2,7 @@
 parameters, behind the call interface of the portable forward (``ForwardCall``). The planner chooses it for the
 calls it covers once ``plan.SM90_FORWARD["enabled"]`` (opt-in: ``CUFLASH_SM90=1``); ``tests/gpu/test_sm90.py``
 compares each variant with the reference, directly and through ``cuflash.attention`` (issue 8). Head dims 64
-and 128, fp16/bf16, causal and local windows, GQA, softcap, ALiBi, lse; no packed (varlen) batches.
+128 and 256, fp16/bf16, causal and local windows, GQA, softcap, ALiBi, lse; no packed (varlen) batches.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 from . import build, checks, plan, tma
 from .launcher import KernelCall
 
-HEADDIMS = (64, 128)
+HEADDIMS = (64, 128, 256)
 BLOCK_M, BLOCK_N = 128, 64
 
 
@@ -50,8 +50,18 @@ class FwdSm90Spec:
         return (BLOCK_M + 2 * self.stages * BLOCK_N) * self.headdim * 2 + (1 + 2 * self.stages) * 8 + 1024
 
 
-# The variants: the lockstep first version, and the warp-specialized one with a deeper ring.
-VARIANTS = {"lockstep": dict(warp_specialized=False, stages=2), "ws": dict(warp_specialized=True, stages=4)}
+# The variants: the lockstep first version, and the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,
+# whose Q and two slots already take 192 KB of shared memory).
+VARIANTS = ("lockstep", "ws")
+
+
+def variant_options(variant: str, headdim: int) -> dict:
+    """FwdSm90Spec's warp_specialized and stages for a variant of VARIANTS at a head dim."""
+    if variant == "lockstep":
+        return dict(warp_specialized=False, stages=2)
+    if variant == "ws":
+        return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2)
+    raise ValueError(f"variant: one of {VARIANTS}, not {variant!r}")
 
 
 # FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, the pointers o, lse, alibi (the struct's head a
@@ -111,7 +121,7 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     (current); the window already normalized."""
     score_mod = softcap > 0 or alibi_slopes is not None
     spec = FwdSm90Spec(plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim, left >= 0 or right >= 0,
-                       score_mod=score_mod, **VARIANTS[variant])
+                       score_mod=score_mod, **variant_options(variant, problem.headdim))
     b, sq, h = problem.batch, problem.seqlen_q, problem.nheads
     p = np.zeros((), dtype=PARAMS_DTYPE)
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = checks.elem_strides(out)[:3]
@@ -127,7 +137,7 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
 
 def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                    alibi_slopes=None, return_lse=False, variant="lockstep"):
-    """Like :func:`cuflash.attention`, on the Hopper kernel (head dims 64 and 128); `variant` one of VARIANTS."""
+    """Like :func:`cuflash.attention`, on the Hopper kernel (head dims 64, 128, 256); `variant` one of VARIANTS."""
     import cupy
     problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                      softcap=softcap, alibi_slopes=alibi_slopes)

@@ -351,7 +351,8 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> 
 # CUFLASH_SM90=1 in the environment (or SM90_FORWARD["enabled"] = True) routes eligible calls to it.
 SM90_FORWARD = {
     "enabled": os.environ.get("CUFLASH_SM90", "0") == "1",
-    "variants": {64: "lockstep", 128: "lockstep"},  # head dim -> cuflash.hopper.VARIANTS key
+    "variants": {64: "lockstep", 128: "lockstep", 256: "lockstep"},  # head dim -> cuflash.hopper.VARIANTS
+    # (d = 256 has not run on a GPU at all yet)
 }
 
 

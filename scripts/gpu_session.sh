@@ -24,7 +24,7 @@ if [ "${SKIP_SM90:-0}" != 1 ]; then
     timeout -k 5 "${SM90_SELFTEST_TIMEOUT:-60}" python3 -m pytest -v --tb=short -p no:cacheprovider \
         tests/gpu/test_sm90.py -k "numpy" >"$OUT/sm90.log" 2>&1
     echo "sm90 selftests: exit $? [$((SECONDS - t0))s]"
-    timeout -k 5 "${SM90_FWD_TIMEOUT:-240}" python3 -m pytest -v --tb=short -x -p no:cacheprovider \
+    timeout -k 5 "${SM90_FWD_TIMEOUT:-300}" python3 -m pytest -v --tb=short -x -p no:cacheprovider \
         tests/gpu/test_sm90.py -k "not numpy" >>"$OUT/sm90.log" 2>&1
     echo "sm90 forward: exit $? [$((SECONDS - t0))s]"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/sm90.log" | grep -v "^tests.*PASSED" | tail -15

@@ -207,7 +207,7 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     strides (a sliced view), which are replaced by contiguous ones."""
     from cuflash import api, hopper, plan, tma
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
-    monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant, 128: variant})
+    monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant, 128: variant, 256: variant})
     problem = checks.Problem(1, 200, 333, 8, 2, 128, np.dtype(np.float16))
     q = _FakeDeviceArray(np.zeros((1, 200, 8, 128), np.float16), 0)
     kv = checks.TensorSpec("k", (1, 333, 2, 128), np.dtype(np.float16), (7, 3 * 128, 128, 1), 0)  # batch stride odd
@@ -215,7 +215,7 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     call = api.forward_call(problem, q, kv, kv, out, None, device_id=0, softmax_scale=0.5, causal=True,
                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     assert isinstance(call, hopper.ForwardCall) and call.spec == hopper.FwdSm90Spec(
-        "fp16", 128, True, **hopper.VARIANTS[variant])
+        "fp16", 128, True, **hopper.variant_options(variant, 128))
     p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
     assert (p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"]) == (200 * 8 * 128, 8 * 128, 128)
     assert (p["seqlen_q"], p["seqlen_k"], p["nheads"], p["heads_per_kv"]) == (200, 333, 8, 4)

@@ -65,14 +65,14 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
 
 
 @pytest.mark.parametrize("variant", ["lockstep", "ws"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("band", [False, True])
 @pytest.mark.parametrize("score_mod", [False, True])
 def test_hopper_forward_compiles_with_async_wgmma(d, band, variant, score_mod):
     import re
-    from cuflash.hopper import VARIANTS, FwdSm90Spec
+    from cuflash.hopper import FwdSm90Spec, variant_options
     for dtype in ("fp16", "bf16"):
-        spec = FwdSm90Spec(dtype, d, band, score_mod=score_mod, **VARIANTS[variant])
+        spec = FwdSm90Spec(dtype, d, band, score_mod=score_mod, **variant_options(variant, d))
         assert spec.smem_bytes <= 227 * 1024
         _, log = build.compile_cubin(spec, "sm_90a")
         report = build.resource_report(log)

@@ -54,7 +54,7 @@ def test_register_a_mn_major_b_matches_numpy(dtype, k):
 
 
 @pytest.mark.parametrize("variant", ["lockstep", "ws"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("sq,sk,causal,window,h,hk", [
     (128, 128, False, (-1, -1), 2, 2), (1000, 1000, False, (-1, -1), 4, 2), (17, 300, True, (-1, -1), 2, 1),
@@ -102,7 +102,7 @@ def sm90_planned(monkeypatch):
 
     def use(variant):
         monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
-        monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant, 128: variant})
+        monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant, 128: variant, 256: variant})
         clear()
 
     yield use
@@ -116,9 +116,9 @@ def _routed_to_sm90() -> bool:
 
 @st.composite
 def sm90_cases(draw):
-    """test_forward's cases (every option) at the head dims the Hopper kernel covers, 64 and 128."""
+    """test_forward's cases (every option) at the head dims the Hopper kernel covers, 64, 128 and 256."""
     from tests.gpu.test_forward import forward_cases
-    return dict(draw(forward_cases()), d=draw(st.sampled_from([64, 128])), return_lse=draw(st.booleans()))
+    return dict(draw(forward_cases()), d=draw(st.sampled_from([64, 128, 256])), return_lse=draw(st.booleans()))
 
 
 @pytest.mark.parametrize("variant", ["lockstep", "ws"])
