@@ -1,5 +1,4 @@
 """cuflash.attention on the GPU against the float64 reference, shapes drawn by hypothesis."""
-import math
 
 import numpy as np
 import pytest
