@@ -18,28 +18,31 @@
 //    consumers (setmaxnreg 24 / 240: d = 256 keeps O in 128 of them). Within a warpgroup the loop is
 //    software-pipelined (consume_pipelined): S of block t and O += P V of block t - 1 are issued together and the
 //    softmax of block t runs while the second still computes.
-// Head dims 64, 128 and 256; softcap and ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu). Padded batches
-// only: the planner keeps packed (varlen) calls and other head dims on the portable kernel (fwd.cu).
+// Head dims 64, 128 and 256; softcap and ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu); padded batches
+// and packed sequences (seqlen.cuh; 3-D tensor maps over the tokens). Other head dims stay on fwd.cu.
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
+#include "seqlen.cuh"
 
 namespace cuflash {
 
 struct FwdSm90Params {
-    sm90::TmaMap q;        // (d, heads, seqlen_q, batch), box (64, 1, BM, 1)
-    sm90::TmaMap k;        // (d, heads_k, seqlen_k, batch), box (64, 1, BN, 1)
+    sm90::TmaMap q;        // (d, heads, seqlen_q, batch) padded or (d, heads, total_q) packed, box (64, 1, BM[, 1])
+    sm90::TmaMap k;        // (d, heads_k, seqlen_k, batch) or (d, heads_k, total_k), box (64, 1, BN[, 1])
     sm90::TmaMap v;
-    u16* o;                // (batch, seqlen_q, nheads, headdim)
-    float* lse;            // (batch, nheads, seqlen_q) contiguous, or nullptr
+    u16* o;                // (batch, seqlen_q, nheads, headdim) or (total_q, nheads, headdim)
+    float* lse;            // (batch, nheads, seqlen_q) or (nheads, total_q), contiguous; or nullptr
     const float* alibi;    // ALiBi slopes (nheads,) or (batch, nheads), or nullptr
-    i64 o_batch_stride, o_row_stride, o_head_stride;
-    int seqlen_q, seqlen_k, nheads, heads_per_kv;
+    const int* cu_seqlens_q;  // packed sequences (seqlen.cuh), or nullptr for a padded batch
+    const int* cu_seqlens_k;
+    i64 o_batch_stride, o_row_stride, o_head_stride;  // packed: the row stride is the batch stride (seqlen.cuh)
+    i64 lse_batch_stride, lse_head_stride, alibi_batch_stride;
+    int seqlen_q, seqlen_k, nheads, heads_per_kv;      // packed: the maximum lengths
     int window_left, window_right;
     float scale_log2;      // log2(e) in score-mod kernels (scores leave ScoreMod in natural-log units)
-    i64 alibi_batch_stride;
     float mod_scale, softcap;  // score-mod kernels: see score_mod.cuh and plan.forward_scales
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is asserted).
@@ -61,6 +64,7 @@ struct FwdSm90 {
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
     u32 base;
     int row0, b, h, h_kv;
+    int q_begin, k_begin, seqlen_q;  // this sequence (seqlen.cuh): where its rows start, how many queries
     Mask<BAND> mask;
     ScoreMod mod;  // softcap / ALiBi (SCORE_MOD kernels)
     OnlineSoftmax<1> softmax;
@@ -73,20 +77,27 @@ struct FwdSm90 {
     __device__ __forceinline__ u32 full_bar(int slot) const { return base + OFF_BAR + 8 + 8 * slot; }
     __device__ __forceinline__ u32 empty_bar(int slot) const { return base + OFF_BAR + 8 * (1 + STAGES + slot); }
 
+    // The TMA box of 64 columns from `col`, rows `row` .. of this sequence, head `head`: a 4-D map (d, heads, seqlen,
+    // batch) of a padded batch, or a 3-D one (d, heads, total) of packed sequences whose rows start at `begin`. Rows
+    // past the tensor's end arrive as zeros; rows past a packed sequence's end (the next sequence's) are masked.
+    __device__ __forceinline__ void load_box(u32 dst, const sm90::TmaMap* map, int col, int head, int begin, int row,
+                                             u32 bar) const {
+        if (p.cu_seqlens_q != nullptr) sm90::tma_load_3d(dst, map, col, head, begin + row, bar);
+        else sm90::tma_load_4d(dst, map, col, head, row, b, bar);
+    }
+
     __device__ __forceinline__ void issue_q() {  // one thread
         sm90::mbar_arrive_expect_tx(base + OFF_BAR, Q_BYTES);
 #pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn) sm90::tma_load_4d(base + pn * Q_PANEL, &p.q, pn * 64, h, row0, b, base + OFF_BAR);
+        for (int pn = 0; pn < PANELS; ++pn) load_box(base + pn * Q_PANEL, &p.q, pn * 64, h, q_begin, row0, base + OFF_BAR);
     }
 
     __device__ __forceinline__ void issue_kv(int n, int slot) {  // one thread
         sm90::mbar_arrive_expect_tx(full_bar(slot), 2 * KV_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn) {
-            sm90::tma_load_4d(base + OFF_K + slot * KV_BYTES + pn * KV_PANEL, &p.k, pn * 64, h_kv, n * BN, b,
-                              full_bar(slot));
-            sm90::tma_load_4d(base + OFF_V + slot * KV_BYTES + pn * KV_PANEL, &p.v, pn * 64, h_kv, n * BN, b,
-                              full_bar(slot));
+            load_box(base + OFF_K + slot * KV_BYTES + pn * KV_PANEL, &p.k, pn * 64, h_kv, k_begin, n * BN, full_bar(slot));
+            load_box(base + OFF_V + slot * KV_BYTES + pn * KV_PANEL, &p.v, pn * 64, h_kv, k_begin, n * BN, full_bar(slot));
         }
     }
 
@@ -218,15 +229,16 @@ struct FwdSm90 {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
-            if (r >= p.seqlen_q) continue;
-            u16* o_row = p.o + (i64)b * p.o_batch_stride + (i64)r * p.o_row_stride + (i64)h * p.o_head_stride;
+            if (r >= seqlen_q) continue;
+            u16* o_row = p.o + SeqInfo::offset(q_begin, p.o_batch_stride, p.o_row_stride, r) + (i64)h * p.o_head_stride;
 #pragma unroll
             for (int pn = 0; pn < PANELS; ++pn)
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
                     *reinterpret_cast<u32*>(o_row + pn * 64 + 8 * j + 2 * (lane % 4)) =
                         pack2<T>(acc_o[0][pn * 8 + j][2 * hh], acc_o[0][pn * 8 + j][2 * hh + 1]);
-            if (p.lse != nullptr && lane % 4 == 0) p.lse[((i64)b * p.nheads + h) * p.seqlen_q + r] = lse[0][hh];
+            if (p.lse != nullptr && lane % 4 == 0)
+                p.lse[SeqInfo::offset(q_begin, p.lse_batch_stride, 1, r) + (i64)h * p.lse_head_stride] = lse[0][hh];
         }
     }
 
@@ -240,11 +252,16 @@ struct FwdSm90 {
         warp = (tid / 32) % 4;
         lane = tid % 32;
         row0 = m_block * BM;
+        const SeqInfo seq(p, b);
+        if (row0 >= seq.seqlen_q) return;  // a packed sequence shorter than the longest: the whole CTA leaves
+        q_begin = seq.q_begin;
+        k_begin = seq.k_begin;
+        seqlen_q = seq.seqlen_q;
         base = (smem_u32(smem) + 1023) & ~1023u;
-        mask = Mask<BAND>{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
         if (SCORE_MOD)
             mod = ScoreMod{p.mod_scale, p.softcap, p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f,
-                           p.seqlen_k - p.seqlen_q};
+                           seq.seqlen_k - seq.seqlen_q};
 #pragma unroll
         for (int dt = 0; dt < PANELS * 8; ++dt)
 #pragma unroll

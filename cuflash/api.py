@@ -150,7 +150,7 @@ def forward_call(problem, q, k, v, out, lse, *, device_id, softmax_scale, causal
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
     arch = build.device_arch(device_id)
-    variant = plan.sm90_forward_variant(problem, arch, packed=len(q.shape) == 3)
+    variant = plan.sm90_forward_variant(problem, arch)
     if variant is not None:  # the Hopper kernel, behind the same call interface
         return hopper.forward_call(problem, q, k, v, out, lse, device_id=device_id, scale=scale, left=left,
                                    right=right, softcap=float(softcap), alibi_slopes=alibi_slopes, variant=variant)
@@ -588,21 +588,8 @@ def _set_strides(p, **arrays) -> None:
         p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = _seq_strides(x)
 
 
-def _seq_strides(x) -> tuple:
-    """(batch, row, head) strides in elements: the first three axes of a padded (batch, seqlen, heads, d) array.
-    A packed (total, heads, d) array gives its row stride as the batch stride: the kernels place sequence b at
-    begin * batch_stride, with begin = b padded and cu_seqlens[b] packed (cuda_src/seqlen.cuh)."""
-    strides = _elem_strides(x)
-    return strides[:3] if len(strides) == 4 else (strides[0],) + strides[:2]
-
-
-def _lse_strides(lse) -> tuple:
-    """(batch, head) strides in elements of lse (batch, nheads, seqlen_q), or of packed lse (nheads, total_q),
-    whose "batch" stride is its row stride, 1 (see _seq_strides); rows are contiguous. (0, 0) without lse."""
-    if lse is None:
-        return 0, 0
-    strides = _elem_strides(lse)
-    return strides[:2] if len(strides) == 3 else (1, strides[0])
+_seq_strides = checks.seq_strides
+_lse_strides = checks.lse_strides
 
 
 def _fwd_params(problem, q, k, v, out, lse, alibi, left, right, scale, softcap, score_mod):

@@ -80,6 +80,23 @@ def elem_strides(x) -> tuple:
     return tuple(s // x.itemsize for s in x.strides)
 
 
+def seq_strides(x) -> tuple:
+    """(batch, row, head) strides in elements: the first three axes of a padded (batch, seqlen, heads, d) array.
+    A packed (total, heads, d) array gives its row stride as the batch stride: the kernels place sequence b at
+    begin * batch_stride, with begin = b padded and cu_seqlens[b] packed (cuda_src/seqlen.cuh)."""
+    strides = elem_strides(x)
+    return strides[:3] if len(strides) == 4 else (strides[0],) + strides[:2]
+
+
+def lse_strides(lse) -> tuple:
+    """(batch, head) strides in elements of lse (batch, nheads, seqlen_q), or of packed lse (nheads, total_q),
+    whose "batch" stride is its row stride, 1 (see seq_strides); rows are contiguous. (0, 0) without lse."""
+    if lse is None:
+        return 0, 0
+    strides = elem_strides(lse)
+    return strides[:2] if len(strides) == 3 else (1, strides[0])
+
+
 def alibi_batch_stride(alibi) -> int:
     """Slopes (nheads,) are shared by the batch (stride 0); (batch, nheads) have a row per batch entry."""
     return elem_strides(alibi)[0] if alibi is not None and len(alibi.shape) == 2 else 0

@@ -2,7 +2,7 @@
 parameters, behind the call interface of the portable forward (``ForwardCall``). The planner chooses it for the
 calls it covers once ``plan.SM90_FORWARD["enabled"]`` (opt-in: ``CUFLASH_SM90=1``); ``tests/gpu/test_sm90.py``
 compares each variant with the reference, directly and through ``cuflash.attention`` (issue 8). Head dims 64
-128 and 256, fp16/bf16, causal and local windows, GQA, softcap, ALiBi, lse; no packed (varlen) batches.
+128 and 256, fp16/bf16, causal and local windows, GQA, softcap, ALiBi, lse; padded and packed (varlen) batches.
 """
 from __future__ import annotations
 
@@ -64,26 +64,28 @@ def variant_options(variant: str, headdim: int) -> dict:
     raise ValueError(f"variant: one of {VARIANTS}, not {variant!r}")
 
 
-# FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, the pointers o, lse, alibi (the struct's head a
-# call writes), strides, ints, scales; 512 bytes.
+# FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, the pointers o, lse, alibi, cu_seqlens_q,
+# cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales; 512 bytes.
+_POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")
+_I64S = ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride", "lse_head_stride",
+         "alibi_batch_stride")
 _INTS = ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "window_left", "window_right")
+_FLOATS = ("scale_log2", "mod_scale", "softcap")
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "v", "o", "lse", "alibi", "o_batch_stride", "o_row_stride", "o_head_stride", *_INTS,
-              "scale_log2", "alibi_batch_stride", "mod_scale", "softcap"],
-    "formats": ["V128"] * 3 + [np.uint64] * 3 + [np.int64] * 3 + [np.int32] * 6 + [np.float32, np.int64]
-               + [np.float32] * 2,
-    "offsets": [0, 128, 256, 384, 392, 400, 408, 416, 424] + [432 + 4 * i for i in range(6)] + [456, 464, 472, 476],
+    "names": ["q", "k", "v", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS],
+    "formats": ["V128"] * 3 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3,
+    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(11)] + [472 + 4 * i for i in range(9)],
     "itemsize": 512})
 
 
-_POINTERS = struct.Struct("3Q")  # o, lse, alibi, right after the three maps (offset 384)
+_POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the three maps (offset 384)
 
 
 class ForwardCall:
     """The Hopper forward behind the call interface of the forward's KernelCall (``cuflash.api.forward_call``):
-    ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k)`` with data pointers (the last two
-    unused: the planner sends no packed batch here). The tensor maps embed q, k and v's addresses,
-    so a call encodes them (cached per pointer by cuflash.tma) into the head of the struct."""
+    ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k)`` with data pointers (0 where absent). The
+    tensor maps embed q, k and v's addresses, so a call encodes them (cached per pointer by cuflash.tma) into the
+    head of the struct."""
 
     __slots__ = ("kernel_call", "maps", "spec")
 
@@ -93,21 +95,23 @@ class ForwardCall:
     def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
                  cu_seqlens_k: int = 0) -> None:
         q_map, k_map, v_map = self.maps
-        self.kernel_call.launch_head(stream, q_map(q) + k_map(k) + v_map(v) + _POINTERS.pack(o, lse, alibi))
+        self.kernel_call.launch_head(
+            stream, q_map(q) + k_map(k) + v_map(v) + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k))
 
 
 def _map_layout(x, rows_box: int) -> tuple:
-    """(dtype, dims, byte strides, box) of the tensor map of a (batch, seqlen, heads, d) layout (array or
-    TensorSpec) with any 16-byte-aligned strides: 4-D (d, heads, seqlen, batch), box (64, 1, rows_box, 1), one
-    64-column panel of rows_box rows. An axis of extent 1 is only ever read at index 0; its stride is replaced by
-    the contiguous one, which TMA's rules always accept."""
-    b, s, h, d = x.shape
+    """(dtype, dims, byte strides, box) of the tensor map of a layout (array or TensorSpec) with any 16-byte-aligned
+    strides: padded (batch, seqlen, heads, d) as 4-D (d, heads, seqlen, batch), box (64, 1, rows_box, 1); packed
+    (total, heads, d) as 3-D (d, heads, total), box (64, 1, rows_box). One 64-column panel of rows_box rows. An
+    axis of extent 1 is only ever read at index 0; its stride is replaced by the contiguous one, which TMA's rules
+    always accept."""
     dtype = np.dtype(x.dtype)
-    sb, ss, sh, _ = (n * dtype.itemsize for n in checks.elem_strides(x))
-    sh = sh if h > 1 else d * dtype.itemsize
-    ss = ss if s > 1 else h * d * dtype.itemsize
-    sb = sb if b > 1 else s * h * d * dtype.itemsize
-    return dtype, (d, h, s, b), (sh, ss, sb), (64, 1, rows_box, 1)
+    shape, strides = tuple(x.shape), [n * dtype.itemsize for n in checks.elem_strides(x)]
+    contiguous = [int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize for i in range(len(shape))]
+    strides = [s if n > 1 else c for n, s, c in zip(shape, strides, contiguous)]
+    dims = tuple(reversed(shape))                     # innermost first: d, heads, rows[, batch]
+    box = (64, 1, rows_box) + (1,) * (len(shape) - 3)
+    return dtype, dims, tuple(reversed(strides[:-1])), box
 
 
 def _encoder(x, rows_box: int):
@@ -117,14 +121,15 @@ def _encoder(x, rows_box: int):
 
 def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, left: int, right: int,
                  softcap: float = 0.0, alibi_slopes=None, variant: str) -> ForwardCall:
-    """The Hopper forward for these layouts (arrays or TensorSpecs; out and lse contiguous) on device `device_id`
-    (current); the window already normalized."""
+    """The Hopper forward for these layouts (arrays or TensorSpecs; out and lse contiguous; padded or packed as
+    cuflash.api.launch_forward describes) on device `device_id` (current); the window already normalized."""
     score_mod = softcap > 0 or alibi_slopes is not None
     spec = FwdSm90Spec(plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim, left >= 0 or right >= 0,
                        score_mod=score_mod, **variant_options(variant, problem.headdim))
-    b, sq, h = problem.batch, problem.seqlen_q, problem.nheads
+    b, sq, h = problem.batch, problem.seqlen_q, problem.nheads  # packed: sq is the longest sequence
     p = np.zeros((), dtype=PARAMS_DTYPE)
-    p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = checks.elem_strides(out)[:3]
+    p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = checks.seq_strides(out)
+    p["lse_batch_stride"], p["lse_head_stride"] = checks.lse_strides(lse)
     p["seqlen_q"], p["seqlen_k"], p["nheads"] = sq, problem.seqlen_k, h
     p["heads_per_kv"], p["window_left"], p["window_right"] = h // problem.nheads_k, left, right
     p["alibi_batch_stride"] = checks.alibi_batch_stride(alibi_slopes)

@@ -356,10 +356,10 @@ SM90_FORWARD = {
 }
 
 
-def sm90_forward_variant(problem, arch: str, packed: bool) -> str | None:
+def sm90_forward_variant(problem, arch: str) -> str | None:
     """The Hopper forward variant for a call, or None for the portable kernel: sm_90a, an exact head dim of the
-    table, padded (not packed) sequences, and the path enabled."""
-    if not SM90_FORWARD["enabled"] or arch != "sm_90a" or packed:
+    table, and the path enabled."""
+    if not SM90_FORWARD["enabled"] or arch != "sm_90a":
         return None
     return SM90_FORWARD["variants"].get(problem.headdim)
 

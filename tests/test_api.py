@@ -191,13 +191,12 @@ def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     from cuflash import plan
     problem = checks.Problem(2, 300, 300, 8, 2, 128, np.dtype(np.float16))
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
-    assert plan.sm90_forward_variant(problem, "sm_90a", False) == plan.SM90_FORWARD["variants"][128]
-    assert plan.sm90_forward_variant(problem, "sm_80", False) is None       # not Hopper
-    assert plan.sm90_forward_variant(problem, "sm_90a", True) is None       # packed (varlen)
+    assert plan.sm90_forward_variant(problem, "sm_90a") == plan.SM90_FORWARD["variants"][128]
+    assert plan.sm90_forward_variant(problem, "sm_80") is None       # not Hopper
     odd = checks.Problem(2, 300, 300, 8, 2, 96, np.dtype(np.float16))
-    assert plan.sm90_forward_variant(odd, "sm_90a", False) is None          # head dim not in the table
+    assert plan.sm90_forward_variant(odd, "sm_90a") is None          # head dim not in the table
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", False)
-    assert plan.sm90_forward_variant(problem, "sm_90a", False) is None      # opt-in
+    assert plan.sm90_forward_variant(problem, "sm_90a") is None      # opt-in
 
 
 @pytest.mark.parametrize("variant", ["lockstep", "ws"])
@@ -228,7 +227,19 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
     assert np.isclose(p["scale_log2"], plan.LOG2E) and np.isclose(p["mod_scale"], 0.5 / 20.0)
     assert p["softcap"] == 20.0 and p["alibi_batch_stride"] == 8
-    assert hopper.PARAMS_DTYPE.fields["alibi"][1] + 8 == 3 * 128 + hopper._POINTERS.size  # the head a call writes
+    assert hopper.PARAMS_DTYPE.fields["cu_seqlens_k"][1] + 8 == 3 * 128 + hopper._POINTERS.size  # the call's head
+    # packed sequences: 3-D maps over the tokens, row strides as batch strides, lse (nheads, total_q)
+    qp = _FakeDeviceArray(np.zeros((500, 8, 128), np.float16), 0)
+    kp = _FakeDeviceArray(np.zeros((700, 2, 128), np.float16), 0)
+    call = api.forward_call(problem, qp, kp, kp, api._contiguous("out", qp.shape, np.float16),
+                            api._contiguous("lse", (8, 500), np.float32), device_id=0, softmax_scale=None,
+                            causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert isinstance(call, hopper.ForwardCall)
+    p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
+    assert (p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"]) == (8 * 128, 8 * 128, 128)
+    assert (p["lse_batch_stride"], p["lse_head_stride"]) == (1, 500)
+    assert hopper._map_layout(qp, hopper.BLOCK_M)[1:] == ((128, 8, 500), (256, 8 * 256), (64, 1, 128))
+    tma.check_tiled(0x10000, *hopper._map_layout(kp, hopper.BLOCK_N), 128)
     assert call.kernel_call.launches[0][1:4] == (2, 8, 1)  # ceil(200 / 128) query blocks, heads, batch
     for x, rows in ((q, hopper.BLOCK_M), (kv, hopper.BLOCK_N)):
         dtype, dims, strides, box = hopper._map_layout(x, rows)

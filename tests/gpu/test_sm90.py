@@ -110,8 +110,10 @@ def sm90_planned(monkeypatch):
 
 
 def _routed_to_sm90() -> bool:
+    """The launch caches hold a Hopper launch (attention() keeps (call, ...) tuples, launch_forward the calls)."""
     from cuflash import api, hopper
-    return any(isinstance(call, hopper.ForwardCall) for call, *_ in api._attention_calls.values())
+    calls = [call for call, *_ in api._attention_calls.values()] + list(api._fwd_launches.values())
+    return any(isinstance(call, hopper.ForwardCall) for call in calls)
 
 
 @st.composite
@@ -149,3 +151,15 @@ def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, d
         api._attention_calls.clear()
         run_case(np.random.default_rng(5), **{**base, **option})
         assert _routed_to_sm90() == sm90, option
+
+
+@pytest.mark.parametrize("variant", ["lockstep", "ws"])
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), seed=st.integers(0, 2**31 - 1))
+def test_attention_varlen_planned_on_sm90_matches_reference(sm90_planned, variant, data, seed):
+    """cuflash.attention_varlen on the Hopper path (3-D tensor maps over the packed tokens; CTAs past a short
+    sequence leave; rows of the next sequence in a box are masked): test_varlen's cases at d 64, 128, 256."""
+    from tests.gpu.test_varlen import run_forward, varlen_cases
+    sm90_planned(variant)
+    run_forward(np.random.default_rng(seed), **data.draw(varlen_cases([64, 128, 256])))
+    assert _routed_to_sm90()
