@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import struct
 
 from typing import Callable, NamedTuple
 
@@ -477,31 +476,27 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         lse = cupy.ndarray(prep.lse_shape, np.float32, memptr=mem + prep.lse_offset) if return_lse else None
         o_partial = mem.ptr + prep.partial_offset if prep.partial_offset else 0
         lse_partial = mem.ptr + prep.lse_partial_offset if prep.partial_offset else 0
-        params = np.frombuffer(_DECODE_POINTERS.pack(
-            q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse),
-            o_partial, lse_partial, _ptr(prep.seqlens_array(cache_seqlens)), _ptr(cache_batch_idx),
-            _ptr(block_table), _ptr(alibi_slopes)) + prep.params, plan.DECODE_PARAMS_DTYPE)[0]
-        for kernel, grid, block, smem in prep.launches:
-            kernel(grid, block, (params,), shared_mem=smem)
+        prep.launch(cupy.cuda.get_current_stream().ptr, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k),
+                    _ptr(v), out.data.ptr, _ptr(lse), o_partial, lse_partial,
+                    _ptr(prep.seqlens_array(cache_seqlens)), _ptr(cache_batch_idx), _ptr(block_table),
+                    _ptr(alibi_slopes))
     return (out, lse) if return_lse else out
 
 
-# DecodeParams starts with 13 pointers (q .. alibi, params.cuh); a call packs them in front of the constant rest
-# (struct.pack and one frombuffer: about 20x faster than setting fields of a NumPy structured scalar).
-_DECODE_POINTERS = struct.Struct("13Q")
-assert [plan.DECODE_PARAMS_DTYPE[i] for i in range(13)] == [np.dtype(np.uint64)] * 13
+# DecodeParams starts with 13 pointers (q .. alibi, params.cuh); every kernel of a call (append, decode, combine)
+# takes the same struct, so one KernelCall launches them all.
+DECODE_POINTERS = plan.DECODE_PARAMS_DTYPE.names[:13]
 _decode_calls: dict = {}  # call signature -> _DecodeCall: checks, plan and constant params, done once
 
 
 class _DecodeCall(NamedTuple):
     device_id: int
-    params: bytes             # DecodeParams after the pointers: strides, sizes, scales
+    launch: KernelCall        # append (when k/v are given), decode, combine (when split), one struct
     lse_shape: tuple
     nbytes: int               # one allocation per call: out | lse | partial O | partial lse
     lse_offset: int           # byte offsets into it; partial_offset 0: one split, no workspace
     partial_offset: int
     lse_partial_offset: int
-    launches: tuple           # (kernel, grid, block, smem) in order: append, decode, combine
     seqlens_array: Callable   # cache_seqlens -> the array to point at, or None
 
 
@@ -569,9 +564,10 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
     partial_offset = align(lse_offset + (b * h * sq * 4 if return_lse else 0)) if partial_rows else 0
     lse_partial_offset = partial_offset + partial_rows * d * 4
     nbytes = lse_partial_offset + partial_rows * 4 if partial_rows else partial_offset or align(lse_offset + b * h * sq * 4)
-    return _DecodeCall(device_id, p.tobytes()[_DECODE_POINTERS.size:], (b, h, sq), nbytes, lse_offset,
-                       partial_offset, lse_partial_offset, tuple(launches),
-                       (lambda x: x) if seqlens_is_array else (lambda x: None))
+    with _device(device_id):  # the kernels' functions are taken on the device they run on
+        launch = KernelCall(launches, p, DECODE_POINTERS)
+    return _DecodeCall(device_id, launch, (b, h, sq), nbytes, lse_offset,
+                       partial_offset, lse_partial_offset, (lambda x: x) if seqlens_is_array else (lambda x: None))
 
 
 def _require_device_index_arrays(**arrays) -> None:
