@@ -72,9 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"seqlens {','.join(map(str, QUICK_SEQLENS))} only")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--variant", choices=("lockstep", "ws"), default="lockstep",
-                   help="the Hopper kernel's variant (cuflash.hopper.VARIANTS): lockstep (first version) or ws "
-                        "(warp-specialized producer, deeper ring)")
+    p.add_argument("--variant", choices=("lockstep", "ws", "pingpong"), default="lockstep",
+                   help="the Hopper kernel's variant (cuflash.hopper.VARIANTS): lockstep (first version), ws "
+                        "(warp-specialized producer, deeper ring) or pingpong (ws, consumer warpgroups take turns)")
     p.add_argument("--dims", type=ba._int_list, default=list(HEADDIMS),
                    help="head dims, comma-separated, from 64,128 (default both)")
     p.add_argument("--seqlens", type=ba._int_list, default=None,

@@ -17,7 +17,8 @@
 //    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead. The producer gives its registers to the
 //    consumers (setmaxnreg 24 / 240: d = 256 keeps O in 128 of them). Within a warpgroup the loop is
 //    software-pipelined (consume_pipelined): S of block t and O += P V of block t - 1 are issued together and the
-//    softmax of block t runs while the second still computes.
+//    softmax of block t runs while the second still computes. PINGPONG adds turns between the two consumer
+//    warpgroups (named barriers): their GEMMs alternate, so one's softmax overlaps the other's GEMMs by design.
 // Head dims 64, 128 and 256; softcap and ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu); padded batches
 // and packed sequences (seqlen.cuh; 3-D tensor maps over the tokens). Other head dims stay on fwd.cu.
 #include "sm90.cuh"
@@ -48,7 +49,7 @@ struct FwdSm90Params {
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is asserted).
 static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params no longer matches cuflash/hopper.py");
 
-template <class T, int D, bool BAND, int STAGES, bool WS, bool SCORE_MOD>
+template <class T, int D, bool BAND, int STAGES, bool WS, bool SCORE_MOD, bool PINGPONG>
 struct FwdSm90 {
     static constexpr int BM = 128, BN = 64, PANELS = D / 64;
     static constexpr int THREADS = WS ? 384 : 256, CONSUMER0 = WS ? 128 : 0;  // consumers: threads CONSUMER0 ..
@@ -59,6 +60,7 @@ struct FwdSm90 {
     static constexpr u32 SMEM_BYTES = OFF_BAR + (1 + 2 * STAGES) * 8 + 1024;  // + room to align the base to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
+    static_assert(WS || !PINGPONG, "ping-pong schedules the warp-specialized consumers");
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
@@ -188,12 +190,25 @@ struct FwdSm90 {
     // t - 1 are in flight together, then the softmax of block t runs (in place on S) while P V still computes. O is
     // rescaled and P packed once that lands: the registers of P and O are the wgmma's until the wait. Each slot is
     // handed back (its "empty" barrier) when the P V that read its V is done.
+    //
+    // PINGPONG: the two consumer warpgroups also take turns issuing their GEMMs (named barriers 1 and 2, one per
+    // warpgroup: "my turn"), so that one's softmax runs while the other's GEMMs keep the tensor cores busy.
+    __device__ __forceinline__ void my_turn() const {
+        if (PINGPONG) sm90::named_sync(1 + wg, 256);
+    }
+    __device__ __forceinline__ void your_turn() const {
+        if (PINGPONG) sm90::named_arrive(2 - wg, 256);
+    }
+
     __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count) {
         float s[1][BN / 8][4], alpha[1][2];
         u32 pa[BN / 16][4];
+        if (PINGPONG && wg == 1) sm90::named_arrive(1, 256);  // warpgroup 0 goes first
         sm90::mbar_wait(full_bar(0), 0);
+        my_turn();
         sm90::wgmma_fence();
         issue_s(s, 0);
+        your_turn();
         sm90::wgmma_wait<0>();
         probabilities_of<true>(range, 0, s, alpha);
 #pragma unroll
@@ -201,9 +216,11 @@ struct FwdSm90 {
         for (int t = 1; t < count; ++t) {
             const int slot = t % STAGES, prev = (t - 1) % STAGES;
             sm90::mbar_wait(full_bar(slot), (t / STAGES) & 1);
+            my_turn();
             sm90::wgmma_fence();
             issue_s(s, slot);
             issue_pv(pa, prev);
+            your_turn();
             sm90::wgmma_wait<1>();  // groups complete in order: S of block t is in
             probabilities_of<false>(range, t, s, alpha);
             sm90::wgmma_wait<0>();  // and O += P V of block t - 1
@@ -213,8 +230,10 @@ struct FwdSm90 {
             for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
         }
         const int last = (count - 1) % STAGES;
+        my_turn();
         sm90::wgmma_fence();
         issue_pv(pa, last);
+        if (wg == 0) your_turn();  // warpgroup 1's last turn has no taker: skipped, so every arrival is consumed
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(empty_bar(last));
     }
@@ -323,10 +342,10 @@ struct FwdSm90 {
     }
 };
 
-template <class T, int D, int STAGES, bool BAND, bool WS, bool SCORE_MOD>
+template <class T, int D, int STAGES, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG>
 __global__ void __launch_bounds__(WS ? 384 : 256, 1) fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BAND, STAGES, WS, SCORE_MOD> block(p);
+    FwdSm90<T, D, BAND, STAGES, WS, SCORE_MOD, PINGPONG> block(p);
     block.run(smem);
 }
 

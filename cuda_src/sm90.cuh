@@ -94,6 +94,15 @@ __device__ __forceinline__ unsigned long long smem_desc_mn(u32 addr, u32 panel_b
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 
+// Named CTA barriers (ids 1..15; 0 is __syncthreads) over `threads` threads: sync arrives and waits until that many
+// have arrived, arrive only counts. Two warpgroups take turns with a pair of them (fwd_sm90.cu, PINGPONG).
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Per-thread register budget of the executing warpgroup (all its threads, converged): a producer that only issues
 // copies gives registers back, consumers take them (setmaxnreg; the kernel starts at the launch-bounds budget).
 template <int N> __device__ __forceinline__ void regs_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }

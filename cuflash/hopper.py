@@ -27,6 +27,7 @@ class FwdSm90Spec:
     warp_specialized: bool = False  # a producer warpgroup and "empty" mbarriers (fwd_sm90.cu, WS)
     stages: int = 2                 # K/V ring slots (2 without warp specialization)
     score_mod: bool = False         # softcap / ALiBi
+    pingpong: bool = False          # the consumer warpgroups take turns issuing GEMMs (warp-specialized only)
 
     source = "fwd_sm90.cu"
 
@@ -36,31 +37,32 @@ class FwdSm90Spec:
 
     @property
     def name(self) -> str:
-        ws = f"_ws{self.stages}" if self.warp_specialized else ""
+        ws = (f"_ws{self.stages}" if self.warp_specialized else "") + ("_pp" if self.pingpong else "")
         return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
                 f"{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
         return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.stages),
-                              (self.band, self.warp_specialized, self.score_mod))
+                              (self.band, self.warp_specialized, self.score_mod, self.pingpong))
 
     @property
     def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, mbarriers, alignment
         return (BLOCK_M + 2 * self.stages * BLOCK_N) * self.headdim * 2 + (1 + 2 * self.stages) * 8 + 1024
 
 
-# The variants: the lockstep first version, and the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,
-# whose Q and two slots already take 192 KB of shared memory).
-VARIANTS = ("lockstep", "ws")
+# The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,
+# whose Q and two slots already take 192 KB of shared memory); and that one with ping-pong turns between its two
+# consumer warpgroups.
+VARIANTS = ("lockstep", "ws", "pingpong")
 
 
 def variant_options(variant: str, headdim: int) -> dict:
-    """FwdSm90Spec's warp_specialized and stages for a variant of VARIANTS at a head dim."""
+    """FwdSm90Spec's warp_specialized, stages and pingpong for a variant of VARIANTS at a head dim."""
     if variant == "lockstep":
         return dict(warp_specialized=False, stages=2)
-    if variant == "ws":
-        return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2)
+    if variant in ("ws", "pingpong"):
+        return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
     raise ValueError(f"variant: one of {VARIANTS}, not {variant!r}")
 
 

@@ -10,7 +10,7 @@
 #      memcheck and racecheck.               -> env.txt, pytest_gpu.log, memcheck.log, racecheck.log
 #   3. benchmarks/bench_varlen.py --bwd (--quick unless VARLEN_ARGS says otherwise)  -> varlen.txt
 #   4. benchmarks/bench_overhead.py (torch per-call overhead beside SDPA)              -> overhead.txt
-#   5. benchmarks/bench_sm90.py (each of SM90_VARIANTS, default: lockstep ws), then bench_attention.py --op fwd --quick (SKIP_BENCH=1 skips) -> bench.txt
+#   5. benchmarks/bench_sm90.py (each of SM90_VARIANTS, default: lockstep ws pingpong), then bench_attention.py --op fwd --quick (SKIP_BENCH=1 skips) -> bench.txt
 #   6. with PROFILE=1: benchmarks/host_overhead.py --profile (cProfile of the CuPy API)  -> host_profile.txt
 # Environment: OUT, SKIP_SM90=1, SKIP_CHECK=1, SKIP_VARLEN=1, SKIP_OVERHEAD=1, TESTS_TIMEOUT (300),
 # SANITIZE_TIMEOUT (100), PYTEST_ARGS (passed on to gpu_check.sh).
@@ -49,7 +49,7 @@ if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then  # Hopper draft beside the portable kernel and SDPA, then the forward grid
     : >"$OUT/bench.txt"
-    for variant in ${SM90_VARIANTS:-lockstep ws}; do
+    for variant in ${SM90_VARIANTS:-lockstep ws pingpong}; do
         timeout -k 5 "${SM90_BENCH_TIMEOUT:-150}" python3 benchmarks/bench_sm90.py --variant "$variant" \
             ${SM90_BENCH_ARGS:-} >>"$OUT/bench.txt" 2>&1
         echo "sm90 bench ($variant): exit $? [$((SECONDS - t0))s]"

@@ -199,7 +199,7 @@ def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     assert plan.sm90_forward_variant(problem, "sm_90a") is None      # opt-in
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws"])
+@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
 def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant):
     """api.forward_call routes an eligible call to the Hopper kernel: its struct holds out's strides, the sizes,
     the window and the scale; the tensor maps' layouts pass TMA's rules, also for extent-1 axes with odd

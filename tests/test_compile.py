@@ -64,7 +64,7 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
     assert not re.search(r"\(C75\d\d\).*wgmma|wgmma.*serializ", log), log
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws"])
+@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("band", [False, True])
 @pytest.mark.parametrize("score_mod", [False, True])

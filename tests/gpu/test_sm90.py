@@ -53,7 +53,7 @@ def test_register_a_mn_major_b_matches_numpy(dtype, k):
     np.testing.assert_allclose(c.get(), ref, rtol=1e-3, atol=1e-3 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws"])
+@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("sq,sk,causal,window,h,hk", [
@@ -123,8 +123,8 @@ def sm90_cases(draw):
     return dict(draw(forward_cases()), d=draw(st.sampled_from([64, 128, 256])), return_lse=draw(st.booleans()))
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws"])
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=sm90_cases(), seed=st.integers(0, 2**31 - 1))
 def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case, seed):
     """The public forward on the Hopper path (the planner's choice) under the suite's rule, hypothesis shapes."""
@@ -134,7 +134,7 @@ def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case
     assert _routed_to_sm90()
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws"])
+@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, dtype):
     """Strided q/k/v views of one packed qkv tensor take the Hopper path without copies; so do softcap and ALiBi
@@ -153,8 +153,8 @@ def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, d
         assert _routed_to_sm90() == sm90, option
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws"])
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), seed=st.integers(0, 2**31 - 1))
 def test_attention_varlen_planned_on_sm90_matches_reference(sm90_planned, variant, data, seed):
     """cuflash.attention_varlen on the Hopper path (3-D tensor maps over the packed tokens; CTAs past a short
