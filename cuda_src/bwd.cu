@@ -20,7 +20,7 @@
 
 namespace cuflash {
 
-template <class T_, int D, int BM_, int BN_, int WARPS_>
+template <class T_, int D, int BM_, int BN_, int WARPS_, int QBUF_>
 struct BwdTraits {
     using T = T_;
     static constexpr int HEADDIM = D, DP = (D + 63) / 64 * 64;
@@ -31,16 +31,21 @@ struct BwdTraits {
     static constexpr int DTW = D / 2 / 8;    // 8-column tiles of dK, dV per warp (half of D)
     static constexpr int WQ = BM / 16;       // dQ product: WQ query tiles x (WARPS / WQ) column slices
     static constexpr int DQ_TILES = D / 8 / (WARPS / WQ);
+    static constexpr int QBUF = QBUF_;       // Q/dO buffers: 2 loads the next query block while one computes
     using KVTile = SmemTile<BN, DP>;
     using QTile = SmemTile<BM, DP>;
     using PTile = SmemTile<BN, 64>;          // P^T and dS^T: keys x queries
     static_assert(BM == 64 && BN == 64 && WARPS == 8,
                   "the warp split is 4 key tiles x 2 halves, and one 64-column panel holds P^T and dS^T");
     static_assert(D % 32 == 0 && DTW % 2 == 0 && DQ_TILES % 2 == 0, "column halves made of 16-wide pairs");
-    // Shared-memory map (bytes from the start).
-    static constexpr u32 OFF_K = 0, OFF_V = KVTile::BYTES, OFF_Q = 2 * KVTile::BYTES, OFF_DO = OFF_Q + QTile::BYTES;
-    static constexpr u32 OFF_P = OFF_DO + QTile::BYTES, OFF_DS = OFF_P + PTile::BYTES;
-    static constexpr u32 OFF_LSE = OFF_DS + PTile::BYTES, SMEM_BYTES = OFF_LSE + 2 * BM * 4;
+    static_assert(QBUF == 1 || QBUF == 2, "one or two Q/dO buffers");
+    // Shared-memory map (bytes from the start): K, V, then per buffer Q and dO, then P^T, dS^T, then per buffer
+    // lse and D (BM floats each).
+    static constexpr u32 OFF_K = 0, OFF_V = KVTile::BYTES, OFF_Q = 2 * KVTile::BYTES;
+    static constexpr u32 OFF_P = OFF_Q + QBUF * 2 * QTile::BYTES, OFF_DS = OFF_P + PTile::BYTES;
+    static constexpr u32 OFF_LSE = OFF_DS + PTile::BYTES, SMEM_BYTES = OFF_LSE + QBUF * 2 * BM * 4;
+    __device__ static constexpr u32 q_tile(int buf) { return OFF_Q + buf * 2 * QTile::BYTES; }
+    __device__ static constexpr u32 do_tile(int buf) { return q_tile(buf) + QTile::BYTES; }
 };
 
 template <class Traits, bool BAND, bool SCORE_MOD>
@@ -57,8 +62,7 @@ struct BwdBlock {
     const BwdParams& p;
     int tid, lane, warp, kb, half;  // kb: this warp's 16-key tile; half: its query half / column half
     u32 smem0;                      // shared-memory address of the block's buffer; tiles at Traits::OFF_*
-    float* s_lse;                   // lse_log2 of the block's queries (+inf past seqlen_q)
-    float* s_dsum;                  // D of the block's queries (0 past seqlen_q)
+    float* s_rows;                  // per buffer: lse_log2 of the block's queries (+inf past seqlen_q), then D (0)
     Mask<BAND> mask;
     ScoreMod mod;
     float acc_dk[DTW][4], acc_dv[DTW][4];
@@ -176,30 +180,36 @@ struct BwdBlock {
             }
     }
 
-    template <bool MASK>
-    __device__ __forceinline__ void step(int h, int n, int m) {
+    // Issues the loads of query block m of head h into buffer `buf`: Q and dO by cp.async (one commit group), lse and
+    // D by plain loads into shared memory.
+    __device__ __forceinline__ void load_queries(int h, int m, int buf) {
         const int row0 = m * BM, seqlen_q = this->seqlen_q(), q_begin = this->q_begin();
-        // ---- load Q, dO (cp.async) and the per-query lse, D ----
         const u16* q = p.q + SeqInfo::offset(q_begin, p.q_batch_stride, p.q_row_stride, row0) + (i64)h * p.q_head_stride;
         const u16* dout =
             p.dout + SeqInfo::offset(q_begin, p.do_batch_stride, p.do_row_stride, row0) + (i64)h * p.do_head_stride;
-        QCopy::load_async(smem0 + Traits::OFF_Q, q, p.q_row_stride, seqlen_q - row0, p.headdim, tid);
-        QCopy::load_async(smem0 + Traits::OFF_DO, dout, p.do_row_stride, seqlen_q - row0, p.headdim, tid);
+        QCopy::load_async(smem0 + Traits::q_tile(buf), q, p.q_row_stride, seqlen_q - row0, p.headdim, tid);
+        QCopy::load_async(smem0 + Traits::do_tile(buf), dout, p.do_row_stride, seqlen_q - row0, p.headdim, tid);
         cp_async_commit();
         if (tid < BM) {
             const i64 i = SeqInfo::offset(q_begin, p.lse_batch_stride, 1, row0 + tid) + (i64)h * p.lse_head_stride;
             const bool valid = row0 + tid < seqlen_q;
-            s_lse[tid] = valid ? p.lse_log2[i] : __int_as_float(0x7f800000);  // +inf: P = 0
-            s_dsum[tid] = valid ? p.dsum[i] : 0.f;
+            s_rows[buf * 2 * BM + tid] = valid ? p.lse_log2[i] : __int_as_float(0x7f800000);  // +inf: P = 0
+            s_rows[buf * 2 * BM + BM + tid] = valid ? p.dsum[i] : 0.f;
         }
-        cp_async_wait<0>();
-        __syncthreads();
+    }
 
+    // Query block m of head h from buffer `buf` (landed, and visible to every thread): dK, dV and dQ updates. Ends with
+    // a CTA barrier, after which the buffer, P^T and dS^T may be overwritten.
+    template <bool MASK>
+    __device__ __forceinline__ void compute(int h, int n, int m, int buf) {
+        const int row0 = m * BM;
+        const float* s_lse = s_rows + buf * 2 * BM;
+        const float* s_dsum = s_lse + BM;
         // ---- S^T and dP^T for 16 keys x BM/2 queries; P^T and dS^T element by element, so that softcap's
         // derivative is used where it is computed ----
         float s[1][NQW][4], dp[1][NQW][4];
-        keys_by_queries(dp, Traits::OFF_V, Traits::OFF_DO);
-        keys_by_queries(s, Traits::OFF_K, Traits::OFF_Q);
+        keys_by_queries(dp, Traits::OFF_V, Traits::do_tile(buf));
+        keys_by_queries(s, Traits::OFF_K, Traits::q_tile(buf));
         const int key0 = n * BN + kb * 16, q0 = row0 + half * (BM / 2);
         u32 dtanh[1][NQW][2];  // softcap's derivative, fp16 pairs (score-mod kernels only)
         if constexpr (SCORE_MOD) mod.template apply<true>(s, key0, q0, lane, dtanh);
@@ -226,10 +236,19 @@ struct BwdBlock {
         __syncthreads();
 
         // ---- dV += P^T dO, dK += dS^T Q, dQ += dS K ----
-        accumulate(acc_dv, Traits::OFF_P, Traits::OFF_DO);
-        accumulate(acc_dk, Traits::OFF_DS, Traits::OFF_Q);
-        dq_product(row0, h, q_begin);
-        __syncthreads();  // before the next step overwrites Q, dO, P, dS
+        accumulate(acc_dv, Traits::OFF_P, Traits::do_tile(buf));
+        accumulate(acc_dk, Traits::OFF_DS, Traits::q_tile(buf));
+        dq_product(row0, h, this->q_begin());
+        __syncthreads();  // before the next step overwrites this buffer, P, dS
+    }
+
+    // One query block, loaded and computed (one buffer).
+    template <bool MASK>
+    __device__ __forceinline__ void step(int h, int n, int m) {
+        load_queries(h, m, 0);
+        cp_async_wait<0>();
+        __syncthreads();
+        compute<MASK>(h, n, m, 0);
     }
 
     __device__ __forceinline__ void store_dkdv(int h_kv, int n) const {
@@ -257,8 +276,7 @@ struct BwdBlock {
         kb = warp % 4;
         half = warp / 4;
         smem0 = smem_u32(smem);
-        s_lse = reinterpret_cast<float*>(smem + Traits::OFF_LSE);
-        s_dsum = s_lse + BM;
+        s_rows = reinterpret_cast<float*>(smem + Traits::OFF_LSE);
         const int h_kv = blockIdx.y;
         const SeqInfo seq(p, blockIdx.z);
         const int diag = seq.seqlen_k - seq.seqlen_q;
@@ -287,6 +305,8 @@ struct BwdBlock {
                 if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
             }
             const bool tail = (n + 1) * BN > mask.seqlen_k;
+            int buf = 0;  // two buffers: the one block (h, m) is in; the next block's loads go to the other
+            if (Traits::QBUF == 2 && m_min < m_max) load_queries(h_kv * p.heads_per_kv, m_min, 0);
             for (int i = 0; i < p.heads_per_kv; ++i) {
                 const int h = h_kv * p.heads_per_kv + i;
                 if (SCORE_MOD)
@@ -299,10 +319,19 @@ struct BwdBlock {
                         if (p.window_right >= 0) full = full && n * BN + BN - 1 <= m * BM + diag + p.window_right;
                         if (p.window_left >= 0) full = full && n * BN >= m * BM + BM - 1 + diag - p.window_left;
                     }
-                    if (full && !SCORE_MOD)  // score-mod kernels keep one (masked) copy of the step: registers
+                    if constexpr (Traits::QBUF == 2) {
+                        cp_async_wait<0>();
+                        __syncthreads();  // block (h, m) has landed; the other buffer's last readers are done
+                        if (m + 1 < m_max) load_queries(h, m + 1, buf ^ 1);          // overlaps the compute below
+                        else if (i + 1 < p.heads_per_kv) load_queries(h + 1, m_min, buf ^ 1);
+                        if (full && !SCORE_MOD) compute<false>(h, n, m, buf);
+                        else compute<true>(h, n, m, buf);
+                        buf ^= 1;
+                    } else if (full && !SCORE_MOD) {  // score-mod kernels keep one (masked) copy of the step
                         step<false>(h, n, m);
-                    else
+                    } else {
                         step<true>(h, n, m);
+                    }
                 }
             }
             cp_async_wait<0>();  // a CTA whose keys no query sees never waited for its K and V
@@ -312,10 +341,10 @@ struct BwdBlock {
     }
 };
 
-template <class T, int D, int BM, int BN, int WARPS, bool BAND, bool SCORE_MOD>
+template <class T, int D, int BM, int BN, int WARPS, int QBUF, bool BAND, bool SCORE_MOD>
 __global__ void __launch_bounds__(WARPS * 32, 1) bwd_kernel(const __grid_constant__ BwdParams p) {
     extern __shared__ __align__(1024) char smem[];
-    BwdBlock<BwdTraits<T, D, BM, BN, WARPS>, BAND, SCORE_MOD> block(p);
+    BwdBlock<BwdTraits<T, D, BM, BN, WARPS, QBUF>, BAND, SCORE_MOD> block(p);
     block.run(smem);
 }
 

@@ -8,6 +8,7 @@ Pure Python: runs on a machine without a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -189,14 +190,25 @@ BWD_HEADDIMS = (32, 64, 96, 128)
 
 @dataclass(frozen=True)
 class BwdConfig:
-    block_m: int   # queries per step
-    block_n: int   # keys per CTA
+    block_m: int        # queries per step
+    block_n: int        # keys per CTA
     warps: int
+    q_buffers: int = 1  # Q/dO buffers: 2 loads the next query block while the current one computes
 
 
 # One shape for every head dim: 64 keys per CTA, 64 queries per step, 8 warps (4 key tiles x 2 halves);
 # the kernel asserts this split (cuda_src/bwd.cu, BwdTraits). 0 spills on sm_80/sm_90a up to d = 128.
 BWD_CONFIG = BwdConfig(64, 64, 8)
+# Two Q/dO buffers (the next query block loads while one computes): spill-free up to d = 96 (at 128 ptxas spills
+# 8-52 bytes). Not yet run on a GPU: opt-in with CUFLASH_BWD_QBUF=1 until measured (bench_attention.py --op bwd).
+BWD_DOUBLE_BUFFER = {"enabled": os.environ.get("CUFLASH_BWD_QBUF", "0") == "1", "headdims": (32, 64, 96)}
+
+
+def bwd_config(headdim: int) -> BwdConfig:
+    """The backward's tile configuration for a compiled head dim."""
+    if BWD_DOUBLE_BUFFER["enabled"] and headdim in BWD_DOUBLE_BUFFER["headdims"]:
+        return dataclasses.replace(BWD_CONFIG, q_buffers=2)
+    return BWD_CONFIG
 
 
 @dataclass(frozen=True)
@@ -215,12 +227,13 @@ class BwdSpec:
     def name(self) -> str:
         c = self.config
         return (f"bwd_{self.dtype}_d{self.headdim}_m{c.block_m}_n{c.block_n}_w{c.warps}"
+                + (f"_qb{c.q_buffers}" if c.q_buffers > 1 else "")
                 + ("_causal" if self.band else "") + ("_mod" if self.score_mod else ""))
 
     @property
     def template(self) -> str:
         c = self.config
-        return _template("bwd_kernel", self.dtype, (self.headdim, c.block_m, c.block_n, c.warps),
+        return _template("bwd_kernel", self.dtype, (self.headdim, c.block_m, c.block_n, c.warps, c.q_buffers),
                          (self.band, self.score_mod))
 
     @property
@@ -229,10 +242,11 @@ class BwdSpec:
 
     @property
     def smem_bytes(self) -> int:
-        # BwdTraits::SMEM_BYTES: K, V (block_n rows), Q, dO (block_m rows), P^T and dS^T (block_n x 64),
-        # lse and D (block_m floats each).
+        # BwdTraits::SMEM_BYTES: K, V (block_n rows), per buffer Q, dO (block_m rows), P^T and dS^T
+        # (block_n x 64), per buffer lse and D (block_m floats each).
         c = self.config
-        return 2 * (c.block_n + c.block_m) * _smem_row_bytes(self.headdim) + 2 * c.block_n * 64 * 2 + 2 * c.block_m * 4
+        return (2 * (c.block_n + c.q_buffers * c.block_m) * _smem_row_bytes(self.headdim)
+                + 2 * c.block_n * 64 * 2 + c.q_buffers * 2 * c.block_m * 4)
 
 
 @dataclass(frozen=True)
@@ -270,6 +284,8 @@ def all_backward_specs(arch: str) -> list:
             for band in (False, True):
                 for mod in (False, True):
                     specs.append(BwdSpec(dtype, d, BWD_CONFIG, band, mod))
+                    if d in BWD_DOUBLE_BUFFER["headdims"]:  # compiled (and checked for spills) even when off
+                        specs.append(BwdSpec(dtype, d, dataclasses.replace(BWD_CONFIG, q_buffers=2), band, mod))
     return specs
 
 
@@ -291,7 +307,8 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     batch) its own dQ slice; enough slots to fill the GPU about twice, at most one per KV block."""
     band = left >= 0 or right >= 0
     dtype = DTYPES[np.dtype(problem.dtype).name][0]
-    spec = BwdSpec(dtype, bwd_headdim(problem.headdim), BWD_CONFIG, band, score_mod)
+    d = bwd_headdim(problem.headdim)
+    spec = BwdSpec(dtype, d, bwd_config(d), band, score_mod)
     n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
     slots = n_blocks
     if deterministic:

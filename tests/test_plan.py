@@ -186,3 +186,18 @@ def test_backward_workspace_layout():
     lse_log2, dq_accum, total = plan.backward_workspace(rows=300, nheads=4, headdim=128, slices=3)
     assert lse_log2 == 4864 and dq_accum == 2 * 4864  # 300 * 4 * 4 = 4800 bytes, rounded up to 256
     assert total == dq_accum + 3 * 300 * 4 * 128 * 4 and total % plan.WORKSPACE_ALIGN == 0
+
+
+def test_backward_double_buffering_is_opt_in_and_spill_free_dims_only(monkeypatch):
+    problem = checks.Problem(2, 300, 300, 4, 2, 64, np.dtype(np.float16))
+    monkeypatch.setitem(plan.BWD_DOUBLE_BUFFER, "enabled", False)
+    assert plan.plan_backward(problem, -1, -1, False, False, "sm_90a", 132).spec.config.q_buffers == 1
+    monkeypatch.setitem(plan.BWD_DOUBLE_BUFFER, "enabled", True)
+    spec = plan.plan_backward(problem, -1, -1, False, False, "sm_90a", 132).spec
+    assert spec.config.q_buffers == 2 and "_qb2" in spec.name and ", 2, false, false>" in spec.template
+    wide = checks.Problem(2, 300, 300, 4, 2, 128, np.dtype(np.float16))
+    assert plan.plan_backward(wide, -1, -1, False, False, "sm_90a", 132).spec.config.q_buffers == 1
+    # one more Q and dO tile and one more lse/D pair per query block of shared memory
+    one = plan.BwdSpec("fp16", 64, plan.BWD_CONFIG, False, False)
+    assert spec.smem_bytes - one.smem_bytes == 2 * 64 * 128 + 2 * 64 * 4
+    assert spec in plan.all_backward_specs("sm_90a")

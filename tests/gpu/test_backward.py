@@ -140,3 +140,32 @@ def test_large_head_dims_are_refused_before_launch(compiled):
     out, lse = cuflash.attention(q, k, v, return_lse=True)
     with pytest.raises(NotImplementedError, match="head dim 192"):
         cuflash.attention_backward(dout, q, k, v, out, lse)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Double-buffered Q/dO (plan.BWD_DOUBLE_BUFFER, opt-in until measured): the same checks with it chosen
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def double_buffered(monkeypatch):
+    """The planner picks two Q/dO buffers where the table has them; launch caches emptied before and after."""
+    from cuflash import api, plan
+    monkeypatch.setitem(plan.BWD_DOUBLE_BUFFER, "enabled", True)
+    api._bwd_launches.clear()
+    assert plan.bwd_config(64).q_buffers == 2 and plan.bwd_config(128).q_buffers == 1
+    yield
+    api._bwd_launches.clear()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=backward_cases().filter(lambda c: c["d"] <= 96), seed=st.integers(0, 2**31 - 1))
+def test_double_buffered_backward_matches_reference(compiled, double_buffered, case, seed):
+    run_case(np.random.default_rng(seed), **case)
+
+
+@pytest.mark.parametrize("option", [dict(causal=True), dict(window_size=(40, 7)), dict(softcap=8.0), dict(alibi="bh")])
+def test_double_buffered_backward_options_and_gqa(compiled, double_buffered, option):
+    """Several query heads per KV head (the next block crosses a head boundary) and several query blocks."""
+    run_case(np.random.default_rng(9), b=2, sq=333, sk=200, h=6, hk=2, d=64, dtype="bf16", **option)
+    run_case(np.random.default_rng(10), b=1, sq=130, sk=500, h=3, hk=1, d=96, dtype="fp16", deterministic=True,
+             **option)
