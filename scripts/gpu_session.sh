@@ -11,7 +11,8 @@
 #   3. benchmarks/bench_varlen.py --bwd (--quick unless VARLEN_ARGS says otherwise)  -> varlen.txt
 #   4. benchmarks/bench_overhead.py (torch per-call overhead beside SDPA)              -> overhead.txt
 #   5. benchmarks/bench_sm90.py (each of SM90_VARIANTS, default: lockstep ws pingpong), then bench_attention.py --op fwd --quick (SKIP_BENCH=1 skips) -> bench.txt
-#   6. with PROFILE=1: benchmarks/host_overhead.py --profile (cProfile of the CuPy API)  -> host_profile.txt
+#   6. with BWD_AB=1: bench_attention.py --op bwd --quick with CUFLASH_BWD_QBUF=0, then 1  -> bench.txt
+#   7. with PROFILE=1: benchmarks/host_overhead.py --profile (cProfile of the CuPy API)  -> host_profile.txt
 # Environment: OUT, SKIP_SM90=1, SKIP_CHECK=1, SKIP_VARLEN=1, SKIP_OVERHEAD=1, TESTS_TIMEOUT (300),
 # SANITIZE_TIMEOUT (100), PYTEST_ARGS (passed on to gpu_check.sh).
 set -u
@@ -58,6 +59,14 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then  # Hopper draft beside the portable kernel 
         >>"$OUT/bench.txt" 2>&1
     echo "forward bench: exit $? [$((SECONDS - t0))s]"
     awk '/^=== /{p=1} /^$/{if (p) print ""; p=0} p' "$OUT/bench.txt"
+fi
+if [ "${BWD_AB:-0}" = 1 ]; then  # the backward with one and with two Q/dO buffers (plan.BWD_DOUBLE_BUFFER), same grid
+    for qbuf in 0 1; do
+        CUFLASH_BWD_QBUF=$qbuf timeout -k 5 "${BWD_BENCH_TIMEOUT:-200}" python3 benchmarks/bench_attention.py --op bwd \
+            ${BWD_BENCH_ARGS:---quick} >>"$OUT/bench.txt" 2>&1
+        echo "backward bench (CUFLASH_BWD_QBUF=$qbuf): exit $? [$((SECONDS - t0))s]"
+    done
+    grep -A12 "^=== cuflash Backward" "$OUT/bench.txt" | tail -26
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
     timeout -k 5 60 python3 benchmarks/host_overhead.py --calls 1000 --profile >"$OUT/host_profile.txt" 2>&1
