@@ -80,6 +80,14 @@ PARAMS_DTYPE = np.dtype({
     "itemsize": 512})
 
 
+def all_specs() -> list:
+    """Every Hopper forward specialization (each variant, head dim, dtype, band, score mod): what the compile test
+    checks and scripts/precompile.py --hopper compiles ahead of the GPU tests."""
+    return [FwdSm90Spec(dtype, d, band, score_mod=mod, **variant_options(variant, d))
+            for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
+            for band in (False, True) for mod in (False, True)]
+
+
 _POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the three maps (offset 384)
 
 

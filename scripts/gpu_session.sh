@@ -22,8 +22,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDON
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 t0=$SECONDS
 if [ "${SKIP_SM90:-0}" != 1 ]; then
+    # every Hopper specialization (about 72) and the portable ones, in 16 processes: the tests then load them
+    timeout -k 5 "${PRECOMPILE_TIMEOUT:-240}" python3 scripts/precompile.py --hopper --workers 16 >"$OUT/sm90.log" 2>&1
+    echo "precompile: exit $? [$((SECONDS - t0))s]"
     timeout -k 5 "${SM90_SELFTEST_TIMEOUT:-60}" python3 -m pytest -v --tb=short -p no:cacheprovider \
-        tests/gpu/test_sm90.py -k "numpy" >"$OUT/sm90.log" 2>&1
+        tests/gpu/test_sm90.py -k "numpy" >>"$OUT/sm90.log" 2>&1
     echo "sm90 selftests: exit $? [$((SECONDS - t0))s]"
     timeout -k 5 "${SM90_FWD_TIMEOUT:-300}" python3 -m pytest -v --tb=short -x -p no:cacheprovider \
         tests/gpu/test_sm90.py -k "not numpy" >>"$OUT/sm90.log" 2>&1

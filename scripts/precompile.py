@@ -1,6 +1,6 @@
 """Compile kernels ahead of time into CuPy's disk cache, in parallel processes.
 
-    python3 scripts/precompile.py [--pattern REGEX] [--headdims 64,128] [--workers 16]
+    python3 scripts/precompile.py [--pattern REGEX] [--headdims 64,128] [--workers 16] [--hopper]
 
 Every spec the planner can choose on the current device whose name matches --pattern, restricted to the given
 head dims (specs without a head dim in their name are kept). A file, not a script on stdin: the worker processes
@@ -19,6 +19,7 @@ def main():
     ap.add_argument("--pattern", default="")
     ap.add_argument("--headdims", default="")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--hopper", action="store_true", help="also every Hopper forward specialization (cuflash.hopper)")
     args = ap.parse_args()
     import cupy
     import cuflash
@@ -28,6 +29,9 @@ def main():
     dim_re = re.compile(r"_d(" + "|".join(dims) + r")_") if dims else None
     specs = [s for s in plan.all_specs(arch) if re.match(args.pattern, s.name)
              and (dim_re is None or dim_re.search(s.name) or not re.search(r"_d\d+", s.name))]
+    if args.hopper and arch == "sm_90a":
+        from cuflash import hopper
+        specs += hopper.all_specs()
     print(len(cuflash.precompile(specs, workers=args.workers, progress=False)), "kernels for", arch)
 
 

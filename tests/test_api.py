@@ -245,3 +245,11 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
         dtype, dims, strides, box = hopper._map_layout(x, rows)
         tma.check_tiled(0x10000, dtype, dims, strides, box, 128)
     assert hopper._map_layout(kv, hopper.BLOCK_N)[2] == (256, 3 * 256, 333 * 2 * 256)  # rows as given, batch made valid
+
+
+def test_hopper_specs_are_distinct_and_fit_shared_memory():
+    from cuflash import hopper
+    specs = hopper.all_specs()
+    assert len(specs) == len(hopper.VARIANTS) * len(hopper.HEADDIMS) * 2 * 2 * 2
+    assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
+    assert all(s.smem_bytes <= 227 * 1024 for s in specs)
