@@ -124,7 +124,7 @@ def sm90_cases(draw):
 
 
 @pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=sm90_cases(), seed=st.integers(0, 2**31 - 1))
 def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case, seed):
     """The public forward on the Hopper path (the planner's choice) under the suite's rule, hypothesis shapes."""
@@ -154,7 +154,7 @@ def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, d
 
 
 @pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
-@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), seed=st.integers(0, 2**31 - 1))
 def test_attention_varlen_planned_on_sm90_matches_reference(sm90_planned, variant, data, seed):
     """cuflash.attention_varlen on the Hopper path (3-D tensor maps over the packed tokens; CTAs past a short
