@@ -1,0 +1,93 @@
+"""Does a refactor of cuda_src/ change what the kernels compute? Compares the PTX of kernels between a git revision
+and the working tree, without a GPU.
+
+    python3 scripts/ptx_equivalence.py REV [--arch compute_90a] [--limit 8]
+
+For specializations the planner can choose (forward, backward, decode; --limit of each family, spread), the
+PTX of both sources is reduced to a multiset of instructions with register numbers erased. The same multiset means
+the same operations on the same operand kinds, only scheduled or numbered differently: for floating-point code,
+bitwise the same results. Prints SAME or the instructions that differ, per kernel. A template whose parameters
+changed between the revisions is compiled under each revision's own name expression (given by --old-template as
+a Python format, e.g. when a parameter was added).
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def ptx(source_dir: str, source: str, name_expression: str, arch: str) -> str:
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(f'#include "{source}"\n', "k.cu", [], [])
+    nvrtc.addNameExpression(prog, name_expression)
+    try:
+        nvrtc.compileProgram(prog, [f"-arch={arch}", "-std=c++17", "--use_fast_math", f"-I{source_dir}",
+                                    "-DCUFLASH_SOURCE_HASH=0x0"])
+    except Exception:
+        raise RuntimeError(f"{name_expression} in {source_dir}:\n{nvrtc.getProgramLog(prog)}") from None
+    out = nvrtc.getPTX(prog)
+    nvrtc.destroyProgram(prog)
+    return out.decode() if isinstance(out, bytes) else out
+
+
+def instructions(text: str) -> Counter:
+    """PTX lines without comments, register declarations, mangled names and register numbers."""
+    lines = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("//") or line.startswith(".reg "):
+            continue
+        line = re.sub(r"_Z\w+", "KERNEL", line)
+        lines.append(re.sub(r"%[a-z]+\d+", "%R", line))
+    return Counter(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rev", help="git revision to compare the working tree's cuda_src/ with")
+    ap.add_argument("--arch", default="compute_90a")
+    ap.add_argument("--limit", type=int, default=8, help="kernels per family (forward, backward, decode), spread")
+    ap.add_argument("--old-template", action="append", default=[], metavar="NEW=OLD",
+                    help="regex NEW on a template -> replacement OLD for the old revision, e.g. "
+                         r"'(bwd_kernel<[^>]*), 1, (true|false), (true|false)>=\1, \2, \3>'")
+    args = ap.parse_args()
+    from cuflash import plan
+    arch = args.arch.replace("compute_", "sm_")
+    families = {"forward": plan.all_forward_specs(arch), "backward": plan.all_backward_specs(arch),
+                "decode": plan.all_decode_specs(arch)}
+    rewrites = [tuple(r.split("=", 1)) for r in args.old_template]
+    differ = 0
+    with tempfile.TemporaryDirectory() as old_dir:
+        files = subprocess.run(["git", "ls-tree", "--name-only", args.rev, "cuda_src/"], cwd=ROOT, check=True,
+                               capture_output=True, text=True).stdout.split()
+        for f in files:
+            blob = subprocess.run(["git", "show", f"{args.rev}:{f}"], cwd=ROOT, check=True, capture_output=True).stdout
+            Path(old_dir, os.path.basename(f)).write_bytes(blob)
+        for family, specs in families.items():
+            step = max(1, len(specs) // args.limit)  # spread over the family: aux kernels, head dims, options
+            for spec in specs[::step][:args.limit]:
+                old_template = spec.template
+                for pattern, replacement in rewrites:
+                    old_template = re.sub(pattern, replacement, old_template)
+                b = instructions(ptx(str(ROOT / "cuda_src"), spec.source, spec.template, args.arch))
+                try:
+                    a = instructions(ptx(old_dir, spec.source, old_template, args.arch))
+                except RuntimeError:
+                    print(f"{family:9s} {spec.name:50s} NEW (no such kernel at {args.rev})")
+                    continue
+                diff = {k: b[k] - a[k] for k in (a - b) + (b - a)}
+                differ += bool(diff)
+                print(f"{family:9s} {spec.name:50s} {'SAME' if not diff else diff}")
+    print(f"{differ} kernel(s) differ")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
