@@ -253,3 +253,18 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
     assert len(specs) == len(hopper.VARIANTS) * len(hopper.HEADDIMS) * 2 * 2 * 2
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
     assert all(s.smem_bytes <= 227 * 1024 for s in specs)
+
+
+def test_kernel_call_head_write_keeps_the_rest():
+    """launch_head replaces the struct's first bytes (the Hopper kernel's tensor maps and pointers) and nothing else."""
+    from cuflash import hopper
+    from cuflash.launcher import KernelCall
+    p = np.zeros((), hopper.PARAMS_DTYPE)
+    p["seqlen_q"], p["softcap"] = 123, 2.5
+    call = KernelCall((), p, ())
+    head = bytes(range(256)) * 1 + bytes(128) + hopper._POINTERS.pack(1, 2, 3, 4, 5)
+    call.launch_head(0, head)  # no launches: only the struct is written
+    got = np.frombuffer(call.params(), hopper.PARAMS_DTYPE)[0]
+    assert bytes(got["q"]) + bytes(got["k"]) == bytes(range(256)) and bytes(got["v"]) == bytes(128)
+    assert [int(got[n]) for n in ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")] == [1, 2, 3, 4, 5]
+    assert got["seqlen_q"] == 123 and got["softcap"] == 2.5
