@@ -3,9 +3,9 @@
 // Grid (KV block slots, KV heads, batch): a CTA owns BN = 64 keys of one KV head and walks every query block
 // (of every query head sharing that KV head) that can see them, keeping dK and dV in registers. Per block of
 // BM queries, eight warps:
-//     S^T = K Q^T, dP^T = V dO^T         warp (key tile kb, query half): 16 keys x BM/2 queries
+//     S^T = K Q^T, dP^T = V dO^T         warp (key tile kb, query part): 16 keys x BM/SPLIT queries
 //     P^T = exp2(S^T - lse), dS^T = P^T (dP^T - D) * scale, both to shared memory
-//     dV += P^T dO, dK += dS^T Q         warp (key tile kb, column half): 16 keys x D/2
+//     dV += P^T dO, dK += dS^T Q         warp (key tile kb, column part): 16 keys x D/SPLIT
 //     dQ = dS K -> fp32 accumulator      warp (query tile, column slice)
 // dQ is added atomically into one fp32 buffer (default) or, in deterministic mode, by CTA x into its own slice x,
 // where only one thread ever adds to an element, in the order the CTA walks KV blocks x, x + slots, ...;
@@ -27,17 +27,19 @@ struct BwdTraits {
     static constexpr int WARPS = WARPS_, THREADS = WARPS * 32;
     static constexpr int BN = BN_;           // keys per CTA
     static constexpr int BM = BM_;           // queries per step
-    static constexpr int NQW = BM / 2 / 8;   // 8-query tiles of S^T per warp (half of the block)
-    static constexpr int DTW = D / 2 / 8;    // 8-column tiles of dK, dV per warp (half of D)
+    static constexpr int KT = BN / 16;       // 16-key tiles: warp w owns tile w % KT ...
+    static constexpr int SPLIT = WARPS / KT; // ... and part w / KT of the queries (S^T) and of the columns (dK, dV)
+    static constexpr int NQW = BM / SPLIT / 8;  // 8-query tiles of S^T per warp
+    static constexpr int DTW = D / SPLIT / 8;   // 8-column tiles of dK, dV per warp
     static constexpr int WQ = BM / 16;       // dQ product: WQ query tiles x (WARPS / WQ) column slices
     static constexpr int DQ_TILES = D / 8 / (WARPS / WQ);
     static constexpr int QBUF = QBUF_;       // Q/dO buffers: 2 loads the next query block while one computes
     using KVTile = SmemTile<BN, DP>;
     using QTile = SmemTile<BM, DP>;
     using PTile = SmemTile<BN, 64>;          // P^T and dS^T: keys x queries
-    static_assert(BM == 64 && BN == 64 && WARPS == 8,
-                  "the warp split is 4 key tiles x 2 halves, and one 64-column panel holds P^T and dS^T");
-    static_assert(D % 32 == 0 && DTW % 2 == 0 && DQ_TILES % 2 == 0, "column halves made of 16-wide pairs");
+    static_assert(BM == 64 && WARPS == 8 && (BN == 64 || BN == 32),
+                  "8 warps as 4 key tiles x 2 parts (64 keys) or 2 x 4 (32 keys); one 64-column panel holds P^T, dS^T");
+    static_assert(D % 32 == 0 && NQW % 2 == 0 && DTW % 2 == 0 && DQ_TILES % 2 == 0, "parts made of 16-wide pairs");
     static_assert(QBUF == 1 || QBUF == 2, "one or two Q/dO buffers");
     // Shared-memory map (bytes from the start): K, V, then per buffer Q and dO, then P^T, dS^T, then per buffer
     // lse and D (BM floats each).
@@ -60,7 +62,7 @@ struct BwdBlock {
     using QCopy = TileCopy<BM, D, DP, THREADS>;
 
     const BwdParams& p;
-    int tid, lane, warp, kb, half;  // kb: this warp's 16-key tile; half: its query half / column half
+    int tid, lane, warp, kb, half;  // kb: this warp's 16-key tile; half: its query part / column part (of SPLIT)
     u32 smem0;                      // shared-memory address of the block's buffer; tiles at Traits::OFF_*
     float* s_rows;                  // per buffer: lse_log2 of the block's queries (+inf past seqlen_q), then D (0)
     Mask<BAND> mask;
@@ -88,7 +90,8 @@ struct BwdBlock {
     // acc[this warp's 16 keys x its BM/2 queries] = X Y^T over D: S^T (X = K, Y = Q) and dP^T (X = V, Y = dO).
     __device__ __forceinline__ void keys_by_queries(float (&acc)[1][NQW][4], u32 x_tile, u32 y_tile) const {
         const LdmatrixAddr<KVTile> xa(smem0 + x_tile, kb * 16 + lane % 16, lane / 16);
-        const LdmatrixAddr<QTile> yb(smem0 + y_tile, half * (BM / 2) + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+        const LdmatrixAddr<QTile> yb(smem0 + y_tile, half * (BM / Traits::SPLIT) + lane % 8 + (lane / 16) * 8,
+                                     (lane / 8) % 2);
 #pragma unroll
         for (int nt = 0; nt < NQW; ++nt)
 #pragma unroll
@@ -110,7 +113,7 @@ struct BwdBlock {
     // acc[this warp's 16 keys x its D/2 columns] += A[16 keys x BM queries] Y[BM x D]: A (P^T or dS^T) from its
     // shared tile, Y (dO or Q, rows = queries) transposed.
     __device__ __forceinline__ void accumulate(float (&acc)[DTW][4], u32 a_tile, u32 y_tile) const {
-        u32 y_addr[DTW / 2];  // the warp's column half is a run-time offset: form these few addresses here
+        u32 y_addr[DTW / 2];  // the warp's column part is a run-time offset: form these few addresses here
 #pragma unroll
         for (int dp = 0; dp < DTW / 2; ++dp) y_addr[dp] = ldm<QTile>(y_tile, 0, half * DTW + 2 * dp, false);
         const LdmatrixAddr<PTile> aa(smem0 + a_tile, kb * 16 + lane % 16, lane / 16);
@@ -130,12 +133,21 @@ struct BwdBlock {
 
     // dQ[query tile x column slice] = dS K, added to the fp32 accumulator. dS^T and K are read transposed.
     __device__ __forceinline__ void dq_product(int row0, int h, int q_begin) const {
+        // At most 8 column tiles at a time (32 accumulators): wide head dims take their columns in several passes.
+        constexpr int TILES = Traits::DQ_TILES, CHUNK = TILES < 8 ? TILES : 8;
+        static_assert(TILES % CHUNK == 0, "whole passes");
+#pragma unroll
+        for (int c0 = 0; c0 < TILES; c0 += CHUNK) dq_columns<CHUNK>(row0, h, q_begin, (warp / Traits::WQ) * TILES + c0);
+    }
+
+    // dQ[query tile x column tiles col_tile0 .. + TILES] = dS K, added to the fp32 accumulator.
+    template <int TILES>
+    __device__ __forceinline__ void dq_columns(int row0, int h, int q_begin, int col_tile0) const {
         const int seqlen_q = this->seqlen_q();
         // Formed here from values the CTA can read again at no cost, rather than a pointer held through the loops.
         float* dq_base = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
                          SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * p.headdim;
-        constexpr int TILES = Traits::DQ_TILES;
-        const int q_tile = warp % Traits::WQ, col_tile0 = (warp / Traits::WQ) * TILES;
+        const int q_tile = warp % Traits::WQ;
         const u32 ds_addr = ldm<PTile>(Traits::OFF_DS, 0, 2 * q_tile, true);
         u32 k_addr[TILES / 2];
 #pragma unroll
@@ -168,13 +180,13 @@ struct BwdBlock {
             }
     }
 
-    // Writes 16-bit fragments (rows = this warp's keys, columns = its query half) into a keys x queries tile.
+    // Writes 16-bit fragments (rows = this warp's keys, columns = its query part) into a keys x queries tile.
     __device__ __forceinline__ void store_keys_by_queries(u32 tile, const float (&x)[1][NQW][4]) const {
 #pragma unroll
         for (int nt = 0; nt < NQW; ++nt)
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
-                const int r = kb * 16 + lane / 4 + 8 * h2, c = half * (BM / 2) + nt * 8 + 2 * (lane % 4);
+                const int r = kb * 16 + lane / 4 + 8 * h2, c = half * (BM / Traits::SPLIT) + nt * 8 + 2 * (lane % 4);
                 st_shared(smem0 + tile + PTile::offset(r, c / 8) + (c % 8) * 2,
                           pack2<T>(x[0][nt][2 * h2], x[0][nt][2 * h2 + 1]));
             }
@@ -210,11 +222,11 @@ struct BwdBlock {
         float s[1][NQW][4], dp[1][NQW][4];
         keys_by_queries(dp, Traits::OFF_V, Traits::do_tile(buf));
         keys_by_queries(s, Traits::OFF_K, Traits::q_tile(buf));
-        const int key0 = n * BN + kb * 16, q0 = row0 + half * (BM / 2);
+        const int key0 = n * BN + kb * 16, q0 = row0 + half * (BM / Traits::SPLIT);
         u32 dtanh[1][NQW][2];  // softcap's derivative, fp16 pairs (score-mod kernels only)
         if constexpr (SCORE_MOD) mod.template apply<true>(s, key0, q0, lane, dtanh);
         if (MASK) mask.apply_transposed(s, key0, q0, lane);
-        const int col = half * (BM / 2) + 2 * (lane % 4);
+        const int col = half * (BM / Traits::SPLIT) + 2 * (lane % 4);
 #pragma unroll
         for (int nt = 0; nt < NQW; ++nt) {
             const float2 l = *reinterpret_cast<const float2*>(s_lse + col + nt * 8);
@@ -273,8 +285,8 @@ struct BwdBlock {
         tid = threadIdx.x;
         lane = tid % 32;
         warp = tid / 32;
-        kb = warp % 4;
-        half = warp / 4;
+        kb = warp % Traits::KT;
+        half = warp / Traits::KT;
         smem0 = smem_u32(smem);
         s_rows = reinterpret_cast<float*>(smem + Traits::OFF_LSE);
         const int h_kv = blockIdx.y;
