@@ -34,6 +34,8 @@ struct BwdTraits {
     static constexpr int WQ = BM / 16;       // dQ product: WQ query tiles x (WARPS / WQ) column slices
     static constexpr int DQ_TILES = D / 8 / (WARPS / WQ);
     static constexpr int QBUF = QBUF_;       // Q/dO buffers: 2 loads the next query block while one computes
+    static constexpr bool WIDE = D > 128;    // registers are short: the k-loops of the products stay rolled
+    static constexpr int KS_UNROLL_WIDE = 1, KK_UNROLL_WIDE = 1;
     using KVTile = SmemTile<BN, DP>;
     using QTile = SmemTile<BM, DP>;
     using PTile = SmemTile<BN, 64>;          // P^T and dS^T: keys x queries
@@ -96,7 +98,7 @@ struct BwdBlock {
         for (int nt = 0; nt < NQW; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[0][nt][e] = 0.f;
-#pragma unroll
+#pragma unroll Traits::WIDE ? Traits::KS_UNROLL_WIDE : D / 16
         for (int ks = 0; ks < D / 16; ++ks) {
             u32 a[4];
             ldmatrix_x4(a, xa(0, ks));
@@ -117,7 +119,7 @@ struct BwdBlock {
 #pragma unroll
         for (int dp = 0; dp < DTW / 2; ++dp) y_addr[dp] = ldm<QTile>(y_tile, 0, half * DTW + 2 * dp, false);
         const LdmatrixAddr<PTile> aa(smem0 + a_tile, kb * 16 + lane % 16, lane / 16);
-#pragma unroll
+#pragma unroll Traits::WIDE ? Traits::KK_UNROLL_WIDE : BM / 16
         for (int kk = 0; kk < BM / 16; ++kk) {
             u32 a[4];
             ldmatrix_x4(a, aa(0, kk));
@@ -136,7 +138,7 @@ struct BwdBlock {
         // At most 8 column tiles at a time (32 accumulators): wide head dims take their columns in several passes.
         constexpr int TILES = Traits::DQ_TILES, CHUNK = TILES < 8 ? TILES : 8;
         static_assert(TILES % CHUNK == 0, "whole passes");
-#pragma unroll
+#pragma unroll 1
         for (int c0 = 0; c0 < TILES; c0 += CHUNK) dq_columns<CHUNK>(row0, h, q_begin, (warp / Traits::WQ) * TILES + c0);
     }
 
@@ -157,7 +159,7 @@ struct BwdBlock {
         for (int dt = 0; dt < TILES; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
-#pragma unroll
+#pragma unroll Traits::WIDE ? 1 : BN / 16
         for (int k16 = 0; k16 < BN / 16; ++k16) {
             u32 a[4];
             ldmatrix_x4_trans(a, ds_addr + k16 * 16 * 128);  // (q0-7,k0-7) (q8-15,k0-7) (q0-7,k8-15) (q8-15,k8-15)

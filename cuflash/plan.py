@@ -204,8 +204,17 @@ BWD_CONFIG = BwdConfig(64, 64, 8)
 BWD_DOUBLE_BUFFER = {"enabled": os.environ.get("CUFLASH_BWD_QBUF", "0") == "1", "headdims": (32, 64, 96)}
 
 
+# Head dims above 128 (compiled as 256) with 32 keys per CTA (BwdTraits' 2 x 4 warp split; its products' k-loops
+# stay rolled): spill-free on sm_90a only (sm_80 spills 8 bytes in two specializations). Not yet run on a GPU:
+# opt-in with CUFLASH_BWD_WIDE=1; until then such calls raise NotImplementedError.
+BWD_WIDE = {"enabled": os.environ.get("CUFLASH_BWD_WIDE", "0") == "1", "headdim": 256, "archs": ("sm_90a",),
+            "config": BwdConfig(64, 32, 8)}
+
+
 def bwd_config(headdim: int) -> BwdConfig:
     """The backward's tile configuration for a compiled head dim."""
+    if headdim == BWD_WIDE["headdim"]:
+        return BWD_WIDE["config"]
     if BWD_DOUBLE_BUFFER["enabled"] and headdim in BWD_DOUBLE_BUFFER["headdims"]:
         return dataclasses.replace(BWD_CONFIG, q_buffers=2)
     return BWD_CONFIG
@@ -269,10 +278,13 @@ class AuxSpec:
         return _template(self.kernel, self.dtype, (), ())
 
 
-def bwd_headdim(headdim: int) -> int:
+def bwd_headdim(headdim: int, arch: str | None = None) -> int:
+    """The compiled backward head dim for a call's (padded up inside the kernel); NotImplementedError past them."""
     for d in BWD_HEADDIMS:
         if headdim <= d:
             return d
+    if BWD_WIDE["enabled"] and arch in BWD_WIDE["archs"] and headdim <= BWD_WIDE["headdim"]:
+        return BWD_WIDE["headdim"]
     raise NotImplementedError(f"attention_backward: head dim {headdim} is not supported yet "
                               f"(the backward kernel is compiled up to {BWD_HEADDIMS[-1]})")
 
@@ -286,6 +298,9 @@ def all_backward_specs(arch: str) -> list:
                     specs.append(BwdSpec(dtype, d, BWD_CONFIG, band, mod))
                     if d in BWD_DOUBLE_BUFFER["headdims"]:  # compiled (and checked for spills) even when off
                         specs.append(BwdSpec(dtype, d, dataclasses.replace(BWD_CONFIG, q_buffers=2), band, mod))
+                if arch in BWD_WIDE["archs"] and d == BWD_HEADDIMS[-1]:  # the wide kernels, likewise
+                    for mod in (False, True):
+                        specs.append(BwdSpec(dtype, BWD_WIDE["headdim"], BWD_WIDE["config"], band, mod))
     return specs
 
 
@@ -307,7 +322,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     batch) its own dQ slice; enough slots to fill the GPU about twice, at most one per KV block."""
     band = left >= 0 or right >= 0
     dtype = DTYPES[np.dtype(problem.dtype).name][0]
-    d = bwd_headdim(problem.headdim)
+    d = bwd_headdim(problem.headdim, arch)
     spec = BwdSpec(dtype, d, bwd_config(d), band, score_mod)
     n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
     slots = n_blocks

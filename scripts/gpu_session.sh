@@ -5,16 +5,21 @@
 #
 #   1. tests/gpu/test_sm90.py (the Hopper path) in its own processes with timeouts: a kernel that deadlocks on
 #      an mbarrier must not eat the call. Selftests first, then the forward (direct and as the planner's choice
-#      inside cuflash.attention, both variants).                                            -> sm90.log
+#      inside cuflash.attention and attention_varlen, every variant), after compiling every Hopper and portable
+#      kernel in 16 processes (scripts/precompile.py --hopper).                             -> sm90.log
 #   2. scripts/gpu_check.sh without the benchmark: the full GPU suite (test_sm90 excluded, it ran in 1),
 #      memcheck and racecheck.               -> env.txt, pytest_gpu.log, memcheck.log, racecheck.log
 #   3. benchmarks/bench_varlen.py --bwd (--quick unless VARLEN_ARGS says otherwise)  -> varlen.txt
 #   4. benchmarks/bench_overhead.py (torch per-call overhead beside SDPA)              -> overhead.txt
-#   5. benchmarks/bench_sm90.py (each of SM90_VARIANTS, default: lockstep ws pingpong), then bench_attention.py --op fwd --quick (SKIP_BENCH=1 skips) -> bench.txt
+#   5. benchmarks/bench_sm90.py (each of SM90_VARIANTS, default: lockstep ws pingpong), then
+#      bench_attention.py --op fwd --quick (SKIP_BENCH=1 skips)                            -> bench.txt
 #   6. with BWD_AB=1: bench_attention.py --op bwd --quick with CUFLASH_BWD_QBUF=0, then 1  -> bench.txt
 #   7. with PROFILE=1: benchmarks/host_overhead.py --profile (cProfile of the CuPy API)  -> host_profile.txt
+#   with OPTIN_SANITIZE=1, after 2: memcheck and racecheck of the sanitizer cases with CUFLASH_SM90=1,
+#      CUFLASH_BWD_QBUF=1 and CUFLASH_BWD_WIDE=1 (the opt-in planner entries)  -> optin_memcheck.log, optin_racecheck.log
 # Environment: OUT, SKIP_SM90=1, SKIP_CHECK=1, SKIP_VARLEN=1, SKIP_OVERHEAD=1, TESTS_TIMEOUT (300),
-# SANITIZE_TIMEOUT (100), PYTEST_ARGS (passed on to gpu_check.sh).
+# SANITIZE_TIMEOUT (100), PYTEST_ARGS (passed on to gpu_check.sh). At most 8 files come back from the device:
+# pick the steps of one call accordingly (e.g. SKIP_CHECK=1 for 1, 3-7; SKIP_SM90=1 SKIP_BENCH=1 ... for 2).
 set -u
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
@@ -39,6 +44,14 @@ if [ "${SKIP_CHECK:-0}" != 1 ]; then
         bash scripts/gpu_check.sh 2>&1 | sed -n '/gpu_check summary/,$p'
     grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -20
     echo "check [$((SECONDS - t0))s]"
+fi
+if [ "${OPTIN_SANITIZE:-0}" = 1 ]; then  # the sanitizer cases again with every opt-in planner entry switched on
+    for tool in memcheck racecheck; do
+        CUFLASH_SM90=1 CUFLASH_BWD_QBUF=1 CUFLASH_BWD_WIDE=1 timeout -k 5 "${SANITIZE_TIMEOUT:-150}" \
+            "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool "$tool" --error-exitcode 9 --print-limit 50 python3 scripts/sanitize_cases.py \
+            >"$OUT/optin_$tool.log" 2>&1
+        echo "opt-in $tool: exit $? [$((SECONDS - t0))s] $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/optin_$tool.log")"
+    done
 fi
 if [ "${SKIP_VARLEN:-0}" != 1 ]; then
     timeout -k 5 "${VARLEN_TIMEOUT:-90}" python3 benchmarks/bench_varlen.py --bwd ${VARLEN_ARGS:---quick} \

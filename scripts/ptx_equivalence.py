@@ -38,12 +38,12 @@ def ptx(source_dir: str, source: str, name_expression: str, arch: str) -> str:
 
 
 def instructions(text: str) -> Counter:
-    """PTX lines without comments, register declarations, mangled names and register numbers."""
+    """PTX lines without comments, register and global declarations, mangled names and register numbers."""
     lines = []
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith("//") or line.startswith(".reg "):
-            continue
+        if not line or line.startswith("//") or line.startswith(".reg ") or line.startswith(".global "):
+            continue  # (.global: static constexpr members NVRTC materializes, whose values the code has inlined)
         line = re.sub(r"_Z\w+", "KERNEL", line)
         lines.append(re.sub(r"%[a-z]+\d+", "%R", line))
     return Counter(lines)

@@ -201,3 +201,17 @@ def test_backward_double_buffering_is_opt_in_and_spill_free_dims_only(monkeypatc
     one = plan.BwdSpec("fp16", 64, plan.BWD_CONFIG, False, False)
     assert spec.smem_bytes - one.smem_bytes == 2 * 64 * 128 + 2 * 64 * 4
     assert spec in plan.all_backward_specs("sm_90a")
+
+
+def test_wide_backward_is_opt_in_and_hopper_only(monkeypatch):
+    problem = checks.Problem(1, 100, 100, 2, 1, 192, np.dtype(np.float16))
+    monkeypatch.setitem(plan.BWD_WIDE, "enabled", False)
+    with pytest.raises(NotImplementedError, match="head dim 192"):
+        plan.plan_backward(problem, -1, -1, False, False, "sm_90a", 132)
+    monkeypatch.setitem(plan.BWD_WIDE, "enabled", True)
+    launch = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
+    assert launch.spec.headdim == 256 and launch.spec.config == plan.BwdConfig(64, 32, 8)
+    assert launch.grid[0] == launch.slices == 4  # deterministic: one slot per 32-key block here (100 keys)
+    with pytest.raises(NotImplementedError, match="head dim 192"):
+        plan.plan_backward(problem, -1, -1, False, False, "sm_80", 108)  # spills there: not offered
+    assert launch.spec in plan.all_backward_specs("sm_90a") and launch.spec not in plan.all_backward_specs("sm_80")

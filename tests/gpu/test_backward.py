@@ -169,3 +169,38 @@ def test_double_buffered_backward_options_and_gqa(compiled, double_buffered, opt
     run_case(np.random.default_rng(9), b=2, sq=333, sk=200, h=6, hk=2, d=64, dtype="bf16", **option)
     run_case(np.random.default_rng(10), b=1, sq=130, sk=500, h=3, hk=1, d=96, dtype="fp16", deterministic=True,
              **option)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Head dims above 128 (plan.BWD_WIDE: 32 keys per CTA, compiled as 256; sm_90a only, opt-in until measured)
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def wide_backward(monkeypatch):
+    import cupy
+    from cuflash import api, plan
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the wide backward is offered on sm_90a only")
+    monkeypatch.setitem(plan.BWD_WIDE, "enabled", True)
+    api._bwd_launches.clear()
+    yield
+    api._bwd_launches.clear()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=backward_cases(), d=st.sampled_from([136, 160, 192, 256]), seed=st.integers(0, 2**31 - 1))
+def test_wide_backward_matches_reference(compiled, wide_backward, case, d, seed):
+    run_case(np.random.default_rng(seed), **dict(case, d=d))
+
+
+@pytest.mark.parametrize("hk", [4, 1])
+def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backward, hk):
+    import cupy
+    import cuflash
+    q, k, v, dout, _ = make_case(np.random.default_rng(6), b=2, sq=200, sk=300, h=4, hk=hk, d=256, dtype="bf16")
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                                          deterministic=True)]
+    for _ in range(3):
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+        assert all(bool(cupy.array_equal(a, g.view(np.uint16))) for a, g in zip(first, again))
