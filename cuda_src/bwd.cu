@@ -34,8 +34,9 @@ struct BwdTraits {
     static constexpr int WQ = BM / 16;       // dQ product: WQ query tiles x (WARPS / WQ) column slices
     static constexpr int DQ_TILES = D / 8 / (WARPS / WQ);
     static constexpr int QBUF = QBUF_;       // Q/dO buffers: 2 loads the next query block while one computes
-    static constexpr bool WIDE = D > 128;    // registers are short: the k-loops of the products stay rolled
-    static constexpr int KS_UNROLL_WIDE = 1, KK_UNROLL_WIDE = 1;
+    // Above d = 128 registers are short: the k-loops of the products stay rolled (unrolled fully below).
+    static constexpr bool WIDE = D > 128;
+    static constexpr int KS_UNROLL = WIDE ? 1 : D / 16, KK_UNROLL = WIDE ? 1 : BM / 16, DQ_K_UNROLL = WIDE ? 1 : BN / 16;
     using KVTile = SmemTile<BN, DP>;
     using QTile = SmemTile<BM, DP>;
     using PTile = SmemTile<BN, 64>;          // P^T and dS^T: keys x queries
@@ -98,7 +99,7 @@ struct BwdBlock {
         for (int nt = 0; nt < NQW; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[0][nt][e] = 0.f;
-#pragma unroll Traits::WIDE ? Traits::KS_UNROLL_WIDE : D / 16
+#pragma unroll Traits::KS_UNROLL
         for (int ks = 0; ks < D / 16; ++ks) {
             u32 a[4];
             ldmatrix_x4(a, xa(0, ks));
@@ -119,7 +120,7 @@ struct BwdBlock {
 #pragma unroll
         for (int dp = 0; dp < DTW / 2; ++dp) y_addr[dp] = ldm<QTile>(y_tile, 0, half * DTW + 2 * dp, false);
         const LdmatrixAddr<PTile> aa(smem0 + a_tile, kb * 16 + lane % 16, lane / 16);
-#pragma unroll Traits::WIDE ? Traits::KK_UNROLL_WIDE : BM / 16
+#pragma unroll Traits::KK_UNROLL
         for (int kk = 0; kk < BM / 16; ++kk) {
             u32 a[4];
             ldmatrix_x4(a, aa(0, kk));
@@ -159,7 +160,7 @@ struct BwdBlock {
         for (int dt = 0; dt < TILES; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[dt][e] = 0.f;
-#pragma unroll Traits::WIDE ? 1 : BN / 16
+#pragma unroll Traits::DQ_K_UNROLL
         for (int k16 = 0; k16 < BN / 16; ++k16) {
             u32 a[4];
             ldmatrix_x4_trans(a, ds_addr + k16 * 16 * 128);  // (q0-7,k0-7) (q8-15,k0-7) (q0-7,k8-15) (q8-15,k8-15)
