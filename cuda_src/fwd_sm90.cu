@@ -3,7 +3,7 @@
 // Grid (query blocks, heads, batch); a CTA owns BM = 128 query rows as two consumer warpgroups of 64 rows each,
 // sharing K/V tiles that TMA brings into a ring of STAGES slots; each slot has a "full" mbarrier counting the
 // bytes in. Per KV block each consumer warpgroup runs
-//     S = Q K^T            wgmma m64n64k16, both from shared memory (K-major, 128-byte swizzle)
+//     S = Q K^T            wgmma m64nBNk16 (BN = 64 or 128 keys), both from shared memory (K-major, 128-byte swizzle)
 //     mask, online softmax  on the accumulators, which have the mma.sync layout per warp (softmax.cuh, mask.cuh)
 //     O += P V              wgmma m64n64k16 with P in registers and V MN-major, one per 64-column panel of O
 // and the epilogue normalizes O by the row sums and writes O and lse from registers.
@@ -49,9 +49,9 @@ struct FwdSm90Params {
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is asserted).
 static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params no longer matches cuflash/hopper.py");
 
-template <class T, int D, bool BAND, int STAGES, bool WS, bool SCORE_MOD, bool PINGPONG>
+template <class T, int D, int BN, bool BAND, int STAGES, bool WS, bool SCORE_MOD, bool PINGPONG>
 struct FwdSm90 {
-    static constexpr int BM = 128, BN = 64, PANELS = D / 64;
+    static constexpr int BM = 128, PANELS = D / 64;
     static constexpr int THREADS = WS ? 384 : 256, CONSUMER0 = WS ? 128 : 0;  // consumers: threads CONSUMER0 ..
     static constexpr u32 Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     static constexpr u32 Q_PANEL = BM * 128, KV_PANEL = BN * 128;  // bytes of one 64-column panel
@@ -59,6 +59,7 @@ struct FwdSm90 {
     static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_BAR = OFF_V + STAGES * KV_BYTES;
     static constexpr u32 SMEM_BYTES = OFF_BAR + (1 + 2 * STAGES) * 8 + 1024;  // + room to align the base to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
+    static_assert(BN == 64 || BN == 128, "S = Q K^T is one wgmma m64n64 or m64n128 per k16 step");
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
     static_assert(WS || !PINGPONG, "ping-pong schedules the warp-specialized consumers");
 
@@ -107,11 +108,14 @@ struct FwdSm90 {
     __device__ __forceinline__ void issue_s(float (&s)[1][BN / 8][4], int slot) const {
         const u32 k_tile = base + OFF_K + slot * KV_BYTES;
         const u32 q_tile = base + wg * 64 * 128;  // this warpgroup's 64 rows of every Q panel
-        float(&sf)[32] = *reinterpret_cast<float(*)[32]>(&s[0][0][0]);
+        float(&sf)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0][0]);
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-            sm90::wgmma_m64n64k16_ss<T>(sf, sm90::smem_desc(q_tile + (ks / 4) * Q_PANEL + (ks % 4) * 32),
-                                        sm90::smem_desc(k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32), ks > 0);
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const auto a = sm90::smem_desc(q_tile + (ks / 4) * Q_PANEL + (ks % 4) * 32);
+            const auto b = sm90::smem_desc(k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32);
+            if constexpr (BN == 128) sm90::wgmma_m64n128k16_ss<T>(sf, a, b, ks > 0);
+            else sm90::wgmma_m64n64k16_ss<T>(sf, a, b, ks > 0);
+        }
         sm90::wgmma_commit();
     }
 
@@ -342,10 +346,10 @@ struct FwdSm90 {
     }
 };
 
-template <class T, int D, int STAGES, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG>
+template <class T, int D, int BN, int STAGES, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG>
 __global__ void __launch_bounds__(WS ? 384 : 256, 1) fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BAND, STAGES, WS, SCORE_MOD, PINGPONG> block(p);
+    FwdSm90<T, D, BN, BAND, STAGES, WS, SCORE_MOD, PINGPONG> block(p);
     block.run(smem);
 }
 

@@ -144,6 +144,39 @@ template <> __device__ __forceinline__ void wgmma_m64n64k16_ss<half_t>(float (&d
 }
 #undef CUFLASH_WGMMA_M64N64K16
 
+// The same with N = 128 (S of a 128-key block): d[4j + e] for the 16 column groups j of 8. One instruction reads Q's
+// 64 x 16 slice once for twice the columns of the n64 form, halving the shared-memory traffic of A per flop.
+#define CUFLASH_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                        "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CUFLASH_WGMMA_M64N128K16(TYPE)                                                                            \
+    asm volatile(                                                                                                 \
+        "{\n"                                                                                                     \
+        ".reg .pred acc;\n"                                                                                       \
+        "setp.ne.b32 acc, %66, 0;\n"                                                                              \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                          \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                       \
+        "%64, %65, acc, 1, 1, 0, 0;\n"                                                                            \
+        "}\n"                                                                                                     \
+        : CUFLASH_ACC8(0), CUFLASH_ACC8(8), CUFLASH_ACC8(16), CUFLASH_ACC8(24), CUFLASH_ACC8(32), CUFLASH_ACC8(40),   \
+          CUFLASH_ACC8(48), CUFLASH_ACC8(56)                                                                      \
+        : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
+
+template <class T> __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], unsigned long long a_desc,
+                                                                       unsigned long long b_desc, bool accumulate);
+template <> __device__ __forceinline__ void wgmma_m64n128k16_ss<bf16_t>(float (&d)[64], unsigned long long a_desc,
+                                                                        unsigned long long b_desc, bool accumulate) {
+    CUFLASH_WGMMA_M64N128K16("bf16");
+}
+template <> __device__ __forceinline__ void wgmma_m64n128k16_ss<half_t>(float (&d)[64], unsigned long long a_desc,
+                                                                        unsigned long long b_desc, bool accumulate) {
+    CUFLASH_WGMMA_M64N128K16("f16");
+}
+#undef CUFLASH_WGMMA_M64N128K16
+#undef CUFLASH_ACC8
+
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (per warp the mma.sync m16n8k16 A fragment of its 16
 // rows: P straight from the S accumulators), B MN-major in shared memory (smem_desc_mn), fp32 accumulators.
 template <class T> __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4],

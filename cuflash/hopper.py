@@ -22,8 +22,9 @@ BLOCK_M, BLOCK_N = 128, 64
 @dataclass(frozen=True)
 class FwdSm90Spec:
     dtype: str     # "fp16" | "bf16"
-    headdim: int   # 64 | 128
+    headdim: int   # 64 | 128 | 256
     band: bool
+    block_n: int = BLOCK_N          # keys per block: 64, or 128 (S by wgmma m64n128)
     warp_specialized: bool = False  # a producer warpgroup and "empty" mbarriers (fwd_sm90.cu, WS)
     stages: int = 2                 # K/V ring slots (2 without warp specialization)
     score_mod: bool = False         # softcap / ALiBi
@@ -38,31 +39,39 @@ class FwdSm90Spec:
     @property
     def name(self) -> str:
         ws = (f"_ws{self.stages}" if self.warp_specialized else "") + ("_pp" if self.pingpong else "")
+        ws += f"_n{self.block_n}" if self.block_n != BLOCK_N else ""
         return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
                 f"{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
-        return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.stages),
+        return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages),
                               (self.band, self.warp_specialized, self.score_mod, self.pingpong))
 
     @property
     def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, mbarriers, alignment
-        return (BLOCK_M + 2 * self.stages * BLOCK_N) * self.headdim * 2 + (1 + 2 * self.stages) * 8 + 1024
+        return (BLOCK_M + 2 * self.stages * self.block_n) * self.headdim * 2 + (1 + 2 * self.stages) * 8 + 1024
 
 
 # The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,
-# whose Q and two slots already take 192 KB of shared memory); and that one with ping-pong turns between its two
-# consumer warpgroups.
-VARIANTS = ("lockstep", "ws", "pingpong")
+# whose Q and two slots already take 192 KB of shared memory); that one with ping-pong turns between its two
+# consumer warpgroups; and those two with 128-key blocks (S by wgmma m64n128: half the shared-memory reads of Q per
+# flop, half the softmax passes' fixed cost per key), 4 slots at d = 64 and 2 at d = 128 (Q and two slots: 160 KB).
+# At d = 256 the _n128 variants keep 64-key blocks: O's 128 registers and S's 64 would not fit beside P's.
+VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128")
 
 
 def variant_options(variant: str, headdim: int) -> dict:
-    """FwdSm90Spec's warp_specialized, stages and pingpong for a variant of VARIANTS at a head dim."""
+    """FwdSm90Spec's warp_specialized, stages, pingpong and block_n for a variant of VARIANTS at a head dim."""
     if variant == "lockstep":
         return dict(warp_specialized=False, stages=2)
     if variant in ("ws", "pingpong"):
         return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
+    if variant in ("ws_n128", "pingpong_n128"):
+        if headdim > 128:
+            return variant_options(variant[:-len("_n128")], headdim)
+        return dict(warp_specialized=True, stages=4 if headdim <= 64 else 2, pingpong=variant == "pingpong_n128",
+                    block_n=128)
     raise ValueError(f"variant: one of {VARIANTS}, not {variant!r}")
 
 
@@ -83,9 +92,10 @@ PARAMS_DTYPE = np.dtype({
 def all_specs() -> list:
     """Every Hopper forward specialization (each variant, head dim, dtype, band, score mod): what the compile test
     checks and scripts/precompile.py --hopper compiles ahead of the GPU tests."""
-    return [FwdSm90Spec(dtype, d, band, score_mod=mod, **variant_options(variant, d))
-            for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
-            for band in (False, True) for mod in (False, True)]
+    return list(dict.fromkeys(  # in order, without repeats (the _n128 variants at d = 256 are the 64-key ones)
+        FwdSm90Spec(dtype, d, band, score_mod=mod, **variant_options(variant, d))
+        for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
+        for band in (False, True) for mod in (False, True)))
 
 
 _POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the three maps (offset 384)
@@ -147,7 +157,7 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
         p[name] = value
     grid = plan.check_grid((math.ceil(sq / BLOCK_M), h, b))
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
-    return ForwardCall(call, (_encoder(q, BLOCK_M), _encoder(k, BLOCK_N), _encoder(v, BLOCK_N)), spec)
+    return ForwardCall(call, (_encoder(q, BLOCK_M), _encoder(k, spec.block_n), _encoder(v, spec.block_n)), spec)
 
 
 def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

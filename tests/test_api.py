@@ -199,7 +199,7 @@ def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     assert plan.sm90_forward_variant(problem, "sm_90a") is None      # opt-in
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
+@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128"])
 def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant):
     """api.forward_call routes an eligible call to the Hopper kernel: its struct holds out's strides, the sizes,
     the window and the scale; the tensor maps' layouts pass TMA's rules, also for extent-1 axes with odd
@@ -250,7 +250,11 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
 def test_hopper_specs_are_distinct_and_fit_shared_memory():
     from cuflash import hopper
     specs = hopper.all_specs()
-    assert len(specs) == len(hopper.VARIANTS) * len(hopper.HEADDIMS) * 2 * 2 * 2
+    every = {hopper.FwdSm90Spec(dtype, d, band, score_mod=mod, **hopper.variant_options(variant, d))
+             for variant in hopper.VARIANTS for d in hopper.HEADDIMS for dtype in ("fp16", "bf16")
+             for band in (False, True) for mod in (False, True)}
+    assert set(specs) == every and len(specs) == len(every)
+    assert {s.block_n for s in specs} == {64, 128} and all(s.block_n == 64 for s in specs if s.headdim == 256)
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
     assert all(s.smem_bytes <= 227 * 1024 for s in specs)
 

@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from cuflash import build, plan
+from cuflash import build, hopper, plan
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs CuPy's NVRTC bindings")
 
@@ -64,7 +64,7 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
     assert not re.search(r"\(C75\d\d\).*wgmma|wgmma.*serializ", log), log
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
+@pytest.mark.parametrize("variant", hopper.VARIANTS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("band", [False, True])
 @pytest.mark.parametrize("score_mod", [False, True])

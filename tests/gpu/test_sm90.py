@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from cuflash import hopper
 from tests.gpu.helpers import DTYPES, randn
 from tests.sm90_selftest import PARAMS_DTYPE, SelftestSpec
 
@@ -53,7 +54,7 @@ def test_register_a_mn_major_b_matches_numpy(dtype, k):
     np.testing.assert_allclose(c.get(), ref, rtol=1e-3, atol=1e-3 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
+@pytest.mark.parametrize("variant", hopper.VARIANTS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("sq,sk,causal,window,h,hk", [
@@ -123,7 +124,7 @@ def sm90_cases(draw):
     return dict(draw(forward_cases()), d=draw(st.sampled_from([64, 128, 256])), return_lse=draw(st.booleans()))
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
+@pytest.mark.parametrize("variant", hopper.VARIANTS)
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=sm90_cases(), seed=st.integers(0, 2**31 - 1))
 def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case, seed):
@@ -134,7 +135,7 @@ def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case
     assert _routed_to_sm90()
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
+@pytest.mark.parametrize("variant", hopper.VARIANTS)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, dtype):
     """Strided q/k/v views of one packed qkv tensor take the Hopper path without copies; so do softcap and ALiBi
@@ -153,7 +154,7 @@ def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, d
         assert _routed_to_sm90() == sm90, option
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong"])
+@pytest.mark.parametrize("variant", hopper.VARIANTS)
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), seed=st.integers(0, 2**31 - 1))
 def test_attention_varlen_planned_on_sm90_matches_reference(sm90_planned, variant, data, seed):
