@@ -45,7 +45,8 @@ import bench_attention as ba  # noqa: E402  -- shared stack import, interop, tim
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 QUICK_SEQLENS = (1024, 4096)
-HEADDIMS = (64, 128)  # cuflash.hopper.HEADDIMS, repeated so that --help needs no import
+HEADDIMS = (64, 128)  # the ANCHORS grid's (cuflash.hopper.HEADDIMS adds 256), repeated so that --help needs no import
+VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128")  # cuflash.hopper.VARIANTS, likewise
 IMPLS = ("sm90", "portable", "flash", "cudnn")
 PEERS = ("portable", "flash", "cudnn")
 CHECK_REFS = ("portable", "flash", "cudnn")  # the first that ran is the sanity check's reference
@@ -72,11 +73,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"seqlens {','.join(map(str, QUICK_SEQLENS))} only")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--variant", choices=("lockstep", "ws", "pingpong"), default="lockstep",
+    p.add_argument("--variant", choices=VARIANTS, default="lockstep",
                    help="the Hopper kernel's variant (cuflash.hopper.VARIANTS): lockstep (first version), ws "
-                        "(warp-specialized producer, deeper ring) or pingpong (ws, consumer warpgroups take turns)")
+                        "(warp-specialized producer, deeper ring), pingpong (ws, consumer warpgroups take turns), "
+                        "ws_n128 and pingpong_n128 (those with 128-key blocks)")
     p.add_argument("--dims", type=ba._int_list, default=list(HEADDIMS),
-                   help="head dims, comma-separated, from 64,128 (default both)")
+                   help="head dims, comma-separated, from 64,128,256 (default 64,128)")
     p.add_argument("--seqlens", type=ba._int_list, default=None,
                    help="sequence lengths, comma-separated (default "
                         f"{','.join(map(str, DEFAULT_SEQLENS))})")
@@ -90,9 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"declaring the kernel hung and exiting (default {HANG_TIMEOUT_S:g})")
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     args = p.parse_args(argv)
-    bad = [d for d in args.dims if d not in HEADDIMS]
+    bad = [d for d in args.dims if d not in HEADDIMS + (256,)]
     if bad:
-        p.error(f"--dims: the Hopper kernel has head dims {HEADDIMS}, not {bad}")
+        p.error(f"--dims: the Hopper kernel has head dims {HEADDIMS + (256,)}, not {bad}")
     if args.seqlens is None:
         args.seqlens = list(QUICK_SEQLENS if args.quick else DEFAULT_SEQLENS)
     args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
@@ -250,8 +252,9 @@ def main(argv=None) -> int:
         print(f"bench_sm90: skipped: cuflash: {ba.CUFLASH_IMPORT_ERROR}", file=sys.stderr)
         return 2
     try:
-        from cuflash import hopper as _hopper
+        from cuflash import hopper as _hopper, plan
         hopper = _hopper
+        plan.SM90_FORWARD["enabled"] = False  # the "portable" column is the portable kernel, not the planner's pick
     except Exception as e:  # noqa: BLE001
         print(f"bench_sm90: skipped: cuflash.hopper: {ba.short_error(e)}", file=sys.stderr)
         return 2

@@ -200,14 +200,17 @@ class BwdConfig:
 # the kernel asserts this split (cuda_src/bwd.cu, BwdTraits). 0 spills on sm_80/sm_90a up to d = 128.
 BWD_CONFIG = BwdConfig(64, 64, 8)
 # Two Q/dO buffers (the next query block loads while one computes): spill-free up to d = 96 (at 128 ptxas spills
-# 8-52 bytes). Not yet run on a GPU: opt-in with CUFLASH_BWD_QBUF=1 until measured (bench_attention.py --op bwd).
-BWD_DOUBLE_BUFFER = {"enabled": os.environ.get("CUFLASH_BWD_QBUF", "0") == "1", "headdims": (32, 64, 96)}
+# 8-52 bytes). Measured (H200, bf16, 2026-11-29, bench_attention.py --op bwd --quick, same run): d = 64 atomic
+# 94.5-103.9 -> 105.8-120.1 TFLOP/s (+12-16 %), deterministic 76-83 -> 90-115. On by default; CUFLASH_BWD_QBUF=0
+# switches it off.
+BWD_DOUBLE_BUFFER = {"enabled": os.environ.get("CUFLASH_BWD_QBUF", "1") == "1", "headdims": (32, 64, 96)}
 
 
 # Head dims above 128 (compiled as 256) with 32 keys per CTA (BwdTraits' 2 x 4 warp split; its products' k-loops
-# stay rolled): spill-free on sm_90a only (sm_80 spills 8 bytes in two specializations). Not yet run on a GPU:
-# opt-in with CUFLASH_BWD_WIDE=1; until then such calls raise NotImplementedError.
-BWD_WIDE = {"enabled": os.environ.get("CUFLASH_BWD_WIDE", "0") == "1", "headdim": 256, "archs": ("sm_90a",),
+# stay rolled): spill-free on sm_90a only (sm_80 spills 8 bytes in two specializations; there such calls raise
+# NotImplementedError). GPU-verified on the H200 (tests/gpu/test_backward.py, sanitizers); its speed is not yet
+# measured. On by default; CUFLASH_BWD_WIDE=0 switches it off.
+BWD_WIDE = {"enabled": os.environ.get("CUFLASH_BWD_WIDE", "1") == "1", "headdim": 256, "archs": ("sm_90a",),
             "config": BwdConfig(64, 32, 8)}
 
 
@@ -375,16 +378,28 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Hopper forward (cuda_src/fwd_sm90.cu, cuflash/hopper.py): which variant per head dim, and whether the planner
-# may choose it at all.
+# may choose it at all (CUFLASH_SM90=0 keeps every call on the portable kernel).
 #
-# Measured (H200, bf16, 2026-11-29, benchmarks/bench_sm90.py, lockstep variant): 1.05-1.61x SDPA flash and
-# 1.0-1.48x the portable kernel on the ANCHORS grid at d = 64 and 128 (0.99x portable at d = 128 causal 1k).
-# The ws variant has not run yet. Until the full GPU suite has passed with this path chosen, it stays opt-in:
-# CUFLASH_SM90=1 in the environment (or SM90_FORWARD["enabled"] = True) routes eligible calls to it.
+# Measured (H200, bf16, 2026-11-29, benchmarks/bench_sm90.py, same run per variant), TFLOP/s on the ANCHORS grid:
+# d = 64: lockstep 266-459 beats ws (229-420) and pingpong (227-394); d = 128: ws 312-590 beats lockstep (251-517)
+# in every cell but one; both 1.0-1.8x SDPA flash. CUFLASH_SM90_VARIANTS="64:ws_n128,128:ws" (say) overrides the
+# table, for measuring. scripts/pick_sm90_variants.py picks the fastest from bench_sm90.py's JSON.
+SM90_DEFAULT_VARIANTS = {64: "lockstep", 128: "ws", 256: "ws"}  # head dim -> cuflash.hopper.VARIANTS
+
+
+def _variants_from_env(text: str | None, default: dict) -> dict:
+    """"64:ws,128:ws_n128" -> {64: "ws", 128: "ws_n128"} over `default`; head dims not named keep theirs."""
+    table = dict(default)
+    for item in (text or "").replace(" ", "").split(","):
+        if item:
+            d, _, variant = item.partition(":")
+            table[int(d)] = variant
+    return table
+
+
 SM90_FORWARD = {
-    "enabled": os.environ.get("CUFLASH_SM90", "0") == "1",
-    "variants": {64: "lockstep", 128: "lockstep", 256: "lockstep"},  # head dim -> cuflash.hopper.VARIANTS
-    # (d = 256 has not run on a GPU at all yet)
+    "enabled": os.environ.get("CUFLASH_SM90", "1") == "1",
+    "variants": _variants_from_env(os.environ.get("CUFLASH_SM90_VARIANTS"), SM90_DEFAULT_VARIANTS),
 }
 
 

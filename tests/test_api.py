@@ -106,9 +106,11 @@ def _struct(call, dtype, *pointers):
 
 @pytest.fixture
 def no_gpu_kernels(monkeypatch):
-    """build's device queries and kernel loading replaced: the launch objects are built, never launched."""
+    """build's device queries and kernel loading replaced: the launch objects are built, never launched. The device
+    is an sm_90a one; the Hopper forward is off unless a test switches it on (the portable kernel's launches)."""
     from types import SimpleNamespace
-    from cuflash import build
+    from cuflash import build, plan
+    monkeypatch.setitem(plan.SM90_FORWARD, "enabled", False)
     monkeypatch.setattr(build, "get_kernel", lambda spec, device_id: SimpleNamespace(kernel=SimpleNamespace(ptr=7)))
     monkeypatch.setattr(build, "device_arch", lambda device_id: "sm_90a")
     monkeypatch.setattr(build, "sm_count", lambda device_id: 132)

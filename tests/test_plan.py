@@ -105,8 +105,11 @@ def test_backward_plan():
     assert atomic.spec.headdim == 96 and atomic.grid == (8, 2, 2) and atomic.slices == 1
     det = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
     assert det.grid[0] == det.slices and 1 <= det.slices <= 8
-    with pytest.raises(NotImplementedError, match="head dim 160"):
+    with pytest.raises(NotImplementedError, match="head dim 160"):  # no wide backward on sm_80
         plan.plan_backward(checks.Problem(1, 8, 8, 1, 1, 160, np.dtype(np.float16)), -1, -1, False, False,
+                           "sm_80", 108)
+    with pytest.raises(NotImplementedError, match="head dim 264"):  # nor past 256 anywhere
+        plan.plan_backward(checks.Problem(1, 8, 8, 1, 1, 264, np.dtype(np.float16)), -1, -1, False, False,
                            "sm_90a", 132)
 
 
@@ -188,7 +191,7 @@ def test_backward_workspace_layout():
     assert total == dq_accum + 3 * 300 * 4 * 128 * 4 and total % plan.WORKSPACE_ALIGN == 0
 
 
-def test_backward_double_buffering_is_opt_in_and_spill_free_dims_only(monkeypatch):
+def test_backward_double_buffering_switch_and_spill_free_dims_only(monkeypatch):
     problem = checks.Problem(2, 300, 300, 4, 2, 64, np.dtype(np.float16))
     monkeypatch.setitem(plan.BWD_DOUBLE_BUFFER, "enabled", False)
     assert plan.plan_backward(problem, -1, -1, False, False, "sm_90a", 132).spec.config.q_buffers == 1
@@ -203,7 +206,7 @@ def test_backward_double_buffering_is_opt_in_and_spill_free_dims_only(monkeypatc
     assert spec in plan.all_backward_specs("sm_90a")
 
 
-def test_wide_backward_is_opt_in_and_hopper_only(monkeypatch):
+def test_wide_backward_switch_and_hopper_only(monkeypatch):
     problem = checks.Problem(1, 100, 100, 2, 1, 192, np.dtype(np.float16))
     monkeypatch.setitem(plan.BWD_WIDE, "enabled", False)
     with pytest.raises(NotImplementedError, match="head dim 192"):

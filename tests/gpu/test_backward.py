@@ -133,8 +133,12 @@ def test_finite_difference_spot_check(compiled):
         assert abs(analytic - numeric) <= 1e-2 * max(1.0, abs(numeric)), (which, analytic, numeric)
 
 
-def test_large_head_dims_are_refused_before_launch(compiled):
+def test_large_head_dims_are_refused_before_launch(compiled, monkeypatch):
+    """Without the wide backward (plan.BWD_WIDE: off, or not sm_90a) head dims above 128 are refused."""
     import cuflash
+    from cuflash import api, plan
+    monkeypatch.setitem(plan.BWD_WIDE, "enabled", False)
+    api._bwd_launches.clear()
     rng = np.random.default_rng(7)
     q, k, v, dout, _ = make_case(rng, b=1, sq=8, sk=8, h=1, hk=1, d=192, dtype="bf16")
     out, lse = cuflash.attention(q, k, v, return_lse=True)
@@ -143,7 +147,7 @@ def test_large_head_dims_are_refused_before_launch(compiled):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Double-buffered Q/dO (plan.BWD_DOUBLE_BUFFER, opt-in until measured): the same checks with it chosen
+# Double-buffered Q/dO (plan.BWD_DOUBLE_BUFFER, on by default): the same checks with it chosen
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -172,7 +176,7 @@ def test_double_buffered_backward_options_and_gqa(compiled, double_buffered, opt
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Head dims above 128 (plan.BWD_WIDE: 32 keys per CTA, compiled as 256; sm_90a only, opt-in until measured)
+# Head dims above 128 (plan.BWD_WIDE: 32 keys per CTA, compiled as 256; sm_90a only, on by default)
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The check that lands a change of the planner's defaults, in one device call from the repository root:
+#
+#     OUT=... bash scripts/gpu_release.sh
+#
+#   1. every portable and Hopper kernel compiled ahead, 16 processes (scripts/precompile.py --hopper) -> pre.log
+#   2. benchmarks/bench_sm90.py for each Hopper variant (cuflash.hopper.VARIANTS) at d 64, 128, 256; then
+#      scripts/pick_sm90_variants.py picks the fastest per head dim, exported as CUFLASH_SM90_VARIANTS so that
+#      everything after runs with the planner choosing it                                     -> bench.txt
+#   3. scripts/gpu_check.sh without its benchmark: the full GPU suite (one process per file; test_sm90 too unless
+#      SKIP_SM90_TESTS=1, when an earlier call of the same kernels ran it), memcheck, racecheck
+#                                                      -> env.txt, pytest_gpu.log, memcheck.log, racecheck.log
+#   4. bench_attention.py --op fwd on the ANCHORS grid (the planner's choice: the Hopper kernel on sm_90a), then
+#      --op bwd --quick                                                                       -> bench.txt
+# Environment: OUT, SM90_VARIANTS (skip 2's benchmark and use these, e.g. "64:lockstep,128:ws,256:ws"),
+# SKIP_SM90_TESTS=1, TESTS_TIMEOUT (300), SANITIZE_TIMEOUT (90).
+set -u
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+t0=$SECONDS
+timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
+echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
+: >"$OUT/bench.txt"
+if [ -z "${SM90_VARIANTS:-}" ]; then
+    jsons=()
+    for v in lockstep ws pingpong ws_n128 pingpong_n128; do
+        timeout -k 5 80 python3 benchmarks/bench_sm90.py --variant "$v" --dims 64,128,256 \
+            --json "${TMPDIR:-/tmp}/sm90_$v.json" >>"$OUT/bench.txt" 2>&1
+        echo "sm90 bench ($v): exit $? [$((SECONDS - t0))s]"
+        jsons+=("${TMPDIR:-/tmp}/sm90_$v.json")
+    done
+    SM90_VARIANTS=$(python3 scripts/pick_sm90_variants.py "${jsons[@]}" 2>>"$OUT/bench.txt")
+    grep "geomean" "$OUT/bench.txt"
+fi
+export CUFLASH_SM90_VARIANTS=$SM90_VARIANTS
+echo "CUFLASH_SM90_VARIANTS=$CUFLASH_SM90_VARIANTS" | tee -a "$OUT/bench.txt"
+ignore=""
+[ "${SKIP_SM90_TESTS:-0}" = 1 ] && ignore="--ignore=tests/gpu/test_sm90.py"
+SKIP_BENCH=1 PER_FILE=1 TESTS_TIMEOUT=${TESTS_TIMEOUT:-300} SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-90} \
+    PYTEST_ARGS="$ignore" bash scripts/gpu_check.sh 2>&1 | sed -n '/gpu_check summary/,$p'
+grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -20
+echo "check [$((SECONDS - t0))s]"
+timeout -k 5 150 python3 benchmarks/bench_attention.py --op fwd >>"$OUT/bench.txt" 2>&1
+echo "forward bench: exit $? [$((SECONDS - t0))s]"
+timeout -k 5 100 python3 benchmarks/bench_attention.py --op bwd --quick >>"$OUT/bench.txt" 2>&1
+echo "backward bench: exit $? [$((SECONDS - t0))s]"
+awk '/^=== cuflash/{p=1} /^$/{if (p) print ""; p=0} p' "$OUT/bench.txt"
+echo "done [$((SECONDS - t0))s]"
