@@ -380,11 +380,14 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> 
 # Hopper forward (cuda_src/fwd_sm90.cu, cuflash/hopper.py): which variant per head dim, and whether the planner
 # may choose it at all (CUFLASH_SM90=0 keeps every call on the portable kernel).
 #
-# Measured (H200, bf16, 2026-11-29, benchmarks/bench_sm90.py, same run per variant), TFLOP/s on the ANCHORS grid:
-# d = 64: lockstep 266-459 beats ws (229-420) and pingpong (227-394); d = 128: ws 312-590 beats lockstep (251-517)
-# in every cell but one; both 1.0-1.8x SDPA flash. CUFLASH_SM90_VARIANTS="64:ws_n128,128:ws" (say) overrides the
-# table, for measuring. scripts/pick_sm90_variants.py picks the fastest from bench_sm90.py's JSON.
-SM90_DEFAULT_VARIANTS = {64: "lockstep", 128: "ws", 256: "ws"}  # head dim -> cuflash.hopper.VARIANTS
+# Measured (H200, bf16, 2026-11-29, scripts/gpu_release.sh: benchmarks/bench_sm90.py per variant, same run,
+# cells seqlen 1k/4k/16k x causal or not; geometric mean TFLOP/s, scripts/pick_sm90_variants.py):
+#   d =  64: lockstep 391.9, pingpong_n128 379.6, ws_n128 376.6, ws 350.1, pingpong 335.9
+#   d = 128: pingpong 484.0, ws 473.5, lockstep 400.4, pingpong_n128 399.3, ws_n128 361.8
+#   d = 256: lockstep 444.7, pingpong 398.3, pingpong_n128 398.1, ws_n128 380.2, ws 378.8
+# The full GPU suite and the sanitizers then passed with this table chosen (same call). CUFLASH_SM90_VARIANTS
+# ("64:ws_n128,128:ws", say) overrides it, for measuring.
+SM90_DEFAULT_VARIANTS = {64: "lockstep", 128: "pingpong", 256: "lockstep"}  # head dim -> cuflash.hopper.VARIANTS
 
 
 def _variants_from_env(text: str | None, default: dict) -> dict:
