@@ -56,7 +56,7 @@ class FwdSm90Spec:
 # The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,
 # whose Q and two slots already take 192 KB of shared memory); that one with ping-pong turns between its two
 # consumer warpgroups; and those two with 128-key blocks (S by wgmma m64n128: half the shared-memory reads of Q per
-# flop, half the softmax passes' fixed cost per key), 4 slots at d = 64 and 2 at d = 128 (Q and two slots: 160 KB).
+# flop, half the softmax passes' fixed cost per key), 4 slots at d = 64 and 3 at d = 128 (Q and three slots: 225 KB).
 # At d = 256 the _n128 variants keep 64-key blocks: O's 128 registers and S's 64 would not fit beside P's.
 VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128")
 
@@ -70,7 +70,7 @@ def variant_options(variant: str, headdim: int) -> dict:
     if variant in ("ws_n128", "pingpong_n128"):
         if headdim > 128:
             return variant_options(variant[:-len("_n128")], headdim)
-        return dict(warp_specialized=True, stages=4 if headdim <= 64 else 2, pingpong=variant == "pingpong_n128",
+        return dict(warp_specialized=True, stages=4 if headdim <= 64 else 3, pingpong=variant == "pingpong_n128",
                     block_n=128)
     raise ValueError(f"variant: one of {VARIANTS}, not {variant!r}")
 
