@@ -382,12 +382,14 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> 
 #
 # Measured (H200, bf16, 2026-11-29, scripts/gpu_release.sh: benchmarks/bench_sm90.py per variant, same run,
 # cells seqlen 1k/4k/16k x causal or not; geometric mean TFLOP/s, scripts/pick_sm90_variants.py):
-#   d =  64: lockstep 391.9, pingpong_n128 379.6, ws_n128 376.6, ws 350.1, pingpong 335.9
-#   d = 128: pingpong 484.0, ws 473.5, lockstep 400.4, pingpong_n128 399.3, ws_n128 361.8
+#   d =  64: lockstep 391.9, pingpong_n128 379.6, ws_n128 376.6, ws 350.1, pingpong 335.9  (_n128: 4 slots)
 #   d = 256: lockstep 444.7, pingpong 398.3, pingpong_n128 398.1, ws_n128 380.2, ws 378.8
-# The full GPU suite and the sanitizers then passed with this table chosen (same call). CUFLASH_SM90_VARIANTS
-# ("64:ws_n128,128:ws", say) overrides it, for measuring.
-SM90_DEFAULT_VARIANTS = {64: "lockstep", 128: "pingpong", 256: "lockstep"}  # head dim -> cuflash.hopper.VARIANTS
+#   d = 128, _n128 with 3 K/V slots (a later call; with 2 they were 361.8 and 399.3):
+#            ws_n128 536.6, pingpong_n128 503.9, pingpong 477.1, ws 473.9, lockstep 397.0
+# The full GPU suite and the sanitizers then passed with this table chosen (CUFLASH_SM90_VARIANTS=128:ws_n128 over
+# the 64/256 entries, same call; logs in docs/bench/release_session4b.txt). CUFLASH_SM90_VARIANTS ("64:ws_n128",
+# say) overrides it, for measuring.
+SM90_DEFAULT_VARIANTS = {64: "lockstep", 128: "ws_n128", 256: "lockstep"}  # head dim -> cuflash.hopper.VARIANTS
 
 
 def _variants_from_env(text: str | None, default: dict) -> dict:
