@@ -1,6 +1,7 @@
 // Forward attention on Hopper (sm_90a): TMA loads and wgmma.
 //
-// Grid (query blocks, heads, batch); a CTA owns BM = 128 query rows as two consumer warpgroups of 64 rows each,
+// Grid (query blocks, heads, batch); a CTA owns BM = 64 WGS query rows as WGS consumer warpgroups of 64 rows each
+// (two; three in the warp-specialized kernel at d = 64, FA3's 192-row tile),
 // sharing K/V tiles that TMA brings into a ring of STAGES slots; each slot has a "full" mbarrier counting the
 // bytes in. Per KV block each consumer warpgroup runs
 //     S = Q K^T            wgmma m64nBNk16 (BN = 64 or 128 keys), both from shared memory (K-major, 128-byte swizzle)
@@ -15,7 +16,7 @@
 //    K/V block as soon as the slot is free, which each slot's "empty" mbarrier tells (all 256 consumer threads
 //    arrive when done with it). No CTA barrier in the loop: the consumer warpgroups drift apart, so one's softmax
 //    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead. The producer gives its registers to the
-//    consumers (setmaxnreg 24 / 240: d = 256 keeps O in 128 of them). Within a warpgroup the loop is
+//    consumers (setmaxnreg 24 / 240, or 24 / 160 with three: d = 256 keeps O in 128 of them). Within a warpgroup the loop is
 //    software-pipelined (consume_pipelined): S of block t and O += P V of block t - 1 are issued together and the
 //    softmax of block t runs while the second still computes. PINGPONG adds turns between the two consumer
 //    warpgroups (named barriers): their GEMMs alternate, so one's softmax overlaps the other's GEMMs by design.
@@ -49,10 +50,13 @@ struct FwdSm90Params {
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is asserted).
 static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params no longer matches cuflash/hopper.py");
 
-template <class T, int D, int BN, bool BAND, int STAGES, bool WS, bool SCORE_MOD, bool PINGPONG>
+template <class T, int D, int BN, bool BAND, int STAGES, int WGS, bool WS, bool SCORE_MOD, bool PINGPONG>
 struct FwdSm90 {
-    static constexpr int BM = 128, PANELS = D / 64;
-    static constexpr int THREADS = WS ? 384 : 256, CONSUMER0 = WS ? 128 : 0;  // consumers: threads CONSUMER0 ..
+    static constexpr int BM = 64 * WGS, PANELS = D / 64;  // WGS consumer warpgroups of 64 query rows each
+    static constexpr int THREADS = 128 * (WGS + (WS ? 1 : 0)), CONSUMER0 = WS ? 128 : 0;  // consumers: CONSUMER0 ..
+    // setmaxnreg after the split: the producer keeps 24 registers, the consumers share the rest of the SM's 64 K
+    // (240 each for two warpgroups, 160 for three)
+    static constexpr int CONSUMER_REGS = WGS == 2 ? 240 : 160;
     static constexpr u32 Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     static constexpr u32 Q_PANEL = BM * 128, KV_PANEL = BN * 128;  // bytes of one 64-column panel
     // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] | barriers (q, full[STAGES], empty[STAGES])
@@ -62,6 +66,8 @@ struct FwdSm90 {
     static_assert(BN == 64 || BN == 128, "S = Q K^T is one wgmma m64n64 or m64n128 per k16 step");
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
     static_assert(WS || !PINGPONG, "ping-pong schedules the warp-specialized consumers");
+    static_assert(WGS == 2 || (WGS == 3 && WS && !PINGPONG), "three consumer warpgroups: warp-specialized, no turns");
+    static_assert(128 * 24 + 128 * WGS * CONSUMER_REGS <= 65536, "the register split exceeds the SM's file");
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
@@ -317,7 +323,7 @@ struct FwdSm90 {
                 }
                 return;
             }
-            sm90::regs_alloc<240>();
+            sm90::regs_alloc<CONSUMER_REGS>();
             if (count > 0) {
                 sm90::mbar_wait(base + OFF_BAR, 0);
                 consume_pipelined(range, count);
@@ -346,10 +352,11 @@ struct FwdSm90 {
     }
 };
 
-template <class T, int D, int BN, int STAGES, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG>
-__global__ void __launch_bounds__(WS ? 384 : 256, 1) fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
+template <class T, int D, int BN, int STAGES, int WGS, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG>
+__global__ void __launch_bounds__(128 * (WGS + (WS ? 1 : 0)), 1)
+    fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BN, BAND, STAGES, WS, SCORE_MOD, PINGPONG> block(p);
+    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG> block(p);
     block.run(smem);
 }
 

@@ -25,6 +25,7 @@ class FwdSm90Spec:
     headdim: int   # 64 | 128 | 256
     band: bool
     block_n: int = BLOCK_N          # keys per block: 64, or 128 (S by wgmma m64n128)
+    consumers: int = 2              # consumer warpgroups of 64 query rows (3: warp-specialized, no ping-pong)
     warp_specialized: bool = False  # a producer warpgroup and "empty" mbarriers (fwd_sm90.cu, WS)
     stages: int = 2                 # K/V ring slots (2 without warp specialization)
     score_mod: bool = False         # softcap / ALiBi
@@ -34,23 +35,28 @@ class FwdSm90Spec:
 
     @property
     def threads(self) -> int:
-        return 384 if self.warp_specialized else 256
+        return 128 * (self.consumers + (1 if self.warp_specialized else 0))
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
 
     @property
     def name(self) -> str:
         ws = (f"_ws{self.stages}" if self.warp_specialized else "") + ("_pp" if self.pingpong else "")
         ws += f"_n{self.block_n}" if self.block_n != BLOCK_N else ""
+        ws += f"_m{self.block_m}" if self.block_m != BLOCK_M else ""
         return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
                 f"{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
-        return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages),
+        return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
                               (self.band, self.warp_specialized, self.score_mod, self.pingpong))
 
     @property
     def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, mbarriers, alignment
-        return (BLOCK_M + 2 * self.stages * self.block_n) * self.headdim * 2 + (1 + 2 * self.stages) * 8 + 1024
+        return (self.block_m + 2 * self.stages * self.block_n) * self.headdim * 2 + (1 + 2 * self.stages) * 8 + 1024
 
 
 # The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,
@@ -58,21 +64,33 @@ class FwdSm90Spec:
 # consumer warpgroups; and those two with 128-key blocks (S by wgmma m64n128: half the shared-memory reads of Q per
 # flop, half the softmax passes' fixed cost per key), 4 slots at d = 64 and 3 at d = 128 (Q and three slots: 225 KB).
 # At d = 256 the _n128 variants keep 64-key blocks: O's 128 registers and S's 64 would not fit beside P's.
-VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128")
+# ws3_n128: ws_n128 with three consumer warpgroups (192 query rows per CTA, 160 registers each: FA3's d = 64 tile)
+# at d = 64 without a score mod; elsewhere (O, or softcap/ALiBi's registers, would not fit in 160 beside S and P:
+# ptxas spills) it is ws_n128.
+VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128")
 
 
-def variant_options(variant: str, headdim: int) -> dict:
-    """FwdSm90Spec's warp_specialized, stages, pingpong and block_n for a variant of VARIANTS at a head dim."""
+def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
+    """FwdSm90Spec's warp_specialized, stages, pingpong, block_n and consumers for a variant of VARIANTS at a head
+    dim, with or without a score mod."""
     if variant == "lockstep":
         return dict(warp_specialized=False, stages=2)
     if variant in ("ws", "pingpong"):
         return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
+    if variant == "ws3_n128":
+        three = headdim == 64 and not score_mod
+        return dict(variant_options("ws_n128", headdim), **(dict(consumers=3) if three else {}))
     if variant in ("ws_n128", "pingpong_n128"):
         if headdim > 128:
             return variant_options(variant[:-len("_n128")], headdim)
         return dict(warp_specialized=True, stages=4 if headdim <= 64 else 3, pingpong=variant == "pingpong_n128",
                     block_n=128)
     raise ValueError(f"variant: one of {VARIANTS}, not {variant!r}")
+
+
+def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: bool) -> FwdSm90Spec:
+    """The specialization a variant of VARIANTS compiles for these options."""
+    return FwdSm90Spec(dtype, headdim, band, score_mod=score_mod, **variant_options(variant, headdim, score_mod))
 
 
 # FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, the pointers o, lse, alibi, cu_seqlens_q,
@@ -93,7 +111,7 @@ def all_specs() -> list:
     """Every Hopper forward specialization (each variant, head dim, dtype, band, score mod): what the compile test
     checks and scripts/precompile.py --hopper compiles ahead of the GPU tests."""
     return list(dict.fromkeys(  # in order, without repeats (the _n128 variants at d = 256 are the 64-key ones)
-        FwdSm90Spec(dtype, d, band, score_mod=mod, **variant_options(variant, d))
+        variant_spec(variant, dtype, d, band, mod)
         for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
         for band in (False, True) for mod in (False, True)))
 
@@ -144,8 +162,8 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     """The Hopper forward for these layouts (arrays or TensorSpecs; out and lse contiguous; padded or packed as
     cuflash.api.launch_forward describes) on device `device_id` (current); the window already normalized."""
     score_mod = softcap > 0 or alibi_slopes is not None
-    spec = FwdSm90Spec(plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim, left >= 0 or right >= 0,
-                       score_mod=score_mod, **variant_options(variant, problem.headdim))
+    spec = variant_spec(variant, plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim,
+                        left >= 0 or right >= 0, score_mod)
     b, sq, h = problem.batch, problem.seqlen_q, problem.nheads  # packed: sq is the longest sequence
     p = np.zeros((), dtype=PARAMS_DTYPE)
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = checks.seq_strides(out)
@@ -155,9 +173,9 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     p["alibi_batch_stride"] = checks.alibi_batch_stride(alibi_slopes)
     for name, value in plan.forward_scales(scale, softcap, score_mod).items():
         p[name] = value
-    grid = plan.check_grid((math.ceil(sq / BLOCK_M), h, b))
+    grid = plan.check_grid((math.ceil(sq / spec.block_m), h, b))
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
-    return ForwardCall(call, (_encoder(q, BLOCK_M), _encoder(k, spec.block_n), _encoder(v, spec.block_n)), spec)
+    return ForwardCall(call, (_encoder(q, spec.block_m), _encoder(k, spec.block_n), _encoder(v, spec.block_n)), spec)
 
 
 def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

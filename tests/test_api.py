@@ -201,7 +201,7 @@ def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     assert plan.sm90_forward_variant(problem, "sm_90a") is None      # opt-in
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128"])
+@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128"])
 def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant):
     """api.forward_call routes an eligible call to the Hopper kernel: its struct holds out's strides, the sizes,
     the window and the scale; the tensor maps' layouts pass TMA's rules, also for extent-1 axes with odd
@@ -215,8 +215,7 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     out = api._contiguous("out", q.shape, np.float16)
     call = api.forward_call(problem, q, kv, kv, out, None, device_id=0, softmax_scale=0.5, causal=True,
                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
-    assert isinstance(call, hopper.ForwardCall) and call.spec == hopper.FwdSm90Spec(
-        "fp16", 128, True, **hopper.variant_options(variant, 128))
+    assert isinstance(call, hopper.ForwardCall) and call.spec == hopper.variant_spec(variant, "fp16", 128, True, False)
     p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
     assert (p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"]) == (200 * 8 * 128, 8 * 128, 128)
     assert (p["seqlen_q"], p["seqlen_k"], p["nheads"], p["heads_per_kv"]) == (200, 333, 8, 4)
@@ -252,13 +251,36 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
 def test_hopper_specs_are_distinct_and_fit_shared_memory():
     from cuflash import hopper
     specs = hopper.all_specs()
-    every = {hopper.FwdSm90Spec(dtype, d, band, score_mod=mod, **hopper.variant_options(variant, d))
+    every = {hopper.variant_spec(variant, dtype, d, band, mod)
              for variant in hopper.VARIANTS for d in hopper.HEADDIMS for dtype in ("fp16", "bf16")
              for band in (False, True) for mod in (False, True)}
     assert set(specs) == every and len(specs) == len(every)
     assert {s.block_n for s in specs} == {64, 128} and all(s.block_n == 64 for s in specs if s.headdim == 256)
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
     assert all(s.smem_bytes <= 227 * 1024 for s in specs)
+
+
+def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
+    """ws3_n128 at d = 64: 192 query rows per CTA (grid and Q's tensor-map box follow), 512 threads; with a score mod,
+    or at d = 128, the two-warpgroup ws_n128 kernel."""
+    from cuflash import api, hopper, plan
+    spec = hopper.variant_spec("ws3_n128", "bf16", 64, False, False)
+    assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
+    assert ", 4, 3, false, true, false, false>" in spec.template
+    assert hopper.variant_spec("ws3_n128", "bf16", 64, False, True) == hopper.variant_spec("ws_n128", "bf16", 64,
+                                                                                           False, True)
+    assert hopper.variant_spec("ws3_n128", "bf16", 128, True, False) == hopper.variant_spec("ws_n128", "bf16", 128,
+                                                                                            True, False)
+    monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
+    monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws3_n128"})
+    problem = checks.Problem(2, 400, 400, 4, 4, 64, np.dtype(np.float16))
+    q = _FakeDeviceArray(np.zeros((2, 400, 4, 64), np.float16), 0)
+    out = api._contiguous("out", q.shape, np.float16)
+    call = api.forward_call(problem, q, q, q, out, None, device_id=0, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert call.spec == spec.__class__("fp16", 64, False, **hopper.variant_options("ws3_n128", 64))
+    assert call.kernel_call.launches[0][1:5] == (3, 4, 2, 512)  # ceil(400 / 192) query blocks, heads, batch; threads
+    assert hopper._map_layout(q, call.spec.block_m)[3] == (64, 1, 192, 1)
 
 
 def test_kernel_call_head_write_keeps_the_rest():

@@ -70,9 +70,8 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
 @pytest.mark.parametrize("score_mod", [False, True])
 def test_hopper_forward_compiles_with_async_wgmma(d, band, variant, score_mod):
     import re
-    from cuflash.hopper import FwdSm90Spec, variant_options
     for dtype in ("fp16", "bf16"):
-        spec = FwdSm90Spec(dtype, d, band, score_mod=score_mod, **variant_options(variant, d))
+        spec = hopper.variant_spec(variant, dtype, d, band, score_mod)
         assert spec.smem_bytes <= 227 * 1024
         _, log = build.compile_cubin(spec, "sm_90a")
         report = build.resource_report(log)
