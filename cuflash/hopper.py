@@ -26,6 +26,7 @@ class FwdSm90Spec:
     band: bool
     block_n: int = BLOCK_N          # keys per block: 64, or 128 (S by wgmma m64n128)
     consumers: int = 2              # consumer warpgroups of 64 query rows (3: warp-specialized, no ping-pong)
+    persistent: bool = False        # one CTA per SM walking the tiles (warp-specialized only)
     warp_specialized: bool = False  # a producer warpgroup and "empty" mbarriers (fwd_sm90.cu, WS)
     stages: int = 2                 # K/V ring slots (2 without warp specialization)
     score_mod: bool = False         # softcap / ALiBi
@@ -46,17 +47,19 @@ class FwdSm90Spec:
         ws = (f"_ws{self.stages}" if self.warp_specialized else "") + ("_pp" if self.pingpong else "")
         ws += f"_n{self.block_n}" if self.block_n != BLOCK_N else ""
         ws += f"_m{self.block_m}" if self.block_m != BLOCK_M else ""
+        ws += "_persistent" if self.persistent else ""
         return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
                 f"{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
         return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
-                              (self.band, self.warp_specialized, self.score_mod, self.pingpong))
+                              (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent))
 
     @property
     def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, mbarriers, alignment
-        return (self.block_m + 2 * self.stages * self.block_n) * self.headdim * 2 + (1 + 2 * self.stages) * 8 + 1024
+        return ((self.block_m + 2 * self.stages * self.block_n) * self.headdim * 2
+                + (1 + 2 * self.stages + self.persistent) * 8 + 1024)
 
 
 # The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,
@@ -67,7 +70,10 @@ class FwdSm90Spec:
 # ws3_n128: ws_n128 with three consumer warpgroups (192 query rows per CTA, 160 registers each: FA3's d = 64 tile)
 # at d = 64 without a score mod; elsewhere (O, or softcap/ALiBi's registers, would not fit in 160 beside S and P:
 # ptxas spills) it is ws_n128.
-VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128")
+# ws_n128_p: ws_n128 made persistent: one CTA per SM walks the tiles, so the producer loads the next tile's Q and
+# keys while the consumers finish the last one (short sequences: prologue and epilogue overlap). (ws3_n128 made
+# persistent spills 8 bytes at d = 64 causal: the walk's counters do not fit in 160 registers beside S, P and O.)
+VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p")
 
 
 def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
@@ -77,6 +83,8 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
         return dict(warp_specialized=False, stages=2)
     if variant in ("ws", "pingpong"):
         return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
+    if variant == "ws_n128_p":
+        return dict(variant_options("ws_n128", headdim, score_mod), persistent=True)
     if variant == "ws3_n128":
         three = headdim == 64 and not score_mod
         return dict(variant_options("ws_n128", headdim), **(dict(consumers=3) if three else {}))
@@ -94,16 +102,16 @@ def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: 
 
 
 # FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, the pointers o, lse, alibi, cu_seqlens_q,
-# cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales; 512 bytes.
+# cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales, batch; 512 bytes.
 _POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")
 _I64S = ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride", "lse_head_stride",
          "alibi_batch_stride")
 _INTS = ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "window_left", "window_right")
 _FLOATS = ("scale_log2", "mod_scale", "softcap")
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "v", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS],
-    "formats": ["V128"] * 3 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3,
-    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(11)] + [472 + 4 * i for i in range(9)],
+    "names": ["q", "k", "v", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, "batch"],
+    "formats": ["V128"] * 3 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3 + [np.int32],
+    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(11)] + [472 + 4 * i for i in range(10)],
     "itemsize": 512})
 
 
@@ -173,7 +181,9 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     p["alibi_batch_stride"] = checks.alibi_batch_stride(alibi_slopes)
     for name, value in plan.forward_scales(scale, softcap, score_mod).items():
         p[name] = value
-    grid = plan.check_grid((math.ceil(sq / spec.block_m), h, b))
+    p["batch"] = b
+    tiles = (math.ceil(sq / spec.block_m), h, b)
+    grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
     return ForwardCall(call, (_encoder(q, spec.block_m), _encoder(k, spec.block_n), _encoder(v, spec.block_n)), spec)
 

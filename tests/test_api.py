@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import checks
+from cuflash import checks, hopper
 
 
 def _qkv(d=64, dtype=np.float16):
@@ -201,7 +201,7 @@ def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     assert plan.sm90_forward_variant(problem, "sm_90a") is None      # opt-in
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128"])
+@pytest.mark.parametrize("variant", list(hopper.VARIANTS))
 def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant):
     """api.forward_call routes an eligible call to the Hopper kernel: its struct holds out's strides, the sizes,
     the window and the scale; the tensor maps' layouts pass TMA's rules, also for extent-1 axes with odd
@@ -241,7 +241,9 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (1, 500)
     assert hopper._map_layout(qp, hopper.BLOCK_M)[1:] == ((128, 8, 500), (256, 8 * 256), (64, 1, 128))
     tma.check_tiled(0x10000, *hopper._map_layout(kp, hopper.BLOCK_N), 128)
-    assert call.kernel_call.launches[0][1:4] == (2, 8, 1)  # ceil(200 / 128) query blocks, heads, batch
+    # ceil(200 / 128) query blocks, heads, batch; the persistent kernel: one CTA per tile up to one per SM
+    assert call.kernel_call.launches[0][1:4] == ((16, 1, 1) if call.spec.persistent else (2, 8, 1))
+    assert np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]["batch"] == 1
     for x, rows in ((q, hopper.BLOCK_M), (kv, hopper.BLOCK_N)):
         dtype, dims, strides, box = hopper._map_layout(x, rows)
         tma.check_tiled(0x10000, dtype, dims, strides, box, 128)
@@ -262,11 +264,12 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
 
 def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
     """ws3_n128 at d = 64: 192 query rows per CTA (grid and Q's tensor-map box follow), 512 threads; with a score mod,
-    or at d = 128, the two-warpgroup ws_n128 kernel."""
+    or at d = 128, the two-warpgroup ws_n128 kernel. The persistent ws_n128_p launches one CTA per tile, at most
+    one per SM, and passes the batch."""
     from cuflash import api, hopper, plan
     spec = hopper.variant_spec("ws3_n128", "bf16", 64, False, False)
     assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
-    assert ", 4, 3, false, true, false, false>" in spec.template
+    assert ", 4, 3, false, true, false, false, false>" in spec.template
     assert hopper.variant_spec("ws3_n128", "bf16", 64, False, True) == hopper.variant_spec("ws_n128", "bf16", 64,
                                                                                            False, True)
     assert hopper.variant_spec("ws3_n128", "bf16", 128, True, False) == hopper.variant_spec("ws_n128", "bf16", 128,
@@ -281,6 +284,18 @@ def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
     assert call.spec == spec.__class__("fp16", 64, False, **hopper.variant_options("ws3_n128", 64))
     assert call.kernel_call.launches[0][1:5] == (3, 4, 2, 512)  # ceil(400 / 192) query blocks, heads, batch; threads
     assert hopper._map_layout(q, call.spec.block_m)[3] == (64, 1, 192, 1)
+    # persistent: 4 x 4 x 2 = 32 tiles, fewer than the SMs: one CTA each; a longer sequence: one CTA per SM
+    monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws_n128_p"})
+    call = api.forward_call(problem, q, q, q, out, None, device_id=0, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert call.spec.persistent and call.spec.consumers == 2 and call.kernel_call.launches[0][1:5] == (32, 1, 1, 384)
+    long = checks.Problem(2, 40000, 400, 4, 4, 64, np.dtype(np.float16))
+    ql = _FakeDeviceArray(np.zeros((2, 40000, 4, 64), np.float16), 0)
+    call = api.forward_call(long, ql, q, q, api._contiguous("out", ql.shape, np.float16), None, device_id=0,
+                            softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert call.kernel_call.launches[0][1:4] == (132, 1, 1) and call.spec.band
+    p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
+    assert (p["seqlen_q"], p["nheads"], p["batch"]) == (40000, 4, 2)
 
 
 def test_kernel_call_head_write_keeps_the_rest():
