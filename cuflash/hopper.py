@@ -73,7 +73,8 @@ class FwdSm90Spec:
 # ws_n128_p: ws_n128 made persistent: one CTA per SM walks the tiles, so the producer loads the next tile's Q and
 # keys while the consumers finish the last one (short sequences: prologue and epilogue overlap). (ws3_n128 made
 # persistent spills 8 bytes at d = 64 causal: the walk's counters do not fit in 160 registers beside S, P and O.)
-VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p")
+# lockstep_n128: the lockstep kernel with 128-key blocks (half the CTA barriers per key), 64 at d = 256.
+VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128")
 
 
 def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
@@ -81,6 +82,8 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
     dim, with or without a score mod."""
     if variant == "lockstep":
         return dict(warp_specialized=False, stages=2)
+    if variant == "lockstep_n128":
+        return dict(warp_specialized=False, stages=2, block_n=128 if headdim <= 128 else 64)
     if variant in ("ws", "pingpong"):
         return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
     if variant == "ws_n128_p":

@@ -80,4 +80,4 @@ def test_hopper_forward_compiles_with_async_wgmma(d, band, variant, score_mod):
         # ptxas notes that it injected warpgroup fences (C7519): the lockstep version has them (its P V fragments are
         # packed between fence and wgmma); the warp-specialized one must have none.
         notes = set(re.findall(r"\((C75\d\d)\)", log))
-        assert notes <= ({"C7519"} if variant == "lockstep" else set()), log
+        assert notes <= (set() if spec.warp_specialized else {"C7519"}), log
