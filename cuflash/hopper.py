@@ -210,3 +210,78 @@ def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1
         call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
              0 if lse is None else lse.data.ptr, 0 if alibi_slopes is None else alibi_slopes.data.ptr)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backward's main kernel on Hopper (cuda_src/bwd_sm90.cu). DRAFT: compile-checked, not yet run on a GPU; the
+# planner never chooses it (plan.BWD_SM90, off). Head dims 64 and 128, no softcap / ALiBi.
+
+BWD_HEADDIMS = (64, 128)
+BWD_BLOCK_N, BWD_BLOCK_M = 128, 64
+
+
+@dataclass(frozen=True)
+class BwdSm90Spec:
+    dtype: str
+    headdim: int
+    band: bool
+
+    source = "bwd_sm90.cu"
+    threads = 256
+
+    @property
+    def name(self) -> str:
+        return f"bwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}"
+
+    @property
+    def template(self) -> str:
+        return plan._template("bwd_sm90_kernel", self.dtype, (self.headdim,), (self.band,))
+
+    @property
+    def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, lse/D rows, barriers, alignment
+        d = self.headdim
+        return 2 * BWD_BLOCK_N * d * 2 + 4 * BWD_BLOCK_M * d * 2 + BWD_BLOCK_N * 128 + 2 * 2 * BWD_BLOCK_M * 4 + 3 * 8 + 1024
+
+
+def all_backward_specs() -> list:
+    return [BwdSm90Spec(dtype, d, band) for d in BWD_HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)]
+
+
+def _bwd_params_dtype() -> np.dtype:
+    """BwdSm90Params: the four tensor maps, then BwdParams (plan.BWD_PARAMS_DTYPE) at byte 512; 64-byte aligned."""
+    inner = plan.BWD_PARAMS_DTYPE
+    names = ["q_map", "k_map", "v_map", "dout_map"] + list(inner.names)
+    formats = ["V128"] * 4 + [inner.fields[n][0] for n in inner.names]
+    offsets = [0, 128, 256, 384] + [512 + inner.fields[n][1] for n in inner.names]
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets,
+                     "itemsize": 512 + -(-inner.itemsize // 64) * 64})
+
+
+BWD_PARAMS_DTYPE = _bwd_params_dtype()
+_BWD_POINTERS = struct.Struct("12Q")  # BwdParams' leading pointers, right after the maps
+
+
+class BackwardMain:
+    """The Hopper backward's main launch behind the call interface of the portable one (``BackwardCall.main``):
+    ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k)``."""
+
+    __slots__ = ("kernel_call", "maps", "spec")
+
+    def __init__(self, kernel_call: KernelCall, maps: tuple, spec: BwdSm90Spec):
+        self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
+
+    def __call__(self, stream: int, q: int, k: int, v: int, dout: int, *rest: int) -> None:
+        q_map, k_map, v_map, do_map = self.maps
+        self.kernel_call.launch_head(
+            stream, q_map(q) + k_map(k) + v_map(v) + do_map(dout) + _BWD_POINTERS.pack(q, k, v, dout, *rest))
+
+
+def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_id: int) -> BackwardMain:
+    """The main launch for these layouts (arrays or TensorSpecs, padded or packed) with BwdParams already filled
+    (`inner_params`, a plan.BWD_PARAMS_DTYPE scalar)."""
+    p = np.zeros((), dtype=BWD_PARAMS_DTYPE)
+    for name in plan.BWD_PARAMS_DTYPE.names:
+        p[name] = inner_params[name]
+    call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
+    maps = (_encoder(q, BWD_BLOCK_M), _encoder(k, BWD_BLOCK_N), _encoder(v, BWD_BLOCK_N), _encoder(dout, BWD_BLOCK_M))
+    return BackwardMain(call, maps, spec)

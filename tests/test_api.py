@@ -189,6 +189,43 @@ def test_backward_call_layout(no_gpu_kernels, packed, deterministic):
         8, 9, rows * h * d, slices)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, deterministic):
+    """plan.BWD_SM90 on: the backward's main launch is the Hopper kernel (d 64/128, no score mod) with BwdParams
+    after its four tensor maps, 128 keys per CTA (atomic) or the plan's slots (deterministic); off, or with a score
+    mod, the portable one."""
+    from cuflash import api, hopper, plan, tma
+    b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64
+    q = _FakeDeviceArray(np.zeros((b, sq, h, d), np.float16), 0)
+    k = _FakeDeviceArray(np.zeros((b, sk, hk, d), np.float16), 0)
+    lse = _FakeDeviceArray(np.zeros((b, h, sq), np.float32), 0)
+    problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(np.float16))
+
+    def call(**kw):
+        return api.backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None,
+                                 causal=True, window_size=(-1, -1), deterministic=deterministic, packed=False,
+                                 **dict(dict(softcap=0.0, alibi_slopes=None), **kw))
+
+    assert not isinstance(call().main, hopper.BackwardMain)  # off by default
+    monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
+    portable, main = call(softcap=5.0), call()
+    assert not isinstance(portable.main, hopper.BackwardMain) and isinstance(main.main, hopper.BackwardMain)
+    assert main.main.spec == hopper.BwdSm90Spec("fp16", 64, True) and main.dq_bytes == portable.dq_bytes
+    slots = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] if deterministic else 4
+    assert main.main.kernel_call.launches[0][1:5] == (slots, hk, b, 256)
+    got = np.frombuffer(main.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
+    want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
+    ref = _struct(portable.main, plan.BWD_PARAMS_DTYPE, *([0] * 12))
+    for name in plan.BWD_PARAMS_DTYPE.names[12:]:
+        if name not in ("mod_scale", "softcap", "scale_log2"):  # the score-mod kernel's natural-log scores
+            assert got[name] == ref[name] == want[name], name
+    assert hopper.BWD_PARAMS_DTYPE.fields["q"][1] == 512 and hopper.BWD_PARAMS_DTYPE.itemsize % 64 == 0
+    for x, rows in ((q, hopper.BWD_BLOCK_M), (k, hopper.BWD_BLOCK_N)):
+        tma.check_tiled(0x10000, *hopper._map_layout(x, rows), 128)
+    smem = {s.headdim: s.smem_bytes for s in hopper.all_backward_specs()}
+    assert smem[128] <= 227 * 1024 and smem[64] < smem[128]
+
+
 def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     from cuflash import plan
     problem = checks.Problem(2, 300, 300, 8, 2, 128, np.dtype(np.float16))

@@ -64,6 +64,17 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
     assert not re.search(r"\(C75\d\d\).*wgmma|wgmma.*serializ", log), log
 
 
+@pytest.mark.parametrize("spec", hopper.all_backward_specs(), ids=lambda s: s.name)
+def test_hopper_backward_compiles_with_async_wgmma(spec):
+    """The Hopper backward draft (bwd_sm90.cu): no spills, no wgmma serialization or injected fences."""
+    import re
+    assert spec.smem_bytes <= 227 * 1024
+    _, log = build.compile_cubin(spec, "sm_90a")
+    report = build.resource_report(log)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, log
+    assert not re.findall(r"\((C75\d\d)\)", log), log
+
+
 @pytest.mark.parametrize("variant", hopper.VARIANTS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("band", [False, True])
