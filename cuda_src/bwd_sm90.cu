@@ -13,10 +13,13 @@
 //     dQ  += dS K         wgmma ss, both MN-major: dS^T goes to shared memory (rows of keys, 64 queries = one
 //                         128-byte swizzled line), K is read transposed; added to dq_accum with fp32 atomics
 // dQ is split between the warpgroups by 64-column panel at d = 128 (after both stored dS^T: a CTA barrier) and by
-// keys at d = 64 (each its own 64 keys). No score mod (softcap / ALiBi stay on bwd.cu); head dims 64 and 128.
+// keys at d = 64 (each its own 64 keys). Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its
+// derivative straight into dS, both products waited for first) at d = 64 (at 128 that kernel spills); head dims 64
+// and 128.
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "mask.cuh"
+#include "score_mod.cuh"
 #include "seqlen.cuh"
 #include "params.cuh"
 
@@ -30,7 +33,7 @@ struct BwdSm90Params {
     BwdParams p;        // the portable kernel's parameters (its q, k, v, dout pointers unused here)
 };
 
-template <class T, int D, bool BAND>
+template <class T, int D, bool BAND, bool SCORE_MOD>
 struct BwdSm90 {
     static constexpr int BN = 128, BM = 64, PANELS = D / 64, THREADS = 256;
     static constexpr u32 K_PANEL = BN * 128, Q_PANEL = BM * 128;  // bytes of one 64-column panel
@@ -122,6 +125,16 @@ struct BwdSm90 {
         }
     }
 
+    // Key `key` of this sequence is in query `query`'s band and below seqlen_k (queries past seqlen_q have lse +inf).
+    __device__ __forceinline__ bool visible(int key, int query) const {
+        bool in = key < mask.seqlen_k;
+        if (BAND) {
+            if (mask.left >= 0) in = in && key >= query + mask.diag - mask.left;
+            if (mask.right >= 0) in = in && key <= query + mask.diag + mask.right;
+        }
+        return in;
+    }
+
     __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
         int h, m;
         step_of(t, m_min, m_count, h, m);
@@ -133,31 +146,44 @@ struct BwdSm90 {
         sm90::wgmma_fence();
         issue_keys_by_queries(*reinterpret_cast<float(*)[32]>(&st[0][0]), base, q_tile(buf));
         issue_keys_by_queries(*reinterpret_cast<float(*)[32]>(&dpt[0][0]), base + OFF_V, do_tile(buf));
-        sm90::wgmma_wait<1>();  // S^T
         // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
         const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col;
-                bool visible = key < mask.seqlen_k;
-                if (BAND) {
-                    if (mask.left >= 0) visible = visible && key >= query + mask.diag - mask.left;
-                    if (mask.right >= 0) visible = visible && key <= query + mask.diag + mask.right;
-                }
-                st[j][e] = visible ? exp2f(st[j][e] * p.scale_log2 - lse[col]) : 0.f;
-            }
         u32 a[4][4];
-        a_fragments(st, a);
-        sm90::wgmma_wait<0>();  // dP^T
+        if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
+            const ScoreMod mod{p.mod_scale, p.softcap,
+                               p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f, mask.diag};
+            sm90::wgmma_wait<0>();
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = 8 * j + 2 * (lane % 4) + e % 2;
-                dpt[j][e] = st[j][e] * (dpt[j][e] - dsum[col]) * p.softmax_scale;  // dS^T, in place
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col;
+                    float dmod;
+                    const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
+                    const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
+                    st[j][e] = prob;
+                    dpt[j][e] = prob * (dpt[j][e] - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
+                }
+            a_fragments(st, a);
+        } else {
+            sm90::wgmma_wait<1>();  // S^T (dP^T still computing)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col;
+                    st[j][e] = visible(key, query) ? exp2f(st[j][e] * p.scale_log2 - lse[col]) : 0.f;
+                }
+            a_fragments(st, a);
+            sm90::wgmma_wait<0>();  // dP^T
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                    dpt[j][e] = st[j][e] * (dpt[j][e] - dsum[col]) * p.softmax_scale;  // dS^T, in place
+                }
+        }
         u32 ds[4][4];
         a_fragments(dpt, ds);
         // dS^T to shared memory first (a fragment register an in-flight wgmma reads must not be touched), 128-byte
@@ -288,10 +314,10 @@ struct BwdSm90 {
     }
 };
 
-template <class T, int D, bool BAND>
+template <class T, int D, bool BAND, bool SCORE_MOD>
 __global__ void __launch_bounds__(256, 1) bwd_sm90_kernel(const __grid_constant__ BwdSm90Params P) {
     extern __shared__ __align__(1024) char smem[];
-    BwdSm90<T, D, BAND> block(P);
+    BwdSm90<T, D, BAND, SCORE_MOD> block(P);
     block.run(smem);
 }
 

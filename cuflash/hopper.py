@@ -214,7 +214,7 @@ def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1
 
 # ---------------------------------------------------------------------------------------------------------------
 # The backward's main kernel on Hopper (cuda_src/bwd_sm90.cu). DRAFT: compile-checked, not yet run on a GPU; the
-# planner never chooses it (plan.BWD_SM90, off). Head dims 64 and 128, no softcap / ALiBi.
+# planner never chooses it (plan.BWD_SM90, off). Head dims 64 and 128; softcap / ALiBi at 64 (plan.BWD_SM90).
 
 BWD_HEADDIMS = (64, 128)
 BWD_BLOCK_N, BWD_BLOCK_M = 128, 64
@@ -225,17 +225,18 @@ class BwdSm90Spec:
     dtype: str
     headdim: int
     band: bool
+    score_mod: bool = False
 
     source = "bwd_sm90.cu"
     threads = 256
 
     @property
     def name(self) -> str:
-        return f"bwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}"
+        return f"bwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}{'_mod' if self.score_mod else ''}"
 
     @property
     def template(self) -> str:
-        return plan._template("bwd_sm90_kernel", self.dtype, (self.headdim,), (self.band,))
+        return plan._template("bwd_sm90_kernel", self.dtype, (self.headdim,), (self.band, self.score_mod))
 
     @property
     def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, lse/D rows, barriers, alignment
@@ -244,7 +245,8 @@ class BwdSm90Spec:
 
 
 def all_backward_specs() -> list:
-    return [BwdSm90Spec(dtype, d, band) for d in BWD_HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)]
+    return [BwdSm90Spec(dtype, d, band, mod) for d in BWD_HEADDIMS for dtype in ("fp16", "bf16")
+            for band in (False, True) for mod in ((False, True) if d in plan.BWD_SM90["score_mod"] else (False,))]
 
 
 def _bwd_params_dtype() -> np.dtype:

@@ -208,9 +208,12 @@ def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, de
 
     assert not isinstance(call().main, hopper.BackwardMain)  # off by default
     monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
-    portable, main = call(softcap=5.0), call()
-    assert not isinstance(portable.main, hopper.BackwardMain) and isinstance(main.main, hopper.BackwardMain)
-    assert main.main.spec == hopper.BwdSm90Spec("fp16", 64, True) and main.dq_bytes == portable.dq_bytes
+    main, capped = call(), call(softcap=5.0)
+    assert isinstance(main.main, hopper.BackwardMain) and main.main.spec == hopper.BwdSm90Spec("fp16", 64, True)
+    assert capped.main.spec == hopper.BwdSm90Spec("fp16", 64, True, score_mod=True)
+    monkeypatch.setitem(plan.BWD_SM90, "score_mod", ())  # as at d = 128: score mods stay on the portable kernel
+    portable = call(softcap=5.0)
+    assert not isinstance(portable.main, hopper.BackwardMain) and main.dq_bytes == portable.dq_bytes
     slots = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] if deterministic else 4
     assert main.main.kernel_call.launches[0][1:5] == (slots, hk, b, 256)
     got = np.frombuffer(main.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]

@@ -211,7 +211,7 @@ def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backwa
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The Hopper backward's main kernel (plan.BWD_SM90: a draft, off by default; sm_90a, d 64/128, no score mod)
+# The Hopper backward's main kernel (plan.BWD_SM90: a draft, off by default; sm_90a, d 64/128, score mods at 64)
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -229,7 +229,8 @@ def sm90_backward(monkeypatch):
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=backward_cases(), d=st.sampled_from([64, 128]), seed=st.integers(0, 2**31 - 1))
 def test_sm90_backward_matches_reference(compiled, sm90_backward, case, d, seed):
-    run_case(np.random.default_rng(seed), **dict(case, d=d, softcap=0.0, alibi=None))
+    """Every option; softcap and ALiBi run on the Hopper kernel at d = 64 (at 128 on the portable one)."""
+    run_case(np.random.default_rng(seed), **dict(case, d=d))
 
 
 @pytest.mark.parametrize("hk", [4, 1])
@@ -241,6 +242,8 @@ def test_sm90_backward_several_blocks_and_repeatable(compiled, sm90_backward, hk
     run_case(np.random.default_rng(12), b=2, sq=333, sk=300, h=4, hk=hk, d=d, dtype="bf16", causal=True)
     run_case(np.random.default_rng(13), b=1, sq=200, sk=700, h=4, hk=hk, d=d, dtype="fp16", window_size=(90, 30),
              deterministic=True)
+    run_case(np.random.default_rng(14), b=2, sq=150, sk=260, h=4, hk=hk, d=d, dtype="bf16", causal=True, softcap=8.0,
+             alibi="bh", deterministic=True)
     q, k, v, dout, _ = make_case(np.random.default_rng(6), b=2, sq=200, sk=300, h=4, hk=hk, d=d, dtype="bf16")
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
