@@ -46,8 +46,7 @@ import bench_attention as ba  # noqa: E402  -- shared stack import, interop, tim
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 QUICK_SEQLENS = (1024, 4096)
 HEADDIMS = (64, 128)  # the ANCHORS grid's (cuflash.hopper.HEADDIMS adds 256), repeated so that --help needs no import
-# cuflash.hopper.VARIANTS, likewise
-VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128")
+VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128")  # cuflash.hopper.VARIANTS, likewise
 IMPLS = ("sm90", "portable", "flash", "cudnn")
 PEERS = ("portable", "flash", "cudnn")
 CHECK_REFS = ("portable", "flash", "cudnn")  # the first that ran is the sanity check's reference
@@ -77,8 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variant", choices=VARIANTS, default="lockstep",
                    help="the Hopper kernel's variant (cuflash.hopper.VARIANTS): lockstep (first version), ws "
                         "(warp-specialized producer, deeper ring), pingpong (ws, consumer warpgroups take turns), "
-                        "ws_n128 and pingpong_n128 (those with 128-key blocks), ws3_n128 (three consumer warpgroups at d 64), "
-                        "ws_n128_p (ws_n128, persistent), lockstep_n128")
+                        "ws_n128 and pingpong_n128 (those with 128-key blocks)")
     p.add_argument("--dims", type=ba._int_list, default=list(HEADDIMS),
                    help="head dims, comma-separated, from 64,128,256 (default 64,128)")
     p.add_argument("--seqlens", type=ba._int_list, default=None,
