@@ -26,7 +26,7 @@ echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
 : >"$OUT/bench.txt"
 if [ -z "${SM90_VARIANTS:-}" ]; then
     jsons=()
-    for v in lockstep ws pingpong ws_n128 pingpong_n128; do
+    for v in $(python3 -c "from cuflash import hopper; print(*hopper.VARIANTS)"); do
         timeout -k 5 80 python3 benchmarks/bench_sm90.py --variant "$v" --dims "${SM90_BENCH_DIMS:-64,128,256}" \
             --json "${TMPDIR:-/tmp}/sm90_$v.json" >>"$OUT/bench.txt" 2>&1
         echo "sm90 bench ($v): exit $? [$((SECONDS - t0))s]"

@@ -11,7 +11,7 @@
 #      memcheck and racecheck.               -> env.txt, pytest_gpu.log, memcheck.log, racecheck.log
 #   3. benchmarks/bench_varlen.py --bwd (--quick unless VARLEN_ARGS says otherwise)  -> varlen.txt
 #   4. benchmarks/bench_overhead.py (torch per-call overhead beside SDPA)              -> overhead.txt
-#   5. benchmarks/bench_sm90.py (each of SM90_VARIANTS, default: lockstep ws pingpong), then
+#   5. benchmarks/bench_sm90.py (each of SM90_VARIANTS, default: every cuflash.hopper.VARIANTS), then
 #      bench_attention.py --op fwd --quick (SKIP_BENCH=1 skips)                            -> bench.txt
 #   6. with BWD_AB=1: bench_attention.py --op bwd --quick with CUFLASH_BWD_QBUF=0, then 1  -> bench.txt
 #   7. with PROFILE=1: benchmarks/host_overhead.py --profile (cProfile of the CuPy API)  -> host_profile.txt
@@ -66,7 +66,7 @@ if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then  # Hopper draft beside the portable kernel and SDPA, then the forward grid
     : >"$OUT/bench.txt"
-    for variant in ${SM90_VARIANTS:-lockstep ws pingpong}; do
+    for variant in ${SM90_VARIANTS:-$(python3 -c "from cuflash import hopper; print(*hopper.VARIANTS)")}; do
         timeout -k 5 "${SM90_BENCH_TIMEOUT:-150}" python3 benchmarks/bench_sm90.py --variant "$variant" \
             ${SM90_BENCH_ARGS:-} >>"$OUT/bench.txt" 2>&1
         echo "sm90 bench ($variant): exit $? [$((SECONDS - t0))s]"

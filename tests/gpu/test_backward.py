@@ -1,4 +1,6 @@
 """cuflash.attention_backward on the GPU against the float64 reference, shapes drawn by hypothesis."""
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -150,15 +152,26 @@ def test_large_head_dims_are_refused_before_launch(compiled, monkeypatch):
 # Double-buffered Q/dO (plan.BWD_DOUBLE_BUFFER, on by default): the same checks with it chosen
 # --------------------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def planner_entry_on(monkeypatch, table: dict):
+    """`table["enabled"]` set (a plan switch) with the backward's launch cache emptied before and after, so no
+    other test inherits a launch planned under it."""
+    from cuflash import api
+    monkeypatch.setitem(table, "enabled", True)
+    api._bwd_launches.clear()
+    try:
+        yield
+    finally:
+        api._bwd_launches.clear()
+
+
 @pytest.fixture
 def double_buffered(monkeypatch):
-    """The planner picks two Q/dO buffers where the table has them; launch caches emptied before and after."""
-    from cuflash import api, plan
-    monkeypatch.setitem(plan.BWD_DOUBLE_BUFFER, "enabled", True)
-    api._bwd_launches.clear()
-    assert plan.bwd_config(64).q_buffers == 2 and plan.bwd_config(128).q_buffers == 1
-    yield
-    api._bwd_launches.clear()
+    """The planner picks two Q/dO buffers where the table has them."""
+    from cuflash import plan
+    with planner_entry_on(monkeypatch, plan.BWD_DOUBLE_BUFFER):
+        assert plan.bwd_config(64).q_buffers == 2 and plan.bwd_config(128).q_buffers == 1
+        yield
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -182,13 +195,11 @@ def test_double_buffered_backward_options_and_gqa(compiled, double_buffered, opt
 @pytest.fixture
 def wide_backward(monkeypatch):
     import cupy
-    from cuflash import api, plan
+    from cuflash import plan
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the wide backward is offered on sm_90a only")
-    monkeypatch.setitem(plan.BWD_WIDE, "enabled", True)
-    api._bwd_launches.clear()
-    yield
-    api._bwd_launches.clear()
+    with planner_entry_on(monkeypatch, plan.BWD_WIDE):
+        yield
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
