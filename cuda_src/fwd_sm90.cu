@@ -1,6 +1,7 @@
 // Forward attention on Hopper (sm_90a): TMA loads and wgmma.
 //
-// Grid (query blocks, heads, batch); a CTA owns BM = 128 query rows as two consumer warpgroups of 64 rows each,
+// Grid (query blocks, heads, batch); a CTA owns BM = 64 WGS query rows as WGS consumer warpgroups of 64 rows each
+// (two; three in the warp-specialized kernel at d = 64, FA3's 192-row tile),
 // sharing K/V tiles that TMA brings into a ring of STAGES slots; each slot has a "full" mbarrier counting the
 // bytes in. Per KV block each consumer warpgroup runs
 //     S = Q K^T            wgmma m64nBNk16 (BN = 64 or 128 keys), both from shared memory (K-major, 128-byte swizzle)
@@ -15,7 +16,7 @@
 //    K/V block as soon as the slot is free, which each slot's "empty" mbarrier tells (all 256 consumer threads
 //    arrive when done with it). No CTA barrier in the loop: the consumer warpgroups drift apart, so one's softmax
 //    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead. The producer gives its registers to the
-//    consumers (setmaxnreg 24 / 240: d = 256 keeps O in 128 of them). Within a warpgroup the loop is
+//    consumers (setmaxnreg 24 / 240, or 24 / 160 with three: d = 256 keeps O in 128 of them). Within a warpgroup the loop is
 //    software-pipelined (consume_pipelined): S of block t and O += P V of block t - 1 are issued together and the
 //    softmax of block t runs while the second still computes. PINGPONG adds turns between the two consumer
 //    warpgroups (named barriers): their GEMMs alternate, so one's softmax overlaps the other's GEMMs by design.
@@ -45,23 +46,31 @@ struct FwdSm90Params {
     int window_left, window_right;
     float scale_log2;      // log2(e) in score-mod kernels (scores leave ScoreMod in natural-log units)
     float mod_scale, softcap;  // score-mod kernels: see score_mod.cuh and plan.forward_scales
+    int batch;             // sequences (the persistent kernel walks query blocks x heads x batch itself)
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is asserted).
 static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params no longer matches cuflash/hopper.py");
 
-template <class T, int D, int BN, bool BAND, int STAGES, bool WS, bool SCORE_MOD, bool PINGPONG>
+template <class T, int D, int BN, bool BAND, int STAGES, int WGS, bool WS, bool SCORE_MOD, bool PINGPONG,
+          bool PERSISTENT>
 struct FwdSm90 {
-    static constexpr int BM = 128, PANELS = D / 64;
-    static constexpr int THREADS = WS ? 384 : 256, CONSUMER0 = WS ? 128 : 0;  // consumers: threads CONSUMER0 ..
+    static constexpr int BM = 64 * WGS, PANELS = D / 64;  // WGS consumer warpgroups of 64 query rows each
+    static constexpr int THREADS = 128 * (WGS + (WS ? 1 : 0)), CONSUMER0 = WS ? 128 : 0;  // consumers: CONSUMER0 ..
+    // setmaxnreg after the split: the producer keeps 24 registers, the consumers share the rest of the SM's 64 K
+    // (240 each for two warpgroups, 160 for three)
+    static constexpr int CONSUMER_REGS = WGS == 2 ? 240 : 160;
     static constexpr u32 Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     static constexpr u32 Q_PANEL = BM * 128, KV_PANEL = BN * 128;  // bytes of one 64-column panel
-    // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] | barriers (q, full[STAGES], empty[STAGES])
+    // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] | barriers (q, full[STAGES], empty[STAGES][, q_empty])
     static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_BAR = OFF_V + STAGES * KV_BYTES;
-    static constexpr u32 SMEM_BYTES = OFF_BAR + (1 + 2 * STAGES) * 8 + 1024;  // + room to align the base to 1024
+    static constexpr u32 SMEM_BYTES = OFF_BAR + (1 + 2 * STAGES + PERSISTENT) * 8 + 1024;  // + room to align to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
     static_assert(BN == 64 || BN == 128, "S = Q K^T is one wgmma m64n64 or m64n128 per k16 step");
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
     static_assert(WS || !PINGPONG, "ping-pong schedules the warp-specialized consumers");
+    static_assert(WGS == 2 || (WGS == 3 && WS && !PINGPONG), "three consumer warpgroups: warp-specialized, no turns");
+    static_assert(128 * 24 + 128 * WGS * CONSUMER_REGS <= 65536, "the register split exceeds the SM's file");
+    static_assert(WS || !PERSISTENT, "the persistent kernel is the warp-specialized one");
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
@@ -79,6 +88,8 @@ struct FwdSm90 {
 
     __device__ __forceinline__ u32 full_bar(int slot) const { return base + OFF_BAR + 8 + 8 * slot; }
     __device__ __forceinline__ u32 empty_bar(int slot) const { return base + OFF_BAR + 8 * (1 + STAGES + slot); }
+    // persistent kernel: the consumers are done with Q (all their wgmma of a tile have completed)
+    __device__ __forceinline__ u32 q_empty_bar() const { return base + OFF_BAR + 8 * (1 + 2 * STAGES); }
 
     // The TMA box of 64 columns from `col`, rows `row` .. of this sequence, head `head`: a 4-D map (d, heads, seqlen,
     // batch) of a padded batch, or a 3-D one (d, heads, total) of packed sequences whose rows start at `begin`. Rows
@@ -204,22 +215,22 @@ struct FwdSm90 {
         if (PINGPONG) sm90::named_arrive(2 - wg, 256);
     }
 
-    __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count) {
+    __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, int it0) {
         float s[1][BN / 8][4], alpha[1][2];
         u32 pa[BN / 16][4];
         if (PINGPONG && wg == 1) sm90::named_arrive(1, 256);  // warpgroup 0 goes first
-        sm90::mbar_wait(full_bar(0), 0);
+        sm90::mbar_wait(full_bar(it0 % STAGES), (it0 / STAGES) & 1);
         my_turn();
         sm90::wgmma_fence();
-        issue_s(s, 0);
+        issue_s(s, it0 % STAGES);
         your_turn();
         sm90::wgmma_wait<0>();
         probabilities_of<true>(range, 0, s, alpha);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
         for (int t = 1; t < count; ++t) {
-            const int slot = t % STAGES, prev = (t - 1) % STAGES;
-            sm90::mbar_wait(full_bar(slot), (t / STAGES) & 1);
+            const int slot = (it0 + t) % STAGES, prev = (it0 + t - 1) % STAGES;
+            sm90::mbar_wait(full_bar(slot), ((it0 + t) / STAGES) & 1);
             my_turn();
             sm90::wgmma_fence();
             issue_s(s, slot);
@@ -233,7 +244,7 @@ struct FwdSm90 {
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
         }
-        const int last = (count - 1) % STAGES;
+        const int last = (it0 + count - 1) % STAGES;
         my_turn();
         sm90::wgmma_fence();
         issue_pv(pa, last);
@@ -265,62 +276,93 @@ struct FwdSm90 {
         }
     }
 
-    __device__ __forceinline__ void run(char* smem) {
-        const int m_block = BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-        h = blockIdx.y;
-        b = blockIdx.z;
+    // Query block m_block of head `head` in sequence `batch` as this thread's tile: its rows, sequence, mask, score
+    // mod and key-block range. False when a packed sequence shorter than the longest has no rows there.
+    __device__ __forceinline__ bool begin_tile(int m_block, int head, int batch, BlockRange& range) {
+        h = head;
+        b = batch;
         h_kv = h / p.heads_per_kv;
-        tid = threadIdx.x;
-        wg = (tid - CONSUMER0) / 128;  // consumers 0, 1 (producer threads return before using it)
-        warp = (tid / 32) % 4;
-        lane = tid % 32;
         row0 = m_block * BM;
         const SeqInfo seq(p, b);
-        if (row0 >= seq.seqlen_q) return;  // a packed sequence shorter than the longest: the whole CTA leaves
+        if (row0 >= seq.seqlen_q) return false;
         q_begin = seq.q_begin;
         k_begin = seq.k_begin;
         seqlen_q = seq.seqlen_q;
-        base = (smem_u32(smem) + 1023) & ~1023u;
         mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
         if (SCORE_MOD)
             mod = ScoreMod{p.mod_scale, p.softcap, p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f,
                            seq.seqlen_k - seq.seqlen_q};
+        range = block_range<BM, BN, BAND>(mask, row0);
+        return true;
+    }
+
+    __device__ __forceinline__ void reset_accumulators() {
 #pragma unroll
         for (int dt = 0; dt < PANELS * 8; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
         softmax.reset();
+    }
 
-        const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
-        const int count = range.n_max - range.n_min;  // blocks, walked from n_max - 1 down
+    __device__ __forceinline__ void init_barriers() {
         if (tid == 0) {
             sm90::mbar_init(base + OFF_BAR, 1);
             for (int i = 0; i < STAGES; ++i) {
                 sm90::mbar_init(full_bar(i), 1);
                 sm90::mbar_init(empty_bar(i), THREADS - CONSUMER0);
             }
+            if (PERSISTENT) sm90::mbar_init(q_empty_bar(), THREADS - CONSUMER0);
             sm90::mbar_fence_init();
         }
         __syncthreads();  // the last CTA-wide barrier of the warp-specialized kernel
+    }
+
+    // The producer thread: the tile's key blocks into the ring from position `it` (each slot once the consumers have
+    // emptied it), and Q. `tile`: how many tiles this CTA loaded before; the persistent kernel issues Q after the
+    // first key block, once the consumers are done with the previous tile's, so that it lands during their epilogue.
+    __device__ __forceinline__ void produce(const BlockRange& range, int count, int it, int tile) {
+        if (!PERSISTENT) issue_q();
+        for (int t = 0; t < count; ++t) {
+            const int i = it + t, slot = i % STAGES;
+            if (i >= STAGES) sm90::mbar_wait(empty_bar(slot), ((i / STAGES) - 1) & 1);
+            issue_kv(range.n_max - 1 - t, slot);
+            if (PERSISTENT && t == 0) {
+                if (tile > 0) sm90::mbar_wait(q_empty_bar(), (tile - 1) & 1);
+                issue_q();
+            }
+        }
+    }
+
+    // The role as a value the compiler can see is warp-uniform (a shuffle from lane 0): a branch on tid alone looks
+    // divergent to ptxas, which then serializes every wgmma behind it (C7520).
+    __device__ __forceinline__ bool is_producer() const { return __shfl_sync(0xffffffff, tid / 128, 0) == 0; }
+
+    __device__ __forceinline__ void start(char* smem) {
+        tid = threadIdx.x;
+        wg = (tid - CONSUMER0) / 128;  // consumers 0 .. WGS - 1 (producer threads never use it)
+        warp = (tid / 32) % 4;
+        lane = tid % 32;
+        base = (smem_u32(smem) + 1023) & ~1023u;
+    }
+
+    // One tile per CTA: grid (query blocks, heads, batch).
+    __device__ __forceinline__ void run(char* smem) {
+        start(smem);
+        BlockRange range;
+        if (!begin_tile(BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, range)) return;
+        reset_accumulators();
+        const int count = range.n_max - range.n_min;  // blocks, walked from n_max - 1 down
+        init_barriers();
         if constexpr (WS) {
-            // The role as a value the compiler can see is warp-uniform (a shuffle from lane 0): a branch on tid
-            // alone looks divergent to ptxas, which then serializes every wgmma behind it (C7520).
-            if (__shfl_sync(0xffffffff, tid / 128, 0) == 0) {  // producer warpgroup: one thread moves the data
-                sm90::regs_dealloc<24>();  // 128 x 24 + 256 x 240 registers fit the SM's 64 K
-                if (tid == 0 && count > 0) {
-                    issue_q();
-                    for (int t = 0; t < count; ++t) {
-                        const int slot = t % STAGES;
-                        if (t >= STAGES) sm90::mbar_wait(empty_bar(slot), ((t / STAGES) - 1) & 1);
-                        issue_kv(range.n_max - 1 - t, slot);
-                    }
-                }
+            if (is_producer()) {  // producer warpgroup: one thread moves the data
+                sm90::regs_dealloc<24>();
+                if (tid == 0 && count > 0) produce(range, count, 0, 0);
                 return;
             }
-            sm90::regs_alloc<240>();
+            sm90::regs_alloc<CONSUMER_REGS>();
             if (count > 0) {
                 sm90::mbar_wait(base + OFF_BAR, 0);
-                consume_pipelined(range, count);
+                consume_pipelined(range, count, 0);
             }
         } else if (count > 0) {
             if (tid == 0) {
@@ -344,13 +386,62 @@ struct FwdSm90 {
         }
         epilogue();
     }
+
+    // Persistent (warp-specialized): gridDim.x CTAs (one per SM) walk the tiles idx = blockIdx.x, + gridDim.x, ...,
+    // query-block-major (the longest causal rows first), heads, then sequences. The ring and Q's barrier carry on
+    // from tile to tile, so the producer loads the next tile while the consumers finish the last one. Producer and
+    // consumers each run their own copy of the walk: code both roles share would keep ptxas from honouring
+    // setmaxnreg (C7507).
+    __device__ __forceinline__ bool tile_of(int idx, int m_blocks, BlockRange& range) {
+        const int per_block = p.nheads * p.batch, m = idx / per_block, rest = idx - m * per_block;
+        return begin_tile(BAND ? m_blocks - 1 - m : m, rest % p.nheads, rest / p.nheads, range);
+    }
+
+    __device__ __forceinline__ void run_persistent(char* smem) {
+        start(smem);
+        init_barriers();
+        const int m_blocks = (p.seqlen_q + BM - 1) / BM, tiles = m_blocks * p.nheads * p.batch;
+        int it = 0, loaded = 0;  // ring position, tiles with key blocks so far
+        if (is_producer()) {
+            sm90::regs_dealloc<24>();
+            if (tid != 0) return;
+            for (int idx = blockIdx.x; idx < tiles; idx += gridDim.x) {
+                BlockRange range;
+                if (!tile_of(idx, m_blocks, range)) continue;
+                const int count = range.n_max - range.n_min;
+                if (count == 0) continue;
+                produce(range, count, it, loaded);
+                it += count;
+                ++loaded;
+            }
+            return;
+        }
+        sm90::regs_alloc<CONSUMER_REGS>();
+        for (int idx = blockIdx.x; idx < tiles; idx += gridDim.x) {
+            BlockRange range;
+            if (!tile_of(idx, m_blocks, range)) continue;
+            const int count = range.n_max - range.n_min;
+            reset_accumulators();
+            if (count > 0) {
+                sm90::mbar_wait(base + OFF_BAR, loaded & 1);
+                consume_pipelined(range, count, it);
+                sm90::mbar_arrive(q_empty_bar());
+                it += count;
+                ++loaded;
+            }
+            epilogue();
+        }
+    }
 };
 
-template <class T, int D, int BN, int STAGES, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG>
-__global__ void __launch_bounds__(WS ? 384 : 256, 1) fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
+template <class T, int D, int BN, int STAGES, int WGS, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG,
+          bool PERSISTENT>
+__global__ void __launch_bounds__(128 * (WGS + (WS ? 1 : 0)), 1)
+    fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BN, BAND, STAGES, WS, SCORE_MOD, PINGPONG> block(p);
-    block.run(smem);
+    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT> block(p);
+    if constexpr (PERSISTENT) block.run_persistent(smem);
+    else block.run(smem);
 }
 
 }  // namespace cuflash

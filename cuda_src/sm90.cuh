@@ -144,6 +144,37 @@ template <> __device__ __forceinline__ void wgmma_m64n64k16_ss<half_t>(float (&d
 }
 #undef CUFLASH_WGMMA_M64N64K16
 
+// The same with both operands MN-major (smem_desc_mn; transpose flags set): A[64 x 16] stored K rows of 64
+// contiguous M elements (the backward's dS, kept as dS^T rows of keys), B stored K rows of N contiguous elements.
+template <class T> __device__ __forceinline__ void wgmma_m64n64k16_ss_mn(float (&d)[32], unsigned long long a_desc,
+                                                                         unsigned long long b_desc, bool accumulate);
+
+#define CUFLASH_WGMMA_M64N64K16_MN(TYPE)                                                                          \
+    asm volatile(                                                                                                 \
+        "{\n"                                                                                                     \
+        ".reg .pred acc;\n"                                                                                       \
+        "setp.ne.b32 acc, %34, 0;\n"                                                                              \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                           \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                       \
+        "%32, %33, acc, 1, 1, 1, 1;\n"                                                                            \
+        "}\n"                                                                                                     \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+        : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
+
+template <> __device__ __forceinline__ void wgmma_m64n64k16_ss_mn<bf16_t>(float (&d)[32], unsigned long long a_desc,
+                                                                          unsigned long long b_desc, bool accumulate) {
+    CUFLASH_WGMMA_M64N64K16_MN("bf16");
+}
+template <> __device__ __forceinline__ void wgmma_m64n64k16_ss_mn<half_t>(float (&d)[32], unsigned long long a_desc,
+                                                                          unsigned long long b_desc, bool accumulate) {
+    CUFLASH_WGMMA_M64N64K16_MN("f16");
+}
+#undef CUFLASH_WGMMA_M64N64K16_MN
+
 // The same with N = 128 (S of a 128-key block): d[4j + e] for the 16 column groups j of 8. One instruction reads Q's
 // 64 x 16 slice once for twice the columns of the n64 form, halving the shared-memory traffic of A per flop.
 #define CUFLASH_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \

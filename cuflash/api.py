@@ -301,8 +301,13 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
         bp[name] = value
     bp["softmax_scale"] = scale
-    main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
-                        launch.spec.smem_bytes)], bp, plan.BWD_PARAMS_DTYPE.names[:12])
+    if plan.bwd_sm90_applies(problem, score_mod, build.device_arch(device_id)):  # same interface, same workspace
+        spec = hopper.BwdSm90Spec(dtype, d, left >= 0 or right >= 0, score_mod)
+        slots = launch.grid[0] if deterministic else -(-problem.seqlen_k // hopper.BWD_BLOCK_N)
+        main = hopper.backward_main(spec, bp, q, k, v, dout, (slots,) + tuple(launch.grid[1:]), device_id)
+    else:
+        main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
+                            launch.spec.smem_bytes)], bp, plan.BWD_PARAMS_DTYPE.names[:12])
 
     # dQ: sum the slices (fixed order), cast
     conv = plan.AuxSpec("bwd_convert_dq", dtype)

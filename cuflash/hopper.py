@@ -25,6 +25,8 @@ class FwdSm90Spec:
     headdim: int   # 64 | 128 | 256
     band: bool
     block_n: int = BLOCK_N          # keys per block: 64, or 128 (S by wgmma m64n128)
+    consumers: int = 2              # consumer warpgroups of 64 query rows (3: warp-specialized, no ping-pong)
+    persistent: bool = False        # one CTA per SM walking the tiles (warp-specialized only)
     warp_specialized: bool = False  # a producer warpgroup and "empty" mbarriers (fwd_sm90.cu, WS)
     stages: int = 2                 # K/V ring slots (2 without warp specialization)
     score_mod: bool = False         # softcap / ALiBi
@@ -34,23 +36,30 @@ class FwdSm90Spec:
 
     @property
     def threads(self) -> int:
-        return 384 if self.warp_specialized else 256
+        return 128 * (self.consumers + (1 if self.warp_specialized else 0))
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
 
     @property
     def name(self) -> str:
         ws = (f"_ws{self.stages}" if self.warp_specialized else "") + ("_pp" if self.pingpong else "")
         ws += f"_n{self.block_n}" if self.block_n != BLOCK_N else ""
+        ws += f"_m{self.block_m}" if self.block_m != BLOCK_M else ""
+        ws += "_persistent" if self.persistent else ""
         return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
                 f"{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
-        return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages),
-                              (self.band, self.warp_specialized, self.score_mod, self.pingpong))
+        return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
+                              (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent))
 
     @property
     def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, mbarriers, alignment
-        return (BLOCK_M + 2 * self.stages * self.block_n) * self.headdim * 2 + (1 + 2 * self.stages) * 8 + 1024
+        return ((self.block_m + 2 * self.stages * self.block_n) * self.headdim * 2
+                + (1 + 2 * self.stages + self.persistent) * 8 + 1024)
 
 
 # The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,
@@ -58,15 +67,30 @@ class FwdSm90Spec:
 # consumer warpgroups; and those two with 128-key blocks (S by wgmma m64n128: half the shared-memory reads of Q per
 # flop, half the softmax passes' fixed cost per key), 4 slots at d = 64 and 3 at d = 128 (Q and three slots: 225 KB).
 # At d = 256 the _n128 variants keep 64-key blocks: O's 128 registers and S's 64 would not fit beside P's.
-VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128")
+# ws3_n128: ws_n128 with three consumer warpgroups (192 query rows per CTA, 160 registers each: FA3's d = 64 tile)
+# at d = 64 without a score mod; elsewhere (O, or softcap/ALiBi's registers, would not fit in 160 beside S and P:
+# ptxas spills) it is ws_n128.
+# ws_n128_p: ws_n128 made persistent: one CTA per SM walks the tiles, so the producer loads the next tile's Q and
+# keys while the consumers finish the last one (short sequences: prologue and epilogue overlap). (ws3_n128 made
+# persistent spills 8 bytes at d = 64 causal: the walk's counters do not fit in 160 registers beside S, P and O.)
+# lockstep_n128: the lockstep kernel with 128-key blocks (half the CTA barriers per key), 64 at d = 256.
+VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128")
 
 
-def variant_options(variant: str, headdim: int) -> dict:
-    """FwdSm90Spec's warp_specialized, stages, pingpong and block_n for a variant of VARIANTS at a head dim."""
+def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
+    """FwdSm90Spec's warp_specialized, stages, pingpong, block_n and consumers for a variant of VARIANTS at a head
+    dim, with or without a score mod."""
     if variant == "lockstep":
         return dict(warp_specialized=False, stages=2)
+    if variant == "lockstep_n128":
+        return dict(warp_specialized=False, stages=2, block_n=128 if headdim <= 128 else 64)
     if variant in ("ws", "pingpong"):
         return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
+    if variant == "ws_n128_p":
+        return dict(variant_options("ws_n128", headdim, score_mod), persistent=True)
+    if variant == "ws3_n128":
+        three = headdim == 64 and not score_mod
+        return dict(variant_options("ws_n128", headdim), **(dict(consumers=3) if three else {}))
     if variant in ("ws_n128", "pingpong_n128"):
         if headdim > 128:
             return variant_options(variant[:-len("_n128")], headdim)
@@ -75,17 +99,22 @@ def variant_options(variant: str, headdim: int) -> dict:
     raise ValueError(f"variant: one of {VARIANTS}, not {variant!r}")
 
 
+def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: bool) -> FwdSm90Spec:
+    """The specialization a variant of VARIANTS compiles for these options."""
+    return FwdSm90Spec(dtype, headdim, band, score_mod=score_mod, **variant_options(variant, headdim, score_mod))
+
+
 # FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, the pointers o, lse, alibi, cu_seqlens_q,
-# cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales; 512 bytes.
+# cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales, batch; 512 bytes.
 _POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")
 _I64S = ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride", "lse_head_stride",
          "alibi_batch_stride")
 _INTS = ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "window_left", "window_right")
 _FLOATS = ("scale_log2", "mod_scale", "softcap")
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "v", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS],
-    "formats": ["V128"] * 3 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3,
-    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(11)] + [472 + 4 * i for i in range(9)],
+    "names": ["q", "k", "v", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, "batch"],
+    "formats": ["V128"] * 3 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3 + [np.int32],
+    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(11)] + [472 + 4 * i for i in range(10)],
     "itemsize": 512})
 
 
@@ -93,7 +122,7 @@ def all_specs() -> list:
     """Every Hopper forward specialization (each variant, head dim, dtype, band, score mod): what the compile test
     checks and scripts/precompile.py --hopper compiles ahead of the GPU tests."""
     return list(dict.fromkeys(  # in order, without repeats (the _n128 variants at d = 256 are the 64-key ones)
-        FwdSm90Spec(dtype, d, band, score_mod=mod, **variant_options(variant, d))
+        variant_spec(variant, dtype, d, band, mod)
         for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
         for band in (False, True) for mod in (False, True)))
 
@@ -144,8 +173,8 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     """The Hopper forward for these layouts (arrays or TensorSpecs; out and lse contiguous; padded or packed as
     cuflash.api.launch_forward describes) on device `device_id` (current); the window already normalized."""
     score_mod = softcap > 0 or alibi_slopes is not None
-    spec = FwdSm90Spec(plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim, left >= 0 or right >= 0,
-                       score_mod=score_mod, **variant_options(variant, problem.headdim))
+    spec = variant_spec(variant, plan.DTYPES[np.dtype(problem.dtype).name][0], problem.headdim,
+                        left >= 0 or right >= 0, score_mod)
     b, sq, h = problem.batch, problem.seqlen_q, problem.nheads  # packed: sq is the longest sequence
     p = np.zeros((), dtype=PARAMS_DTYPE)
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = checks.seq_strides(out)
@@ -155,9 +184,11 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     p["alibi_batch_stride"] = checks.alibi_batch_stride(alibi_slopes)
     for name, value in plan.forward_scales(scale, softcap, score_mod).items():
         p[name] = value
-    grid = plan.check_grid((math.ceil(sq / BLOCK_M), h, b))
+    p["batch"] = b
+    tiles = (math.ceil(sq / spec.block_m), h, b)
+    grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
-    return ForwardCall(call, (_encoder(q, BLOCK_M), _encoder(k, spec.block_n), _encoder(v, spec.block_n)), spec)
+    return ForwardCall(call, (_encoder(q, spec.block_m), _encoder(k, spec.block_n), _encoder(v, spec.block_n)), spec)
 
 
 def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -179,3 +210,80 @@ def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1
         call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
              0 if lse is None else lse.data.ptr, 0 if alibi_slopes is None else alibi_slopes.data.ptr)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backward's main kernel on Hopper (cuda_src/bwd_sm90.cu). DRAFT: compile-checked, not yet run on a GPU; the
+# planner never chooses it (plan.BWD_SM90, off). Head dims 64 and 128; softcap / ALiBi at 64 (plan.BWD_SM90).
+
+BWD_HEADDIMS = (64, 128)
+BWD_BLOCK_N, BWD_BLOCK_M = 128, 64
+
+
+@dataclass(frozen=True)
+class BwdSm90Spec:
+    dtype: str
+    headdim: int
+    band: bool
+    score_mod: bool = False
+
+    source = "bwd_sm90.cu"
+    threads = 256
+
+    @property
+    def name(self) -> str:
+        return f"bwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}{'_mod' if self.score_mod else ''}"
+
+    @property
+    def template(self) -> str:
+        return plan._template("bwd_sm90_kernel", self.dtype, (self.headdim,), (self.band, self.score_mod))
+
+    @property
+    def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, lse/D rows, barriers, alignment
+        d = self.headdim
+        return 2 * BWD_BLOCK_N * d * 2 + 4 * BWD_BLOCK_M * d * 2 + BWD_BLOCK_N * 128 + 2 * 2 * BWD_BLOCK_M * 4 + 3 * 8 + 1024
+
+
+def all_backward_specs() -> list:
+    return [BwdSm90Spec(dtype, d, band, mod) for d in BWD_HEADDIMS for dtype in ("fp16", "bf16")
+            for band in (False, True) for mod in ((False, True) if d in plan.BWD_SM90["score_mod"] else (False,))]
+
+
+def _bwd_params_dtype() -> np.dtype:
+    """BwdSm90Params: the four tensor maps, then BwdParams (plan.BWD_PARAMS_DTYPE) at byte 512; 64-byte aligned."""
+    inner = plan.BWD_PARAMS_DTYPE
+    names = ["q_map", "k_map", "v_map", "dout_map"] + list(inner.names)
+    formats = ["V128"] * 4 + [inner.fields[n][0] for n in inner.names]
+    offsets = [0, 128, 256, 384] + [512 + inner.fields[n][1] for n in inner.names]
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets,
+                     "itemsize": 512 + -(-inner.itemsize // 64) * 64})
+
+
+BWD_PARAMS_DTYPE = _bwd_params_dtype()
+_BWD_POINTERS = struct.Struct("12Q")  # BwdParams' leading pointers, right after the maps
+
+
+class BackwardMain:
+    """The Hopper backward's main launch behind the call interface of the portable one (``BackwardCall.main``):
+    ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k)``."""
+
+    __slots__ = ("kernel_call", "maps", "spec")
+
+    def __init__(self, kernel_call: KernelCall, maps: tuple, spec: BwdSm90Spec):
+        self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
+
+    def __call__(self, stream: int, q: int, k: int, v: int, dout: int, *rest: int) -> None:
+        q_map, k_map, v_map, do_map = self.maps
+        self.kernel_call.launch_head(
+            stream, q_map(q) + k_map(k) + v_map(v) + do_map(dout) + _BWD_POINTERS.pack(q, k, v, dout, *rest))
+
+
+def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_id: int) -> BackwardMain:
+    """The main launch for these layouts (arrays or TensorSpecs, padded or packed) with BwdParams already filled
+    (`inner_params`, a plan.BWD_PARAMS_DTYPE scalar)."""
+    p = np.zeros((), dtype=BWD_PARAMS_DTYPE)
+    for name in plan.BWD_PARAMS_DTYPE.names:
+        p[name] = inner_params[name]
+    call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
+    maps = (_encoder(q, BWD_BLOCK_M), _encoder(k, BWD_BLOCK_N), _encoder(v, BWD_BLOCK_N), _encoder(dout, BWD_BLOCK_M))
+    return BackwardMain(call, maps, spec)

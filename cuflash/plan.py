@@ -214,6 +214,17 @@ BWD_WIDE = {"enabled": os.environ.get("CUFLASH_BWD_WIDE", "1") == "1", "headdim"
             "config": BwdConfig(64, 32, 8)}
 
 
+# The Hopper backward's main kernel (cuda_src/bwd_sm90.cu, cuflash/hopper.py): a DRAFT, compile-checked and not yet
+# run on a GPU, so off unless CUFLASH_BWD_SM90=1. When on: sm_90a, head dims exactly 64 or 128; softcap/ALiBi at
+# d = 64 only (at 128 the score-mod kernel spills: 255 registers are already taken without it).
+BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "0") == "1", "headdims": (64, 128), "score_mod": (64,)}
+
+
+def bwd_sm90_applies(problem, score_mod: bool, arch: str) -> bool:
+    return (BWD_SM90["enabled"] and arch == "sm_90a" and problem.headdim in BWD_SM90["headdims"]
+            and (not score_mod or problem.headdim in BWD_SM90["score_mod"]))
+
+
 def bwd_config(headdim: int) -> BwdConfig:
     """The backward's tile configuration for a compiled head dim."""
     if headdim == BWD_WIDE["headdim"]:

@@ -13,10 +13,10 @@
 #   4. benchmarks/bench_overhead.py (torch per-call overhead beside SDPA)              -> overhead.txt
 #   5. benchmarks/bench_sm90.py (each of SM90_VARIANTS, default: every cuflash.hopper.VARIANTS), then
 #      bench_attention.py --op fwd --quick (SKIP_BENCH=1 skips)                            -> bench.txt
-#   6. with BWD_AB=1: bench_attention.py --op bwd --quick with CUFLASH_BWD_QBUF=0, then 1  -> bench.txt
+#   6. with BWD_AB=1: bench_attention.py --op bwd --quick with CUFLASH_BWD_SM90=0, then 1  -> bench.txt
 #   7. with PROFILE=1: benchmarks/host_overhead.py --profile (cProfile of the CuPy API)  -> host_profile.txt
 #   with OPTIN_SANITIZE=1, after 2: memcheck and racecheck of the sanitizer cases with CUFLASH_SM90=1,
-#      CUFLASH_BWD_QBUF=1 and CUFLASH_BWD_WIDE=1 (the opt-in planner entries)  -> optin_memcheck.log, optin_racecheck.log
+#      CUFLASH_BWD_QBUF=1, CUFLASH_BWD_WIDE=1 and CUFLASH_BWD_SM90=1 (every planner switch on)  -> optin_memcheck.log, optin_racecheck.log
 # Environment: OUT, SKIP_SM90=1, SKIP_CHECK=1, SKIP_VARLEN=1, SKIP_OVERHEAD=1, TESTS_TIMEOUT (300),
 # SANITIZE_TIMEOUT (100), PYTEST_ARGS (passed on to gpu_check.sh). At most 8 files come back from the device:
 # pick the steps of one call accordingly (e.g. SKIP_CHECK=1 for 1, 3-7; SKIP_SM90=1 SKIP_BENCH=1 ... for 2).
@@ -47,7 +47,7 @@ if [ "${SKIP_CHECK:-0}" != 1 ]; then
 fi
 if [ "${OPTIN_SANITIZE:-0}" = 1 ]; then  # the sanitizer cases again with every opt-in planner entry switched on
     for tool in memcheck racecheck; do
-        CUFLASH_SM90=1 CUFLASH_BWD_QBUF=1 CUFLASH_BWD_WIDE=1 timeout -k 5 "${SANITIZE_TIMEOUT:-150}" \
+        CUFLASH_SM90=1 CUFLASH_BWD_QBUF=1 CUFLASH_BWD_WIDE=1 CUFLASH_BWD_SM90=1 timeout -k 5 "${SANITIZE_TIMEOUT:-150}" \
             "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool "$tool" --error-exitcode 9 --print-limit 50 python3 scripts/sanitize_cases.py \
             >"$OUT/optin_$tool.log" 2>&1
         echo "opt-in $tool: exit $? [$((SECONDS - t0))s] $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/optin_$tool.log")"
@@ -76,11 +76,11 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then  # Hopper draft beside the portable kernel 
     echo "forward bench: exit $? [$((SECONDS - t0))s]"
     awk '/^=== /{p=1} /^$/{if (p) print ""; p=0} p' "$OUT/bench.txt"
 fi
-if [ "${BWD_AB:-0}" = 1 ]; then  # the backward with one and with two Q/dO buffers (plan.BWD_DOUBLE_BUFFER), same grid
-    for qbuf in 0 1; do
-        CUFLASH_BWD_QBUF=$qbuf timeout -k 5 "${BWD_BENCH_TIMEOUT:-200}" python3 benchmarks/bench_attention.py --op bwd \
+if [ "${BWD_AB:-0}" = 1 ]; then  # the backward as planned, then with the Hopper draft (plan.BWD_SM90), same grid
+    for switch in CUFLASH_BWD_SM90=0 CUFLASH_BWD_SM90=1; do
+        env "$switch" timeout -k 5 "${BWD_BENCH_TIMEOUT:-200}" python3 benchmarks/bench_attention.py --op bwd \
             ${BWD_BENCH_ARGS:---quick} >>"$OUT/bench.txt" 2>&1
-        echo "backward bench (CUFLASH_BWD_QBUF=$qbuf): exit $? [$((SECONDS - t0))s]"
+        echo "backward bench ($switch): exit $? [$((SECONDS - t0))s]"
     done
     grep -A12 "^=== cuflash Backward" "$OUT/bench.txt" | tail -26
 fi

@@ -31,7 +31,7 @@ def main():
              and (dim_re is None or dim_re.search(s.name) or not re.search(r"_d\d+", s.name))]
     if args.hopper and arch == "sm_90a":
         from cuflash import hopper
-        specs += hopper.all_specs()
+        specs += hopper.all_specs() + hopper.all_backward_specs()
     print(len(cuflash.precompile(specs, workers=args.workers, progress=False)), "kernels for", arch)
 
 

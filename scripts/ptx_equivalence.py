@@ -54,6 +54,7 @@ def main():
     ap.add_argument("rev", help="git revision to compare the working tree's cuda_src/ with")
     ap.add_argument("--arch", default="compute_90a")
     ap.add_argument("--limit", type=int, default=8, help="kernels per family (forward, backward, decode), spread")
+    ap.add_argument("--hopper", action="store_true", help="the Hopper forward's kernels instead (--arch compute_90a)")
     ap.add_argument("--old-template", action="append", default=[], metavar="NEW=OLD",
                     help="regex NEW on a template -> replacement OLD for the old revision, e.g. "
                          r"'(bwd_kernel<[^>]*), 1, (true|false), (true|false)>=\1, \2, \3>'")
@@ -62,6 +63,9 @@ def main():
     arch = args.arch.replace("compute_", "sm_")
     families = {"forward": plan.all_forward_specs(arch), "backward": plan.all_backward_specs(arch),
                 "decode": plan.all_decode_specs(arch)}
+    if args.hopper:  # the Hopper forward's specializations (cuflash.hopper; sm_90a)
+        from cuflash import hopper
+        families = {"hopper": hopper.all_specs()}
     rewrites = [tuple(r.split("=", 1)) for r in args.old_template]
     differ = 0
     with tempfile.TemporaryDirectory() as old_dir:

@@ -18,6 +18,8 @@ their kernels land. Shapes are deliberately off every tile size (17, 33, 70, 113
 Varlen cases (``--only varlen``) call ``cuflash.attention_varlen`` and its backward on packed
 sequences with lengths 0 (on either side), 1 and off-tile sizes.
 
+Hopper cases (``--only sm90_``) call ``cuflash.hopper.attention_sm90`` in each variant (skipped off sm_90a).
+
 Backward cases (``--only bwd_``) call ``cuflash.attention_backward(dout, q, k, v, out, lse,
 causal=..., window_size=..., softcap=..., alibi_slopes=..., deterministic=False|True,
 stream=...)`` with out, lse from ``cuflash.attention(..., return_lse=True)`` under the
@@ -177,7 +179,24 @@ def _varlen_cases() -> list[dict]:
     ]
 
 
-CASES = _fwd_cases() + _bwd_cases() + _kvcache_cases() + _varlen_cases()
+def _sm90_cases() -> list[dict]:
+    """Each Hopper forward variant (cuflash.hopper.attention_sm90, sm_90a only) at d 64, 128, 256 on a ragged shape
+    with causal and lse, one score-mod case each, and a shape with more tiles than SMs (the persistent walk)."""
+    from cuflash import hopper
+    cases = []
+    for variant in hopper.VARIANTS:
+        for d in hopper.HEADDIMS:
+            cases.append(dict(name=f"sm90_{variant}_bf16_d{d}_causal_lse", fn="attention_sm90", dtype="bf16",
+                              shape=dict(MULTI, d=d), opts=dict(variant=variant, causal=True, return_lse=True)))
+        cases.append(dict(name=f"sm90_{variant}_fp16_d64_window_softcap_alibi", fn="attention_sm90", dtype="fp16",
+                          shape=dict(MULTI, d=64), opts=dict(variant=variant, window_size=(40, 8), softcap=5.0,
+                                                             alibi=True)))
+        cases.append(dict(name=f"sm90_{variant}_bf16_d128_many_tiles", fn="attention_sm90", dtype="bf16",
+                          shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=128), opts=dict(variant=variant)))
+    return cases
+
+
+CASES = _fwd_cases() + _bwd_cases() + _kvcache_cases() + _varlen_cases() + _sm90_cases()
 
 
 # --------------------------------------------------------------------------- #
@@ -285,7 +304,28 @@ def run_attention_varlen_backward(rng, case, stream):
                                              deterministic=deterministic, **kw)
 
 
+def run_attention_sm90(rng, case, stream):
+    from cuflash import hopper
+    q, k, v = _qkv(rng, case)
+    kw = _kwargs(rng, case, stream)
+    stream = kw.pop("stream")
+    _ready()
+    with (stream or cupy.cuda.get_current_stream()):
+        return hopper.attention_sm90(q, k, v, **kw)
+
+
+def _available(fn: str) -> bool:
+    """The case's function exists (and, for the Hopper kernel, the device is sm_90a)."""
+    if fn == "attention_sm90":
+        try:
+            return cupy.cuda.Device().compute_capability == "90"
+        except cupy.cuda.runtime.CUDARuntimeError:  # no GPU (--list on a CPU machine)
+            return False
+    return hasattr(cuflash, fn)
+
+
 RUNNERS = {
+    "attention_sm90": run_attention_sm90,
     "attention_varlen": run_attention_varlen,
     "attention_varlen_backward": run_attention_varlen_backward,
     "attention": run_attention,
@@ -315,13 +355,13 @@ def main(argv=None) -> int:
     cases = [c for c in CASES if args.only in c["name"]]
     if args.list:
         for c in cases:
-            state = "" if hasattr(cuflash, c["fn"]) else "   (skipped: cuflash lacks it)"
+            state = "" if _available(c["fn"]) else "   (skipped: cuflash lacks it, or not sm_90a)"
             print(f"{c['name']:<36} {c['fn']:<24} {c['shape']} {c['opts']}{state}")
         return 0
 
     ran, skipped, failed = 0, [], []
     for case in cases:
-        if not hasattr(cuflash, case["fn"]):
+        if not _available(case["fn"]):
             skipped.append(case["name"])
             continue
         rng = np.random.default_rng(0)

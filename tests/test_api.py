@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import checks
+from cuflash import checks, hopper
 
 
 def _qkv(d=64, dtype=np.float16):
@@ -189,6 +189,46 @@ def test_backward_call_layout(no_gpu_kernels, packed, deterministic):
         8, 9, rows * h * d, slices)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, deterministic):
+    """plan.BWD_SM90 on: the backward's main launch is the Hopper kernel (d 64/128, no score mod) with BwdParams
+    after its four tensor maps, 128 keys per CTA (atomic) or the plan's slots (deterministic); off, or with a score
+    mod, the portable one."""
+    from cuflash import api, hopper, plan, tma
+    b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64
+    q = _FakeDeviceArray(np.zeros((b, sq, h, d), np.float16), 0)
+    k = _FakeDeviceArray(np.zeros((b, sk, hk, d), np.float16), 0)
+    lse = _FakeDeviceArray(np.zeros((b, h, sq), np.float32), 0)
+    problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(np.float16))
+
+    def call(**kw):
+        return api.backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None,
+                                 causal=True, window_size=(-1, -1), deterministic=deterministic, packed=False,
+                                 **dict(dict(softcap=0.0, alibi_slopes=None), **kw))
+
+    assert not isinstance(call().main, hopper.BackwardMain)  # off by default
+    monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
+    main, capped = call(), call(softcap=5.0)
+    assert isinstance(main.main, hopper.BackwardMain) and main.main.spec == hopper.BwdSm90Spec("fp16", 64, True)
+    assert capped.main.spec == hopper.BwdSm90Spec("fp16", 64, True, score_mod=True)
+    monkeypatch.setitem(plan.BWD_SM90, "score_mod", ())  # as at d = 128: score mods stay on the portable kernel
+    portable = call(softcap=5.0)
+    assert not isinstance(portable.main, hopper.BackwardMain) and main.dq_bytes == portable.dq_bytes
+    slots = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] if deterministic else 4
+    assert main.main.kernel_call.launches[0][1:5] == (slots, hk, b, 256)
+    got = np.frombuffer(main.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
+    want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
+    ref = _struct(portable.main, plan.BWD_PARAMS_DTYPE, *([0] * 12))
+    for name in plan.BWD_PARAMS_DTYPE.names[12:]:
+        if name not in ("mod_scale", "softcap", "scale_log2"):  # the score-mod kernel's natural-log scores
+            assert got[name] == ref[name] == want[name], name
+    assert hopper.BWD_PARAMS_DTYPE.fields["q"][1] == 512 and hopper.BWD_PARAMS_DTYPE.itemsize % 64 == 0
+    for x, rows in ((q, hopper.BWD_BLOCK_M), (k, hopper.BWD_BLOCK_N)):
+        tma.check_tiled(0x10000, *hopper._map_layout(x, rows), 128)
+    smem = {s.headdim: s.smem_bytes for s in hopper.all_backward_specs()}
+    assert smem[128] <= 227 * 1024 and smem[64] < smem[128]
+
+
 def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     from cuflash import plan
     problem = checks.Problem(2, 300, 300, 8, 2, 128, np.dtype(np.float16))
@@ -201,7 +241,7 @@ def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     assert plan.sm90_forward_variant(problem, "sm_90a") is None      # opt-in
 
 
-@pytest.mark.parametrize("variant", ["lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128"])
+@pytest.mark.parametrize("variant", list(hopper.VARIANTS))
 def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant):
     """api.forward_call routes an eligible call to the Hopper kernel: its struct holds out's strides, the sizes,
     the window and the scale; the tensor maps' layouts pass TMA's rules, also for extent-1 axes with odd
@@ -215,8 +255,7 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     out = api._contiguous("out", q.shape, np.float16)
     call = api.forward_call(problem, q, kv, kv, out, None, device_id=0, softmax_scale=0.5, causal=True,
                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
-    assert isinstance(call, hopper.ForwardCall) and call.spec == hopper.FwdSm90Spec(
-        "fp16", 128, True, **hopper.variant_options(variant, 128))
+    assert isinstance(call, hopper.ForwardCall) and call.spec == hopper.variant_spec(variant, "fp16", 128, True, False)
     p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
     assert (p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"]) == (200 * 8 * 128, 8 * 128, 128)
     assert (p["seqlen_q"], p["seqlen_k"], p["nheads"], p["heads_per_kv"]) == (200, 333, 8, 4)
@@ -242,7 +281,9 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (1, 500)
     assert hopper._map_layout(qp, hopper.BLOCK_M)[1:] == ((128, 8, 500), (256, 8 * 256), (64, 1, 128))
     tma.check_tiled(0x10000, *hopper._map_layout(kp, hopper.BLOCK_N), 128)
-    assert call.kernel_call.launches[0][1:4] == (2, 8, 1)  # ceil(200 / 128) query blocks, heads, batch
+    # ceil(200 / 128) query blocks, heads, batch; the persistent kernel: one CTA per tile up to one per SM
+    assert call.kernel_call.launches[0][1:4] == ((16, 1, 1) if call.spec.persistent else (2, 8, 1))
+    assert np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]["batch"] == 1
     for x, rows in ((q, hopper.BLOCK_M), (kv, hopper.BLOCK_N)):
         dtype, dims, strides, box = hopper._map_layout(x, rows)
         tma.check_tiled(0x10000, dtype, dims, strides, box, 128)
@@ -252,13 +293,49 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
 def test_hopper_specs_are_distinct_and_fit_shared_memory():
     from cuflash import hopper
     specs = hopper.all_specs()
-    every = {hopper.FwdSm90Spec(dtype, d, band, score_mod=mod, **hopper.variant_options(variant, d))
+    every = {hopper.variant_spec(variant, dtype, d, band, mod)
              for variant in hopper.VARIANTS for d in hopper.HEADDIMS for dtype in ("fp16", "bf16")
              for band in (False, True) for mod in (False, True)}
     assert set(specs) == every and len(specs) == len(every)
     assert {s.block_n for s in specs} == {64, 128} and all(s.block_n == 64 for s in specs if s.headdim == 256)
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
     assert all(s.smem_bytes <= 227 * 1024 for s in specs)
+
+
+def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
+    """ws3_n128 at d = 64: 192 query rows per CTA (grid and Q's tensor-map box follow), 512 threads; with a score mod,
+    or at d = 128, the two-warpgroup ws_n128 kernel. The persistent ws_n128_p launches one CTA per tile, at most
+    one per SM, and passes the batch."""
+    from cuflash import api, hopper, plan
+    spec = hopper.variant_spec("ws3_n128", "bf16", 64, False, False)
+    assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
+    assert ", 4, 3, false, true, false, false, false>" in spec.template
+    assert hopper.variant_spec("ws3_n128", "bf16", 64, False, True) == hopper.variant_spec("ws_n128", "bf16", 64,
+                                                                                           False, True)
+    assert hopper.variant_spec("ws3_n128", "bf16", 128, True, False) == hopper.variant_spec("ws_n128", "bf16", 128,
+                                                                                            True, False)
+    monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
+    monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws3_n128"})
+    problem = checks.Problem(2, 400, 400, 4, 4, 64, np.dtype(np.float16))
+    q = _FakeDeviceArray(np.zeros((2, 400, 4, 64), np.float16), 0)
+    out = api._contiguous("out", q.shape, np.float16)
+    call = api.forward_call(problem, q, q, q, out, None, device_id=0, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert call.spec == spec.__class__("fp16", 64, False, **hopper.variant_options("ws3_n128", 64))
+    assert call.kernel_call.launches[0][1:5] == (3, 4, 2, 512)  # ceil(400 / 192) query blocks, heads, batch; threads
+    assert hopper._map_layout(q, call.spec.block_m)[3] == (64, 1, 192, 1)
+    # persistent: 4 x 4 x 2 = 32 tiles, fewer than the SMs: one CTA each; a longer sequence: one CTA per SM
+    monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws_n128_p"})
+    call = api.forward_call(problem, q, q, q, out, None, device_id=0, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert call.spec.persistent and call.spec.consumers == 2 and call.kernel_call.launches[0][1:5] == (32, 1, 1, 384)
+    long = checks.Problem(2, 40000, 400, 4, 4, 64, np.dtype(np.float16))
+    ql = _FakeDeviceArray(np.zeros((2, 40000, 4, 64), np.float16), 0)
+    call = api.forward_call(long, ql, q, q, api._contiguous("out", ql.shape, np.float16), None, device_id=0,
+                            softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert call.kernel_call.launches[0][1:4] == (132, 1, 1) and call.spec.band
+    p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
+    assert (p["seqlen_q"], p["nheads"], p["batch"]) == (40000, 4, 2)
 
 
 def test_kernel_call_head_write_keeps_the_rest():

@@ -64,15 +64,25 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
     assert not re.search(r"\(C75\d\d\).*wgmma|wgmma.*serializ", log), log
 
 
+@pytest.mark.parametrize("spec", hopper.all_backward_specs(), ids=lambda s: s.name)
+def test_hopper_backward_compiles_with_async_wgmma(spec):
+    """The Hopper backward draft (bwd_sm90.cu): no spills, no wgmma serialization or injected fences."""
+    import re
+    assert spec.smem_bytes <= 227 * 1024
+    _, log = build.compile_cubin(spec, "sm_90a")
+    report = build.resource_report(log)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, log
+    assert not re.findall(r"\((C75\d\d)\)", log), log
+
+
 @pytest.mark.parametrize("variant", hopper.VARIANTS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("band", [False, True])
 @pytest.mark.parametrize("score_mod", [False, True])
 def test_hopper_forward_compiles_with_async_wgmma(d, band, variant, score_mod):
     import re
-    from cuflash.hopper import FwdSm90Spec, variant_options
     for dtype in ("fp16", "bf16"):
-        spec = FwdSm90Spec(dtype, d, band, score_mod=score_mod, **variant_options(variant, d))
+        spec = hopper.variant_spec(variant, dtype, d, band, score_mod)
         assert spec.smem_bytes <= 227 * 1024
         _, log = build.compile_cubin(spec, "sm_90a")
         report = build.resource_report(log)
@@ -81,4 +91,4 @@ def test_hopper_forward_compiles_with_async_wgmma(d, band, variant, score_mod):
         # ptxas notes that it injected warpgroup fences (C7519): the lockstep version has them (its P V fragments are
         # packed between fence and wgmma); the warp-specialized one must have none.
         notes = set(re.findall(r"\((C75\d\d)\)", log))
-        assert notes <= ({"C7519"} if variant == "lockstep" else set()), log
+        assert notes <= (set() if spec.warp_specialized else {"C7519"}), log

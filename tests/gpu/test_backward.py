@@ -219,3 +219,54 @@ def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backwa
     for _ in range(3):
         again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
         assert all(bool(cupy.array_equal(a, g.view(np.uint16))) for a, g in zip(first, again))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Hopper backward's main kernel (plan.BWD_SM90: a draft, off by default; sm_90a, d 64/128, score mods at 64)
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sm90_backward(monkeypatch):
+    import cupy
+    from cuflash import plan
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    with planner_entry_on(monkeypatch, plan.BWD_SM90):
+        yield
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=backward_cases(), d=st.sampled_from([64, 128]), seed=st.integers(0, 2**31 - 1))
+def test_sm90_backward_matches_reference(compiled, sm90_backward, case, d, seed):
+    """Every option; softcap and ALiBi run on the Hopper kernel at d = 64 (at 128 on the portable one)."""
+    run_case(np.random.default_rng(seed), **dict(case, d=d))
+
+
+@pytest.mark.parametrize("hk", [4, 1])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_backward_several_blocks_and_repeatable(compiled, sm90_backward, hk, d):
+    """Several 128-key blocks and 64-row query blocks, GQA; deterministic mode bitwise repeatable."""
+    import cupy
+    import cuflash
+    run_case(np.random.default_rng(12), b=2, sq=333, sk=300, h=4, hk=hk, d=d, dtype="bf16", causal=True)
+    run_case(np.random.default_rng(13), b=1, sq=200, sk=700, h=4, hk=hk, d=d, dtype="fp16", window_size=(90, 30),
+             deterministic=True)
+    run_case(np.random.default_rng(14), b=2, sq=150, sk=260, h=4, hk=hk, d=d, dtype="bf16", causal=True, softcap=8.0,
+             alibi="bh", deterministic=True)
+    q, k, v, dout, _ = make_case(np.random.default_rng(6), b=2, sq=200, sk=300, h=4, hk=hk, d=d, dtype="bf16")
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                                          deterministic=True)]
+    for _ in range(3):
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+        assert all(bool(cupy.array_equal(a, g.view(np.uint16))) for a, g in zip(first, again))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm90_backward_varlen(compiled, sm90_backward, deterministic):
+    """Packed sequences (3-D tensor maps; keys and queries of the next sequence in a box are masked)."""
+    from tests.gpu.test_varlen import run_backward
+    run_backward(np.random.default_rng(21), lens_q=[0, 17, 200, 1, 130], lens_k=[5, 17, 260, 1, 0], h=4, hk=2, d=64,
+                 dtype="bf16", causal=True, deterministic=deterministic)
+    run_backward(np.random.default_rng(22), lens_q=[129, 64, 300], lens_k=[129, 64, 300], h=2, hk=2, d=128,
+                 dtype="fp16", deterministic=deterministic)

@@ -164,3 +164,49 @@ def test_attention_varlen_planned_on_sm90_matches_reference(sm90_planned, varian
     sm90_planned(variant)
     run_forward(np.random.default_rng(seed), **data.draw(varlen_cases([64, 128, 256])))
     assert _routed_to_sm90()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The persistent variants with more tiles than SMs: each CTA walks several tiles, so the ring position and Q's
+# barrier phases carry on from tile to tile (the cases above fit one tile per CTA).
+# --------------------------------------------------------------------------------------------------------------
+
+PERSISTENT = [v for v in hopper.VARIANTS if hopper.variant_options(v, 64).get("persistent")]
+
+
+@pytest.mark.parametrize("variant", PERSISTENT)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (200, 0))])
+def test_persistent_walks_several_tiles_per_cta(variant, d, causal, window):
+    import cupy
+    from cuflash import reference
+    from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma and TMA need compute capability 9.0")
+    rng = np.random.default_rng(d + 3 * causal)
+    b, sq, sk, h, hk = 3, 700, 900, 24, 6  # 4-6 query blocks x 72 heads and sequences: 288-432 tiles
+    q = cupy.asarray(randn(rng, (b, sq, h, d), DTYPES["bf16"]))
+    k = cupy.asarray(randn(rng, (b, sk, hk, d), DTYPES["bf16"]))
+    v = cupy.asarray(randn(rng, (b, sk, hk, d), DTYPES["bf16"]))
+    out, lse = hopper.attention_sm90(q, k, v, causal=causal, window_size=window, return_lse=True, variant=variant)
+    opts = dict(causal=causal, window_size=window)
+    ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
+    ctx = f"{variant} d={d} {opts}"
+    assert_close_to_reference(out.get(), ref, naive_lowp(q.get(), k.get(), v.get(), **opts), context=ctx)
+    assert_lse_close(lse.get(), ref_lse, context=ctx)
+
+
+@pytest.mark.parametrize("variant", PERSISTENT)
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_varlen_with_empty_tiles(sm90_planned, variant, causal):
+    """40 packed sequences of lengths 0-600 (most query blocks of the longest's grid are past a sequence's end and
+    skipped by both roles), softcap and ALiBi on one of the two cases."""
+    from tests.gpu.test_varlen import run_forward
+    sm90_planned(variant)
+    rng = np.random.default_rng(11 + causal)
+    lens = [int(x) for x in rng.integers(0, 600, size=40)]
+    lens[7] = 600
+    extra = dict(softcap=5.0, alibi="bh") if causal else {}
+    run_forward(rng, lens_q=lens, lens_k=lens, h=8, hk=2, d=64, dtype="fp16", causal=causal, **extra)
+    run_forward(rng, lens_q=lens, lens_k=[n + 50 for n in lens], h=8, hk=8, d=128, dtype="bf16", causal=causal)
+    assert _routed_to_sm90()

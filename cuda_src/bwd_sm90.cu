@@ -1,0 +1,324 @@
+// Backward attention on Hopper (sm_90a): TMA loads and wgmma. DRAFT: compile-checked, not yet run on a GPU.
+//
+// The main kernel of the backward only; bwd_aux.cu's preprocess (D = rowsum(dO * O), lse in log2) and dQ convert
+// run around it, with the portable kernel's workspace and parameters (BwdParams, params.cuh). Grid (slots, KV
+// heads, sequences) as bwd.cu: CTA x owns key blocks x, x + slots, ... of BN = 128 keys, as two warpgroups of 64
+// keys each, and loops over the query heads of its KV head and their 64-row query blocks that see the keys.
+// Per query block, with K and V resident and Q, dO, lse, D double-buffered (TMA; thread 0 issues, lockstep):
+//     S^T  = K_w Q^T      wgmma m64n64 ss (A = this warpgroup's keys, K-major; B = Q, K-major)
+//     dP^T = V_w dO^T     wgmma m64n64 ss
+//     P^T = exp2(S^T scale - lse), masked; dS^T = P^T (dP^T - D) softmax_scale    (per query column)
+//     dV  += P^T dO       wgmma rs (P^T from registers, the forward's P V; dO MN-major)
+//     dK  += dS^T Q       wgmma rs
+//     dQ  += dS K         wgmma ss, both MN-major: dS^T goes to shared memory (rows of keys, 64 queries = one
+//                         128-byte swizzled line), K is read transposed; added to dq_accum with fp32 atomics
+// dQ is split between the warpgroups by 64-column panel at d = 128 (after both stored dS^T: a CTA barrier) and by
+// keys at d = 64 (each its own 64 keys). Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its
+// derivative straight into dS, both products waited for first) at d = 64 (at 128 that kernel spills); head dims 64
+// and 128.
+#include "sm90.cuh"
+#include "mma.cuh"
+#include "mask.cuh"
+#include "score_mod.cuh"
+#include "seqlen.cuh"
+#include "params.cuh"
+
+namespace cuflash {
+
+struct BwdSm90Params {
+    sm90::TmaMap q;     // (d, heads, seqlen_q, batch) padded or (d, heads, total_q) packed, box (64, 1, 64[, 1])
+    sm90::TmaMap k;     // (d, heads_k, seqlen_k, batch) or (d, heads_k, total_k), box (64, 1, 128[, 1])
+    sm90::TmaMap v;
+    sm90::TmaMap dout;  // like q
+    BwdParams p;        // the portable kernel's parameters (its q, k, v, dout pointers unused here)
+};
+
+template <class T, int D, bool BAND, bool SCORE_MOD>
+struct BwdSm90 {
+    static constexpr int BN = 128, BM = 64, PANELS = D / 64, THREADS = 256;
+    static constexpr u32 K_PANEL = BN * 128, Q_PANEL = BM * 128;  // bytes of one 64-column panel
+    static constexpr u32 KV_BYTES = BN * D * 2, QD_BYTES = BM * D * 2;
+    // shared memory (1024-aligned): K | V | Q[2] | dO[2] | dS^T | rows[2] (lse_log2, D) | barriers (kv, qd[2])
+    static constexpr u32 OFF_V = KV_BYTES, OFF_Q = 2 * KV_BYTES, OFF_DO = OFF_Q + 2 * QD_BYTES;
+    static constexpr u32 OFF_DS = OFF_DO + 2 * QD_BYTES, OFF_ROWS = OFF_DS + BN * 128;
+    static constexpr u32 OFF_BAR = OFF_ROWS + 2 * 2 * BM * 4;
+    static constexpr u32 SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;
+    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+
+    const BwdSm90Params& P;
+    const BwdParams& p;
+    int tid, wg, warp, lane;
+    u32 base;
+    int h_kv, b, q_begin, k_begin, n_key0;
+    Mask<BAND> mask;
+    float acc_dk[PANELS * 8][4], acc_dv[PANELS * 8][4];
+
+    __device__ __forceinline__ explicit BwdSm90(const BwdSm90Params& params) : P(params), p(params.p) {}
+
+    __device__ __forceinline__ u32 q_tile(int buf) const { return base + OFF_Q + buf * QD_BYTES; }
+    __device__ __forceinline__ u32 do_tile(int buf) const { return base + OFF_DO + buf * QD_BYTES; }
+    __device__ __forceinline__ float* rows(char* smem, int buf) const {
+        return reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + OFF_ROWS) + buf * 2 * BM;
+    }
+    __device__ __forceinline__ u32 qd_bar(int buf) const { return base + OFF_BAR + 8 + 8 * buf; }
+
+    __device__ __forceinline__ void load_box(u32 dst, const sm90::TmaMap* map, int col, int head, int begin, int row,
+                                             u32 bar) const {
+        if (p.cu_seqlens_q != nullptr) sm90::tma_load_3d(dst, map, col, head, begin + row, bar);
+        else sm90::tma_load_4d(dst, map, col, head, row, b, bar);
+    }
+
+    // Step t of the walk over (query head of the group, query block): which head and block.
+    __device__ __forceinline__ void step_of(int t, int m_min, int m_count, int& h, int& m) const {
+        h = h_kv * p.heads_per_kv + t / m_count;
+        m = m_min + t % m_count;
+    }
+
+    // Issue (thread 0) Q and dO of step t into buffer t % 2; threads < BM store its lse_log2 and D rows.
+    __device__ __forceinline__ void load_step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        const int buf = tt % 2;
+        if (tid == 0) {
+            sm90::mbar_arrive_expect_tx(qd_bar(buf), 2 * QD_BYTES);
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn) {
+                load_box(q_tile(buf) + pn * Q_PANEL, &P.q, pn * 64, h, q_begin, m * BM, qd_bar(buf));
+                load_box(do_tile(buf) + pn * Q_PANEL, &P.dout, pn * 64, h, q_begin, m * BM, qd_bar(buf));
+            }
+        }
+        if (tid < BM) {
+            const int row = m * BM + tid;
+            const bool valid = row < seqlen_q;
+            const i64 i = SeqInfo::offset(q_begin, p.lse_batch_stride, 1, row) + (i64)h * p.lse_head_stride;
+            rows(smem, buf)[tid] = valid ? p.lse_log2[i] : __int_as_float(0x7f800000);  // +inf: P = 0
+            rows(smem, buf)[BM + tid] = valid ? p.dsum[i] : 0.f;
+        }
+    }
+
+    // S^T or dP^T of this warpgroup's 64 keys against the 64 queries of a buffer (A = keys tile, B = queries tile).
+    __device__ __forceinline__ void issue_keys_by_queries(float (&acc)[32], u32 keys, u32 queries) const {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+            sm90::wgmma_m64n64k16_ss<T>(acc, sm90::smem_desc(keys + wg * 64 * 128 + (ks / 4) * K_PANEL + (ks % 4) * 32),
+                                        sm90::smem_desc(queries + (ks / 4) * Q_PANEL + (ks % 4) * 32), ks > 0);
+        sm90::wgmma_commit();
+    }
+
+    // acc (+)= A B over the 64 queries, A (keys x queries) from registers, B a queries x D tile (MN-major).
+    __device__ __forceinline__ void issue_keys_by_d(float (&acc)[PANELS * 8][4], const u32 (&a)[4][4], u32 tile) {
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn)
+                sm90::wgmma_m64n64k16_rs<T>(*reinterpret_cast<float(*)[32]>(&acc[pn * 8][0]), a[kk],
+                                            sm90::smem_desc_mn(tile + pn * Q_PANEL + kk * 2048, Q_PANEL), true);
+    }
+
+    __device__ __forceinline__ static void a_fragments(const float (&s)[8][4], u32 (&a)[4][4]) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            a[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+            a[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+            a[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+    }
+
+    // Key `key` of this sequence is in query `query`'s band and below seqlen_k (queries past seqlen_q have lse +inf).
+    __device__ __forceinline__ bool visible(int key, int query) const {
+        bool in = key < mask.seqlen_k;
+        if (BAND) {
+            if (mask.left >= 0) in = in && key >= query + mask.diag - mask.left;
+            if (mask.right >= 0) in = in && key <= query + mask.diag + mask.right;
+        }
+        return in;
+    }
+
+    __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        const int buf = tt % 2;
+        const float* lse = rows(smem, buf);
+        const float* dsum = lse + BM;
+        sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);
+        float st[8][4], dpt[8][4];
+        sm90::wgmma_fence();
+        issue_keys_by_queries(*reinterpret_cast<float(*)[32]>(&st[0][0]), base, q_tile(buf));
+        issue_keys_by_queries(*reinterpret_cast<float(*)[32]>(&dpt[0][0]), base + OFF_V, do_tile(buf));
+        // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
+        const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
+        u32 a[4][4];
+        if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
+            const ScoreMod mod{p.mod_scale, p.softcap,
+                               p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f, mask.diag};
+            sm90::wgmma_wait<0>();
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col;
+                    float dmod;
+                    const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
+                    const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
+                    st[j][e] = prob;
+                    dpt[j][e] = prob * (dpt[j][e] - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
+                }
+            a_fragments(st, a);
+        } else {
+            sm90::wgmma_wait<1>();  // S^T (dP^T still computing)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col;
+                    st[j][e] = visible(key, query) ? exp2f(st[j][e] * p.scale_log2 - lse[col]) : 0.f;
+                }
+            a_fragments(st, a);
+            sm90::wgmma_wait<0>();  // dP^T
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                    dpt[j][e] = st[j][e] * (dpt[j][e] - dsum[col]) * p.softmax_scale;  // dS^T, in place
+                }
+        }
+        u32 ds[4][4];
+        a_fragments(dpt, ds);
+        // dS^T to shared memory first (a fragment register an in-flight wgmma reads must not be touched), 128-byte
+        // swizzled rows of keys: (key r, query c) at r 128 + ((c / 8) ^ (r % 8)) 16 + (c % 8) 2
+        const u32 ds_tile = base + OFF_DS;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = wg * 64 + warp * 16 + lane / 4 + 8 * hh;
+                const u32 addr = ds_tile + r * 128 + ((j ^ (r % 8)) * 16) + (lane % 4) * 4;
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds[j / 2][(j % 2) * 2 + hh]) : "memory");
+            }
+        sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
+        sm90::wgmma_fence();
+        issue_keys_by_d(acc_dv, a, do_tile(buf));
+        issue_keys_by_d(acc_dk, ds, q_tile(buf));
+        sm90::wgmma_commit();
+        if (PANELS == 2) __syncthreads();  // d = 128: each warpgroup's dQ panel needs both halves of dS^T
+        else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // its own keys only
+        // dQ (64 queries x 64 columns): d = 128, panel wg over all 128 keys; d = 64, all columns over its 64 keys
+        constexpr int KEYS = PANELS == 2 ? BN : 64;
+        const int key_base = PANELS == 2 ? 0 : wg * 64, panel = PANELS == 2 ? wg : 0;
+        float dq[8][4];
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < KEYS / 16; ++kk)
+            sm90::wgmma_m64n64k16_ss_mn<T>(*reinterpret_cast<float(*)[32]>(&dq[0][0]),
+                                           sm90::smem_desc_mn(ds_tile + (key_base + kk * 16) * 128, BN * 128),
+                                           sm90::smem_desc_mn(base + panel * K_PANEL + (key_base + kk * 16) * 128,
+                                                              K_PANEL), kk > 0);
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        float* dq_rows = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
+                         SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D + panel * 64;
+        const i64 row_stride = (i64)p.nheads * D;
+        // Deterministic mode: every element of this CTA's slice gets its additions in a fixed order. At d = 128 each
+        // is added by one thread only (its warpgroup's panel); at d = 64 both warpgroups add to the same elements,
+        // warpgroup 0 first (named barrier 3: it arrives once its additions are visible, warpgroup 1 waits). The
+        // fences also order these additions before the next key block's, across the end-of-step barrier.
+        const bool ordered = p.deterministic != 0;
+        if (PANELS == 1 && ordered && wg == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = m * BM + warp * 16 + lane / 4 + 8 * hh;
+            if (row >= seqlen_q) continue;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    atomicAdd(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4) + e, dq[j][2 * hh + e]);
+        }
+        if (ordered) __threadfence();
+        if (PANELS == 1 && ordered && wg == 0) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+    }
+
+    __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int key = n_key0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
+            if (key >= seqlen_k) continue;
+            u16* dk = p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
+            u16* dv = p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
+#pragma unroll
+            for (int dt = 0; dt < PANELS * 8; ++dt) {
+                const int col = 8 * dt + 2 * (lane % 4);
+                *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
+                *reinterpret_cast<u32*>(dv + col) = pack2<T>(acc_dv[dt][2 * hh], acc_dv[dt][2 * hh + 1]);
+            }
+        }
+    }
+
+    __device__ __forceinline__ void run(char* smem) {
+        tid = threadIdx.x;
+        wg = tid / 128;
+        warp = (tid / 32) % 4;
+        lane = tid % 32;
+        base = (smem_u32(smem) + 1023) & ~1023u;
+        h_kv = blockIdx.y;
+        b = blockIdx.z;
+        const SeqInfo seq(p, b);
+        q_begin = seq.q_begin;
+        k_begin = seq.k_begin;
+        const int diag = seq.seqlen_k - seq.seqlen_q;
+        mask = Mask<BAND>{seq.seqlen_k, diag, p.window_left, p.window_right};
+        const int n_blocks = ceil_div(seq.seqlen_k, BN), m_blocks = ceil_div(seq.seqlen_q, BM);
+        if (tid == 0) {
+            for (int i = 0; i < 3; ++i) sm90::mbar_init(base + OFF_BAR + 8 * i, 1);
+            sm90::mbar_fence_init();
+        }
+        __syncthreads();
+        int tt = 0, kv_loads = 0;  // steps and K/V loads so far (the barriers' phases)
+        for (int n = blockIdx.x; n < n_blocks; n += gridDim.x) {
+            n_key0 = n * BN;
+            // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
+            int m_min = 0, m_max = m_blocks;
+            if (BAND) {
+                if (p.window_right >= 0) m_min = max(0, floor_div(n * BN - diag - p.window_right, BM));
+                if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
+            }
+            const int m_count = max(0, m_max - m_min), steps = m_count * p.heads_per_kv;
+#pragma unroll
+            for (int dt = 0; dt < PANELS * 8; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
+            if (steps > 0) {
+                if (tid == 0) {
+                    sm90::mbar_arrive_expect_tx(base + OFF_BAR, 2 * KV_BYTES);
+#pragma unroll
+                    for (int pn = 0; pn < PANELS; ++pn) {
+                        load_box(base + pn * K_PANEL, &P.k, pn * 64, h_kv, k_begin, n_key0, base + OFF_BAR);
+                        load_box(base + OFF_V + pn * K_PANEL, &P.v, pn * 64, h_kv, k_begin, n_key0, base + OFF_BAR);
+                    }
+                }
+                for (int t = 0; t < 2 && t < steps; ++t) load_step(smem, t, tt + t, m_min, m_count, seq.seqlen_q);
+                __syncthreads();  // the rows of the first two steps
+                sm90::mbar_wait(base + OFF_BAR, kv_loads & 1);
+                ++kv_loads;
+                for (int t = 0; t < steps; ++t, ++tt) {
+                    step(smem, t, tt, m_min, m_count, seq.seqlen_q);
+                    __syncthreads();  // every read of this buffer (and of dS^T) is done
+                    if (t + 2 < steps) load_step(smem, t + 2, tt + 2, m_min, m_count, seq.seqlen_q);
+                }
+                __syncthreads();  // the last rows stores are read; K and V may be replaced
+            }
+            store_dkdv(seq.seqlen_k);
+        }
+    }
+};
+
+template <class T, int D, bool BAND, bool SCORE_MOD>
+__global__ void __launch_bounds__(256, 1) bwd_sm90_kernel(const __grid_constant__ BwdSm90Params P) {
+    extern __shared__ __align__(1024) char smem[];
+    BwdSm90<T, D, BAND, SCORE_MOD> block(P);
+    block.run(smem);
+}
+
+}  // namespace cuflash

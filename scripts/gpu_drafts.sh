@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The kernels written without a GPU, checked in one device call from the repository root:
+#
+#     OUT=... bash scripts/gpu_drafts.sh
+#
+#   1. every portable and Hopper kernel compiled ahead, 16 processes (scripts/precompile.py --hopper) -> sm90.log
+#   2. tests/gpu/test_sm90.py for the variants not yet run on a GPU (ws3_n128, ws_n128_p, lockstep_n128) and the
+#      selftests; SM90_K='' runs every variant (about three times as long)                         -> sm90.log
+#   3. tests/gpu/test_backward.py -k sm90: the Hopper backward draft (plan.BWD_SM90 forced)            -> bwd_sm90.log
+#   4. memcheck and racecheck of scripts/sanitize_cases.py with every planner switch on (the Hopper variants' own
+#      cases run regardless on sm_90a)                                      -> optin_memcheck.log, optin_racecheck.log
+#   5. the backward bench (--quick) as planned and with CUFLASH_BWD_SM90=1, if 3 passed          -> bench.txt
+# Each step has a timeout (a kernel that deadlocks on an mbarrier must not eat the call); -x stops a test file at its
+# first failure. Environment: OUT, SM90_K (pytest -k of step 2), SM90_TIMEOUT (300), BWD_TIMEOUT (150),
+# SANITIZE_TIMEOUT (120).
+set -u
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+t0=$SECONDS
+timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/sm90.log" 2>&1
+echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/sm90.log")"
+timeout -k 5 "${SM90_TIMEOUT:-300}" python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/gpu/test_sm90.py \
+    -k "${SM90_K:-numpy or ws3_n128 or ws_n128_p or lockstep_n128 or persistent}" >>"$OUT/sm90.log" 2>&1
+echo "test_sm90: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/sm90.log" | tail -1)"
+grep -E "^FAILED|^ERROR" "$OUT/sm90.log" | head -5
+timeout -k 5 "${BWD_TIMEOUT:-150}" python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/gpu/test_backward.py \
+    -k sm90 >"$OUT/bwd_sm90.log" 2>&1
+bwd=$?
+echo "test_backward -k sm90: exit $bwd [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/bwd_sm90.log" | tail -1)"
+grep -E "^FAILED|^E  " "$OUT/bwd_sm90.log" | head -8
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in memcheck racecheck; do
+    CUFLASH_SM90=1 CUFLASH_BWD_QBUF=1 CUFLASH_BWD_WIDE=1 CUFLASH_BWD_SM90=1 timeout -k 5 "${SANITIZE_TIMEOUT:-120}" \
+        "$SAN" --tool "$tool" --error-exitcode 9 --print-limit 50 python3 scripts/sanitize_cases.py \
+        >"$OUT/optin_$tool.log" 2>&1
+    echo "opt-in $tool: exit $? [$((SECONDS - t0))s] $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/optin_$tool.log")"
+done
+if [ "$bwd" = 0 ]; then
+    : >"$OUT/bench.txt"
+    for switch in CUFLASH_BWD_SM90=0 CUFLASH_BWD_SM90=1; do
+        env "$switch" timeout -k 5 120 python3 benchmarks/bench_attention.py --op bwd --quick >>"$OUT/bench.txt" 2>&1
+        echo "backward bench ($switch): exit $? [$((SECONDS - t0))s]"
+    done
+    grep -A12 "^=== cuflash Backward" "$OUT/bench.txt"
+fi
+echo "done [$((SECONDS - t0))s]"
