@@ -1,4 +1,4 @@
-// Backward attention on Hopper (sm_90a): TMA loads and wgmma. DRAFT: compile-checked, not yet run on a GPU.
+// Backward attention on Hopper (sm_90a): TMA loads and wgmma.
 //
 // The main kernel of the backward only; bwd_aux.cu's preprocess (D = rowsum(dO * O), lse in log2) and dQ convert
 // run around it, with the portable kernel's workspace and parameters (BwdParams, params.cuh). Grid (slots, KV
@@ -33,6 +33,11 @@ struct BwdSm90Params {
     BwdParams p;        // the portable kernel's parameters (its q, k, v, dout pointers unused here)
 };
 
+// Two adjacent fp32 additions in one vector reduction (sm_90; 8-byte aligned, relaxed, gpu scope as atomicAdd's).
+__device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y) : "memory");
+}
+
 template <class T, int D, bool BAND, bool SCORE_MOD>
 struct BwdSm90 {
     static constexpr int BN = 128, BM = 64, PANELS = D / 64, THREADS = 256;
@@ -44,6 +49,9 @@ struct BwdSm90 {
     static constexpr u32 OFF_BAR = OFF_ROWS + 2 * 2 * BM * 4;
     static constexpr u32 SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128 that keeps too many registers live
+    // (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
+    static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD;
 
     const BwdSm90Params& P;
     const BwdParams& p;
@@ -74,26 +82,33 @@ struct BwdSm90 {
         m = m_min + t % m_count;
     }
 
-    // Issue (thread 0) Q and dO of step t into buffer t % 2; threads < BM store its lse_log2 and D rows.
-    __device__ __forceinline__ void load_step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
+    // Issue (thread 0) the TMA loads of Q and dO of step t into buffer tt % 2.
+    __device__ __forceinline__ void load_step(int t, int tt, int m_min, int m_count) const {
+        if (tid != 0) return;
         int h, m;
         step_of(t, m_min, m_count, h, m);
         const int buf = tt % 2;
-        if (tid == 0) {
-            sm90::mbar_arrive_expect_tx(qd_bar(buf), 2 * QD_BYTES);
+        sm90::mbar_arrive_expect_tx(qd_bar(buf), 2 * QD_BYTES);
 #pragma unroll
-            for (int pn = 0; pn < PANELS; ++pn) {
-                load_box(q_tile(buf) + pn * Q_PANEL, &P.q, pn * 64, h, q_begin, m * BM, qd_bar(buf));
-                load_box(do_tile(buf) + pn * Q_PANEL, &P.dout, pn * 64, h, q_begin, m * BM, qd_bar(buf));
-            }
+        for (int pn = 0; pn < PANELS; ++pn) {
+            load_box(q_tile(buf) + pn * Q_PANEL, &P.q, pn * 64, h, q_begin, m * BM, qd_bar(buf));
+            load_box(do_tile(buf) + pn * Q_PANEL, &P.dout, pn * 64, h, q_begin, m * BM, qd_bar(buf));
         }
-        if (tid < BM) {
-            const int row = m * BM + tid;
-            const bool valid = row < seqlen_q;
-            const i64 i = SeqInfo::offset(q_begin, p.lse_batch_stride, 1, row) + (i64)h * p.lse_head_stride;
-            rows(smem, buf)[tid] = valid ? p.lse_log2[i] : __int_as_float(0x7f800000);  // +inf: P = 0
-            rows(smem, buf)[BM + tid] = valid ? p.dsum[i] : 0.f;
-        }
+    }
+
+    // Threads < BM: lse_log2 and D of row `tid` of step t, read from global memory into registers a step ahead (the
+    // load's latency hides behind a step's work) and stored to the rows of buffer tt % 2 once that buffer is free.
+    __device__ __forceinline__ float2 fetch_rows(int t, int m_min, int m_count, int seqlen_q) const {
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        const int row = m * BM + tid;
+        if (row >= seqlen_q) return make_float2(__int_as_float(0x7f800000), 0.f);  // lse +inf: P = 0
+        const i64 i = SeqInfo::offset(q_begin, p.lse_batch_stride, 1, row) + (i64)h * p.lse_head_stride;
+        return make_float2(p.lse_log2[i], p.dsum[i]);
+    }
+    __device__ __forceinline__ void store_rows(char* smem, int tt, float2 r) const {
+        rows(smem, tt % 2)[tid] = r.x;
+        rows(smem, tt % 2)[BM + tid] = r.y;
     }
 
     // S^T or dP^T of this warpgroup's 64 keys against the 64 queries of a buffer (A = keys tile, B = queries tile).
@@ -135,6 +150,43 @@ struct BwdSm90 {
         return in;
     }
 
+    // Every key of this CTA's block is below seqlen_k and in the band of every query of block m (queries past
+    // seqlen_q need no mask: their lse is +inf). Most steps: they skip the per-element mask.
+    __device__ __forceinline__ bool all_visible(int m) const {
+        bool all = n_key0 + BN <= mask.seqlen_k;
+        if (BAND) {
+            if (mask.right >= 0) all = all && n_key0 + BN - 1 <= m * BM + mask.diag + mask.right;
+            if (mask.left >= 0) all = all && n_key0 >= m * BM + BM - 1 + mask.diag - mask.left;
+        }
+        return all;
+    }
+
+    // P^T = exp2(S^T scale - lse), in place; MASKED: 0 where the key is not visible to the query. Per key (a
+    // thread holds two), the visible queries are one interval, so an element costs two compares.
+    template <bool MASKED>
+    __device__ __forceinline__ void probabilities(float (&st)[8][4], const float* lse, int key0, int m) const {
+        const int col_lane = 2 * (lane % 4);
+        int lo[2], hi[2];  // visible columns c (query m BM + col_lane + c) of key key0 + 8 i: lo <= c < hi
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int key = key0 + 8 * i, q0 = m * BM + col_lane;
+            lo[i] = 0;
+            hi[i] = key < mask.seqlen_k ? BM : 0;
+            if (BAND) {
+                if (mask.right >= 0) lo[i] = max(lo[i], key - mask.diag - mask.right - q0);
+                if (mask.left >= 0) hi[i] = min(hi[i], key - mask.diag + mask.left + 1 - q0);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * j + e % 2;
+                const float prob = exp2f(st[j][e] * p.scale_log2 - lse[col_lane + c]);
+                st[j][e] = !MASKED || (c >= lo[e / 2] && c < hi[e / 2]) ? prob : 0.f;
+            }
+    }
+
     __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
         int h, m;
         step_of(t, m_min, m_count, h, m);
@@ -148,7 +200,10 @@ struct BwdSm90 {
         issue_keys_by_queries(*reinterpret_cast<float(*)[32]>(&dpt[0][0]), base + OFF_V, do_tile(buf));
         // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
         const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
-        u32 a[4][4];
+        // Issue order: dV as soon as P^T is in registers (EARLY_DV), then, once dS^T is in shared memory, dQ (then
+        // dV if not yet) and dK, so that dQ's reductions overlap the wgmma after it. A fragment register an in-flight
+        // wgmma reads is not touched again before the wait that ends it.
+        u32 a[4][4], ds[4][4];
         if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
             const ScoreMod mod{p.mod_scale, p.softcap,
                                p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f, mask.diag};
@@ -167,15 +222,17 @@ struct BwdSm90 {
             a_fragments(st, a);
         } else {
             sm90::wgmma_wait<1>();  // S^T (dP^T still computing)
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col;
-                    st[j][e] = visible(key, query) ? exp2f(st[j][e] * p.scale_log2 - lse[col]) : 0.f;
-                }
+            if (all_visible(m)) probabilities<false>(st, lse, key0, m);
+            else probabilities<true>(st, lse, key0, m);
             a_fragments(st, a);
-            sm90::wgmma_wait<0>();  // dP^T
+            if constexpr (EARLY_DV) {
+                sm90::wgmma_fence();
+                issue_keys_by_d(acc_dv, a, do_tile(buf));
+                sm90::wgmma_commit();
+                sm90::wgmma_wait<1>();  // dP^T (dV still computing)
+            } else {
+                sm90::wgmma_wait<0>();  // dP^T
+            }
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -184,10 +241,9 @@ struct BwdSm90 {
                     dpt[j][e] = st[j][e] * (dpt[j][e] - dsum[col]) * p.softmax_scale;  // dS^T, in place
                 }
         }
-        u32 ds[4][4];
         a_fragments(dpt, ds);
-        // dS^T to shared memory first (a fragment register an in-flight wgmma reads must not be touched), 128-byte
-        // swizzled rows of keys: (key r, query c) at r 128 + ((c / 8) ^ (r % 8)) 16 + (c % 8) 2
+        // dS^T to shared memory, 128-byte swizzled rows of keys: (key r, query c) at r 128 + ((c / 8) ^ (r % 8)) 16 +
+        // (c % 8) 2
         const u32 ds_tile = base + OFF_DS;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -198,10 +254,6 @@ struct BwdSm90 {
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds[j / 2][(j % 2) * 2 + hh]) : "memory");
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
-        sm90::wgmma_fence();
-        issue_keys_by_d(acc_dv, a, do_tile(buf));
-        issue_keys_by_d(acc_dk, ds, q_tile(buf));
-        sm90::wgmma_commit();
         if (PANELS == 2) __syncthreads();  // d = 128: each warpgroup's dQ panel needs both halves of dS^T
         else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // its own keys only
         // dQ (64 queries x 64 columns): d = 128, panel wg over all 128 keys; d = 64, all columns over its 64 keys
@@ -216,14 +268,21 @@ struct BwdSm90 {
                                            sm90::smem_desc_mn(base + panel * K_PANEL + (key_base + kk * 16) * 128,
                                                               K_PANEL), kk > 0);
         sm90::wgmma_commit();
-        sm90::wgmma_wait<0>();
+        if constexpr (!EARLY_DV) {
+            issue_keys_by_d(acc_dv, a, do_tile(buf));
+            sm90::wgmma_commit();
+        }
+        issue_keys_by_d(acc_dk, ds, q_tile(buf));
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
         float* dq_rows = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
                          SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D + panel * 64;
         const i64 row_stride = (i64)p.nheads * D;
         // Deterministic mode: every element of this CTA's slice gets its additions in a fixed order. At d = 128 each
-        // is added by one thread only (its warpgroup's panel); at d = 64 both warpgroups add to the same elements,
-        // warpgroup 0 first (named barrier 3: it arrives once its additions are visible, warpgroup 1 waits). The
-        // fences also order these additions before the next key block's, across the end-of-step barrier.
+        // is added by one thread only (its warpgroup's panel, the same lane at every step): program order. At d = 64
+        // both warpgroups add to the same elements, warpgroup 0 first (named barrier 3: it arrives once its additions
+        // are ordered, warpgroup 1 waits); the end-of-step barrier orders warpgroup 1's before the next step's. The
+        // threads ordering each other are in one CTA, so CTA-scope fences suffice.
         const bool ordered = p.deterministic != 0;
         if (PANELS == 1 && ordered && wg == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");
 #pragma unroll
@@ -231,13 +290,12 @@ struct BwdSm90 {
             const int row = m * BM + warp * 16 + lane / 4 + 8 * hh;
             if (row >= seqlen_q) continue;
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    atomicAdd(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4) + e, dq[j][2 * hh + e]);
+            for (int j = 0; j < 8; ++j)  // two adjacent columns in one reduction: whole 32-byte sectors per quad
+                red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[j][2 * hh], dq[j][2 * hh + 1]);
         }
-        if (ordered) __threadfence();
+        if (PANELS == 1 && ordered) __threadfence_block();
         if (PANELS == 1 && ordered && wg == 0) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+        sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
     }
 
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
@@ -298,14 +356,22 @@ struct BwdSm90 {
                         load_box(base + OFF_V + pn * K_PANEL, &P.v, pn * 64, h_kv, k_begin, n_key0, base + OFF_BAR);
                     }
                 }
-                for (int t = 0; t < 2 && t < steps; ++t) load_step(smem, t, tt + t, m_min, m_count, seq.seqlen_q);
+                for (int t = 0; t < 2 && t < steps; ++t) {
+                    load_step(t, tt + t, m_min, m_count);
+                    if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
+                }
                 __syncthreads();  // the rows of the first two steps
                 sm90::mbar_wait(base + OFF_BAR, kv_loads & 1);
                 ++kv_loads;
                 for (int t = 0; t < steps; ++t, ++tt) {
+                    float2 next_rows;  // step t + 2's, in flight during this step
+                    if (tid < BM && t + 2 < steps) next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
                     step(smem, t, tt, m_min, m_count, seq.seqlen_q);
                     __syncthreads();  // every read of this buffer (and of dS^T) is done
-                    if (t + 2 < steps) load_step(smem, t + 2, tt + 2, m_min, m_count, seq.seqlen_q);
+                    if (t + 2 < steps) {
+                        load_step(t + 2, tt + 2, m_min, m_count);
+                        if (tid < BM) store_rows(smem, tt + 2, next_rows);
+                    }
                 }
                 __syncthreads();  // the last rows stores are read; K and V may be replaced
             }

@@ -213,11 +213,11 @@ def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The backward's main kernel on Hopper (cuda_src/bwd_sm90.cu). DRAFT: compile-checked, not yet run on a GPU; the
-# planner never chooses it (plan.BWD_SM90, off). Head dims 64 and 128; softcap / ALiBi at 64 (plan.BWD_SM90).
+# The backward's main kernel on Hopper (cuda_src/bwd_sm90.cu), the planner's choice on sm_90a for head dims 64 and
+# 128 (plan.BWD_SM90); softcap / ALiBi at 64.
 
 BWD_HEADDIMS = (64, 128)
-BWD_BLOCK_N, BWD_BLOCK_M = 128, 64
+BWD_BLOCK_N, BWD_BLOCK_M = plan.BWD_SM90["block_n"], 64  # keys per CTA, query rows per step
 
 
 @dataclass(frozen=True)

@@ -214,10 +214,15 @@ BWD_WIDE = {"enabled": os.environ.get("CUFLASH_BWD_WIDE", "1") == "1", "headdim"
             "config": BwdConfig(64, 32, 8)}
 
 
-# The Hopper backward's main kernel (cuda_src/bwd_sm90.cu, cuflash/hopper.py): a DRAFT, compile-checked and not yet
-# run on a GPU, so off unless CUFLASH_BWD_SM90=1. When on: sm_90a, head dims exactly 64 or 128; softcap/ALiBi at
-# d = 64 only (at 128 the score-mod kernel spills: 255 registers are already taken without it).
-BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "0") == "1", "headdims": (64, 128), "score_mod": (64,)}
+# The Hopper backward's main kernel (cuda_src/bwd_sm90.cu, cuflash/hopper.py): TMA and wgmma, 128 keys per CTA.
+# On by default on sm_90a for head dims exactly 64 and 128 (CUFLASH_BWD_SM90=0 keeps the portable kernel);
+# softcap/ALiBi at d = 64 only (at 128 the score-mod kernel spills: 255 registers are already taken without it).
+# Measured (H200, bf16, 2026-11-29, benchmarks/bench_attention.py --op bwd --quick, same run as SDPA; TFLOP/s,
+# atomic dQ; docs/bench/drafts_session5_bwd_ab2.txt):
+#   d =  64: 211-262 non-causal, 114-154 causal   (portable kernel 105-121 / 85-117; SDPA flash 244-280 / 187-248)
+#   d = 128: 314-394 non-causal, 178-252 causal   (portable kernel 112-118 / 101-122; SDPA flash 265-306 / 208-277)
+BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims": (64, 128), "score_mod": (64,),
+            "block_n": 128}  # keys per CTA (BwdSm90::BN)
 
 
 def bwd_sm90_applies(problem, score_mod: bool, arch: str) -> bool:
@@ -333,16 +338,31 @@ class BwdLaunch:
 def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
                   sm_count: int) -> BwdLaunch:
     """Main backward kernel and its grid. Deterministic mode gives each of `slots` CTAs per (KV head,
-    batch) its own dQ slice; enough slots to fill the GPU about twice, at most one per KV block."""
+    batch) its own dQ slice; enough slots to fill the GPU about twice, at most one per KV block. Where the Hopper
+    kernel applies (bwd_sm90_applies; `spec` is then the portable fallback's) the grid is its own: 128-key blocks,
+    and in deterministic mode bwd_sm90_slots."""
     band = left >= 0 or right >= 0
     dtype = DTYPES[np.dtype(problem.dtype).name][0]
     d = bwd_headdim(problem.headdim, arch)
     spec = BwdSpec(dtype, d, bwd_config(d), band, score_mod)
-    n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
-    slots = n_blocks
-    if deterministic:
-        slots = max(1, min(n_blocks, math.ceil(2 * sm_count / (problem.batch * problem.nheads_k))))
+    groups = problem.batch * problem.nheads_k
+    if bwd_sm90_applies(problem, score_mod, arch):
+        n_blocks = math.ceil(problem.seqlen_k / BWD_SM90["block_n"])
+        slots = bwd_sm90_slots(n_blocks, groups, sm_count) if deterministic else n_blocks
+    else:
+        n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
+        slots = max(1, min(n_blocks, math.ceil(2 * sm_count / groups))) if deterministic else n_blocks
     return BwdLaunch(spec, check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1)
+
+
+def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int) -> int:
+    """Deterministic mode on the Hopper kernel (one CTA per SM): of 1..n_blocks slots, the one whose CTAs
+    (slots x groups of them, ceil(n_blocks / slots) key blocks each) finish soonest, and of those the fewest (each
+    slot is a dQ slice to zero and sum). The portable rule (about two CTAs per SM) left waves part-empty and
+    CTAs uneven: 5 slots of 6-7 blocks at seqlen 4k, batch 4, 16 heads, d 128, where 2 slots of 16 end as soon."""
+    def makespan(slots: int) -> int:
+        return math.ceil(slots * groups / sm_count) * math.ceil(n_blocks / slots)
+    return min(range(1, n_blocks + 1), key=lambda slots: (makespan(slots), slots))
 
 
 WORKSPACE_ALIGN = 256  # bytes; each piece of a workspace starts on this boundary
@@ -391,16 +411,17 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> 
 # Hopper forward (cuda_src/fwd_sm90.cu, cuflash/hopper.py): which variant per head dim, and whether the planner
 # may choose it at all (CUFLASH_SM90=0 keeps every call on the portable kernel).
 #
-# Measured (H200, bf16, 2026-11-29, scripts/gpu_release.sh: benchmarks/bench_sm90.py per variant, same run,
+# Measured (H200, bf16, 2026-11-29, scripts/sm90_sweep.sh: benchmarks/bench_sm90.py per variant, same run,
 # cells seqlen 1k/4k/16k x causal or not; geometric mean TFLOP/s, scripts/pick_sm90_variants.py):
-#   d =  64: lockstep 391.9, pingpong_n128 379.6, ws_n128 376.6, ws 350.1, pingpong 335.9  (_n128: 4 slots)
-#   d = 256: lockstep 444.7, pingpong 398.3, pingpong_n128 398.1, ws_n128 380.2, ws 378.8
-#   d = 128, _n128 with 3 K/V slots (a later call; with 2 they were 361.8 and 399.3):
-#            ws_n128 536.6, pingpong_n128 503.9, pingpong 477.1, ws 473.9, lockstep 397.0
-# The full GPU suite and the sanitizers then passed with this table chosen (CUFLASH_SM90_VARIANTS=128:ws_n128 over
-# the 64/256 entries, same call; logs in docs/bench/release_session4b.txt). CUFLASH_SM90_VARIANTS ("64:ws_n128",
-# say) overrides it, for measuring.
-SM90_DEFAULT_VARIANTS = {64: "lockstep", 128: "ws_n128", 256: "lockstep"}  # head dim -> cuflash.hopper.VARIANTS
+#   d =  64: ws3_n128 396.8, lockstep 386.8, ws_n128 379.7, pingpong_n128 378.5, ws_n128_p 356.1, ws 351.7,
+#            pingpong 337.5, lockstep_n128 328.8
+#   d = 128: pingpong_n128 542.3, ws_n128 486.1 (527.1 as ws3_n128, the same kernel at d = 128: run-to-run noise
+#            is ~8 %; an earlier call had ws_n128 536.6, pingpong_n128 503.9), ws_n128_p 471.0, lockstep_n128 459.7,
+#            pingpong 458.0, ws 454.6, lockstep 401.4   (docs/bench/drafts_session5_bwd_ab2.txt)
+#   d = 256 (an earlier call, release_session4.txt): lockstep 444.7, pingpong 398.3, pingpong_n128 398.1,
+#            ws_n128 380.2, ws 378.8
+# CUFLASH_SM90_VARIANTS ("64:ws_n128", say) overrides it, for measuring.
+SM90_DEFAULT_VARIANTS = {64: "ws3_n128", 128: "pingpong_n128", 256: "lockstep"}  # head dim -> cuflash.hopper.VARIANTS
 
 
 def _variants_from_env(text: str | None, default: dict) -> dict:

@@ -10,8 +10,11 @@
 #   4. memcheck and racecheck of scripts/sanitize_cases.py with every planner switch on (the Hopper variants' own
 #      cases run regardless on sm_90a)                                      -> optin_memcheck.log, optin_racecheck.log
 #   5. the backward bench (--quick) as planned and with CUFLASH_BWD_SM90=1, if 3 passed          -> bench.txt
+#   6. if SWEEP_DIMS is set (e.g. 64,128): scripts/sm90_sweep.sh, every Hopper forward variant at those head dims,
+#      and the fastest per head dim                                                               -> bench.txt
 # Each step has a timeout (a kernel that deadlocks on an mbarrier must not eat the call); -x stops a test file at its
-# first failure. Environment: OUT, SM90_K (pytest -k of step 2), SM90_TIMEOUT (300), BWD_TIMEOUT (150),
+# first failure. Environment: OUT, SM90_K (pytest -k of step 2), SKIP_SM90_TESTS=1 (no step 2), SWEEP_DIMS,
+# SM90_TIMEOUT (300), BWD_TIMEOUT (150),
 # SANITIZE_TIMEOUT (120).
 set -u
 OUT=${OUT:-./out}
@@ -20,10 +23,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDON
 t0=$SECONDS
 timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/sm90.log" 2>&1
 echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/sm90.log")"
-timeout -k 5 "${SM90_TIMEOUT:-300}" python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/gpu/test_sm90.py \
-    -k "${SM90_K:-numpy or ws3_n128 or ws_n128_p or lockstep_n128 or persistent}" >>"$OUT/sm90.log" 2>&1
-echo "test_sm90: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/sm90.log" | tail -1)"
-grep -E "^FAILED|^ERROR" "$OUT/sm90.log" | head -5
+if [ "${SKIP_SM90_TESTS:-0}" != 1 ]; then
+    timeout -k 5 "${SM90_TIMEOUT:-300}" python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/gpu/test_sm90.py \
+        -k "${SM90_K:-numpy or ws3_n128 or ws_n128_p or lockstep_n128 or persistent}" >>"$OUT/sm90.log" 2>&1
+    echo "test_sm90: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/sm90.log" | tail -1)"
+    grep -E "^FAILED|^ERROR" "$OUT/sm90.log" | head -5
+fi
 timeout -k 5 "${BWD_TIMEOUT:-150}" python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/gpu/test_backward.py \
     -k sm90 >"$OUT/bwd_sm90.log" 2>&1
 bwd=$?
@@ -43,5 +48,8 @@ if [ "$bwd" = 0 ]; then
         echo "backward bench ($switch): exit $? [$((SECONDS - t0))s]"
     done
     grep -A12 "^=== cuflash Backward" "$OUT/bench.txt"
+fi
+if [ -n "${SWEEP_DIMS:-}" ]; then
+    echo "sweep pick: $(bash scripts/sm90_sweep.sh "$SWEEP_DIMS" "$OUT/bench.txt") [$((SECONDS - t0))s]"
 fi
 echo "done [$((SECONDS - t0))s]"

@@ -155,10 +155,12 @@ def test_packed_forward_params(no_gpu_kernels):
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_call_layout(no_gpu_kernels, packed, deterministic):
+def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic):
     """The backward's three structs: every pointer in its field, the workspace pieces where
-    plan.backward_workspace puts them, lse/dsum strides of (b, h, sq) or packed (h, total_q), dq strides."""
+    plan.backward_workspace puts them, lse/dsum strides of (b, h, sq) or packed (h, total_q), dq strides.
+    (The portable main kernel: the Hopper one, chosen on sm_90a by default, is test_sm90_backward_main_behind_the_same_call's.)"""
     from cuflash import api, plan
+    monkeypatch.setitem(plan.BWD_SM90, "enabled", False)
     b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64  # several KV blocks: deterministic mode gets several slices
     rows = 37 if packed else b * sq  # total_q when packed
     lead_q, lead_k = ((rows,), (555,)) if packed else ((b, sq), (b, sk))
@@ -191,9 +193,9 @@ def test_backward_call_layout(no_gpu_kernels, packed, deterministic):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, deterministic):
-    """plan.BWD_SM90 on: the backward's main launch is the Hopper kernel (d 64/128, no score mod) with BwdParams
-    after its four tensor maps, 128 keys per CTA (atomic) or the plan's slots (deterministic); off, or with a score
-    mod, the portable one."""
+    """plan.BWD_SM90 on (the default): the backward's main launch is the Hopper kernel (d 64/128, no score mod) with BwdParams
+    after its four tensor maps, 128 keys per CTA (atomic) or plan.bwd_sm90_slots (deterministic); off, or with a
+    score mod, the portable one."""
     from cuflash import api, hopper, plan, tma
     b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64
     q = _FakeDeviceArray(np.zeros((b, sq, h, d), np.float16), 0)
@@ -206,15 +208,20 @@ def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, de
                                  causal=True, window_size=(-1, -1), deterministic=deterministic, packed=False,
                                  **dict(dict(softcap=0.0, alibi_slopes=None), **kw))
 
-    assert not isinstance(call().main, hopper.BackwardMain)  # off by default
+    assert isinstance(call().main, hopper.BackwardMain)  # on by default (no_gpu_kernels: an sm_90a device)
+    monkeypatch.setitem(plan.BWD_SM90, "enabled", False)
+    assert not isinstance(call().main, hopper.BackwardMain)
     monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
     main, capped = call(), call(softcap=5.0)
     assert isinstance(main.main, hopper.BackwardMain) and main.main.spec == hopper.BwdSm90Spec("fp16", 64, True)
     assert capped.main.spec == hopper.BwdSm90Spec("fp16", 64, True, score_mod=True)
     monkeypatch.setitem(plan.BWD_SM90, "score_mod", ())  # as at d = 128: score mods stay on the portable kernel
     portable = call(softcap=5.0)
-    assert not isinstance(portable.main, hopper.BackwardMain) and main.dq_bytes == portable.dq_bytes
-    slots = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] if deterministic else 4
+    assert not isinstance(portable.main, hopper.BackwardMain)
+    launch = plan.plan_backward(problem, -1, 0, False, deterministic, "sm_90a", 132)
+    slots = plan.bwd_sm90_slots(4, b * hk, 132) if deterministic else 4  # 400 keys: four 128-key blocks
+    assert launch.grid[0] == slots and launch.slices == (slots if deterministic else 1)
+    assert main.dq_bytes == launch.slices * b * sq * h * d * 4
     assert main.main.kernel_call.launches[0][1:5] == (slots, hk, b, 256)
     got = np.frombuffer(main.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
     want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]

@@ -1,4 +1,5 @@
 """The planner (pure Python): table entries are valid, launches cover every row, params match params.cuh."""
+import math
 import re
 from pathlib import Path
 
@@ -218,3 +219,15 @@ def test_wide_backward_switch_and_hopper_only(monkeypatch):
     with pytest.raises(NotImplementedError, match="head dim 192"):
         plan.plan_backward(problem, -1, -1, False, False, "sm_80", 108)  # spills there: not offered
     assert launch.spec in plan.all_backward_specs("sm_90a") and launch.spec not in plan.all_backward_specs("sm_80")
+
+
+def test_sm90_backward_slots_end_soonest_with_fewest_slices():
+    """Deterministic mode on the Hopper backward: the slot count minimizes waves x key blocks per CTA, then slices."""
+    assert plan.bwd_sm90_slots(32, 64, 132) == 2    # 128 CTAs of 16 blocks: one wave
+    assert plan.bwd_sm90_slots(8, 256, 132) == 1    # 256 CTAs of 8 blocks: two waves, one slice
+    assert plan.bwd_sm90_slots(3, 2, 132) == 3      # few groups: one block per CTA
+    assert plan.bwd_sm90_slots(1, 1, 132) == 1
+    for n, groups in ((32, 64), (40, 4), (7, 100), (64, 1)):
+        best = plan.bwd_sm90_slots(n, groups, 132)
+        span = [math.ceil(s * groups / 132) * math.ceil(n / s) for s in range(1, n + 1)]
+        assert span[best - 1] == min(span) and span.index(min(span)) == best - 1

@@ -149,15 +149,16 @@ def test_large_head_dims_are_refused_before_launch(compiled, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Double-buffered Q/dO (plan.BWD_DOUBLE_BUFFER, on by default): the same checks with it chosen
+# Double-buffered Q/dO (plan.BWD_DOUBLE_BUFFER, on by default): the same checks with it chosen; the portable
+# kernel with the Hopper one off
 # --------------------------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def planner_entry_on(monkeypatch, table: dict):
-    """`table["enabled"]` set (a plan switch) with the backward's launch cache emptied before and after, so no
-    other test inherits a launch planned under it."""
+def planner_entry_on(monkeypatch, table: dict, on: bool = True):
+    """`table["enabled"]` set to `on` (a plan switch) with the backward's launch cache emptied before and after, so
+    no other test inherits a launch planned under it."""
     from cuflash import api
-    monkeypatch.setitem(table, "enabled", True)
+    monkeypatch.setitem(table, "enabled", on)
     api._bwd_launches.clear()
     try:
         yield
@@ -167,11 +168,25 @@ def planner_entry_on(monkeypatch, table: dict):
 
 @pytest.fixture
 def double_buffered(monkeypatch):
-    """The planner picks two Q/dO buffers where the table has them."""
+    """The planner picks two Q/dO buffers where the table has them (on the portable kernel: the Hopper one off)."""
     from cuflash import plan
-    with planner_entry_on(monkeypatch, plan.BWD_DOUBLE_BUFFER):
+    with planner_entry_on(monkeypatch, plan.BWD_DOUBLE_BUFFER), planner_entry_on(monkeypatch, plan.BWD_SM90, False):
         assert plan.bwd_config(64).q_buffers == 2 and plan.bwd_config(128).q_buffers == 1
         yield
+
+
+@pytest.fixture
+def portable_backward(monkeypatch):
+    """The portable main kernel at every head dim (on sm_90a the planner picks the Hopper one at d 64 and 128)."""
+    from cuflash import plan
+    with planner_entry_on(monkeypatch, plan.BWD_SM90, False):
+        yield
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=backward_cases(), d=st.sampled_from([64, 128]), seed=st.integers(0, 2**31 - 1))
+def test_portable_backward_matches_reference(compiled, portable_backward, case, d, seed):
+    run_case(np.random.default_rng(seed), **dict(case, d=d))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -222,7 +237,7 @@ def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backwa
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The Hopper backward's main kernel (plan.BWD_SM90: a draft, off by default; sm_90a, d 64/128, score mods at 64)
+# The Hopper backward's main kernel (plan.BWD_SM90: on by default; sm_90a, d 64/128, score mods at 64)
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
