@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Hopper forward draft (cuflash.hopper.attention_sm90) beside the portable kernel and SDPA.
+"""Hopper forward variants (cuflash.hopper.attention_sm90) beside the portable kernel and SDPA.
 
 Grid (as bench_attention.py, see shared ANCHORS.md): 16k tokens per batch (batch = 16384 //
-seqlen), hidden size 2048 (nheads = 2048 // headdim), head dims 64 and 128 (the only ones the
-Hopper kernel has), causal off and on, seqlen 1024, 4096, 16384, bf16 (or --dtype fp16).
+seqlen), hidden size 2048 (nheads = 2048 // headdim), head dims 64 and 128 (--dims adds 256, the
+Hopper kernel's third), causal off and on, seqlen 1024, 4096, 16384, bf16 (or --dtype fp16).
 
 Four forwards per cell, in one process, on the same torch tensors (b, s, h, d):
-- sm90: cuflash.hopper.attention_sm90 (wgmma/TMA, fwd_sm90.cu; experimental, not used by
-  cuflash.attention), on zero-copy CuPy views (DLPack) inside torch's current stream;
-- portable: cuflash.attention (the mma.sync kernels the planner picks), same views, same stream;
+- sm90: cuflash.hopper.attention_sm90 (wgmma/TMA, fwd_sm90.cu; the variant given by --variant), on
+  zero-copy CuPy views (DLPack) inside torch's current stream;
+- portable: cuflash.attention with the Hopper forward switched off (the mma.sync kernels the planner
+  picks), same views, same stream;
 - flash, cudnn: torch SDPA with one backend forced, on (b, h, s, d) views of the same storage.
 A call that raises is reported as n/a with its error; the run goes on with the next one.
 
@@ -146,7 +147,7 @@ def sm90_cell(cell: dict, args) -> dict:
             t0 = time.perf_counter()
             out = fn()  # the first call compiles (NVRTC)
             if name == "sm90":
-                _wait(stream, args.hang_timeout)  # a draft kernel may deadlock on an mbarrier
+                _wait(stream, args.hang_timeout)  # a new kernel variant may deadlock on an mbarrier
             torch.cuda.synchronize()
             row[f"first_call_s_{name}"] = time.perf_counter() - t0
             outs[name] = ba.to_torch(out)

@@ -4,12 +4,12 @@
 #     OUT=... bash scripts/gpu_drafts.sh
 #
 #   1. every portable and Hopper kernel compiled ahead, 16 processes (scripts/precompile.py --hopper) -> sm90.log
-#   2. tests/gpu/test_sm90.py for the variants not yet run on a GPU (ws3_n128, ws_n128_p, lockstep_n128) and the
+#   2. tests/gpu/test_sm90.py for the newest variants (ws3_n128, ws_n128_p, lockstep_n128) and the
 #      selftests; SM90_K='' runs every variant (about three times as long)                         -> sm90.log
-#   3. tests/gpu/test_backward.py -k sm90: the Hopper backward draft (plan.BWD_SM90 forced)            -> bwd_sm90.log
+#   3. tests/gpu/test_backward.py -k sm90: the Hopper backward (plan.BWD_SM90 forced)                  -> bwd_sm90.log
 #   4. memcheck and racecheck of scripts/sanitize_cases.py with every planner switch on (the Hopper variants' own
 #      cases run regardless on sm_90a)                                      -> optin_memcheck.log, optin_racecheck.log
-#   5. the backward bench (--quick) as planned and with CUFLASH_BWD_SM90=1, if 3 passed          -> bench.txt
+#   5. the backward bench (--quick) with CUFLASH_BWD_SM90=0 and =1, if 3 passed                  -> bench.txt
 #   6. if SWEEP_DIMS is set (e.g. 64,128): scripts/sm90_sweep.sh, every Hopper forward variant at those head dims,
 #      and the fastest per head dim                                                               -> bench.txt
 # Each step has a timeout (a kernel that deadlocks on an mbarrier must not eat the call); -x stops a test file at its

@@ -64,7 +64,7 @@ if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
     echo "overhead bench: exit $? [$((SECONDS - t0))s]"
     tail -22 "$OUT/overhead.txt"
 fi
-if [ "${SKIP_BENCH:-0}" != 1 ]; then  # Hopper draft beside the portable kernel and SDPA, then the forward grid
+if [ "${SKIP_BENCH:-0}" != 1 ]; then  # Hopper forward variants beside portable kernel and SDPA, then the forward grid
     : >"$OUT/bench.txt"
     for variant in ${SM90_VARIANTS:-$(python3 -c "from cuflash import hopper; print(*hopper.VARIANTS)")}; do
         timeout -k 5 "${SM90_BENCH_TIMEOUT:-150}" python3 benchmarks/bench_sm90.py --variant "$variant" \
@@ -76,7 +76,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then  # Hopper draft beside the portable kernel 
     echo "forward bench: exit $? [$((SECONDS - t0))s]"
     awk '/^=== /{p=1} /^$/{if (p) print ""; p=0} p' "$OUT/bench.txt"
 fi
-if [ "${BWD_AB:-0}" = 1 ]; then  # the backward as planned, then with the Hopper draft (plan.BWD_SM90), same grid
+if [ "${BWD_AB:-0}" = 1 ]; then  # backward bench, CUFLASH_BWD_SM90=0 (portable) then =1 (Hopper kernel), same grid
     for switch in CUFLASH_BWD_SM90=0 CUFLASH_BWD_SM90=1; do
         env "$switch" timeout -k 5 "${BWD_BENCH_TIMEOUT:-200}" python3 benchmarks/bench_attention.py --op bwd \
             ${BWD_BENCH_ARGS:---quick} >>"$OUT/bench.txt" 2>&1

@@ -66,7 +66,7 @@ def test_hopper_selftest_compiles_with_async_wgmma(dtype, kernel):
 
 @pytest.mark.parametrize("spec", hopper.all_backward_specs(), ids=lambda s: s.name)
 def test_hopper_backward_compiles_with_async_wgmma(spec):
-    """The Hopper backward draft (bwd_sm90.cu): no spills, no wgmma serialization or injected fences."""
+    """The Hopper backward (bwd_sm90.cu): no spills, no wgmma serialization or injected fences."""
     import re
     assert spec.smem_bytes <= 227 * 1024
     _, log = build.compile_cubin(spec, "sm_90a")
