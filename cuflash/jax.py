@@ -228,14 +228,16 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     """Bytes of the workspace :func:`cuflash.api.launch_backward` needs, the backward call's fourth result (an XLA
     buffer; :func:`cuflash.plan.backward_workspace`: ``dsum``, ``lse_log2``, the fp32 dQ accumulator).
 
-    Deterministic mode's slice count grows with the GPU's SM count, so it is planned for the largest
-    GPU visible here (an upper bound for any of them). `rows`: query rows of the workspaces, batch *
-    seqlen_q by default, total_q for packed sequences.
+    Deterministic mode's slice count grows with the GPU's SM count and differs between the portable and the
+    Hopper main kernel, so it is planned for the largest GPU visible here and the larger of the two (an upper
+    bound for any of them). `rows`: query rows of the workspaces, batch * seqlen_q by default, total_q for packed
+    sequences.
     """
     left, right = plan.normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
-    launch = plan.plan_backward(problem, left, right, score_mod, deterministic, "sm_80", _max_sm_count())
     rows = problem.batch * problem.seqlen_q if rows is None else rows  # total_q for packed sequences
-    return plan.backward_workspace(rows, problem.nheads, problem.headdim, launch.slices)[2]
+    slices = max(plan.plan_backward(problem, left, right, score_mod, deterministic, arch, _max_sm_count()).slices
+                 for arch in ("sm_80", "sm_90a"))
+    return plan.backward_workspace(rows, problem.nheads, problem.headdim, slices)[2]
 
 
 @functools.lru_cache(maxsize=None)

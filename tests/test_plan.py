@@ -231,3 +231,16 @@ def test_sm90_backward_slots_end_soonest_with_fewest_slices():
         best = plan.bwd_sm90_slots(n, groups, 132)
         span = [math.ceil(s * groups / 132) * math.ceil(n / s) for s in range(1, n + 1)]
         assert span[best - 1] == min(span) and span.index(min(span)) == best - 1
+
+
+def test_jax_workspace_bound_covers_both_backward_kernels():
+    """cuflash.jax sizes the backward workspace before it knows the device: the bound covers the portable and the
+    Hopper main kernel's deterministic slices."""
+    jax_mod = pytest.importorskip("cuflash.jax")
+    for b, s, h, hk, d in ((1, 300, 2, 2, 64), (1, 38000, 1, 1, 128), (4, 4096, 16, 16, 128), (2, 1000, 8, 1, 64)):
+        problem = checks.Problem(b, s, s, h, hk, d, np.dtype(np.float16))
+        bound = jax_mod.backward_workspace_bytes(problem, -1, 0, False, True)
+        for arch in ("sm_80", "sm_90a"):
+            for sms in (108, 132):
+                slices = plan.plan_backward(problem, -1, 0, False, True, arch, sms).slices
+                assert plan.backward_workspace(b * s, h, d, slices)[2] <= bound, (arch, sms, b, s, h, d)
