@@ -158,7 +158,8 @@ def test_packed_forward_params(no_gpu_kernels):
 def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic):
     """The backward's three structs: every pointer in its field, the workspace pieces where
     plan.backward_workspace puts them, lse/dsum strides of (b, h, sq) or packed (h, total_q), dq strides.
-    (The portable main kernel: the Hopper one, chosen on sm_90a by default, is test_sm90_backward_main_behind_the_same_call's.)"""
+    (The portable main kernel; the Hopper one, chosen on sm_90a by default, is
+    test_sm90_backward_main_behind_the_same_call's.)"""
     from cuflash import api, plan
     monkeypatch.setitem(plan.BWD_SM90, "enabled", False)
     b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64  # several KV blocks: deterministic mode gets several slices
@@ -193,9 +194,9 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, deterministic):
-    """plan.BWD_SM90 on (the default): the backward's main launch is the Hopper kernel (d 64/128, no score mod) with BwdParams
-    after its four tensor maps, 128 keys per CTA (atomic) or plan.bwd_sm90_slots (deterministic); off, or with a
-    score mod, the portable one."""
+    """plan.BWD_SM90 on (the default): the backward's main launch is the Hopper kernel (d 64/128, no score mod) with
+    BwdParams after its four tensor maps, 128 keys per CTA (atomic) or plan.bwd_sm90_slots (deterministic); off, or
+    with a score mod, the portable one."""
     from cuflash import api, hopper, plan, tma
     b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64
     q = _FakeDeviceArray(np.zeros((b, sq, h, d), np.float16), 0)
