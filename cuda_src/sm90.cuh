@@ -112,132 +112,85 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// The wgmma wrappers. One asm template per operand form, the element type and the operand majorness spliced in
+// as strings: TYPE "bf16" / "f16" (T::is_bf16), the instruction's trailing immediates (scale-a, scale-b and, for
+// shared-memory operands, the transpose flags of A and B). accumulate = false overwrites D.
+#define CUFLASH_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                        "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CUFLASH_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define CUFLASH_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "            \
+                    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "            \
+                    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+// D[64 x N] (+)= A B, both operands in shared memory (descriptors): DREGS / ACC_OPERANDS the N / 2 accumulators
+// per thread, PRED the operand number of `accumulate`, AFTER the descriptors, predicate and immediates.
+#define CUFLASH_WGMMA_SS(SHAPE, TYPE, DREGS, ACC_OPERANDS, PRED, AFTER)                                           \
+    asm volatile("{\n"                                                                                            \
+                 ".reg .pred acc;\n"                                                                              \
+                 "setp.ne.b32 acc, " PRED ", 0;\n"                                                                \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " DREGS AFTER ";\n"                \
+                 "}\n"                                                                                            \
+                 : ACC_OPERANDS                                                                                   \
+                 : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
+#define CUFLASH_ACC32 CUFLASH_ACC8(0), CUFLASH_ACC8(8), CUFLASH_ACC8(16), CUFLASH_ACC8(24)
+#define CUFLASH_ACC64 CUFLASH_ACC32, CUFLASH_ACC8(32), CUFLASH_ACC8(40), CUFLASH_ACC8(48), CUFLASH_ACC8(56)
+#define CUFLASH_SS_N64(TYPE, TRANS) \
+    CUFLASH_WGMMA_SS("m64n64k16", TYPE, CUFLASH_D32, CUFLASH_ACC32, "%34", "%32, %33, acc, 1, 1, " TRANS)
+#define CUFLASH_SS_N128(TYPE) \
+    CUFLASH_WGMMA_SS("m64n128k16", TYPE, CUFLASH_D64, CUFLASH_ACC64, "%66", "%64, %65, acc, 1, 1, 0, 0")
+
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B both K-major in shared memory, fp32 accumulators. Per thread
 // (warp w of the warpgroup, lane l): d[4j + e] is row 16w + l/4 + 8(e/2), column 8j + 2(l%4) + e%2, the
-// mma.sync C layout of each warp's 16 rows. accumulate = false overwrites D.
+// mma.sync C layout of each warp's 16 rows.
 template <class T> __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long a_desc,
-                                                                      unsigned long long b_desc, bool accumulate);
-
-#define CUFLASH_WGMMA_M64N64K16(TYPE)                                                                             \
-    asm volatile(                                                                                                 \
-        "{\n"                                                                                                     \
-        ".reg .pred acc;\n"                                                                                       \
-        "setp.ne.b32 acc, %34, 0;\n"                                                                              \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                           \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                       \
-        "%32, %33, acc, 1, 1, 0, 0;\n"                                                                            \
-        "}\n"                                                                                                     \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
-        : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
-
-template <> __device__ __forceinline__ void wgmma_m64n64k16_ss<bf16_t>(float (&d)[32], unsigned long long a_desc,
-                                                                       unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_M64N64K16("bf16");
+                                                                      unsigned long long b_desc, bool accumulate) {
+    if constexpr (T::is_bf16) CUFLASH_SS_N64("bf16", "0, 0");
+    else CUFLASH_SS_N64("f16", "0, 0");
 }
-template <> __device__ __forceinline__ void wgmma_m64n64k16_ss<half_t>(float (&d)[32], unsigned long long a_desc,
-                                                                       unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_M64N64K16("f16");
-}
-#undef CUFLASH_WGMMA_M64N64K16
 
 // The same with both operands MN-major (smem_desc_mn; transpose flags set): A[64 x 16] stored K rows of 64
 // contiguous M elements (the backward's dS, kept as dS^T rows of keys), B stored K rows of N contiguous elements.
 template <class T> __device__ __forceinline__ void wgmma_m64n64k16_ss_mn(float (&d)[32], unsigned long long a_desc,
-                                                                         unsigned long long b_desc, bool accumulate);
-
-#define CUFLASH_WGMMA_M64N64K16_MN(TYPE)                                                                          \
-    asm volatile(                                                                                                 \
-        "{\n"                                                                                                     \
-        ".reg .pred acc;\n"                                                                                       \
-        "setp.ne.b32 acc, %34, 0;\n"                                                                              \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                           \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                       \
-        "%32, %33, acc, 1, 1, 1, 1;\n"                                                                            \
-        "}\n"                                                                                                     \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
-        : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
-
-template <> __device__ __forceinline__ void wgmma_m64n64k16_ss_mn<bf16_t>(float (&d)[32], unsigned long long a_desc,
-                                                                          unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_M64N64K16_MN("bf16");
+                                                                         unsigned long long b_desc, bool accumulate) {
+    if constexpr (T::is_bf16) CUFLASH_SS_N64("bf16", "1, 1");
+    else CUFLASH_SS_N64("f16", "1, 1");
 }
-template <> __device__ __forceinline__ void wgmma_m64n64k16_ss_mn<half_t>(float (&d)[32], unsigned long long a_desc,
-                                                                          unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_M64N64K16_MN("f16");
-}
-#undef CUFLASH_WGMMA_M64N64K16_MN
 
-// The same with N = 128 (S of a 128-key block): d[4j + e] for the 16 column groups j of 8. One instruction reads Q's
-// 64 x 16 slice once for twice the columns of the n64 form, halving the shared-memory traffic of A per flop.
-#define CUFLASH_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
-                        "+f"(d[i + 6]), "+f"(d[i + 7])
-#define CUFLASH_WGMMA_M64N128K16(TYPE)                                                                            \
-    asm volatile(                                                                                                 \
-        "{\n"                                                                                                     \
-        ".reg .pred acc;\n"                                                                                       \
-        "setp.ne.b32 acc, %66, 0;\n"                                                                              \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                          \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "                       \
-        "%64, %65, acc, 1, 1, 0, 0;\n"                                                                            \
-        "}\n"                                                                                                     \
-        : CUFLASH_ACC8(0), CUFLASH_ACC8(8), CUFLASH_ACC8(16), CUFLASH_ACC8(24), CUFLASH_ACC8(32), CUFLASH_ACC8(40),   \
-          CUFLASH_ACC8(48), CUFLASH_ACC8(56)                                                                      \
-        : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
-
+// The same as wgmma_m64n64k16_ss with N = 128 (S of a 128-key block): d[4j + e] for the 16 column groups j of 8.
+// One instruction reads Q's 64 x 16 slice once for twice the columns of the n64 form, halving the shared-memory
+// traffic of A per flop.
 template <class T> __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], unsigned long long a_desc,
-                                                                       unsigned long long b_desc, bool accumulate);
-template <> __device__ __forceinline__ void wgmma_m64n128k16_ss<bf16_t>(float (&d)[64], unsigned long long a_desc,
-                                                                        unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_M64N128K16("bf16");
+                                                                       unsigned long long b_desc, bool accumulate) {
+    if constexpr (T::is_bf16) CUFLASH_SS_N128("bf16");
+    else CUFLASH_SS_N128("f16");
 }
-template <> __device__ __forceinline__ void wgmma_m64n128k16_ss<half_t>(float (&d)[64], unsigned long long a_desc,
-                                                                        unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_M64N128K16("f16");
-}
-#undef CUFLASH_WGMMA_M64N128K16
-#undef CUFLASH_ACC8
+#undef CUFLASH_SS_N128
+#undef CUFLASH_SS_N64
+#undef CUFLASH_WGMMA_SS
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (per warp the mma.sync m16n8k16 A fragment of its 16
 // rows: P straight from the S accumulators), B MN-major in shared memory (smem_desc_mn), fp32 accumulators.
-template <class T> __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4],
-                                                                      unsigned long long b_desc, bool accumulate);
-
 #define CUFLASH_WGMMA_M64N64K16_RS(TYPE)                                                                          \
-    asm volatile(                                                                                                 \
-        "{\n"                                                                                                     \
-        ".reg .pred acc;\n"                                                                                       \
-        "setp.ne.b32 acc, %37, 0;\n"                                                                              \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                           \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                 \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                       \
-        "{%32, %33, %34, %35}, %36, acc, 1, 1, 1;\n"                                                               \
-        "}\n"                                                                                                     \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"((int)accumulate))
-
-template <> __device__ __forceinline__ void wgmma_m64n64k16_rs<bf16_t>(float (&d)[32], const u32 (&a)[4],
-                                                                       unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_M64N64K16_RS("bf16");
-}
-template <> __device__ __forceinline__ void wgmma_m64n64k16_rs<half_t>(float (&d)[32], const u32 (&a)[4],
-                                                                       unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_M64N64K16_RS("f16");
+    asm volatile("{\n"                                                                                            \
+                 ".reg .pred acc;\n"                                                                              \
+                 "setp.ne.b32 acc, %37, 0;\n"                                                                     \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " CUFLASH_D32                      \
+                 "{%32, %33, %34, %35}, %36, acc, 1, 1, 1;\n"                                                     \
+                 "}\n"                                                                                            \
+                 : CUFLASH_ACC32                                                                                  \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"((int)accumulate))
+template <class T> __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4],
+                                                                      unsigned long long b_desc, bool accumulate) {
+    if constexpr (T::is_bf16) CUFLASH_WGMMA_M64N64K16_RS("bf16");
+    else CUFLASH_WGMMA_M64N64K16_RS("f16");
 }
 #undef CUFLASH_WGMMA_M64N64K16_RS
+#undef CUFLASH_ACC64
+#undef CUFLASH_ACC32
+#undef CUFLASH_D64
+#undef CUFLASH_D32
+#undef CUFLASH_ACC8
 
 }  // namespace sm90
 }  // namespace cuflash

@@ -6,7 +6,9 @@ and the working tree, without a GPU.
 For specializations the planner can choose (forward, backward, decode; --limit of each family, spread), the
 PTX of both sources is reduced to a multiset of instructions with register numbers erased. The same multiset means
 the same operations on the same operand kinds, only scheduled or numbered differently: for floating-point code,
-bitwise the same results. Prints SAME or the instructions that differ, per kernel. A template whose parameters
+bitwise the same results. With --cubin the machine code itself is compared (byte-identical cubins, NVRTC's
+per-process symbol hashes masked): the same cubin runs exactly as the one a GPU run tested. Prints SAME or what
+differs, per kernel. A template whose parameters
 changed between the revisions is compiled under each revision's own name expression (given by --old-template as
 a Python format, e.g. when a parameter was added).
 """
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def ptx(source_dir: str, source: str, name_expression: str, arch: str) -> str:
+def ptx(source_dir: str, source: str, name_expression: str, arch: str, cubin: bool = False):
+    """The PTX text, or with `cubin` (arch sm_XX) the cubin with its per-process symbol hashes masked."""
     from cupy_backends.cuda.libs import nvrtc
     prog = nvrtc.createProgram(f'#include "{source}"\n', "k.cu", [], [])
     nvrtc.addNameExpression(prog, name_expression)
@@ -32,8 +35,10 @@ def ptx(source_dir: str, source: str, name_expression: str, arch: str) -> str:
                                     "-DCUFLASH_SOURCE_HASH=0x0"])
     except Exception:
         raise RuntimeError(f"{name_expression} in {source_dir}:\n{nvrtc.getProgramLog(prog)}") from None
-    out = nvrtc.getPTX(prog)
+    out = nvrtc.getCUBIN(prog) if cubin else nvrtc.getPTX(prog)
     nvrtc.destroyProgram(prog)
+    if cubin:  # internal-linkage names carry a per-process hash: _cu_<8 hex>_<pid>
+        return re.sub(rb"_cu_[0-9a-f]{8}_\d+", lambda m: b"X" * len(m.group(0)), out)
     return out.decode() if isinstance(out, bytes) else out
 
 
@@ -54,7 +59,10 @@ def main():
     ap.add_argument("rev", help="git revision to compare the working tree's cuda_src/ with")
     ap.add_argument("--arch", default="compute_90a")
     ap.add_argument("--limit", type=int, default=8, help="kernels per family (forward, backward, decode), spread")
-    ap.add_argument("--hopper", action="store_true", help="the Hopper forward's kernels instead (--arch compute_90a)")
+    ap.add_argument("--hopper", action="store_true",
+                    help="the Hopper forward's, backward's and self-test kernels instead (--arch compute_90a)")
+    ap.add_argument("--cubin", action="store_true",
+                    help="compare the machine code instead: byte-identical cubins (symbol hashes masked), sm_XX")
     ap.add_argument("--old-template", action="append", default=[], metavar="NEW=OLD",
                     help="regex NEW on a template -> replacement OLD for the old revision, e.g. "
                          r"'(bwd_kernel<[^>]*), 1, (true|false), (true|false)>=\1, \2, \3>'")
@@ -63,9 +71,12 @@ def main():
     arch = args.arch.replace("compute_", "sm_")
     families = {"forward": plan.all_forward_specs(arch), "backward": plan.all_backward_specs(arch),
                 "decode": plan.all_decode_specs(arch)}
-    if args.hopper:  # the Hopper forward's specializations (cuflash.hopper; sm_90a)
+    if args.hopper:  # the Hopper specializations (cuflash.hopper; tests/sm90_selftest.py; sm_90a)
         from cuflash import hopper
-        families = {"hopper": hopper.all_specs()}
+        from tests.sm90_selftest import KERNELS, SelftestSpec
+        families = {"hopper": hopper.all_specs(), "hopper_bwd": hopper.all_backward_specs(),
+                    "selftest": [SelftestSpec(dtype, kernel) for kernel in KERNELS for dtype in ("bf16", "fp16")]}
+    compile_arch = args.arch.replace("compute_", "sm_") if args.cubin else args.arch
     rewrites = [tuple(r.split("=", 1)) for r in args.old_template]
     differ = 0
     with tempfile.TemporaryDirectory() as old_dir:
@@ -80,13 +91,17 @@ def main():
                 old_template = spec.template
                 for pattern, replacement in rewrites:
                     old_template = re.sub(pattern, replacement, old_template)
-                b = instructions(ptx(str(ROOT / "cuda_src"), spec.source, spec.template, args.arch))
+                digest = (lambda x: x) if args.cubin else instructions
+                b = digest(ptx(str(ROOT / "cuda_src"), spec.source, spec.template, compile_arch, args.cubin))
                 try:
-                    a = instructions(ptx(old_dir, spec.source, old_template, args.arch))
+                    a = digest(ptx(old_dir, spec.source, old_template, compile_arch, args.cubin))
                 except RuntimeError:
                     print(f"{family:9s} {spec.name:50s} NEW (no such kernel at {args.rev})")
                     continue
-                diff = {k: b[k] - a[k] for k in (a - b) + (b - a)}
+                if args.cubin:
+                    diff = "cubins differ" if a != b else {}
+                else:
+                    diff = {k: b[k] - a[k] for k in (a - b) + (b - a)}
                 differ += bool(diff)
                 print(f"{family:9s} {spec.name:50s} {'SAME' if not diff else diff}")
     print(f"{differ} kernel(s) differ")
