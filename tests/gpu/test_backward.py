@@ -48,6 +48,20 @@ def run_case(rng, *, b, sq, sk, h, hk, d, dtype, causal=False, window_size=(-1, 
     return grads
 
 
+def assert_bitwise_repeatable(seed, *, runs, b, sq, sk, h, hk, d):
+    """Causal deterministic backward, called `runs` more times after a first: every call gives the same bits."""
+    import cupy
+    import cuflash
+    q, k, v, dout, _ = make_case(np.random.default_rng(seed), b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, dtype="bf16")
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                                          deterministic=True)]
+    for _ in range(runs):
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+        for a, g in zip(first, again):
+            assert bool(cupy.array_equal(a, g.view(np.uint16))), "deterministic mode changed bits between runs"
+
+
 @st.composite
 def backward_cases(draw):
     hk = draw(st.sampled_from([1, 2]))
@@ -99,17 +113,7 @@ def test_empty_rows_get_zero_gradients(compiled):
 
 @pytest.mark.parametrize("hk", [4, 1])
 def test_deterministic_is_bitwise_repeatable(compiled, hk):
-    import cupy
-    import cuflash
-    rng = np.random.default_rng(5)
-    q, k, v, dout, _ = make_case(rng, b=2, sq=300, sk=520, h=4, hk=hk, d=128, dtype="bf16")
-    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
-    first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
-                                                                          deterministic=True)]
-    for _ in range(4):
-        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
-        for a, g in zip(first, again):
-            assert bool(cupy.array_equal(a, g.view(np.uint16))), "deterministic mode changed bits between runs"
+    assert_bitwise_repeatable(5, runs=4, b=2, sq=300, sk=520, h=4, hk=hk, d=128)
 
 
 def test_finite_difference_spot_check(compiled):
@@ -225,15 +229,7 @@ def test_wide_backward_matches_reference(compiled, wide_backward, case, d, seed)
 
 @pytest.mark.parametrize("hk", [4, 1])
 def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backward, hk):
-    import cupy
-    import cuflash
-    q, k, v, dout, _ = make_case(np.random.default_rng(6), b=2, sq=200, sk=300, h=4, hk=hk, d=256, dtype="bf16")
-    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
-    first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
-                                                                          deterministic=True)]
-    for _ in range(3):
-        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
-        assert all(bool(cupy.array_equal(a, g.view(np.uint16))) for a, g in zip(first, again))
+    assert_bitwise_repeatable(6, runs=3, b=2, sq=200, sk=300, h=4, hk=hk, d=256)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -261,20 +257,12 @@ def test_sm90_backward_matches_reference(compiled, sm90_backward, case, d, seed)
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_backward_several_blocks_and_repeatable(compiled, sm90_backward, hk, d):
     """Several 128-key blocks and 64-row query blocks, GQA; deterministic mode bitwise repeatable."""
-    import cupy
-    import cuflash
     run_case(np.random.default_rng(12), b=2, sq=333, sk=300, h=4, hk=hk, d=d, dtype="bf16", causal=True)
     run_case(np.random.default_rng(13), b=1, sq=200, sk=700, h=4, hk=hk, d=d, dtype="fp16", window_size=(90, 30),
              deterministic=True)
     run_case(np.random.default_rng(14), b=2, sq=150, sk=260, h=4, hk=hk, d=d, dtype="bf16", causal=True, softcap=8.0,
              alibi="bh", deterministic=True)
-    q, k, v, dout, _ = make_case(np.random.default_rng(6), b=2, sq=200, sk=300, h=4, hk=hk, d=d, dtype="bf16")
-    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
-    first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
-                                                                          deterministic=True)]
-    for _ in range(3):
-        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
-        assert all(bool(cupy.array_equal(a, g.view(np.uint16))) for a, g in zip(first, again))
+    assert_bitwise_repeatable(6, runs=3, b=2, sq=200, sk=300, h=4, hk=hk, d=d)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
