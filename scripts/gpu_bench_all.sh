@@ -3,13 +3,8 @@
 # late Python-layer change touches, then every benchmark and the framework examples, each step with a timeout.
 #     OUT=... bash scripts/gpu_bench_all.sh
 # Files in $OUT: tests.log, decode.txt, decode.json, bench.txt, bench.json, frameworks_examples.log, overhead.json
-set -u
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+source scripts/device_env.sh
 quiet() { grep -v "driver.pyx\|NoneType\|Exception ignored\|^Traceback\|DeprecationWarning\|sys.exit(main())"; }
-t0=$SECONDS
 timeout "${TESTS_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu} 2>&1 | quiet > "$OUT/tests.log"
 echo "tests: $(tail -1 "$OUT/tests.log") [$((SECONDS - t0))s]"
 timeout "${DECODE_TIMEOUT:-110}" python3 benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | quiet > "$OUT/decode.txt"

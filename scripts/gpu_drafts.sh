@@ -16,11 +16,7 @@
 # first failure. Environment: OUT, SM90_K (pytest -k of step 2), SKIP_SM90_TESTS=1 (no step 2), SWEEP_DIMS,
 # SM90_TIMEOUT (300), BWD_TIMEOUT (150),
 # SANITIZE_TIMEOUT (120).
-set -u
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-t0=$SECONDS
+source scripts/device_env.sh
 timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/sm90.log" 2>&1
 echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/sm90.log")"
 if [ "${SKIP_SM90_TESTS:-0}" != 1 ]; then
@@ -34,13 +30,7 @@ timeout -k 5 "${BWD_TIMEOUT:-150}" python3 -m pytest -q -x --tb=short -p no:cach
 bwd=$?
 echo "test_backward -k sm90: exit $bwd [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/bwd_sm90.log" | tail -1)"
 grep -E "^FAILED|^E  " "$OUT/bwd_sm90.log" | head -8
-SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-for tool in memcheck racecheck; do
-    CUFLASH_SM90=1 CUFLASH_BWD_QBUF=1 CUFLASH_BWD_WIDE=1 CUFLASH_BWD_SM90=1 timeout -k 5 "${SANITIZE_TIMEOUT:-120}" \
-        "$SAN" --tool "$tool" --error-exitcode 9 --print-limit 50 python3 scripts/sanitize_cases.py \
-        >"$OUT/optin_$tool.log" 2>&1
-    echo "opt-in $tool: exit $? [$((SECONDS - t0))s] $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/optin_$tool.log")"
-done
+sanitize_both optin "${SANITIZE_TIMEOUT:-120}" CUFLASH_SM90=1 CUFLASH_BWD_QBUF=1 CUFLASH_BWD_WIDE=1 CUFLASH_BWD_SM90=1
 if [ "$bwd" = 0 ]; then
     : >"$OUT/bench.txt"
     for switch in CUFLASH_BWD_SM90=0 CUFLASH_BWD_SM90=1; do

@@ -14,12 +14,7 @@
 # The repository is used through PYTHONPATH, not installed. JAX is told not to preallocate GPU memory
 # (it shares the GPU with torch and CuPy in one process).
 
-set -u
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+source scripts/device_env.sh
 eval "PYTEST_EXTRA=(${PYTEST_ARGS:-})"
 
 TESTS_LOG="$OUT/frameworks_tests.log"

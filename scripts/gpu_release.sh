@@ -18,12 +18,7 @@
 # SM90_BENCH_DIMS (64,128,256; head dims left out keep plan.SM90_DEFAULT_VARIANTS), SKIP_SM90_TESTS=1,
 # SKIP_BWD_BENCH=1, BWD_BENCH_ARGS (--quick; '' benches the ANCHORS grid), BWD_BENCH_TIMEOUT (100),
 # TESTS_TIMEOUT (300), SANITIZE_TIMEOUT (90).
-set -u
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-t0=$SECONDS
+source scripts/device_env.sh
 timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
 echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
 : >"$OUT/bench.txt"
@@ -39,12 +34,7 @@ SKIP_BENCH=1 PER_FILE=1 TESTS_TIMEOUT=${TESTS_TIMEOUT:-300} SANITIZE_TIMEOUT=${S
 grep -E "^FAILED|^ERROR" "$OUT/pytest_gpu.log" | head -20
 echo "check [$((SECONDS - t0))s]"
 # On sm_90a the planner sends d 64/128 backward to the Hopper kernel: the portable one's backward cases once more
-SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-for tool in memcheck racecheck; do
-    CUFLASH_BWD_SM90=0 timeout -k 5 "${SANITIZE_TIMEOUT:-90}" "$SAN" --tool "$tool" --error-exitcode 9 \
-        --print-limit 50 python3 scripts/sanitize_cases.py --only bwd_ >"$OUT/portable_bwd_$tool.log" 2>&1
-    echo "portable backward $tool: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/portable_bwd_$tool.log")"
-done
+sanitize_both portable_bwd "${SANITIZE_TIMEOUT:-90}" CUFLASH_BWD_SM90=0 -- --only bwd_
 timeout -k 5 150 python3 benchmarks/bench_attention.py --op fwd >>"$OUT/bench.txt" 2>&1
 echo "forward bench: exit $? [$((SECONDS - t0))s]"
 if [ "${SKIP_BWD_BENCH:-0}" != 1 ]; then

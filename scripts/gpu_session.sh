@@ -20,12 +20,7 @@
 # Environment: OUT, SKIP_SM90=1, SKIP_CHECK=1, SKIP_VARLEN=1, SKIP_OVERHEAD=1, TESTS_TIMEOUT (300),
 # SANITIZE_TIMEOUT (100), PYTEST_ARGS (passed on to gpu_check.sh). At most 8 files come back from the device:
 # pick the steps of one call accordingly (e.g. SKIP_CHECK=1 for 1, 3-7; SKIP_SM90=1 SKIP_BENCH=1 ... for 2).
-set -u
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-t0=$SECONDS
+source scripts/device_env.sh
 if [ "${SKIP_SM90:-0}" != 1 ]; then
     # every Hopper specialization (about 72) and the portable ones, in 16 processes: the tests then load them
     timeout -k 5 "${PRECOMPILE_TIMEOUT:-240}" python3 scripts/precompile.py --hopper --workers 16 >"$OUT/sm90.log" 2>&1
@@ -46,12 +41,8 @@ if [ "${SKIP_CHECK:-0}" != 1 ]; then
     echo "check [$((SECONDS - t0))s]"
 fi
 if [ "${OPTIN_SANITIZE:-0}" = 1 ]; then  # the sanitizer cases again with every opt-in planner entry switched on
-    for tool in memcheck racecheck; do
-        CUFLASH_SM90=1 CUFLASH_BWD_QBUF=1 CUFLASH_BWD_WIDE=1 CUFLASH_BWD_SM90=1 timeout -k 5 "${SANITIZE_TIMEOUT:-150}" \
-            "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool "$tool" --error-exitcode 9 --print-limit 50 python3 scripts/sanitize_cases.py \
-            >"$OUT/optin_$tool.log" 2>&1
-        echo "opt-in $tool: exit $? [$((SECONDS - t0))s] $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/optin_$tool.log")"
-    done
+    sanitize_both optin "${SANITIZE_TIMEOUT:-150}" \
+        CUFLASH_SM90=1 CUFLASH_BWD_QBUF=1 CUFLASH_BWD_WIDE=1 CUFLASH_BWD_SM90=1
 fi
 if [ "${SKIP_VARLEN:-0}" != 1 ]; then
     timeout -k 5 "${VARLEN_TIMEOUT:-90}" python3 benchmarks/bench_varlen.py --bwd ${VARLEN_ARGS:---quick} \

@@ -1,0 +1,26 @@
+# Sourced by the device scripts (gpu_*.sh) from the repository root: strict mode, $OUT, the repository on
+# PYTHONPATH (used in place, not installed), JAX told not to preallocate GPU memory (it shares the GPU with torch
+# and CuPy), t0 for the elapsed times the steps print, and sanitize_both.
+set -u
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+t0=$SECONDS
+
+# sanitize_both NAME SECONDS [VAR=value ...] [-- sanitize_cases.py arguments]: compute-sanitizer memcheck, then
+# racecheck, over scripts/sanitize_cases.py with those variables set, each under a timeout
+#                                                                  -> $OUT/NAME_memcheck.log, $OUT/NAME_racecheck.log
+sanitize_both() {
+    local name=$1 limit=$2 vars=() tool san
+    shift 2
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do vars+=("$1"); shift; done
+    [ $# -gt 0 ] && shift
+    san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    for tool in memcheck racecheck; do
+        env ${vars[@]+"${vars[@]}"} timeout -k 5 "$limit" "$san" --tool "$tool" --error-exitcode 9 --print-limit 50 \
+            python3 scripts/sanitize_cases.py "$@" >"$OUT/${name}_$tool.log" 2>&1
+        echo "$name $tool: exit $? [$((SECONDS - t0))s] $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
+            "$OUT/${name}_$tool.log")"
+    done
+}
