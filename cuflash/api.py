@@ -142,7 +142,8 @@ _fwd_launches: dict = {}  # call signature -> KernelCall
 def forward_call(problem, q, k, v, out, lse, *, device_id, softmax_scale, causal, window_size, softcap,
                  alibi_slopes):
     """The forward's :class:`~cuflash.launcher.KernelCall` for these layouts and options on device `device_id`
-    (current), or on Hopper, where the planner chooses it, :class:`cuflash.hopper.ForwardCall` (same call). q .. lse and alibi_slopes are arrays or TensorSpecs: only shapes and strides are read, packed
+    (current), or on Hopper, where the planner chooses it, :class:`cuflash.hopper.ForwardCall` (same call).
+    q .. lse and alibi_slopes are arrays or TensorSpecs: only shapes and strides are read, packed
     ones ((total, heads, d); lse (nheads, total_q)) as in :func:`launch_forward`. A call then takes the stream and
     the pointers ``q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k`` (0 where absent)."""
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
@@ -244,7 +245,8 @@ class BackwardCall(NamedTuple):
     lse_log2 at ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed first) at ``dq_offset``
     (:func:`cuflash.plan.backward_workspace`)."""
     preprocess: KernelCall   # D = rowsum(dO * O), lse in log2: out, dout, lse, dsum, lse_log2
-    main: KernelCall         # dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k
+    # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k
+    main: KernelCall
     convert: KernelCall      # dQ = sum of the slices, cast: dq_accum, dq
     lse_log2_offset: int
     dq_offset: int
@@ -567,7 +569,8 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
     lse_offset = align(q.size * q.itemsize)
     partial_offset = align(lse_offset + (b * h * sq * 4 if return_lse else 0)) if partial_rows else 0
     lse_partial_offset = partial_offset + partial_rows * d * 4
-    nbytes = lse_partial_offset + partial_rows * 4 if partial_rows else partial_offset or align(lse_offset + b * h * sq * 4)
+    nbytes = (lse_partial_offset + partial_rows * 4 if partial_rows
+              else partial_offset or align(lse_offset + b * h * sq * 4))
     with _device(device_id):  # the kernels' functions are taken on the device they run on
         launch = KernelCall(launches, p, DECODE_POINTERS)
     return _DecodeCall(device_id, launch, (b, h, sq), nbytes, lse_offset,

@@ -240,8 +240,8 @@ class BwdSm90Spec:
 
     @property
     def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, lse/D rows, barriers, alignment
-        d = self.headdim
-        return 2 * BWD_BLOCK_N * d * 2 + 4 * BWD_BLOCK_M * d * 2 + BWD_BLOCK_N * 128 + 2 * 2 * BWD_BLOCK_M * 4 + 3 * 8 + 1024
+        d, n, m = self.headdim, BWD_BLOCK_N, BWD_BLOCK_M
+        return 2 * n * d * 2 + 4 * m * d * 2 + n * 128 + 2 * 2 * m * 4 + 3 * 8 + 1024
 
 
 def all_backward_specs() -> list:
