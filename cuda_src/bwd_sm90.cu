@@ -3,15 +3,17 @@
 // The main kernel of the backward only; bwd_aux.cu's preprocess (D = rowsum(dO * O), lse in log2) and dQ convert
 // run around it, with the portable kernel's workspace and parameters (BwdParams, params.cuh). Grid (slots, KV
 // heads, sequences) as bwd.cu: CTA x owns key blocks x, x + slots, ... of BN = 128 keys, as two warpgroups of 64
-// keys each, and loops over the query heads of its KV head and their 64-row query blocks that see the keys.
+// keys each, and loops over the query heads of its KV head and their BM-row query blocks that see the keys (BM 64,
+// or 128 at d = 64 without a score mod: twice the work per step for the same fixed cost of barriers and waits).
 // Per query block, with K and V resident and Q, dO, lse, D double-buffered (TMA; thread 0 issues, lockstep):
-//     S^T  = K_w Q^T      wgmma m64n64 ss (A = this warpgroup's keys, K-major; B = Q, K-major)
-//     dP^T = V_w dO^T     wgmma m64n64 ss
+//     S^T  = K_w Q^T      wgmma m64n{BM} ss (A = this warpgroup's keys, K-major; B = Q, K-major)
+//     dP^T = V_w dO^T     wgmma m64n{BM} ss
 //     P^T = exp2(S^T scale - lse), masked; dS^T = P^T (dP^T - D) softmax_scale    (per query column)
 //     dV  += P^T dO       wgmma rs (P^T from registers, the forward's P V; dO MN-major)
 //     dK  += dS^T Q       wgmma rs
 //     dQ  += dS K         wgmma ss, both MN-major: dS^T goes to shared memory (rows of keys, 64 queries = one
-//                         128-byte swizzled line), K is read transposed; added to dq_accum with fp32 atomics
+//                         128-byte swizzled line; BM / 64 such panels), K is read transposed; added to dq_accum
+//                         with fp32 vector reductions, 64 query rows at a time
 // dQ is split between the warpgroups by 64-column panel at d = 128 (after both stored dS^T: a CTA barrier) and by
 // keys at d = 64 (each its own 64 keys). Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its
 // derivative straight into dS, both products waited for first) at d = 64 (at 128 that kernel spills); head dims 64
@@ -26,7 +28,7 @@
 namespace cuflash {
 
 struct BwdSm90Params {
-    sm90::TmaMap q;     // (d, heads, seqlen_q, batch) padded or (d, heads, total_q) packed, box (64, 1, 64[, 1])
+    sm90::TmaMap q;     // (d, heads, seqlen_q, batch) padded or (d, heads, total_q) packed, box (64, 1, BM[, 1])
     sm90::TmaMap k;     // (d, heads_k, seqlen_k, batch) or (d, heads_k, total_k), box (64, 1, 128[, 1])
     sm90::TmaMap v;
     sm90::TmaMap dout;  // like q
@@ -38,20 +40,23 @@ __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y) : "memory");
 }
 
-template <class T, int D, bool BAND, bool SCORE_MOD>
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD>
 struct BwdSm90 {
-    static constexpr int BN = 128, BM = 64, PANELS = D / 64, THREADS = 256;
+    static constexpr int BN = 128, PANELS = D / 64, THREADS = 256;
+    static constexpr int NT = BM / 8, KK = BM / 16, QH = BM / 64;  // S^T's n-tiles, k-steps over queries, halves
     static constexpr u32 K_PANEL = BN * 128, Q_PANEL = BM * 128;  // bytes of one 64-column panel
+    static constexpr u32 DS_PANEL = BN * 128;                     // dS^T: all keys x 64 queries
     static constexpr u32 KV_BYTES = BN * D * 2, QD_BYTES = BM * D * 2;
     // shared memory (1024-aligned): K | V | Q[2] | dO[2] | dS^T | rows[2] (lse_log2, D) | barriers (kv, qd[2])
     static constexpr u32 OFF_V = KV_BYTES, OFF_Q = 2 * KV_BYTES, OFF_DO = OFF_Q + 2 * QD_BYTES;
-    static constexpr u32 OFF_DS = OFF_DO + 2 * QD_BYTES, OFF_ROWS = OFF_DS + BN * 128;
+    static constexpr u32 OFF_DS = OFF_DO + 2 * QD_BYTES, OFF_ROWS = OFF_DS + QH * DS_PANEL;
     static constexpr u32 OFF_BAR = OFF_ROWS + 2 * 2 * BM * 4;
     static constexpr u32 SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
-    // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128 that keeps too many registers live
-    // (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
-    static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD;
+    static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
+    // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
+    // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
+    static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64;
 
     const BwdSm90Params& P;
     const BwdParams& p;
@@ -111,28 +116,33 @@ struct BwdSm90 {
         rows(smem, tt % 2)[BM + tid] = r.y;
     }
 
-    // S^T or dP^T of this warpgroup's 64 keys against the 64 queries of a buffer (A = keys tile, B = queries tile).
-    __device__ __forceinline__ void issue_keys_by_queries(float (&acc)[32], u32 keys, u32 queries) const {
+    // S^T or dP^T of this warpgroup's 64 keys against the BM queries of a buffer (A = keys tile, B = queries tile).
+    __device__ __forceinline__ void issue_keys_by_queries(float (&acc)[NT][4], u32 keys, u32 queries) const {
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-            sm90::wgmma_m64n64k16_ss<T>(acc, sm90::smem_desc(keys + wg * 64 * 128 + (ks / 4) * K_PANEL + (ks % 4) * 32),
-                                        sm90::smem_desc(queries + (ks / 4) * Q_PANEL + (ks % 4) * 32), ks > 0);
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const auto a = sm90::smem_desc(keys + wg * 64 * 128 + (ks / 4) * K_PANEL + (ks % 4) * 32);
+            const auto q = sm90::smem_desc(queries + (ks / 4) * Q_PANEL + (ks % 4) * 32);
+            if constexpr (BM == 64)
+                sm90::wgmma_m64n64k16_ss<T>(*reinterpret_cast<float(*)[32]>(&acc[0][0]), a, q, ks > 0);
+            else
+                sm90::wgmma_m64n128k16_ss<T>(*reinterpret_cast<float(*)[64]>(&acc[0][0]), a, q, ks > 0);
+        }
         sm90::wgmma_commit();
     }
 
-    // acc (+)= A B over the 64 queries, A (keys x queries) from registers, B a queries x D tile (MN-major).
-    __device__ __forceinline__ void issue_keys_by_d(float (&acc)[PANELS * 8][4], const u32 (&a)[4][4], u32 tile) {
+    // acc (+)= A B over the BM queries, A (keys x queries) from registers, B a queries x D tile (MN-major).
+    __device__ __forceinline__ void issue_keys_by_d(float (&acc)[PANELS * 8][4], const u32 (&a)[KK][4], u32 tile) {
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
+        for (int kk = 0; kk < KK; ++kk)
 #pragma unroll
             for (int pn = 0; pn < PANELS; ++pn)
                 sm90::wgmma_m64n64k16_rs<T>(*reinterpret_cast<float(*)[32]>(&acc[pn * 8][0]), a[kk],
                                             sm90::smem_desc_mn(tile + pn * Q_PANEL + kk * 2048, Q_PANEL), true);
     }
 
-    __device__ __forceinline__ static void a_fragments(const float (&s)[8][4], u32 (&a)[4][4]) {
+    __device__ __forceinline__ static void a_fragments(const float (&s)[NT][4], u32 (&a)[KK][4]) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
+        for (int kk = 0; kk < KK; ++kk) {
             a[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
             a[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
             a[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
@@ -164,7 +174,7 @@ struct BwdSm90 {
     // P^T = exp2(S^T scale - lse), in place; MASKED: 0 where the key is not visible to the query. Per key (a
     // thread holds two), the visible queries are one interval, so an element costs two compares.
     template <bool MASKED>
-    __device__ __forceinline__ void probabilities(float (&st)[8][4], const float* lse, int key0, int m) const {
+    __device__ __forceinline__ void probabilities(float (&st)[NT][4], const float* lse, int key0, int m) const {
         const int col_lane = 2 * (lane % 4);
         int lo[2], hi[2];  // visible columns c (query m BM + col_lane + c) of key key0 + 8 i: lo <= c < hi
 #pragma unroll
@@ -178,7 +188,7 @@ struct BwdSm90 {
             }
         }
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int c = 8 * j + e % 2;
@@ -194,22 +204,22 @@ struct BwdSm90 {
         const float* lse = rows(smem, buf);
         const float* dsum = lse + BM;
         sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);
-        float st[8][4], dpt[8][4];
+        float st[NT][4], dpt[NT][4];
         sm90::wgmma_fence();
-        issue_keys_by_queries(*reinterpret_cast<float(*)[32]>(&st[0][0]), base, q_tile(buf));
-        issue_keys_by_queries(*reinterpret_cast<float(*)[32]>(&dpt[0][0]), base + OFF_V, do_tile(buf));
+        issue_keys_by_queries(st, base, q_tile(buf));
+        issue_keys_by_queries(dpt, base + OFF_V, do_tile(buf));
         // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
         const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
         // Issue order: dV as soon as P^T is in registers (EARLY_DV), then, once dS^T is in shared memory, dQ (then
         // dV if not yet) and dK, so that dQ's reductions overlap the wgmma after it. A fragment register an in-flight
         // wgmma reads is not touched again before the wait that ends it.
-        u32 a[4][4], ds[4][4];
+        u32 a[KK][4], ds[KK][4];
         if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
             const ScoreMod mod{p.mod_scale, p.softcap,
                                p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f, mask.diag};
             sm90::wgmma_wait<0>();
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < NT; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col;
@@ -224,7 +234,8 @@ struct BwdSm90 {
             sm90::wgmma_wait<1>();  // S^T (dP^T still computing)
             if (all_visible(m)) probabilities<false>(st, lse, key0, m);
             else probabilities<true>(st, lse, key0, m);
-            a_fragments(st, a);
+            // P^T's fragments: BM = 128 packs them after dS, so that its floats and fragments are not both live
+            if constexpr (BM == 64) a_fragments(st, a);
             if constexpr (EARLY_DV) {
                 sm90::wgmma_fence();
                 issue_keys_by_d(acc_dv, a, do_tile(buf));
@@ -234,39 +245,44 @@ struct BwdSm90 {
                 sm90::wgmma_wait<0>();  // dP^T
             }
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < NT; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = 8 * j + 2 * (lane % 4) + e % 2;
                     dpt[j][e] = st[j][e] * (dpt[j][e] - dsum[col]) * p.softmax_scale;  // dS^T, in place
                 }
+            if constexpr (BM == 128) a_fragments(st, a);
         }
         a_fragments(dpt, ds);
-        // dS^T to shared memory, 128-byte swizzled rows of keys: (key r, query c) at r 128 + ((c / 8) ^ (r % 8)) 16 +
-        // (c % 8) 2
+        // dS^T to shared memory, 128-byte swizzled rows of keys, one panel per 64 queries: (key r, query c) at
+        // (c / 64) DS_PANEL + r 128 + (((c % 64) / 8) ^ (r % 8)) 16 + (c % 8) 2
         const u32 ds_tile = base + OFF_DS;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int r = wg * 64 + warp * 16 + lane / 4 + 8 * hh;
-                const u32 addr = ds_tile + r * 128 + ((j ^ (r % 8)) * 16) + (lane % 4) * 4;
+                const u32 addr = ds_tile + (j / 8) * DS_PANEL + r * 128 + (((j % 8) ^ (r % 8)) * 16) + (lane % 4) * 4;
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds[j / 2][(j % 2) * 2 + hh]) : "memory");
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
         if (PANELS == 2) __syncthreads();  // d = 128: each warpgroup's dQ panel needs both halves of dS^T
         else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // its own keys only
-        // dQ (64 queries x 64 columns): d = 128, panel wg over all 128 keys; d = 64, all columns over its 64 keys
+        // dQ (BM queries x 64 columns, as BM / 64 halves of 64 rows): d = 128, panel wg over all 128 keys; d = 64, all
+        // columns over its 64 keys
         constexpr int KEYS = PANELS == 2 ? BN : 64;
         const int key_base = PANELS == 2 ? 0 : wg * 64, panel = PANELS == 2 ? wg : 0;
-        float dq[8][4];
+        float dq[QH][8][4];
         sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < KEYS / 16; ++kk)
-            sm90::wgmma_m64n64k16_ss_mn<T>(*reinterpret_cast<float(*)[32]>(&dq[0][0]),
-                                           sm90::smem_desc_mn(ds_tile + (key_base + kk * 16) * 128, BN * 128),
-                                           sm90::smem_desc_mn(base + panel * K_PANEL + (key_base + kk * 16) * 128,
-                                                              K_PANEL), kk > 0);
+        for (int qh = 0; qh < QH; ++qh)
+#pragma unroll
+            for (int kk = 0; kk < KEYS / 16; ++kk)
+                sm90::wgmma_m64n64k16_ss_mn<T>(*reinterpret_cast<float(*)[32]>(&dq[qh][0][0]),
+                                               sm90::smem_desc_mn(ds_tile + qh * DS_PANEL + (key_base + kk * 16) * 128,
+                                                                  DS_PANEL),
+                                               sm90::smem_desc_mn(base + panel * K_PANEL + (key_base + kk * 16) * 128,
+                                                                  K_PANEL), kk > 0);
         sm90::wgmma_commit();
         if constexpr (!EARLY_DV) {
             issue_keys_by_d(acc_dv, a, do_tile(buf));
@@ -286,13 +302,16 @@ struct BwdSm90 {
         const bool ordered = p.deterministic != 0;
         if (PANELS == 1 && ordered && wg == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int row = m * BM + warp * 16 + lane / 4 + 8 * hh;
-            if (row >= seqlen_q) continue;
+        for (int qh = 0; qh < QH; ++qh)
 #pragma unroll
-            for (int j = 0; j < 8; ++j)  // two adjacent columns in one reduction: whole 32-byte sectors per quad
-                red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[j][2 * hh], dq[j][2 * hh + 1]);
-        }
+            for (int hh = 0; hh < 2; ++hh) {
+                const int row = m * BM + qh * 64 + warp * 16 + lane / 4 + 8 * hh;
+                if (row >= seqlen_q) continue;
+#pragma unroll
+                for (int j = 0; j < 8; ++j)  // two adjacent columns in one reduction: whole 32-byte sectors per quad
+                    red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[qh][j][2 * hh],
+                               dq[qh][j][2 * hh + 1]);
+            }
         if (PANELS == 1 && ordered) __threadfence_block();
         if (PANELS == 1 && ordered && wg == 0) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
         sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
@@ -380,10 +399,10 @@ struct BwdSm90 {
     }
 };
 
-template <class T, int D, bool BAND, bool SCORE_MOD>
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD>
 __global__ void __launch_bounds__(256, 1) bwd_sm90_kernel(const __grid_constant__ BwdSm90Params P) {
     extern __shared__ __align__(1024) char smem[];
-    BwdSm90<T, D, BAND, SCORE_MOD> block(P);
+    BwdSm90<T, D, BM, BAND, SCORE_MOD> block(P);
     block.run(smem);
 }
 

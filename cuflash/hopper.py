@@ -226,27 +226,30 @@ class BwdSm90Spec:
     headdim: int
     band: bool
     score_mod: bool = False
+    block_m: int = BWD_BLOCK_M  # query rows per step: 64, or 128 at d = 64 without a score mod
 
     source = "bwd_sm90.cu"
     threads = 256
 
     @property
     def name(self) -> str:
-        return f"bwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}{'_mod' if self.score_mod else ''}"
+        return (f"bwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}"
+                f"{'_mod' if self.score_mod else ''}{f'_m{self.block_m}' if self.block_m != BWD_BLOCK_M else ''}")
 
     @property
     def template(self) -> str:
-        return plan._template("bwd_sm90_kernel", self.dtype, (self.headdim,), (self.band, self.score_mod))
+        return plan._template("bwd_sm90_kernel", self.dtype, (self.headdim, self.block_m), (self.band, self.score_mod))
 
     @property
     def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, lse/D rows, barriers, alignment
-        d, n, m = self.headdim, BWD_BLOCK_N, BWD_BLOCK_M
-        return 2 * n * d * 2 + 4 * m * d * 2 + n * 128 + 2 * 2 * m * 4 + 3 * 8 + 1024
+        d, n, m = self.headdim, BWD_BLOCK_N, self.block_m
+        return 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 2 * m * 4 + 3 * 8 + 1024
 
 
 def all_backward_specs() -> list:
-    return [BwdSm90Spec(dtype, d, band, mod) for d in BWD_HEADDIMS for dtype in ("fp16", "bf16")
-            for band in (False, True) for mod in ((False, True) if d in plan.BWD_SM90["score_mod"] else (False,))]
+    return [BwdSm90Spec(dtype, d, band, mod, block_m) for d in BWD_HEADDIMS for dtype in ("fp16", "bf16")
+            for band in (False, True) for mod in ((False, True) if d in plan.BWD_SM90["score_mod"] else (False,))
+            for block_m in plan.BWD_SM90_BLOCK_M_CHOICES if plan.bwd_sm90_block_m_allowed(d, mod, block_m)]
 
 
 def _bwd_params_dtype() -> np.dtype:
@@ -285,5 +288,6 @@ def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_i
     for name in plan.BWD_PARAMS_DTYPE.names:
         p[name] = inner_params[name]
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
-    maps = (_encoder(q, BWD_BLOCK_M), _encoder(k, BWD_BLOCK_N), _encoder(v, BWD_BLOCK_N), _encoder(dout, BWD_BLOCK_M))
+    m = spec.block_m
+    maps = (_encoder(q, m), _encoder(k, BWD_BLOCK_N), _encoder(v, BWD_BLOCK_N), _encoder(dout, m))
     return BackwardMain(call, maps, spec)

@@ -225,6 +225,24 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
             "block_n": 128}  # keys per CTA (BwdSm90::BN)
 
 
+# Query rows per step of the Hopper backward, per head dim: 64, or 128 at d = 64 without a score mod (twice the work
+# per step for the same barriers and waits; not yet measured, so 64 unless CUFLASH_BWD_SM90_BLOCK_M="64:128").
+BWD_SM90_BLOCK_M_CHOICES = (64, 128)
+BWD_SM90_BLOCK_M = {64: 64, 128: 64}
+for _item in filter(None, os.environ.get("CUFLASH_BWD_SM90_BLOCK_M", "").split(",")):
+    BWD_SM90_BLOCK_M[int(_item.partition(":")[0])] = int(_item.partition(":")[2])
+
+
+def bwd_sm90_block_m_allowed(headdim: int, score_mod: bool, block_m: int) -> bool:
+    return block_m == 64 or (block_m == 128 and headdim == 64 and not score_mod)
+
+
+def bwd_sm90_block_m(headdim: int, score_mod: bool) -> int:
+    """The Hopper backward's query rows per step for this head dim (the table's entry where the kernel allows it)."""
+    block_m = BWD_SM90_BLOCK_M.get(headdim, 64)
+    return block_m if bwd_sm90_block_m_allowed(headdim, score_mod, block_m) else 64
+
+
 def bwd_sm90_applies(problem, score_mod: bool, arch: str) -> bool:
     return (BWD_SM90["enabled"] and arch == "sm_90a" and problem.headdim in BWD_SM90["headdims"]
             and (not score_mod or problem.headdim in BWD_SM90["score_mod"]))

@@ -237,6 +237,30 @@ def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, de
     assert smem[128] <= 227 * 1024 and smem[64] < smem[128]
 
 
+def test_sm90_backward_128_query_rows_at_d64(no_gpu_kernels, monkeypatch):
+    """plan.BWD_SM90_BLOCK_M {64: 128}: d = 64 without a score mod steps over 128 query rows (the spec, its shared
+    memory, the Q/dO tensor maps' box); with a score mod, and at d = 128, 64."""
+    from cuflash import api, hopper, plan
+    monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
+    monkeypatch.setitem(plan.BWD_SM90_BLOCK_M, 64, 128)
+    assert plan.bwd_sm90_block_m(64, False) == 128
+    assert plan.bwd_sm90_block_m(64, True) == 64 and plan.bwd_sm90_block_m(128, False) == 64
+    b, sq, sk, h, hk, d = 2, 300, 400, 4, 2, 64
+    q = _FakeDeviceArray(np.zeros((b, sq, h, d), np.float16), 0)
+    k = _FakeDeviceArray(np.zeros((b, sk, hk, d), np.float16), 0)
+    lse = _FakeDeviceArray(np.zeros((b, h, sq), np.float32), 0)
+    problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(np.float16))
+    call = api.backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, packed=False)
+    spec = call.main.spec
+    assert spec == hopper.BwdSm90Spec("fp16", 64, False, False, 128) and spec.name.endswith("_m128")
+    assert spec.template == "cuflash::bwd_sm90_kernel<cuflash::half_t, 64, 128, false, false>"
+    assert spec.smem_bytes > hopper.BwdSm90Spec("fp16", 64, False).smem_bytes and spec.smem_bytes <= 227 * 1024
+    assert hopper._map_layout(q, spec.block_m)[3][2] == 128
+    assert spec in hopper.all_backward_specs()
+    assert hopper.BwdSm90Spec("fp16", 64, False, True, 128) not in hopper.all_backward_specs()
+
+
 def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     from cuflash import plan
     problem = checks.Problem(2, 300, 300, 8, 2, 128, np.dtype(np.float16))

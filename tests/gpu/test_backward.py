@@ -236,12 +236,15 @@ def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backwa
 # The Hopper backward's main kernel (plan.BWD_SM90: on by default; sm_90a, d 64/128, score mods at 64)
 # --------------------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def sm90_backward(monkeypatch):
+@pytest.fixture(params=[64, 128], ids=["m64", "m128"])
+def sm90_backward(monkeypatch, request):
+    """The Hopper backward with 64 query rows per step, or 128 at d = 64 (plan.BWD_SM90_BLOCK_M; score mods and
+    d = 128 keep 64)."""
     import cupy
     from cuflash import plan
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the Hopper backward needs compute capability 9.0")
+    monkeypatch.setitem(plan.BWD_SM90_BLOCK_M, 64, request.param)
     with planner_entry_on(monkeypatch, plan.BWD_SM90):
         yield
 
