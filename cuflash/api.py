@@ -150,7 +150,7 @@ def forward_call(problem, q, k, v, out, lse, *, device_id, softmax_scale, causal
     left, right = plan.normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
     score_mod = softcap > 0 or alibi_slopes is not None
     arch = build.device_arch(device_id)
-    variant = plan.sm90_forward_variant(problem, arch)
+    variant = plan.sm90_forward_variant(problem, arch, left >= 0 or right >= 0)
     if variant is not None:  # the Hopper kernel, behind the same call interface
         return hopper.forward_call(problem, q, k, v, out, lse, device_id=device_id, scale=scale, left=left,
                                    right=right, softcap=float(softcap), alibi_slopes=alibi_slopes, variant=variant)

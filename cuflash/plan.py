@@ -452,18 +452,35 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
     return table
 
 
+# Short sequences (seqlen_k <= SM90_SHORT_SEQLEN), per (head dim, masked by a band): where another variant won the
+# sweep's 1k cells (docs/bench/drafts_session5_bwd_ab2.txt, TFLOP/s): d = 64 non-causal lockstep 382 against
+# ws3_n128 360; d = 64 causal ws_n128_p (persistent: prologue and epilogue of consecutive tiles overlap) 270 against
+# ws3_n128 221. (d = 128: pingpong_n128 won at 1k too.) A head dim named in CUFLASH_SM90_VARIANTS takes that variant
+# at every length.
+SM90_SHORT_SEQLEN = 2048
+SM90_SHORT_VARIANTS = {(64, False): "lockstep", (64, True): "ws_n128_p"}
+
+def _short_variants(text: str | None) -> dict:
+    """SM90_SHORT_VARIANTS without the head dims a CUFLASH_SM90_VARIANTS text names."""
+    named = _variants_from_env(text, {})
+    return {key: variant for key, variant in SM90_SHORT_VARIANTS.items() if key[0] not in named}
+
+
 SM90_FORWARD = {
     "enabled": os.environ.get("CUFLASH_SM90", "1") == "1",
     "variants": _variants_from_env(os.environ.get("CUFLASH_SM90_VARIANTS"), SM90_DEFAULT_VARIANTS),
+    "short": _short_variants(os.environ.get("CUFLASH_SM90_VARIANTS")),
 }
 
 
-def sm90_forward_variant(problem, arch: str) -> str | None:
+def sm90_forward_variant(problem, arch: str, band: bool = False) -> str | None:
     """The Hopper forward variant for a call, or None for the portable kernel: sm_90a, an exact head dim of the
-    table, and the path enabled."""
-    if not SM90_FORWARD["enabled"] or arch != "sm_90a":
+    table, and the path enabled; `band`: causal or local (the short-sequence table tells them apart)."""
+    if not SM90_FORWARD["enabled"] or arch != "sm_90a" or problem.headdim not in SM90_FORWARD["variants"]:
         return None
-    return SM90_FORWARD["variants"].get(problem.headdim)
+    if problem.seqlen_k <= SM90_SHORT_SEQLEN and (problem.headdim, band) in SM90_FORWARD["short"]:
+        return SM90_FORWARD["short"][problem.headdim, band]
+    return SM90_FORWARD["variants"][problem.headdim]
 
 
 def _struct(pointers, int64s, int32s, float32s) -> np.dtype:

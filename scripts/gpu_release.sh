@@ -14,7 +14,8 @@
 #                                                             -> portable_bwd_memcheck.log, portable_bwd_racecheck.log
 #   4. bench_attention.py --op fwd on the ANCHORS grid (the planner's choice: the Hopper kernel on sm_90a), then
 #      --op bwd --quick                                                                       -> bench.txt
-# Environment: OUT, SM90_VARIANTS (skip 2's benchmark and use these, e.g. "64:lockstep,128:ws,256:ws"),
+# Environment: OUT, SM90_VARIANTS (skip 2's benchmark and use these, e.g. "64:lockstep,128:ws,256:ws", at every
+# length; "default": the planner's own tables, short sequences included),
 # SM90_BENCH_DIMS (64,128,256; head dims left out keep plan.SM90_DEFAULT_VARIANTS), SKIP_SM90_TESTS=1,
 # SKIP_BWD_BENCH=1, BWD_BENCH_ARGS (--quick; '' benches the ANCHORS grid), BWD_BENCH_TIMEOUT (100),
 # TESTS_TIMEOUT (300), SANITIZE_TIMEOUT (90).
@@ -25,8 +26,12 @@ echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
 if [ -z "${SM90_VARIANTS:-}" ]; then
     SM90_VARIANTS=$(bash scripts/sm90_sweep.sh "${SM90_BENCH_DIMS:-64,128,256}" "$OUT/bench.txt")
 fi
-export CUFLASH_SM90_VARIANTS=$SM90_VARIANTS
-echo "CUFLASH_SM90_VARIANTS=$CUFLASH_SM90_VARIANTS" | tee -a "$OUT/bench.txt"
+if [ "$SM90_VARIANTS" = default ]; then  # the planner's own tables (plan.SM90_DEFAULT_VARIANTS, short sequences)
+    echo "CUFLASH_SM90_VARIANTS unset: the planner's tables" | tee -a "$OUT/bench.txt"
+else
+    export CUFLASH_SM90_VARIANTS=$SM90_VARIANTS
+    echo "CUFLASH_SM90_VARIANTS=$CUFLASH_SM90_VARIANTS" | tee -a "$OUT/bench.txt"
+fi
 ignore=""
 [ "${SKIP_SM90_TESTS:-0}" = 1 ] && ignore="--ignore=tests/gpu/test_sm90.py"
 SKIP_BENCH=1 PER_FILE=1 TESTS_TIMEOUT=${TESTS_TIMEOUT:-300} SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-90} \

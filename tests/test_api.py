@@ -273,6 +273,27 @@ def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     assert plan.sm90_forward_variant(problem, "sm_90a") is None      # opt-in
 
 
+def test_sm90_forward_short_sequences_take_their_own_variant(monkeypatch):
+    """plan.SM90_SHORT_VARIANTS: up to SM90_SHORT_SEQLEN keys, per (head dim, band); longer, the head dim's variant;
+    the short table drops the head dims CUFLASH_SM90_VARIANTS names."""
+    from cuflash import plan
+    monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
+    monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws3_n128", 128: "pingpong_n128"})
+    monkeypatch.setitem(plan.SM90_FORWARD, "short", {(64, False): "lockstep", (64, True): "ws_n128_p"})
+    short = checks.Problem(2, 1000, plan.SM90_SHORT_SEQLEN, 8, 2, 64, np.dtype(np.float16))
+    long = checks.Problem(1, 1000, plan.SM90_SHORT_SEQLEN + 1, 8, 2, 64, np.dtype(np.float16))
+    assert plan.sm90_forward_variant(short, "sm_90a") == "lockstep"
+    assert plan.sm90_forward_variant(short, "sm_90a", band=True) == "ws_n128_p"
+    assert plan.sm90_forward_variant(long, "sm_90a") == plan.sm90_forward_variant(long, "sm_90a", True) == "ws3_n128"
+    d128 = checks.Problem(2, 1000, 1000, 8, 2, 128, np.dtype(np.float16))
+    assert plan.sm90_forward_variant(d128, "sm_90a", band=True) == "pingpong_n128"
+    from cuflash import hopper
+    for key, variant in plan.SM90_SHORT_VARIANTS.items():
+        assert key[0] in plan.SM90_DEFAULT_VARIANTS and variant in hopper.VARIANTS
+    assert plan._short_variants(None) == plan.SM90_SHORT_VARIANTS
+    assert all(d != 64 for d, _ in plan._short_variants("64:ws")) and plan._short_variants("128:ws")
+
+
 @pytest.mark.parametrize("variant", list(hopper.VARIANTS))
 def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant):
     """api.forward_call routes an eligible call to the Hopper kernel: its struct holds out's strides, the sizes,
@@ -281,6 +302,7 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     from cuflash import api, hopper, plan, tma
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
     monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant, 128: variant, 256: variant})
+    monkeypatch.setitem(plan.SM90_FORWARD, "short", {})  # every length
     problem = checks.Problem(1, 200, 333, 8, 2, 128, np.dtype(np.float16))
     q = _FakeDeviceArray(np.zeros((1, 200, 8, 128), np.float16), 0)
     kv = checks.TensorSpec("k", (1, 333, 2, 128), np.dtype(np.float16), (7, 3 * 128, 128, 1), 0)  # batch stride odd
@@ -348,6 +370,7 @@ def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
                                                                                             True, False)
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
     monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws3_n128"})
+    monkeypatch.setitem(plan.SM90_FORWARD, "short", {})  # every length
     problem = checks.Problem(2, 400, 400, 4, 4, 64, np.dtype(np.float16))
     q = _FakeDeviceArray(np.zeros((2, 400, 4, 64), np.float16), 0)
     out = api._contiguous("out", q.shape, np.float16)
@@ -358,6 +381,7 @@ def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
     assert hopper._map_layout(q, call.spec.block_m)[3] == (64, 1, 192, 1)
     # persistent: 4 x 4 x 2 = 32 tiles, fewer than the SMs: one CTA each; a longer sequence: one CTA per SM
     monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws_n128_p"})
+    monkeypatch.setitem(plan.SM90_FORWARD, "short", {})  # every length
     call = api.forward_call(problem, q, q, q, out, None, device_id=0, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     assert call.spec.persistent and call.spec.consumers == 2 and call.kernel_call.launches[0][1:5] == (32, 1, 1, 384)

@@ -104,6 +104,7 @@ def sm90_planned(monkeypatch):
     def use(variant):
         monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
         monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant, 128: variant, 256: variant})
+        monkeypatch.setitem(plan.SM90_FORWARD, "short", {})  # every length
         clear()
 
     yield use
