@@ -15,9 +15,11 @@
 #      the Hopper backward with 64, then 128 query rows per step at d = 64)                        -> bench.txt
 #   6. if SWEEP_DIMS is set (e.g. 64,128): scripts/sm90_sweep.sh, every Hopper forward variant at those head dims,
 #      and the fastest per head dim                                                               -> bench.txt
+#   7. if PROFILE=1: benchmarks/profile_kernels.py, kernel time against launch gaps per call (torch.profiler): decode
+#      at batch 1 x 8k and batch 8 x 1k (with SDPA cuDNN), the backward at batch 4 x 4k, 16 heads, d 128 -> profile.txt
 # Each step has a timeout (a kernel that deadlocks on an mbarrier must not eat the call); -x stops a test file at its
 # first failure. Environment: OUT, SKIP_SM90_TESTS (1), SM90_K, SWEEP_DIMS, BWD_AB_SWITCHES, BWD_BENCH_ARGS,
-# SM90_TIMEOUT (300), BWD_TIMEOUT (150), SANITIZE_TIMEOUT (120), BWD_BENCH_TIMEOUT (120).
+# PROFILE (0), SM90_TIMEOUT (300), BWD_TIMEOUT (150), SANITIZE_TIMEOUT (120), BWD_BENCH_TIMEOUT (120).
 source scripts/device_env.sh
 timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/sm90.log" 2>&1
 echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/sm90.log")"
@@ -45,5 +47,13 @@ if [ "$bwd" = 0 ]; then
 fi
 if [ -n "${SWEEP_DIMS:-}" ]; then
     echo "sweep pick: $(bash scripts/sm90_sweep.sh "$SWEEP_DIMS" "$OUT/bench.txt") [$((SECONDS - t0))s]"
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+    : >"$OUT/profile.txt"
+    for prof_args in "--op decode --batch 1 --seqlen 8192" "--op decode --batch 8 --seqlen 1024" \
+                     "--op bwd --batch 4 --seqlen 4096 --heads 16 --headdim 128"; do
+        timeout -k 5 120 python3 benchmarks/profile_kernels.py $prof_args >>"$OUT/profile.txt" 2>&1
+        echo "profile_kernels $prof_args: exit $? [$((SECONDS - t0))s]"
+    done
 fi
 echo "done [$((SECONDS - t0))s]"
