@@ -226,9 +226,12 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
 
 
 # Query rows per step of the Hopper backward, per head dim: 64, or 128 at d = 64 without a score mod (twice the work
-# per step for the same barriers and waits; not yet measured, so 64 unless CUFLASH_BWD_SM90_BLOCK_M="64:128").
+# per step for the same barriers and waits). 128 at d = 64 measured faster in every cell (H200, bf16, 2026-11-29,
+# bench_attention.py --op bwd --quick, A/B in one run, TFLOP/s, 64 -> 128 rows; docs/bench/drafts_session6.txt):
+#   non-causal 1k 213.4 -> 221.8, 4k 265.4 -> 280.3; causal 1k 153.1 -> 164.3, 4k 230.0 -> 257.9.
+# CUFLASH_BWD_SM90_BLOCK_M="64:64" restores 64.
 BWD_SM90_BLOCK_M_CHOICES = (64, 128)
-BWD_SM90_BLOCK_M = {64: 64, 128: 64}
+BWD_SM90_BLOCK_M = {64: 128, 128: 64}
 for _item in filter(None, os.environ.get("CUFLASH_BWD_SM90_BLOCK_M", "").split(",")):
     BWD_SM90_BLOCK_M[int(_item.partition(":")[0])] = int(_item.partition(":")[2])
 
@@ -453,12 +456,14 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
 
 
 # Short sequences (seqlen_k <= SM90_SHORT_SEQLEN), per (head dim, masked by a band): where another variant won the
-# sweep's 1k cells (docs/bench/drafts_session5_bwd_ab2.txt, TFLOP/s): d = 64 non-causal lockstep 382 against
-# ws3_n128 360; d = 64 causal ws_n128_p (persistent: prologue and epilogue of consecutive tiles overlap) 270 against
-# ws3_n128 221. (d = 128: pingpong_n128 won at 1k too.) A head dim named in CUFLASH_SM90_VARIANTS takes that variant
-# at every length.
+# sweep's 512-2k cells (scripts/sm90_sweep.sh, H200, bf16, 2026-11-29, geomean TFLOP/s over the three lengths;
+# docs/bench/drafts_session6.txt): d = 64 causal ws_n128_p (persistent: prologue and epilogue of consecutive tiles
+# overlap) 261.7 against lockstep 225.2 (ws3_n128 below the top four); d = 128 non-causal ws_n128 464.5 against
+# ws3_n128 435.7 (pingpong_n128 below 371.4); d = 128 causal ws_n128_p 318.8 against pingpong_n128 279.2.
+# (d = 64 non-causal: ws3_n128, the long-sequence pick, won at 356.0.) A head dim named in CUFLASH_SM90_VARIANTS takes
+# that variant at every length.
 SM90_SHORT_SEQLEN = 2048
-SM90_SHORT_VARIANTS = {(64, False): "lockstep", (64, True): "ws_n128_p"}
+SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p", (128, False): "ws_n128", (128, True): "ws_n128_p"}
 
 def _short_variants(text: str | None) -> dict:
     """SM90_SHORT_VARIANTS without the head dims a CUFLASH_SM90_VARIANTS text names."""

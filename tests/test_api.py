@@ -214,7 +214,9 @@ def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, de
     assert not isinstance(call().main, hopper.BackwardMain)
     monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
     main, capped = call(), call(softcap=5.0)
-    assert isinstance(main.main, hopper.BackwardMain) and main.main.spec == hopper.BwdSm90Spec("fp16", 64, True)
+    block_m = plan.bwd_sm90_block_m(64, False)  # the table's rows per step at d = 64 (128 since session 6)
+    assert isinstance(main.main, hopper.BackwardMain)
+    assert main.main.spec == hopper.BwdSm90Spec("fp16", 64, True, block_m=block_m)
     assert capped.main.spec == hopper.BwdSm90Spec("fp16", 64, True, score_mod=True)
     monkeypatch.setitem(plan.BWD_SM90, "score_mod", ())  # as at d = 128: score mods stay on the portable kernel
     portable = call(softcap=5.0)
@@ -263,7 +265,7 @@ def test_sm90_backward_128_query_rows_at_d64(no_gpu_kernels, monkeypatch):
 
 def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     from cuflash import plan
-    problem = checks.Problem(2, 300, 300, 8, 2, 128, np.dtype(np.float16))
+    problem = checks.Problem(2, 300, 4096, 8, 2, 128, np.dtype(np.float16))  # past SM90_SHORT_SEQLEN keys
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
     assert plan.sm90_forward_variant(problem, "sm_90a") == plan.SM90_FORWARD["variants"][128]
     assert plan.sm90_forward_variant(problem, "sm_80") is None       # not Hopper
