@@ -1,48 +1,81 @@
-"""Decode tile/ring tuning: times attention_with_kvcache (bf16, d 128, 32 query heads, 8 KV heads, one new row)
-for several (block_n, stages) configs on a few cells, same run. The winner goes into plan.DECODE_TABLE with
-this output as its record (docs/bench/tune_decode.txt).
+"""Decode tile/ring/split tuning: times attention_with_kvcache (bf16, d 128, 32 query heads, 8 KV heads, one new
+row) for several (block_n, stages) configs and split counts on a few cells, same run, SDPA cuDNN beside it. The
+winner goes into plan.DECODE_TABLE (and the split heuristic) with this output as its record (docs/bench/).
 
-    python benchmarks/tune_decode.py
+    python benchmarks/tune_decode.py                                   # the table's cells, heuristic splits
+    python benchmarks/tune_decode.py --cells 1x8192,8x1024 --configs 64x3,64x2 --splits 0,16,32,64
+
+Cache layout as bench_decode.py: SDPA's (batch, nheads_k, len, d) storage, cuflash's (batch, len, nheads_k, d)
+view of it. Timing: triton.testing.do_bench (L2 flushed before every call), median, microseconds.
 """
+import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CONFIGS = ((64, 2), (64, 3), (64, 4), (64, 6), (128, 2), (128, 3))
-CELLS = ((1, 8192), (1, 262144), (8, 65536), (32, 8192), (32, 65536), (64, 262144))
+CONFIGS = "64x2,64x3,64x4,64x6,128x2,128x3"
+CELLS = "1x8192,1x262144,8x65536,32x8192,32x65536,64x262144"
+H, HK, D = 32, 8, 128
 
 
-def main():
+def _pairs(text):
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", default=CELLS, help="batch x KV length, comma separated")
+    ap.add_argument("--configs", default=CONFIGS,
+                    help="block_n x stages [x L2 prefetch bytes], comma separated (64x3x256)")
+    ap.add_argument("--splits", default="0", help="num_splits values (0: the planner's heuristic)")
+    ap.add_argument("--rep", type=int, default=60)
+    args = ap.parse_args(argv)
+
     import cupy
-    import numpy as np
-    import ml_dtypes
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
     import cuflash
     from cuflash import api, plan
 
     original = plan.decode_config
-    rs = cupy.random.RandomState(0)
-    print(f"{'batch':>5} {'len':>7} | " + " ".join(f"n{bn}s{st}".rjust(9) for bn, st in CONFIGS) + "   (TB/s)")
-    for b, n in CELLS:
-        kc = rs.standard_normal((b, n, 8, 128), dtype=np.float32).astype(ml_dtypes.bfloat16)
-        vc = rs.standard_normal((b, n, 8, 128), dtype=np.float32).astype(ml_dtypes.bfloat16)
-        q = rs.standard_normal((b, 1, 32, 128), dtype=np.float32).astype(ml_dtypes.bfloat16)
-        ref = None
-        row = []
-        for bn, st in CONFIGS:
-            plan.decode_config = lambda d, rows, bn=bn, st=st: plan.DecodeConfig(1 if rows <= 16 else 4, bn, st)
-            plan.plan_decode.cache_clear()
-            api._decode_calls.clear()
-            fn = lambda: cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=n)  # noqa: E731
-            out = fn()
-            if ref is None:
-                ref = out
-            assert float(cupy.abs(out.astype(np.float32) - ref.astype(np.float32)).max()) < 2e-2
-            us = 1e3 * do_bench(fn, warmup=10, rep=60, return_mode="median")
-            row.append(2 * kc.nbytes / us / 1e6)
-        print(f"{b:>5} {n:>7} | " + " ".join(f"{x:9.2f}" for x in row), flush=True)
-        del kc, vc
+    splits = [int(s) for s in args.splits.split(",")]
+    configs = _pairs(args.configs)
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    configs = [c if len(c) == 3 else c + (0,) for c in configs]
+    cols = [f"n{bn}s{st}{f'p{pf}' if pf else ''}/{s or 'h'}" for bn, st, pf in configs for s in splits]
+    print(f"{'batch':>5} {'len':>7} | {'cudnn':>8} | " + " ".join(c.rjust(11) for c in cols) + "   (us per call)")
+    for b, n in _pairs(args.cells):
+        k = torch.randn(b, HK, n, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, HK, n, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(b, H, 1, D, device="cuda", dtype=torch.bfloat16)
+        kc, vc, qc = (cupy.from_dlpack(x.transpose(1, 2)) for x in (k, v, q))
+
+        def cudnn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        ref = cudnn()
+        row = [1e3 * do_bench(cudnn, warmup=10, rep=args.rep, return_mode="median")]
+        for bn, st, pf in configs:
+            plan.decode_config = lambda d, rows, c=(bn, st, pf): plan.DecodeConfig(1 if rows <= 16 else 4, *c)
+            for s in splits:
+                plan.plan_decode.cache_clear()
+                api._decode_calls.clear()
+
+                def fn(s=s):
+                    with stream:
+                        return cuflash.attention_with_kvcache(qc, kc, vc, cache_seqlens=n, num_splits=s)
+                out = torch.from_dlpack(fn()).transpose(1, 2)
+                err = float((out.float() - ref.float()).abs().max())
+                assert err < 2e-2, (b, n, bn, st, pf, s, err)
+                row.append(1e3 * do_bench(fn, warmup=10, rep=args.rep, return_mode="median"))
+        best = min(range(1, len(row)), key=lambda i: row[i])
+        print(f"{b:>5} {n:>7} | {row[0]:8.1f} | " + " ".join(f"{x:11.1f}" for x in row[1:])
+              + f"   best {cols[best - 1]} {row[0] / row[best]:.2f}x cudnn", flush=True)
+        del k, v, q, kc, vc, ref
+        torch.cuda.empty_cache()
         cupy.get_default_memory_pool().free_all_blocks()
     plan.decode_config = original
 

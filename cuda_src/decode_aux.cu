@@ -31,56 +31,95 @@ __global__ void __launch_bounds__(256) decode_append(const __grid_constant__ Dec
 }
 
 constexpr int MAX_SPLITS = 128;
+constexpr int COMBINE_THREADS = 256;
+constexpr int COMBINE_AHEAD = 8;  // partial O loads each thread issues before the weights are known
 
-// One warp per output row (batch, head, query): weights exp(lse_s - max) of the splits, then O = sum w_s O_s / sum w_s.
-// A split with lse = -inf (it saw no key) adds nothing; a row no split saw gets O = 0, lse = -inf. Every split's
-// CTA writes its partial O (0 when empty), so all inputs are finite.
+// One CTA per output row (batch, head, query). Its threads are G groups of `lanes` threads (lanes: 4 columns each,
+// the power of two that covers the head dim); group g takes splits g, g + G, ... Every thread first issues up to
+// COMBINE_AHEAD loads of its splits' partial O, so they are in flight while warp 0 turns the splits' lse into
+// weights exp(lse_s - max); then the groups' weighted sums meet in shared memory. A split with lse = -inf (it saw no
+// key) weighs 0; a row no split saw gets O = 0, lse = -inf. Every split's CTA writes its partial O (0 when empty),
+// so all inputs are finite. (One warp per row with a serial loop over the splits took 6 us for 32 splits: each
+// split's load waited for the last.)
 template <class T>
-__global__ void __launch_bounds__(256) decode_combine(const __grid_constant__ DecodeParams p) {
-    __shared__ float weights[8][MAX_SPLITS];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+__global__ void __launch_bounds__(COMBINE_THREADS) decode_combine(const __grid_constant__ DecodeParams p) {
+    __shared__ float weights[MAX_SPLITS];
+    __shared__ float4 sums[COMBINE_THREADS];
+    __shared__ float stats[2];  // max (natural log units), sum of weights
+    const int tid = threadIdx.x, splits = p.num_splits;
     const i64 rows_total = (i64)p.batch * p.nheads * p.seqlen_q;
-    const i64 row = (i64)blockIdx.x * 8 + warp;  // = (b * nheads + head) * seqlen_q + i, the lse index
-    if (row >= rows_total) return;
-    const int i = row % p.seqlen_q, head = (row / p.seqlen_q) % p.nheads, b = row / ((i64)p.seqlen_q * p.nheads);
+    const i64 row = blockIdx.x;  // = (b * nheads + head) * seqlen_q + i, the lse index
+    int lanes = 8;
+    while (lanes * 4 < p.headdim) lanes *= 2;
+    const int groups = COMBINE_THREADS / lanes, g = tid / lanes, c = tid % lanes * 4;
+    const bool active = c < p.headdim;
+    const i64 split_stride = rows_total * p.headdim;
+    const float* src = p.o_partial + row * p.headdim + c;
+    pdl_wait();  // launched to overlap the decode kernel's end: its partial results are complete from here
 
-    float m = NEG_INF;
-    for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, p.lse_partial[s * rows_total + row]);
+    float4 ahead[COMBINE_AHEAD];
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-    float sum = 0.f;
-    for (int s = lane; s < p.num_splits; s += 32) {
-        const float l = p.lse_partial[s * rows_total + row];
-        const float w = l == NEG_INF ? 0.f : exp2f((l - m) * LOG2E);
-        weights[warp][s] = w;
-        sum += w;
+    for (int k = 0; k < COMBINE_AHEAD; ++k) {
+        const int s = g + k * groups;
+        ahead[k] = active && s < splits ? *reinterpret_cast<const float4*>(src + s * split_stride)
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    if (tid < 32) {
+        float m = NEG_INF;
+        for (int s = tid; s < splits; s += 32) m = fmaxf(m, p.lse_partial[s * rows_total + row]);
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-    __syncwarp();
-    const bool empty = !(sum > 0.f);
-    const float inv = empty ? 0.f : __frcp_rn(sum);  // inline; 1.f / sum calls a slow-path routine that spills
-
-    u16* dst = p.o + (i64)b * p.o_batch_stride + (i64)i * p.o_row_stride + (i64)head * p.o_head_stride;
-    for (int c = lane * 4; c < p.headdim; c += 128) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        const float* src = p.o_partial + row * p.headdim + c;
-        const i64 split_stride = rows_total * p.headdim;
-        // Unrolled so that eight loads are in flight at once (the loop is latency-bound otherwise). An empty
-        // split has weight 0 and wrote O = 0, so no branch is needed.
-#pragma unroll 8
-        for (int s = 0; s < p.num_splits; ++s) {
-            const float w = weights[warp][s];
-            const float4 x = *reinterpret_cast<const float4*>(src + s * split_stride);
-            acc.x += w * x.x;
-            acc.y += w * x.y;
-            acc.z += w * x.z;
-            acc.w += w * x.w;
+        for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+        float sum = 0.f;
+        for (int s = tid; s < splits; s += 32) {
+            const float l = p.lse_partial[s * rows_total + row];
+            const float w = l == NEG_INF ? 0.f : exp2f((l - m) * LOG2E);
+            weights[s] = w;
+            sum += w;
         }
-        *reinterpret_cast<uint2*>(dst + c) =
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+        if (tid == 0) {
+            stats[0] = m;
+            stats[1] = sum;
+        }
+    }
+    __syncthreads();
+
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto add = [&](int s, const float4& x) {
+        const float w = weights[s];
+        acc.x += w * x.x;
+        acc.y += w * x.y;
+        acc.z += w * x.z;
+        acc.w += w * x.w;
+    };
+#pragma unroll
+    for (int k = 0; k < COMBINE_AHEAD; ++k)
+        if (g + k * groups < splits) add(g + k * groups, ahead[k]);
+#pragma unroll 4
+    for (int s = g + COMBINE_AHEAD * groups; s < splits; s += groups)
+        if (active) add(s, *reinterpret_cast<const float4*>(src + s * split_stride));
+    sums[tid] = acc;
+    __syncthreads();
+
+    const float sum = stats[1];
+    const bool empty = !(sum > 0.f);
+    if (g == 0 && active) {
+        for (int j = 1; j < groups; ++j) {
+            const float4 x = sums[j * lanes + tid];
+            acc.x += x.x;
+            acc.y += x.y;
+            acc.z += x.z;
+            acc.w += x.w;
+        }
+        const float inv = empty ? 0.f : __frcp_rn(sum);  // inline; 1.f / sum calls a slow-path routine
+        const int i = row % p.seqlen_q, head = (row / p.seqlen_q) % p.nheads;
+        const i64 b = row / ((i64)p.seqlen_q * p.nheads);
+        u16* dst = p.o + b * p.o_batch_stride + (i64)i * p.o_row_stride + (i64)head * p.o_head_stride + c;
+        *reinterpret_cast<uint2*>(dst) =
             make_uint2(pack2<T>(acc.x * inv, acc.y * inv), pack2<T>(acc.z * inv, acc.w * inv));
     }
-    if (lane == 0 && p.lse != nullptr) p.lse[row] = empty ? NEG_INF : m + __logf(sum);
+    if (tid == 0 && p.lse != nullptr) p.lse[row] = empty ? NEG_INF : stats[0] + __logf(sum);
 }
 
 }  // namespace cuflash

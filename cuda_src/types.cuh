@@ -41,6 +41,21 @@ template <> __device__ __forceinline__ float to_float<half_t>(u16 x) {
     return f;
 }
 
+// Programmatic dependent launch (sm_90; cuflash.launcher's `overlap`). A kernel launched as a dependent waits in
+// pdl_wait until the kernel before it has finished and its writes are visible; the kernel before it may call
+// pdl_launch_dependents to let the dependent's CTAs be scheduled already. Both are no-ops on a plain launch and
+// before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 __device__ __forceinline__ int ceil_div(int a, int b) { return floor_div(a + b - 1, b); }
 

@@ -563,8 +563,8 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
     partial_rows = launch.splits * b * h * sq if launch.splits > 1 else 0
     if partial_rows:
         combine = plan.DecodeAuxSpec("decode_combine", dtype)
-        launches.append((build.get_kernel(combine, device_id), (-(-b * h * sq // (combine.threads // 32)),),
-                         (combine.threads,), 0))
+        launches.append((build.get_kernel(combine, device_id), (b * h * sq,), (combine.threads,), 0,  # a CTA a row
+                         plan.pdl_applies(build.device_arch(device_id))))
     align = lambda n: -(-n // 256) * 256  # noqa: E731
     lse_offset = align(q.size * q.itemsize)
     partial_offset = align(lse_offset + (b * h * sq * 4 if return_lse else 0)) if partial_rows else 0

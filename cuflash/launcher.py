@@ -21,9 +21,11 @@ class KernelCall:
 
     Parameters
     ----------
-    launches : sequence of (kernel, grid, block, shared_mem_bytes)
+    launches : sequence of (kernel, grid, block, shared_mem_bytes[, overlap])
         ``kernel`` a ``cupy.RawKernel`` loaded on the current device (``cuflash.build.get_kernel``); grid and
-        block tuples of up to three ints.
+        block tuples of up to three ints. ``overlap`` True launches the kernel as a programmatic dependent of the
+        one before it (``cuLaunchKernelEx``, Hopper's PDL): it may start while that one finishes, and must execute
+        ``griddepcontrol.wait`` before it touches that kernel's results (``pdl_wait`` in params.cuh).
     params : numpy structured scalar or 0-d array
         The struct with every non-pointer field set.
     pointers : tuple of str
@@ -52,8 +54,8 @@ class KernelCall:
         if launches:
             _load_driver()
         argv = ctypes.addressof(self._argv)
-        self.launches = tuple((k.kernel.ptr, *_dim3(grid), *_dim3(block), int(smem), argv)
-                              for k, grid, block, smem in launches)
+        self.launches = tuple(_Launch(k.kernel.ptr, _dim3(grid), _dim3(block), int(smem), argv, bool(overlap))
+                              for k, grid, block, smem, *overlap in ((*x, False)[:5] for x in launches))
 
     def __call__(self, stream: int, *pointers: int) -> None:
         """Launch on ``stream`` (a ``cudaStream_t`` handle; 0 is the legacy default stream) with these data
@@ -61,16 +63,16 @@ class KernelCall:
         loaded on must be current."""
         with self._lock:  # the struct is shared: one call writes and launches at a time (the driver copies it)
             self._pack(self._buffer, 0, *pointers)
-            for func, gx, gy, gz, bx, by, bz, smem, argv in self.launches:
-                _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)
+            for launch in self.launches:
+                launch(stream)
 
     def launch_head(self, stream: int, head: bytes) -> None:
         """Launch with the struct's first ``len(head)`` bytes replaced by ``head`` (for structs that do not start
         with plain pointers, e.g. TMA descriptors, which embed them)."""
         with self._lock:
             ctypes.memmove(self._buffer, head, len(head))
-            for func, gx, gy, gz, bx, by, bz, smem, argv in self.launches:
-                _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)
+            for launch in self.launches:
+                launch(stream)
 
     def params(self, *pointers: int) -> bytes:
         """The struct a call with these pointers would pass (for tests)."""
@@ -79,14 +81,65 @@ class KernelCall:
             return self._buffer.raw
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _Launch:
+    """One kernel of a KernelCall: a plain cuLaunchKernel, or (overlap) cuLaunchKernelEx with programmatic stream
+    serialization allowed, its config built once."""
+
+    __slots__ = ("func", "grid", "block", "smem", "argv", "overlap", "_config", "_attr")
+
+    def __init__(self, func: int, grid: tuple, block: tuple, smem: int, argv: int, overlap: bool):
+        self.func, self.grid, self.block, self.smem, self.argv, self.overlap = func, grid, block, smem, argv, overlap
+        if overlap:
+            self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            self._config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, None,
+                                         ctypes.pointer(self._attr), 1)
+
+    def __call__(self, stream: int) -> None:
+        if not self.overlap:
+            _launch_kernel(self.func, *self.grid, *self.block, self.smem, stream, self.argv, 0)
+            return
+        self._config.stream = stream
+        status = _launch_kernel_ex(ctypes.byref(self._config), ctypes.c_void_p(self.func),
+                                   ctypes.c_void_p(self.argv), None)
+        if status != 0:
+            raise RuntimeError(f"cuLaunchKernelEx failed: CUresult {status}")
+
+    def __iter__(self):  # (func, gx, gy, gz, bx, by, bz, smem, argv): the plain launch's arguments
+        return iter((self.func, *self.grid, *self.block, self.smem, self.argv))
+
+    def __getitem__(self, index):
+        return tuple(self)[index]
+
+
 _launch_kernel = None  # cuLaunchKernel through CuPy's binding, bound on first use (cuflash imports without CuPy)
+_launch_kernel_ex = None  # cuLaunchKernelEx through ctypes on libcuda (CuPy binds no launch with attributes)
 
 
 def _load_driver() -> None:
-    global _launch_kernel
+    global _launch_kernel, _launch_kernel_ex
     if _launch_kernel is None:
         from cupy_backends.cuda.api import driver
         _launch_kernel = driver.launchKernel
+    if _launch_kernel_ex is None:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        except (OSError, AttributeError):  # no driver here (CPU-only tests): a launch would fail anyway
+            return
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _launch_kernel_ex = fn
 
 
 def _dim3(dims) -> tuple:

@@ -537,6 +537,7 @@ class DecodeConfig:
     row_warps: int     # 1: 16 packed rows shared by all warps, keys split 4 ways; 4: 64 rows, 16 per warp
     block_n: int       # keys per KV block
     stages: int        # depth of the cp.async ring of K/V blocks
+    l2_prefetch: int = 0  # L2 prefetch-size hint of the K/V loads in bytes (0: none; 64, 128, 256)
 
 
 # compiled head dim -> (config for up to 16 packed rows, config for more). Decode reads K/V at memory speed, so
@@ -565,6 +566,13 @@ DECODE_TABLE = {
     256: (DecodeConfig(_R1, 64, 2), DecodeConfig(_R4, 32, 2)),
 }
 DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decode_aux.cu)
+# decode_combine launched as a programmatic dependent of the decode kernel (sm_90: it starts while the decode
+# kernel's last CTAs finish, cuflash.launcher's `overlap`). CUFLASH_PDL=0 launches it plainly.
+PDL = {"enabled": os.environ.get("CUFLASH_PDL", "1") == "1"}
+
+
+def pdl_applies(arch: str) -> bool:
+    return PDL["enabled"] and arch.startswith("sm_9")
 SMEM_PER_SM = 227 * 1024   # usable shared memory per SM on sm_80 / sm_90 (1 KB per CTA reserved)
 
 
@@ -589,12 +597,12 @@ class DecodeSpec:
     def name(self) -> str:
         c = self.config
         return (f"decode_{self.dtype}_d{self.headdim}_r{c.row_warps}n{c.block_n}s{c.stages}"
-                f"{'_mod' if self.score_mod else ''}")
+                f"{f'p{c.l2_prefetch}' if c.l2_prefetch else ''}{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
         c = self.config
-        return _template("decode_kernel", self.dtype, (self.headdim, c.row_warps, c.block_n, c.stages),
+        return _template("decode_kernel", self.dtype, (self.headdim, c.row_warps, c.block_n, c.stages, c.l2_prefetch),
                          (self.score_mod,))
 
     @property

@@ -14,10 +14,12 @@
 #                                                             -> portable_bwd_memcheck.log, portable_bwd_racecheck.log
 #   4. bench_attention.py --op fwd on the ANCHORS grid (the planner's choice: the Hopper kernel on sm_90a), then
 #      --op bwd --quick                                                                       -> bench.txt
+#   5. benchmarks/bench_decode.py, the decode grid beside SDPA flash and cudnn (SKIP_DECODE_BENCH=1 skips it)
+#                                                                                   -> decode.txt, decode.json
 # Environment: OUT, SM90_VARIANTS (skip 2's benchmark and use these, e.g. "64:lockstep,128:ws,256:ws", at every
 # length; "default": the planner's own tables, short sequences included),
 # SM90_BENCH_DIMS (64,128,256; head dims left out keep plan.SM90_DEFAULT_VARIANTS), SKIP_SM90_TESTS=1,
-# SKIP_BWD_BENCH=1, BWD_BENCH_ARGS (--quick; '' benches the ANCHORS grid), BWD_BENCH_TIMEOUT (100),
+# SKIP_BWD_BENCH=1, SKIP_DECODE_BENCH=1, BWD_BENCH_ARGS (--quick; '' benches the ANCHORS grid), BWD_BENCH_TIMEOUT (100),
 # TESTS_TIMEOUT (300), SANITIZE_TIMEOUT (90).
 source scripts/device_env.sh
 timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
@@ -46,6 +48,11 @@ if [ "${SKIP_BWD_BENCH:-0}" != 1 ]; then
     timeout -k 5 "${BWD_BENCH_TIMEOUT:-100}" python3 benchmarks/bench_attention.py --op bwd ${BWD_BENCH_ARGS---quick} \
         >>"$OUT/bench.txt" 2>&1
     echo "backward bench: exit $? [$((SECONDS - t0))s]"
+fi
+if [ "${SKIP_DECODE_BENCH:-0}" != 1 ]; then
+    timeout -k 5 150 python3 benchmarks/bench_decode.py --json "$OUT/decode.json" >"$OUT/decode.txt" 2>&1
+    echo "decode bench: exit $? [$((SECONDS - t0))s]"
+    grep -v "Deprecat\|stream = \|sys.exit" "$OUT/decode.txt"
 fi
 awk '/^=== cuflash/{p=1} /^$/{if (p) print ""; p=0} p' "$OUT/bench.txt"
 echo "done [$((SECONDS - t0))s]"

@@ -409,3 +409,30 @@ def test_kernel_call_head_write_keeps_the_rest():
     assert bytes(got["q"]) + bytes(got["k"]) == bytes(range(256)) and bytes(got["v"]) == bytes(128)
     assert [int(got[n]) for n in ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")] == [1, 2, 3, 4, 5]
     assert got["seqlen_q"] == 123 and got["softcap"] == 2.5
+
+
+def test_overlapped_launch_builds_the_driver_config():
+    """A launch with `overlap` goes through cuLaunchKernelEx with programmatic stream serialization allowed: the
+    ctypes structs match cuda.h's layout (CUlaunchAttribute 72 bytes, value at 8; CUlaunchConfig 56 bytes, stream
+    at 32, attrs at 40, numAttrs at 48), and the plain launch's arguments are unchanged."""
+    import ctypes
+    from cuflash import launcher
+    assert ctypes.sizeof(launcher._LaunchAttribute) == 72 and launcher._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(launcher._LaunchConfig) == 56
+    assert (launcher._LaunchConfig.stream.offset, launcher._LaunchConfig.attrs.offset,
+            launcher._LaunchConfig.num_attrs.offset) == (32, 40, 48)
+    plain = launcher._Launch(7, (3, 2, 1), (256, 1, 1), 1024, 99, False)
+    over = launcher._Launch(7, (3, 2, 1), (256, 1, 1), 1024, 99, True)
+    assert tuple(plain) == tuple(over) == (7, 3, 2, 1, 256, 1, 1, 1024, 99) and plain[1:4] == (3, 2, 1)
+    cfg = over._config
+    assert list(cfg.grid) == [3, 2, 1] and list(cfg.block) == [256, 1, 1] and cfg.shared_mem_bytes == 1024
+    assert cfg.num_attrs == 1 and cfg.attrs[0].id == 6 and cfg.attrs[0].value == 1
+
+
+def test_decode_combine_overlaps_only_on_hopper(monkeypatch):
+    """plan.pdl_applies: decode_combine is launched as a programmatic dependent on sm_90 only, and CUFLASH_PDL=0
+    (PDL["enabled"] False) turns it off."""
+    from cuflash import plan
+    assert plan.pdl_applies("sm_90a") and not plan.pdl_applies("sm_80") and not plan.pdl_applies("sm_86")
+    monkeypatch.setitem(plan.PDL, "enabled", False)
+    assert not plan.pdl_applies("sm_90a")
