@@ -455,15 +455,17 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
     return table
 
 
-# Short sequences (seqlen_k <= SM90_SHORT_SEQLEN), per (head dim, masked by a band): where another variant won the
-# sweep's 512-2k cells (scripts/sm90_sweep.sh, H200, bf16, 2026-11-29, geomean TFLOP/s over the three lengths;
-# docs/bench/drafts_session6.txt): d = 64 causal ws_n128_p (persistent: prologue and epilogue of consecutive tiles
-# overlap) 261.7 against lockstep 225.2 (ws3_n128 below the top four); d = 128 non-causal ws_n128 464.5 against
-# ws3_n128 435.7 (pingpong_n128 below 371.4); d = 128 causal ws_n128_p 318.8 against pingpong_n128 279.2.
-# (d = 64 non-causal: ws3_n128, the long-sequence pick, won at 356.0.) A head dim named in CUFLASH_SM90_VARIANTS takes
-# that variant at every length.
+# Short sequences (seqlen_k <= SM90_SHORT_SEQLEN), per (head dim, masked by a band), where another variant beat the
+# head dim's own on the ANCHORS grid (bench_attention.py --op fwd, H200, bf16, TFLOP/s, one run each, 2026-11-29;
+# docs/bench/release_session5.txt against docs/bench/release_session6.txt): d = 64 causal ws_n128_p (persistent:
+# prologue and epilogue of consecutive tiles overlap) 198.9 / 265.0 / 315.9 at 512 / 1k / 2k against ws3_n128's
+# 151.7 / 223.6 / 327.8. The 512-2k sweep (scripts/sm90_sweep.sh, docs/bench/drafts_session6.txt) had also picked
+# ws_n128 and ws_n128_p at d = 128, but on the grid they lost to pingpong_n128 in five of six cells (non-causal
+# 359.7 / 468.8 / 535.2 against 394.8 / 492.1 / 549.9; causal 2k 373.6 against 439.2): the sweep's short cells
+# swing by up to 2x between variants of equal speed (its first cells run cold), so they pick nothing alone.
+# A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length.
 SM90_SHORT_SEQLEN = 2048
-SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p", (128, False): "ws_n128", (128, True): "ws_n128_p"}
+SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p"}
 
 def _short_variants(text: str | None) -> dict:
     """SM90_SHORT_VARIANTS without the head dims a CUFLASH_SM90_VARIANTS text names."""
