@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms (default 10)")
     p.add_argument("--rep", type=int, default=50, help="do_bench repetition time, ms (default 50)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="do_bench measurements per implementation and cell, the least median counts (default 2: "
+                        "the 512-2k cells of single measurements swung up to 2x between runs of one kernel)")
     p.add_argument("--tol", type=float, default=ba.CHECK_TOL,
                    help=f"max |sm90 - reference| above which a cell is BAD (default {ba.CHECK_TOL:g})")
     p.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S, metavar="S",
@@ -265,8 +268,9 @@ def main(argv=None) -> int:
           f"{meta['triton_version']}  cupy {meta['cupy_version']}  cudnn {meta['cudnn_version']}")
 
     cells = ba.training_grid(args)
-    print(f"### {OP.title}: {len(cells)} cells, do_bench warmup {args.warmup} ms rep {args.rep} ms",
-          flush=True)
+    print(f"### {OP.title}: {len(cells)} cells, do_bench warmup {args.warmup} ms rep {args.rep} ms, least of "
+          f"{args.repeats}", flush=True)
+    ba.warm_up_gpu()
     rows, bad, t_start = [], False, time.perf_counter()
     for n, cell in enumerate(cells, 1):
         t0 = time.perf_counter()
