@@ -36,7 +36,8 @@ struct BwdTraits {
     static constexpr int QBUF = QBUF_;       // Q/dO buffers: 2 loads the next query block while one computes
     // Above d = 128 registers are short: the k-loops of the products stay rolled (unrolled fully below).
     static constexpr bool WIDE = D > 128;
-    static constexpr int KS_UNROLL = WIDE ? 1 : D / 16, KK_UNROLL = WIDE ? 1 : BM / 16, DQ_K_UNROLL = WIDE ? 1 : BN / 16;
+    static constexpr int KS_UNROLL = WIDE ? 1 : D / 16, KK_UNROLL = WIDE ? 1 : BM / 16,
+                         DQ_K_UNROLL = WIDE ? 1 : BN / 16;
     using KVTile = SmemTile<BN, DP>;
     using QTile = SmemTile<BM, DP>;
     using PTile = SmemTile<BN, 64>;          // P^T and dS^T: keys x queries
@@ -199,7 +200,8 @@ struct BwdBlock {
     // D by plain loads into shared memory.
     __device__ __forceinline__ void load_queries(int h, int m, int buf) {
         const int row0 = m * BM, seqlen_q = this->seqlen_q(), q_begin = this->q_begin();
-        const u16* q = p.q + SeqInfo::offset(q_begin, p.q_batch_stride, p.q_row_stride, row0) + (i64)h * p.q_head_stride;
+        const u16* q =
+            p.q + SeqInfo::offset(q_begin, p.q_batch_stride, p.q_row_stride, row0) + (i64)h * p.q_head_stride;
         const u16* dout =
             p.dout + SeqInfo::offset(q_begin, p.do_batch_stride, p.do_row_stride, row0) + (i64)h * p.do_head_stride;
         QCopy::load_async(smem0 + Traits::q_tile(buf), q, p.q_row_stride, seqlen_q - row0, p.headdim, tid);
@@ -303,10 +305,14 @@ struct BwdBlock {
         for (int n = blockIdx.x; n < n_blocks; n += gridDim.x) {
             // ---- prologue: this CTA's K and V ----
             const int k_begin = this->k_begin();
-            const i64 k_off = SeqInfo::offset(k_begin, p.k_batch_stride, p.k_row_stride, n * BN) + (i64)h_kv * p.k_head_stride;
-            const i64 v_off = SeqInfo::offset(k_begin, p.v_batch_stride, p.v_row_stride, n * BN) + (i64)h_kv * p.v_head_stride;
-            KVCopy::load_async(smem0 + Traits::OFF_K, p.k + k_off, p.k_row_stride, mask.seqlen_k - n * BN, p.headdim, tid);
-            KVCopy::load_async(smem0 + Traits::OFF_V, p.v + v_off, p.v_row_stride, mask.seqlen_k - n * BN, p.headdim, tid);
+            const i64 k_off =
+                SeqInfo::offset(k_begin, p.k_batch_stride, p.k_row_stride, n * BN) + (i64)h_kv * p.k_head_stride;
+            const i64 v_off =
+                SeqInfo::offset(k_begin, p.v_batch_stride, p.v_row_stride, n * BN) + (i64)h_kv * p.v_head_stride;
+            KVCopy::load_async(smem0 + Traits::OFF_K, p.k + k_off, p.k_row_stride, mask.seqlen_k - n * BN, p.headdim,
+                               tid);
+            KVCopy::load_async(smem0 + Traits::OFF_V, p.v + v_off, p.v_row_stride, mask.seqlen_k - n * BN, p.headdim,
+                               tid);
             cp_async_commit();
 #pragma unroll
             for (int dt = 0; dt < DTW; ++dt)
@@ -326,7 +332,8 @@ struct BwdBlock {
                 const int h = h_kv * p.heads_per_kv + i;
                 if (SCORE_MOD)
                     mod = ScoreMod{p.mod_scale, p.softcap,
-                                   p.alibi != nullptr ? p.alibi[(i64)blockIdx.z * p.alibi_batch_stride + h] : 0.f, diag};
+                                   p.alibi != nullptr ? p.alibi[(i64)blockIdx.z * p.alibi_batch_stride + h] : 0.f,
+                                   diag};
                 for (int m = m_min; m < m_max; ++m) {
                     // Unmasked iff every (query, key) pair of the tile is inside the band and below seqlen_k.
                     bool full = !tail;

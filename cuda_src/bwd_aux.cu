@@ -8,8 +8,10 @@ template <class T>
 __global__ void bwd_preprocess(const BwdPreParams p) {
     const int lane = threadIdx.x % 32;
     const i64 rows = (i64)p.batch * p.nheads * p.seqlen_q;
-    for (i64 r = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += (i64)gridDim.x * (blockDim.x / 32)) {
-        const int row = (int)(r % p.seqlen_q), h = (int)((r / p.seqlen_q) % p.nheads), b = (int)(r / ((i64)p.seqlen_q * p.nheads));
+    for (i64 r = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; r < rows;
+         r += (i64)gridDim.x * (blockDim.x / 32)) {
+        const int row = (int)(r % p.seqlen_q), h = (int)((r / p.seqlen_q) % p.nheads),
+                  b = (int)(r / ((i64)p.seqlen_q * p.nheads));
         const u16* o = p.out + b * p.o_batch_stride + row * p.o_row_stride + h * p.o_head_stride;
         const u16* d = p.dout + b * p.do_batch_stride + row * p.do_row_stride + h * p.do_head_stride;
         float acc = 0.f;
@@ -33,7 +35,8 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
 
 template <class T>
 __global__ void bwd_convert_dq(const BwdConvertParams p) {
-    for (i64 i = 2 * ((i64)blockIdx.x * blockDim.x + threadIdx.x); i < p.slice_stride; i += 2 * (i64)gridDim.x * blockDim.x) {
+    for (i64 i = 2 * ((i64)blockIdx.x * blockDim.x + threadIdx.x); i < p.slice_stride;
+         i += 2 * (i64)gridDim.x * blockDim.x) {
         float2 acc = *reinterpret_cast<const float2*>(p.dq_accum + i);
         for (int s = 1; s < p.slices; ++s) {  // fixed order: deterministic
             float2 x = *reinterpret_cast<const float2*>(p.dq_accum + s * p.slice_stride + i);

@@ -322,8 +322,10 @@ struct BwdSm90 {
         for (int hh = 0; hh < 2; ++hh) {
             const int key = n_key0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
             if (key >= seqlen_k) continue;
-            u16* dk = p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
-            u16* dv = p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
+            u16* dk =
+                p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
+            u16* dv =
+                p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
 #pragma unroll
             for (int dt = 0; dt < PANELS * 8; ++dt) {
                 const int col = 8 * dt + 2 * (lane % 4);

@@ -233,7 +233,8 @@ struct DecodeBlock {
             const i64 lse_index = ((i64)b * p.nheads + head) * p.seqlen_q + i;
             if (p.num_splits == 1) {
                 u16* dst = p.o + (i64)b * p.o_batch_stride + (i64)i * p.o_row_stride + (i64)head * p.o_head_stride + c;
-                *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(o.x * inv, o.y * inv), pack2<T>(o.z * inv, o.w * inv));
+                *reinterpret_cast<uint2*>(dst) =
+                    make_uint2(pack2<T>(o.x * inv, o.y * inv), pack2<T>(o.z * inv, o.w * inv));
                 if (c == 0 && p.lse != nullptr) p.lse[lse_index] = lse;
             } else {
                 const i64 partial = (i64)split * p.batch * p.nheads * p.seqlen_q + lse_index;

@@ -16,9 +16,9 @@
 //    K/V block as soon as the slot is free, which each slot's "empty" mbarrier tells (all 256 consumer threads
 //    arrive when done with it). No CTA barrier in the loop: the consumer warpgroups drift apart, so one's softmax
 //    overlaps the other's GEMMs, and the copies run STAGES - 1 blocks ahead. The producer gives its registers to the
-//    consumers (setmaxnreg 24 / 240, or 24 / 160 with three: d = 256 keeps O in 128 of them). Within a warpgroup the loop is
-//    software-pipelined (consume_pipelined): S of block t and O += P V of block t - 1 are issued together and the
-//    softmax of block t runs while the second still computes. PINGPONG adds turns between the two consumer
+//    consumers (setmaxnreg 24 / 240, or 24 / 160 with three: d = 256 keeps O in 128 of them). Within a warpgroup the
+//    loop is software-pipelined (consume_pipelined): S of block t and O += P V of block t - 1 are issued together
+//    and the softmax of block t runs while the second still computes. PINGPONG adds turns between the two consumer
 //    warpgroups (named barriers): their GEMMs alternate, so one's softmax overlaps the other's GEMMs by design.
 // Head dims 64, 128 and 256; softcap and ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu); padded batches
 // and packed sequences (seqlen.cuh; 3-D tensor maps over the tokens). Other head dims stay on fwd.cu.
@@ -48,7 +48,8 @@ struct FwdSm90Params {
     float mod_scale, softcap;  // score-mod kernels: see score_mod.cuh and plan.forward_scales
     int batch;             // sequences (the persistent kernel walks query blocks x heads x batch itself)
 };
-// The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is asserted).
+// The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is
+// asserted).
 static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params no longer matches cuflash/hopper.py");
 
 template <class T, int D, int BN, bool BAND, int STAGES, int WGS, bool WS, bool SCORE_MOD, bool PINGPONG,
@@ -103,15 +104,18 @@ struct FwdSm90 {
     __device__ __forceinline__ void issue_q() {  // one thread
         sm90::mbar_arrive_expect_tx(base + OFF_BAR, Q_BYTES);
 #pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn) load_box(base + pn * Q_PANEL, &p.q, pn * 64, h, q_begin, row0, base + OFF_BAR);
+        for (int pn = 0; pn < PANELS; ++pn)
+            load_box(base + pn * Q_PANEL, &p.q, pn * 64, h, q_begin, row0, base + OFF_BAR);
     }
 
     __device__ __forceinline__ void issue_kv(int n, int slot) {  // one thread
         sm90::mbar_arrive_expect_tx(full_bar(slot), 2 * KV_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn) {
-            load_box(base + OFF_K + slot * KV_BYTES + pn * KV_PANEL, &p.k, pn * 64, h_kv, k_begin, n * BN, full_bar(slot));
-            load_box(base + OFF_V + slot * KV_BYTES + pn * KV_PANEL, &p.v, pn * 64, h_kv, k_begin, n * BN, full_bar(slot));
+            load_box(base + OFF_K + slot * KV_BYTES + pn * KV_PANEL, &p.k, pn * 64, h_kv, k_begin, n * BN,
+                     full_bar(slot));
+            load_box(base + OFF_V + slot * KV_BYTES + pn * KV_PANEL, &p.v, pn * 64, h_kv, k_begin, n * BN,
+                     full_bar(slot));
         }
     }
 
@@ -290,7 +294,8 @@ struct FwdSm90 {
         seqlen_q = seq.seqlen_q;
         mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
         if (SCORE_MOD)
-            mod = ScoreMod{p.mod_scale, p.softcap, p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f,
+            mod = ScoreMod{p.mod_scale, p.softcap,
+                           p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f,
                            seq.seqlen_k - seq.seqlen_q};
         range = block_range<BM, BN, BAND>(mask, row0);
         return true;

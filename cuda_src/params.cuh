@@ -19,7 +19,8 @@ struct FwdParams {
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
     i64 o_batch_stride, o_row_stride, o_head_stride;
-    i64 lse_batch_stride, lse_head_stride;  // padded (nheads * seqlen_q, seqlen_q); packed (nheads, total_q): (1, total_q)
+    i64 lse_batch_stride, lse_head_stride;  // padded (nheads * seqlen_q, seqlen_q);
+                                            // packed (nheads, total_q): (1, total_q)
     i64 alibi_batch_stride;  // 0 when the slopes are shared by the batch
     int seqlen_q, seqlen_k;    // padded: the lengths; packed: max_seqlen_q, max_seqlen_k (the grid's size only)
     int nheads, heads_per_kv;  // query heads; query heads per KV head (GQA group size)

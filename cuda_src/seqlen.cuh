@@ -4,9 +4,9 @@
 // Packed sequences (cu_seqlens_q, cu_seqlens_k set): sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]) of q (and
 // of k, v), and the host passes each packed tensor's row stride as its batch stride. So one formula serves both:
 //     offset(row) = begin * batch_stride + row * row_stride,   begin = b (padded) or cu_seqlens[b] (packed),
-// and outside this header the kernels never branch on the layout. (Per-row arrays, lse: batch stride seqlen_q * nheads padded,
-// 1 packed; the head stride moves between heads.) Masks (causal bottom-right alignment, window, ALiBi distance)
-// use this sequence's own lengths.
+// and outside this header the kernels never branch on the layout. (Per-row arrays, lse: batch stride
+// seqlen_q * nheads padded, 1 packed; the head stride moves between heads.) Masks (causal bottom-right alignment,
+// window, ALiBi distance) use this sequence's own lengths.
 #pragma once
 #include "types.cuh"
 

@@ -486,9 +486,10 @@ def _check_backward(dout, q, k, v, out, lse, alibi_slopes, options, deterministi
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, options):
     tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
-    return _checked_problem(("varlen", max_seqlen_q, max_seqlen_k, *options.values()), tensors, lambda s: checks.check_varlen(
-        s["q"], s["k"], s["v"], s["cu_seqlens_q"], s["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
-        alibi_slopes=s["alibi_slopes"], **options))
+    return _checked_problem(("varlen", max_seqlen_q, max_seqlen_k, *options.values()), tensors,
+                            lambda s: checks.check_varlen(
+                                s["q"], s["k"], s["v"], s["cu_seqlens_q"], s["cu_seqlens_k"], max_seqlen_q,
+                                max_seqlen_k, alibi_slopes=s["alibi_slopes"], **options))
 
 
 def _check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,

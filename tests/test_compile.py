@@ -46,7 +46,8 @@ def test_compiles_without_spills(reports, case):
 
 
 def test_spill_detection_works():
-    log = "ptxas info    : Used 255 registers\nptxas .  8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads"
+    log = ("ptxas info    : Used 255 registers\n"
+           "ptxas .  8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads")
     assert build.resource_report(log) == {"registers": 255, "spill_stores": 12, "spill_loads": 16}
 
 

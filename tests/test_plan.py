@@ -41,7 +41,8 @@ def test_every_head_dim_and_band_is_covered():
                 assert plan.fwd_configs(arch, d, band)
 
 
-@pytest.mark.parametrize("headdim,compiled", [(8, 32), (32, 32), (40, 64), (72, 96), (128, 128), (136, 160), (256, 256)])
+@pytest.mark.parametrize("headdim,compiled",
+                         [(8, 32), (32, 32), (40, 64), (72, 96), (128, 128), (136, 160), (256, 256)])
 def test_head_dims_pad_up(headdim, compiled):
     assert plan.compiled_headdim(headdim) == compiled
 
