@@ -575,6 +575,8 @@ PDL = {"enabled": os.environ.get("CUFLASH_PDL", "1") == "1"}
 
 def pdl_applies(arch: str) -> bool:
     return PDL["enabled"] and arch.startswith("sm_9")
+
+
 SMEM_PER_SM = 227 * 1024   # usable shared memory per SM on sm_80 / sm_90 (1 KB per CTA reserved)
 
 
