@@ -162,6 +162,16 @@ def _import_gpu_stack() -> str | None:
     return None
 
 
+def import_stack_with_cuflash(script: str) -> bool:
+    """_import_gpu_stack for a script that measures cuflash alone: False, with the reason on stderr, when it or
+    cuflash is missing."""
+    reason = _import_gpu_stack()
+    if reason or cuflash is None:
+        print(f"{script}: skipped: {reason or CUFLASH_IMPORT_ERROR}", file=sys.stderr)
+        return False
+    return True
+
+
 def to_cupy(t):
     """Zero-copy torch -> CuPy (bf16 through an int16 view if DLPack refuses it)."""
     try:

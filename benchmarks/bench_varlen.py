@@ -269,9 +269,7 @@ def write_json(path: str, rows, meta, append: bool) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    reason = ba._import_gpu_stack()
-    if reason or ba.cuflash is None:
-        print(f"bench_varlen: skipped: {reason or ba.CUFLASH_IMPORT_ERROR}", file=sys.stderr)
+    if not ba.import_stack_with_cuflash("bench_varlen"):
         return 2
     if not hasattr(ba.cuflash, "attention_varlen"):
         print("bench_varlen: skipped: cuflash has no attention_varlen", file=sys.stderr)

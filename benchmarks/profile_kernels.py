@@ -168,9 +168,7 @@ def report(impl, evs, avgs, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    reason = ba._import_gpu_stack()
-    if reason or ba.cuflash is None:
-        print(f"profile_kernels: skipped: {reason or ba.CUFLASH_IMPORT_ERROR}", file=sys.stderr)
+    if not ba.import_stack_with_cuflash("profile_kernels"):
         return 2
     import torch
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  args {vars(args)}")
