@@ -25,7 +25,7 @@ class KernelCall:
         ``kernel`` a ``cupy.RawKernel`` loaded on the current device (``cuflash.build.get_kernel``); grid and
         block tuples of up to three ints. ``overlap`` True launches the kernel as a programmatic dependent of the
         one before it (``cuLaunchKernelEx``, Hopper's PDL): it may start while that one finishes, and must execute
-        ``griddepcontrol.wait`` before it touches that kernel's results (``pdl_wait`` in params.cuh).
+        ``griddepcontrol.wait`` before it touches that kernel's results (``pdl_wait`` in types.cuh).
     params : numpy structured scalar or 0-d array
         The struct with every non-pointer field set.
     pointers : tuple of str
@@ -54,8 +54,8 @@ class KernelCall:
         if launches:
             _load_driver()
         argv = ctypes.addressof(self._argv)
-        self.launches = tuple(_Launch(k.kernel.ptr, _dim3(grid), _dim3(block), int(smem), argv, bool(overlap))
-                              for k, grid, block, smem, *overlap in ((*x, False)[:5] for x in launches))
+        self.launches = tuple(_Launch(x[0].kernel.ptr, _dim3(x[1]), _dim3(x[2]), int(x[3]), argv,
+                                      len(x) > 4 and bool(x[4])) for x in launches)
 
     def __call__(self, stream: int, *pointers: int) -> None:
         """Launch on ``stream`` (a ``cudaStream_t`` handle; 0 is the legacy default stream) with these data

@@ -429,6 +429,19 @@ def test_overlapped_launch_builds_the_driver_config():
     assert cfg.num_attrs == 1 and cfg.attrs[0].id == 6 and cfg.attrs[0].value == 1
 
 
+def test_kernel_call_overlaps_only_the_launches_that_ask():
+    """KernelCall: a (kernel, grid, block, smem) launch is a plain one; a fifth element True makes that launch a
+    programmatic dependent, False keeps it plain."""
+    from types import SimpleNamespace
+    from cuflash import plan
+    from cuflash.launcher import KernelCall
+    kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=7))
+    call = KernelCall([(kernel, 2, 128, 0), (kernel, (3, 1), (256,), 64, True), (kernel, 1, 32, 0, False)],
+                      np.zeros((), plan.DECODE_PARAMS_DTYPE), ())
+    assert [launch.overlap for launch in call.launches] == [False, True, False]
+    assert call.launches[1][1:4] == (3, 1, 1) and call.launches[1][7] == 64
+
+
 def test_decode_combine_overlaps_only_on_hopper(monkeypatch):
     """plan.pdl_applies: decode_combine is launched as a programmatic dependent on sm_90 only, and CUFLASH_PDL=0
     (PDL["enabled"] False) turns it off."""
