@@ -26,8 +26,7 @@ def _pairs(text):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default=CELLS, help="batch x KV length, comma separated")
-    ap.add_argument("--configs", default=CONFIGS,
-                    help="block_n x stages [x L2 prefetch bytes], comma separated (64x3x256)")
+    ap.add_argument("--configs", default=CONFIGS, help="block_n x stages, comma separated")
     ap.add_argument("--splits", default="0", help="num_splits values (0: the planner's heuristic)")
     ap.add_argument("--rep", type=int, default=60)
     args = ap.parse_args(argv)
@@ -44,8 +43,7 @@ def main(argv=None):
     splits = [int(s) for s in args.splits.split(",")]
     configs = _pairs(args.configs)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    configs = [c if len(c) == 3 else c + (0,) for c in configs]
-    cols = [f"n{bn}s{st}{f'p{pf}' if pf else ''}/{s or 'h'}" for bn, st, pf in configs for s in splits]
+    cols = [f"n{bn}s{st}/{s or 'h'}" for bn, st in configs for s in splits]
     print(f"{'batch':>5} {'len':>7} | {'cudnn':>8} | " + " ".join(c.rjust(11) for c in cols) + "   (us per call)")
     for b, n in _pairs(args.cells):
         k = torch.randn(b, HK, n, D, device="cuda", dtype=torch.bfloat16)
@@ -58,8 +56,8 @@ def main(argv=None):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         ref = cudnn()
         row = [1e3 * do_bench(cudnn, warmup=10, rep=args.rep, return_mode="median")]
-        for bn, st, pf in configs:
-            plan.decode_config = lambda d, rows, c=(bn, st, pf): plan.DecodeConfig(1 if rows <= 16 else 4, *c)
+        for bn, st in configs:
+            plan.decode_config = lambda d, rows, c=(bn, st): plan.DecodeConfig(1 if rows <= 16 else 4, *c)
             for s in splits:
                 plan.plan_decode.cache_clear()
                 api._decode_calls.clear()
@@ -69,7 +67,7 @@ def main(argv=None):
                         return cuflash.attention_with_kvcache(qc, kc, vc, cache_seqlens=n, num_splits=s)
                 out = torch.from_dlpack(fn()).transpose(1, 2)
                 err = float((out.float() - ref.float()).abs().max())
-                assert err < 2e-2, (b, n, bn, st, pf, s, err)
+                assert err < 2e-2, (b, n, bn, st, s, err)
                 row.append(1e3 * do_bench(fn, warmup=10, rep=args.rep, return_mode="median"))
         best = min(range(1, len(row)), key=lambda i: row[i])
         print(f"{b:>5} {n:>7} | {row[0]:8.1f} | " + " ".join(f"{x:11.1f}" for x in row[1:])

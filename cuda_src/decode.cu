@@ -21,14 +21,13 @@ namespace cuflash {
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-template <class T_, int D, int ROW_WARPS_, int BN_, int STAGES_, int L2_PREFETCH_>
+template <class T_, int D, int ROW_WARPS_, int BN_, int STAGES_>
 struct DecodeTraits {
     using T = T_;
     static constexpr int HEADDIM = D, DP = (D + 63) / 64 * 64;
     static constexpr int WARPS = 4, THREADS = WARPS * 32;
     static constexpr int ROW_WARPS = ROW_WARPS_, KEY_WARPS = WARPS / ROW_WARPS;
     static constexpr int BM = 16 * ROW_WARPS, BN = BN_, STAGES = STAGES_;
-    static constexpr int L2_PREFETCH = L2_PREFETCH_;  // the K/V loads' L2 prefetch size in bytes (0: no hint)
     static constexpr int WARP_KEYS = BN / KEY_WARPS;  // keys of each block that one warp handles
     static constexpr int NT = WARP_KEYS / 8, DT = D / 8;
     using QTile = SmemTile<BM, DP>;
@@ -90,13 +89,13 @@ struct DecodeBlock {
     __device__ __forceinline__ void load_kv(int stage, int n) {
         const u32 dst = sKV + stage * Traits::STAGE_BYTES;
         const int pos0 = n * BN;
-        KVCopy::template load_rows_async<Traits::L2_PREFETCH>(dst, [&](int r) -> const u16* {
+        KVCopy::load_rows_async(dst, [&](int r) -> const u16* {
             if (pos0 + r >= len) return nullptr;
             i64 k_off, v_off;
             cache.locate(pos0 + r, k_off, v_off);
             return cache.k + k_off;
         }, p.headdim, p.k_cache, tid);
-        KVCopy::template load_rows_async<Traits::L2_PREFETCH>(dst + KVTile::BYTES, [&](int r) -> const u16* {
+        KVCopy::load_rows_async(dst + KVTile::BYTES, [&](int r) -> const u16* {
             if (pos0 + r >= len) return nullptr;
             i64 k_off, v_off;
             cache.locate(pos0 + r, k_off, v_off);
@@ -296,11 +295,11 @@ struct DecodeBlock {
     }
 };
 
-template <class T, int D, int ROW_WARPS, int BN, int STAGES, int L2_PREFETCH, bool SCORE_MOD>
+template <class T, int D, int ROW_WARPS, int BN, int STAGES, bool SCORE_MOD>
 __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
     extern __shared__ __align__(1024) char smem[];
     pdl_launch_dependents();  // decode_combine's CTAs may take their place now; they wait for this grid's end
-    DecodeBlock<DecodeTraits<T, D, ROW_WARPS, BN, STAGES, L2_PREFETCH>, SCORE_MOD> block(p, blockIdx.z, blockIdx.y);
+    DecodeBlock<DecodeTraits<T, D, ROW_WARPS, BN, STAGES>, SCORE_MOD> block(p, blockIdx.z, blockIdx.y);
     block.run(smem);
 }
 

@@ -12,22 +12,6 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
     int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
-// cp_async_16 with an L2 prefetch-size hint (0: none, or 64, 128, 256 bytes): on a miss L2 fetches that many
-// bytes around the address, for streams read once and in order (decode's K/V).
-template <int L2_PREFETCH>
-__device__ __forceinline__ void cp_async_16_hint(u32 dst, const void* src, bool valid) {
-    static_assert(L2_PREFETCH == 0 || L2_PREFETCH == 64 || L2_PREFETCH == 128 || L2_PREFETCH == 256, "L2 prefetch");
-    const int src_bytes = valid ? 16 : 0;
-    if constexpr (L2_PREFETCH == 0) {
-        cp_async_16(dst, src, valid);
-    } else if constexpr (L2_PREFETCH == 64) {
-        asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-    } else if constexpr (L2_PREFETCH == 128) {
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-    } else {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-    }
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

@@ -71,8 +71,8 @@ struct TileCopy {
 
     // Like load_async, for rows that lie anywhere: row r comes from row_ptr(r), or is zero-filled where that is
     // nullptr (decode gathers KV cache pages and the query rows of several heads). `any` is some valid address,
-    // given to zero-filling copies that read nothing. L2_PREFETCH: cp_async_16_hint's prefetch size.
-    template <int L2_PREFETCH = 0, class RowPtr>
+    // given to zero-filling copies that read nothing.
+    template <class RowPtr>
     static __device__ __forceinline__ void load_rows_async(u32 smem, const RowPtr& row_ptr, int d_valid,
                                                            const u16* any, int tid) {
         const int row = tid / 8, chunk = tid % 8;
@@ -85,8 +85,8 @@ struct TileCopy {
                 int col = pn * 64 + chunk * 8;
                 if (col < D) {
                     bool valid = src != nullptr && col < d_valid;
-                    cp_async_16_hint<L2_PREFETCH>(dst + pn * SmemTile<ROWS, DP>::PANEL_BYTES + r * 128,
-                                                  valid ? src + col : any, valid);
+                    cp_async_16(dst + pn * SmemTile<ROWS, DP>::PANEL_BYTES + r * 128, valid ? src + col : any,
+                                valid);
                 }
             }
         }

@@ -539,7 +539,6 @@ class DecodeConfig:
     row_warps: int     # 1: 16 packed rows shared by all warps, keys split 4 ways; 4: 64 rows, 16 per warp
     block_n: int       # keys per KV block
     stages: int        # depth of the cp.async ring of K/V blocks
-    l2_prefetch: int = 0  # L2 prefetch-size hint of the K/V loads in bytes (0: none; 64, 128, 256)
 
 
 # compiled head dim -> (config for up to 16 packed rows, config for more). Decode reads K/V at memory speed, so
@@ -601,12 +600,12 @@ class DecodeSpec:
     def name(self) -> str:
         c = self.config
         return (f"decode_{self.dtype}_d{self.headdim}_r{c.row_warps}n{c.block_n}s{c.stages}"
-                f"{f'p{c.l2_prefetch}' if c.l2_prefetch else ''}{'_mod' if self.score_mod else ''}")
+                f"{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
         c = self.config
-        return _template("decode_kernel", self.dtype, (self.headdim, c.row_warps, c.block_n, c.stages, c.l2_prefetch),
+        return _template("decode_kernel", self.dtype, (self.headdim, c.row_warps, c.block_n, c.stages),
                          (self.score_mod,))
 
     @property

@@ -28,7 +28,7 @@ echo "bench_decode: exit $? [$((SECONDS - t0))s]"
 grep -v "Deprecat\|stream = \|cupy_stream" "$OUT/bench.txt"
 timeout -k 5 150 python3 benchmarks/tune_decode.py \
     --cells "${TUNE_CELLS:-1x8192,8x1024,1x1024,64x1024,1x65536,32x262144}" \
-    --configs "${TUNE_CONFIGS:-64x3,64x3x256,64x2,64x4}" 2>&1 | grep -v "Deprecat\|stream = " \
+    --configs "${TUNE_CONFIGS:-64x3,64x2,64x4}" 2>&1 | grep -v "Deprecat\|stream = " \
     | tee -a "$OUT/bench.txt"
 if [ -n "${TUNE_SPLITS:-}" ]; then
     timeout -k 5 90 python3 benchmarks/tune_decode.py --cells 1x8192,1x1024,8x1024 --configs 64x3,64x2 \
