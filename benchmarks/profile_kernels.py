@@ -91,7 +91,7 @@ def setup(args):
             return (f"forward: Hopper variant {variant}" if variant else
                     f"plan_forward: {plan.plan_forward(pb, left, right, False, arch)}")
         launch = plan.plan_backward(pb, left, right, False, args.deterministic, arch, build.sm_count(dev))
-        return (f"plan_backward: grid {launch.grid}, slices {launch.slices}, counters {launch.counters}, Hopper "
+        return (f"plan_backward: grid {launch.grid}, slices {launch.slices}, Hopper "
                 f"kernel {plan.bwd_sm90_applies(pb, False, arch)}, portable spec {launch.spec}")
     if args.op == "fwd":
         return _plan(describe), {"cuflash": lambda: cf.attention(qc, kc, vc, causal=args.causal, stream=stream)}

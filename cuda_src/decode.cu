@@ -10,12 +10,19 @@
 //  - with num_splits > 1 a CTA covers 1/num_splits of the visible KV blocks and writes fp32 partial O and lse,
 //    which decode_combine (decode_aux.cu) merges.
 // Blocks run from the last to the first, so the masked tail block (cache length, causal diagonal) comes first.
+//
+// decode_tma_kernel (sm_90a; DecodeBlock with TMA = true) is the same computation with K/V blocks brought in by
+// TMA: one thread issues each block's copies (two 64-column panels of K and of V, 128-byte swizzle: the SmemTile
+// layout) completing on the slot's mbarrier, so a deep ring costs no issue slots and no registers. Rows past the
+// cache length inside the capacity are not zero-filled by TMA: the tail block's V rows there are zeroed in shared
+// memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN.
 #include "params.cuh"
 #include "kvcache.cuh"
 #include "tile.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
+#include "sm90.cuh"
 
 namespace cuflash {
 
@@ -46,7 +53,7 @@ struct DecodeTraits {
     static_assert(STAGES >= 2, "the ring needs a block in flight while one is computed");
 };
 
-template <class Traits, bool SCORE_MOD>
+template <class Traits, bool SCORE_MOD, bool TMA = false>
 struct DecodeBlock {
     using T = typename Traits::T;
     static constexpr int D = Traits::HEADDIM, DP = Traits::DP, BM = Traits::BM, BN = Traits::BN;
@@ -72,6 +79,12 @@ struct DecodeBlock {
     OnlineSoftmax<1> softmax;
     float acc_o[1][DT][4];
     u32 q_frag[Traits::Q_IN_REGS ? D / 16 : 1][4];
+    // TMA only: the maps of the K and V caches (4-D: head dim, KV heads, rows, cache rows or pages), the ring's
+    // mbarriers (one per slot, after the ring), and the cache row of this batch row (contiguous caches).
+    const sm90::TmaMap* k_map = nullptr;
+    const sm90::TmaMap* v_map = nullptr;
+    u32 bars = 0;
+    int cache_row = 0;
 
     __device__ __forceinline__ DecodeBlock(const DecodeParams& params, int b_, int h_kv_)
         : p(params), b(b_), h_kv(h_kv_), q_addr(0, 0, 0), k_addr(0, 0, 0), v_addr(0, 0, 0),
@@ -103,16 +116,52 @@ struct DecodeBlock {
         }, p.headdim, p.v_cache, tid);
     }
 
+    // TMA: thread 0 issues K and V of block n into ring slot `stage`, completing on the slot's mbarrier. A block
+    // lies inside one page (the page size is a multiple of BN), so each panel is one box.
+    __device__ __forceinline__ void issue_kv_tma(int stage, int n) {
+        const u32 bar = bars + 8 * stage, dst = sKV + stage * Traits::STAGE_BYTES;
+        const int pos0 = n * BN;
+        int z = pos0, w = cache_row;
+        if (cache.pages != nullptr) {
+            w = cache.pages[pos0 / cache.page_size];
+            z = pos0 - pos0 / cache.page_size * cache.page_size;
+        }
+        sm90::mbar_arrive_expect_tx(bar, Traits::STAGE_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < DP / 64; ++pn) {
+            sm90::tma_load_4d(dst + pn * KVTile::PANEL_BYTES, k_map, pn * 64, h_kv, z, w, bar);
+            sm90::tma_load_4d(dst + KVTile::BYTES + pn * KVTile::PANEL_BYTES, v_map, pn * 64, h_kv, z, w, bar);
+        }
+    }
+
+    // TMA: V rows [valid, BN) of ring slot `stage` set to zero (cache rows past the length hold anything, NaN
+    // included, and P = 0 times NaN is NaN); fenced, so that the next TMA into this slot is ordered after them.
+    __device__ __forceinline__ void zero_v_tail(int stage, int valid) {
+        const u32 v_base = sKV + stage * Traits::STAGE_BYTES + KVTile::BYTES;
+        for (int idx = tid; idx < (BN - valid) * (DP / 8); idx += THREADS)
+            st_shared_zero16(v_base + KVTile::offset(valid + idx / (DP / 8), idx % (DP / 8)));
+        sm90::fence_proxy_async();
+    }
+
     // Iteration t handles block n = n_end - 1 - t from ring slot t % STAGES; block t + STAGES - 1 is issued.
     // One instantiation for every block: masked or not and first or not are run-time flags. A decode CTA often
     // sees only a few blocks, so every separately instantiated step would run from a cold instruction cache
     // (Nsight Compute at batch 1 x 8k: 45% of the warps' stall cycles waited on instruction fetch).
     __device__ __forceinline__ void step(int t, bool masked) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // block t has landed, and every warp is done with slot (t - 1) % STAGES
         const int t_next = t + STAGES - 1;
-        if (n_end - 1 - t_next >= n_begin) load_kv(t_next % STAGES, n_end - 1 - t_next);
-        cp_async_commit();  // possibly empty: keeps one group per iteration
+        if constexpr (TMA) {
+            if (t == 0) cp_async_wait<0>();  // Q (cp.async)
+            sm90::mbar_wait(bars + 8 * (t % STAGES), (t / STAGES) & 1);
+            const int valid = len - (n_end - 1 - t) * BN;
+            if (valid < BN) zero_v_tail(t % STAGES, valid);
+            __syncthreads();  // block t is in (its tail zeroed), and every warp is done with slot (t - 1) % STAGES
+            if (tid == 0 && n_end - 1 - t_next >= n_begin) issue_kv_tma(t_next % STAGES, n_end - 1 - t_next);
+        } else {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();  // block t has landed, and every warp is done with slot (t - 1) % STAGES
+            if (n_end - 1 - t_next >= n_begin) load_kv(t_next % STAGES, n_end - 1 - t_next);
+            cp_async_commit();  // possibly empty: keeps one group per iteration
+        }
         if (t == 0 && Traits::Q_IN_REGS) {
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(q_frag[ks], q_addr(row_warp, ks));
@@ -282,12 +331,28 @@ struct DecodeBlock {
         n_begin = range.n_min + split * per_split;
         n_end = min(range.n_max, n_begin + per_split);
 
+        if constexpr (TMA) {
+            bars = sKV + STAGES * Traits::STAGE_BYTES;
+            cache_row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+            if (tid == 0) {
+                for (int i = 0; i < STAGES; ++i) sm90::mbar_init(bars + 8 * i, 1);
+                sm90::mbar_fence_init();
+            }
+            __syncthreads();
+        }
         if (n_begin < n_end) {
             QCopy::load_rows_async(sQ, [&](int r) { return q_row(r); }, p.headdim, p.q, tid);
-#pragma unroll
-            for (int t = 0; t < STAGES - 1; ++t) {  // one group per block; Q joins the first
-                if (n_end - 1 - t >= n_begin) load_kv(t, n_end - 1 - t);
+            if constexpr (TMA) {
                 cp_async_commit();
+                if (tid == 0) {
+                    for (int t = 0; t < STAGES - 1 && n_end - 1 - t >= n_begin; ++t) issue_kv_tma(t, n_end - 1 - t);
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < STAGES - 1; ++t) {  // one group per block; Q joins the first
+                    if (n_end - 1 - t >= n_begin) load_kv(t, n_end - 1 - t);
+                    cp_async_commit();
+                }
             }
             for (int t = 0, n = n_end - 1; n >= n_begin; ++t, --n) step(t, n > range.full_hi || n < range.full_lo);
         }
@@ -300,6 +365,26 @@ __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ Dec
     extern __shared__ __align__(1024) char smem[];
     pdl_launch_dependents();  // decode_combine's CTAs may take their place now; they wait for this grid's end
     DecodeBlock<DecodeTraits<T, D, ROW_WARPS, BN, STAGES>, SCORE_MOD> block(p, blockIdx.z, blockIdx.y);
+    block.run(smem);
+}
+
+// The TMA decode kernel's parameter: DecodeParams first (the append and combine kernels of the same call read that
+// prefix of the same buffer), then the K and V caches' tensor maps.
+struct DecodeTmaParams {
+    DecodeParams p;
+    sm90::TmaMap k_map, v_map;
+};
+
+// Up to 16 packed rows (ROW_WARPS = 1), sm_90a. Shared memory: 1 KB of alignment slack (TMA's 128-byte swizzle
+// wants 1024-byte panels), the Q tile, the ring, one mbarrier per slot.
+template <class T, int D, int BN, int STAGES, bool SCORE_MOD>
+__global__ void __launch_bounds__(128) decode_tma_kernel(const __grid_constant__ DecodeTmaParams P) {
+    extern __shared__ __align__(1024) char smem_raw[];
+    char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    pdl_launch_dependents();
+    DecodeBlock<DecodeTraits<T, D, 1, BN, STAGES>, SCORE_MOD, true> block(P.p, blockIdx.z, blockIdx.y);
+    block.k_map = &P.k_map;
+    block.v_map = &P.v_map;
     block.run(smem);
 }
 

@@ -17,6 +17,10 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+__device__ __forceinline__ void st_shared_zero16(u32 addr) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+}
+
 __device__ __forceinline__ void st_shared(u32 addr, u32 value) {
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value));
 }

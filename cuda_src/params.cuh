@@ -76,6 +76,7 @@ struct BwdPreParams {
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     int batch, seqlen_q, nheads, headdim;
+    int lanes;             // threads per row: a power of two, 16 bytes each per pass (cuflash.plan.bwd_pre_lanes)
 };
 
 // dQ: sum of the fp32 slices, cast to the output dtype (contiguous (batch, seqlen_q, nheads, headdim)).

@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from . import build, checks, hopper, plan
+from . import build, checks, hopper, plan, tma
 from .launcher import KernelCall
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
@@ -280,12 +280,14 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     rows = pre_b * pre_sq  # query rows of all sequences
     lse_log2_offset, dq_offset, workspace_bytes = plan.backward_workspace(rows, h, d, launch.slices)
 
-    # D = rowsum(dO * O) and lse in the log2 domain: one warp per row
+    # D = rowsum(dO * O) and lse in the log2 domain: plan.bwd_pre_lanes(d) threads per row; grid (row blocks, heads,
+    # sequences)
     pre = plan.AuxSpec("bwd_preprocess", dtype)
     pp = np.zeros((), dtype=plan.BWD_PRE_PARAMS_DTYPE)
     _set_strides(pp, o=out, do=dout)
     pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
-    pre_grid = (min(-(-rows * h // (pre.threads // 32)), 65535 * 8),)
+    pp["lanes"] = plan.bwd_pre_lanes(d)
+    pre_grid = plan.check_grid((-(-pre_sq // (pre.threads // int(pp["lanes"]))), h, pre_b))
     preprocess = KernelCall([(build.get_kernel(pre, device_id), pre_grid, (pre.threads,), 0)], pp,
                             plan.BWD_PRE_PARAMS_DTYPE.names[:5])
 
@@ -314,7 +316,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     conv = plan.AuxSpec("bwd_convert_dq", dtype)
     cp = np.zeros((), dtype=plan.BWD_CONVERT_PARAMS_DTYPE)
     cp["slice_stride"], cp["slices"] = rows * h * d, launch.slices
-    conv_grid = (min(-(-(rows * h * d // 2) // conv.threads), 65535 * 16),)
+    conv_grid = (min(-(-(rows * h * d // 4) // conv.threads), 65535 * 16),)
     convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
                          plan.BWD_CONVERT_PARAMS_DTYPE.names[:2])
     return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
@@ -482,10 +484,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         lse = cupy.ndarray(prep.lse_shape, np.float32, memptr=mem + prep.lse_offset) if return_lse else None
         o_partial = mem.ptr + prep.partial_offset if prep.partial_offset else 0
         lse_partial = mem.ptr + prep.lse_partial_offset if prep.partial_offset else 0
-        prep.launch(cupy.cuda.get_current_stream().ptr, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k),
-                    _ptr(v), out.data.ptr, _ptr(lse), o_partial, lse_partial,
-                    _ptr(prep.seqlens_array(cache_seqlens)), _ptr(cache_batch_idx), _ptr(block_table),
-                    _ptr(alibi_slopes))
+        pointers = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse),
+                    o_partial, lse_partial, _ptr(prep.seqlens_array(cache_seqlens)), _ptr(cache_batch_idx),
+                    _ptr(block_table), _ptr(alibi_slopes))
+        stream_ptr = cupy.cuda.get_current_stream().ptr
+        if prep.maps is None:
+            prep.launch(stream_ptr, *pointers)
+        else:  # the TMA kernel: the caches' tensor maps (cached per address) after the struct's plain fields
+            k_map, v_map = prep.maps
+            prep.launch.call_with_tail(stream_ptr, plan.DECODE_TMA_MAPS_OFFSET,
+                                       k_map(k_cache.data.ptr) + v_map(v_cache.data.ptr), *pointers)
     return (out, lse) if return_lse else out
 
 
@@ -504,6 +512,7 @@ class _DecodeCall(NamedTuple):
     partial_offset: int
     lse_partial_offset: int
     seqlens_array: Callable   # cache_seqlens -> the array to point at, or None
+    maps: tuple | None = None  # the TMA kernel: (k map, v map) encoders, ptr -> 128 bytes; None: cp.async kernel
 
 
 def _ptr(x) -> int:
@@ -532,11 +541,12 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
         cache_len = 0 if seqlens_is_array else int(cache_seqlens)
     known_keys = capacity if seqlens_is_array else cache_len + seqlen_new_k  # bounds the split count
     device_id = q.device.id
+    maps = _decode_tma_maps(problem, k_cache, v_cache, block_table, build.device_arch(device_id))
     launch = plan.plan_decode(dataclasses.replace(problem, seqlen_k=max(known_keys, 1)), left, right, score_mod,
-                              int(num_splits), build.sm_count(device_id))
+                              int(num_splits), build.sm_count(device_id), maps is not None)
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
 
-    p = np.zeros((), dtype=plan.DECODE_PARAMS_DTYPE)
+    p = np.zeros((), dtype=plan.DECODE_PARAMS_DTYPE if maps is None else plan.DECODE_TMA_PARAMS_DTYPE)
     _set_strides(p, q=q, k=k_cache, v=v_cache, o=q)  # out is allocated contiguous like q's shape
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = sq * h * d, h * d, d
     if k is not None:
@@ -574,7 +584,25 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
     with _device(device_id):  # the kernels' functions are taken on the device they run on
         launch = KernelCall(launches, p, DECODE_POINTERS)
     return _DecodeCall(device_id, launch, (b, h, sq), nbytes, lse_offset,
-                       partial_offset, lse_partial_offset, (lambda x: x) if seqlens_is_array else (lambda x: None))
+                       partial_offset, lse_partial_offset, (lambda x: x) if seqlens_is_array else (lambda x: None),
+                       maps)
+
+
+def _decode_tma_maps(problem, k_cache, v_cache, block_table, arch: str):
+    """(k, v) tensor-map encoders for the TMA decode kernel, or None where it does not apply (the planner's
+    switch and shapes, plan.decode_tma_applies; or cache strides TMA refuses). A map covers the whole cache as
+    (head dim, KV heads, rows, cache rows or pages), one box a 64-column panel of 64 rows."""
+    page_size = k_cache.shape[1] if block_table is not None else 0
+    if not plan.decode_tma_applies(arch, problem.headdim, problem.seqlen_q * (problem.nheads // problem.nheads_k),
+                                   page_size):
+        return None
+    layouts = [hopper._map_layout(x, plan.DECODE_TMA["block_n"]) for x in (k_cache, v_cache)]
+    try:
+        for layout in layouts:
+            tma.check_tiled(0x10000, *layout, 128)
+    except ValueError:
+        return None
+    return tuple(tma.encoder(*layout, swizzle=128) for layout in layouts)
 
 
 def _require_device_index_arrays(**arrays) -> None:

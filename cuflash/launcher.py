@@ -66,6 +66,15 @@ class KernelCall:
             for launch in self.launches:
                 launch(stream)
 
+    def call_with_tail(self, stream: int, offset: int, tail: bytes, *pointers: int) -> None:
+        """``self(stream, *pointers)`` with the struct's bytes from ``offset`` on replaced by ``tail`` first (the TMA
+        decode kernel's tensor maps, which embed the caches' addresses, after its pointers and sizes)."""
+        with self._lock:
+            self._pack(self._buffer, 0, *pointers)
+            ctypes.memmove(ctypes.addressof(self._buffer) + offset, tail, len(tail))
+            for launch in self.launches:
+                launch(stream)
+
     def launch_head(self, stream: int, head: bytes) -> None:
         """Launch with the struct's first ``len(head)`` bytes replaced by ``head`` (for structs that do not start
         with plain pointers, e.g. TMA descriptors, which embed them)."""

@@ -318,6 +318,13 @@ class AuxSpec:
         return _template(self.kernel, self.dtype, (), ())
 
 
+def bwd_pre_lanes(headdim: int) -> int:
+    """Threads per query row in bwd_preprocess: the power of two that covers the row in 16-byte pieces, at most a
+    warp. A warp of one row per warp at d = 64 left 24 lanes idle and took 178 us at batch 32 x 512 x 32 heads."""
+    pieces = -(-headdim // 8)
+    return min(32, 1 << (pieces - 1).bit_length())
+
+
 def bwd_headdim(headdim: int, arch: str | None = None) -> int:
     """The compiled backward head dim for a call's (padded up inside the kernel); NotImplementedError past them."""
     for d in BWD_HEADDIMS:
@@ -515,7 +522,7 @@ BWD_PARAMS_DTYPE = _struct(
     ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
 BWD_PRE_PARAMS_DTYPE = _struct(
     ("out", "dout", "lse", "dsum", "lse_log2"), _strides("o", "do"),
-    ("batch", "seqlen_q", "nheads", "headdim"), ())
+    ("batch", "seqlen_q", "nheads", "headdim", "lanes"), ())
 BWD_CONVERT_PARAMS_DTYPE = _struct(("dq_accum", "dq"), ("slice_stride",), ("slices",), ())
 
 
@@ -539,6 +546,7 @@ class DecodeConfig:
     row_warps: int     # 1: 16 packed rows shared by all warps, keys split 4 ways; 4: 64 rows, 16 per warp
     block_n: int       # keys per KV block
     stages: int        # depth of the cp.async ring of K/V blocks
+    tma: bool = False     # K/V blocks by TMA (decode_tma_kernel, sm_90a; row_warps 1)
 
 
 # compiled head dim -> (config for up to 16 packed rows, config for more). Decode reads K/V at memory speed, so
@@ -576,6 +584,26 @@ def pdl_applies(arch: str) -> bool:
     return PDL["enabled"] and arch.startswith("sm_9")
 
 
+# The TMA decode kernel (decode_tma_kernel in cuda_src/decode.cu, sm_90a): up to 16 packed rows at head dims
+# exactly 64 and 128, contiguous caches or pages of a multiple of 64 rows, strides TMA accepts; the cp.async kernel
+# everywhere else. Measured (session 7, bench_decode A/B in one device call, docs/bench/decode_tma_session7.txt):
+# with a 3-slot ring (two CTAs per SM at d = 128) it reads 4.54-4.57 TB/s at 8-32 GB of K/V against the cp.async
+# kernel's 4.47-4.50, and paged caches 1.2x faster (8 x 256k keys: 1943.6 against 2379.6 us); a 6-slot ring (one
+# CTA per SM) lost at 64 x 8k-256k. CUFLASH_DECODE_TMA=0 turns it off; CUFLASH_DECODE_TMA_STAGES picks the ring.
+DECODE_TMA = {"enabled": os.environ.get("CUFLASH_DECODE_TMA", "1") == "1", "headdims": (64, 128), "block_n": 64,
+              "stages": int(os.environ.get("CUFLASH_DECODE_TMA_STAGES", "3")), "stage_choices": (3,)}
+
+
+def decode_tma_applies(arch: str, headdim: int, packed_rows: int, page_size: int) -> bool:
+    """page_size 0: a contiguous cache."""
+    return (DECODE_TMA["enabled"] and arch == "sm_90a" and headdim in DECODE_TMA["headdims"] and packed_rows <= 16
+            and page_size % DECODE_TMA["block_n"] == 0)
+
+
+def decode_tma_config(stages: int | None = None) -> DecodeConfig:
+    return DecodeConfig(1, DECODE_TMA["block_n"], stages or DECODE_TMA["stages"], tma=True)
+
+
 SMEM_PER_SM = 227 * 1024   # usable shared memory per SM on sm_80 / sm_90 (1 KB per CTA reserved)
 
 
@@ -600,11 +628,14 @@ class DecodeSpec:
     def name(self) -> str:
         c = self.config
         return (f"decode_{self.dtype}_d{self.headdim}_r{c.row_warps}n{c.block_n}s{c.stages}"
+                f"{'_tma' if c.tma else ''}"
                 f"{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
         c = self.config
+        if c.tma:
+            return _template("decode_tma_kernel", self.dtype, (self.headdim, c.block_n, c.stages), (self.score_mod,))
         return _template("decode_kernel", self.dtype, (self.headdim, c.row_warps, c.block_n, c.stages),
                          (self.score_mod,))
 
@@ -615,6 +646,8 @@ class DecodeSpec:
         row = _smem_row_bytes(self.headdim)
         tiles = 16 * c.row_warps * row + c.stages * 2 * c.block_n * row
         merge = 64 * (self.headdim + 4 + 2) * 4
+        if c.tma:  # the ring's mbarriers after it, and 1 KB of slack to align the tiles to 1024 bytes
+            return max(tiles + 8 * c.stages, merge) + 1024
         return max(tiles, merge)
 
 
@@ -632,6 +665,9 @@ def all_decode_specs(arch: str) -> list:
             for rows in (1, 64):
                 for mod in (False, True):
                     specs.append(DecodeSpec(dtype, d, decode_config(d, rows), mod))
+        if arch == "sm_90a":
+            specs += [DecodeSpec(dtype, d, decode_tma_config(stages), mod) for d in DECODE_TMA["headdims"]
+                      for stages in DECODE_TMA["stage_choices"] for mod in (False, True)]
     return specs
 
 
@@ -660,13 +696,16 @@ class DecodeLaunch:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int, sm_count: int) -> DecodeLaunch:
+def plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int, sm_count: int,
+                tma: bool = False) -> DecodeLaunch:
     """Decode kernel, its grid (row tiles x splits, KV heads, batch) and split count. `problem.seqlen_k` is
-    the most keys a row can see (the cache capacity, or the known length); `num_splits` 0 picks by heuristic."""
+    the most keys a row can see (the cache capacity, or the known length); `num_splits` 0 picks by heuristic.
+    `tma`: the TMA kernel (the caller checked decode_tma_applies)."""
     dtype = DTYPES[np.dtype(problem.dtype).name][0]
     d = compiled_headdim(problem.headdim)
     group = problem.nheads // problem.nheads_k
-    spec = DecodeSpec(dtype, d, decode_config(d, problem.seqlen_q * group), score_mod)
+    config = decode_tma_config() if tma else decode_config(d, problem.seqlen_q * group)
+    spec = DecodeSpec(dtype, d, config, score_mod)
     m_tiles = math.ceil(problem.seqlen_q * group / (16 * spec.config.row_warps))
     n_blocks = max(1, math.ceil(problem.seqlen_k / spec.config.block_n))
     if num_splits == 0:
@@ -684,3 +723,12 @@ DECODE_PARAMS_DTYPE = _struct(
     ("batch", "seqlen_q", "seqlen_new_k", "cache_len", "nheads", "heads_per_kv", "headdim", "page_size",
      "window_left", "window_right", "num_splits"),
     ("scale_log2", "mod_scale", "softcap"))
+
+# DecodeTmaParams (decode.cu): DecodeParams, then the K and V caches' tensor maps on 64-byte boundaries.
+DECODE_TMA_MAPS_OFFSET = -(-DECODE_PARAMS_DTYPE.itemsize // 64) * 64
+DECODE_TMA_PARAMS_DTYPE = np.dtype({
+    "names": list(DECODE_PARAMS_DTYPE.names) + ["k_map", "v_map"],
+    "formats": [DECODE_PARAMS_DTYPE.fields[n][0] for n in DECODE_PARAMS_DTYPE.names] + ["V128", "V128"],
+    "offsets": [DECODE_PARAMS_DTYPE.fields[n][1] for n in DECODE_PARAMS_DTYPE.names]
+    + [DECODE_TMA_MAPS_OFFSET, DECODE_TMA_MAPS_OFFSET + 128],
+    "itemsize": DECODE_TMA_MAPS_OFFSET + 256})

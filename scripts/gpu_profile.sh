@@ -10,10 +10,13 @@
 #   3. Nsight Compute on each case's main kernel (its name matched by the case's regex): speed of light, occupancy,
 #      scheduler and warp-state sections, and every stall reason per issued instruction          -> ncu_<n>.txt
 # A case is "name|kernel regex|profile_kernels.py arguments"; the defaults are the worst cells of session 6's
-# release run (docs/bench/release_session6.txt). Environment: OUT, PROFILE_CASES, NCU (1), NCU_TIMEOUT (150).
+# release run (docs/bench/release_session6.txt). Environment: OUT, PROFILE_CASES, PRECOMPILE (1: step 1; 0: each
+# kernel is compiled when first used), NCU (1), NCU_TIMEOUT (150).
 source scripts/device_env.sh
-timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
-echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
+if [ "${PRECOMPILE:-1}" = 1 ]; then
+    timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
+    echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
+fi
 IFS=';' read -r -a cases <<<"${PROFILE_CASES:-\
 bwd_d64_causal_512|bwd_sm90|--op bwd --headdim 64 --heads 32 --batch 32 --seqlen 512 --causal;\
 bwd_d64_512|bwd_sm90|--op bwd --headdim 64 --heads 32 --batch 32 --seqlen 512;\

@@ -449,3 +449,65 @@ def test_decode_combine_overlaps_only_on_hopper(monkeypatch):
     assert plan.pdl_applies("sm_90a") and not plan.pdl_applies("sm_80") and not plan.pdl_applies("sm_86")
     monkeypatch.setitem(plan.PDL, "enabled", False)
     assert not plan.pdl_applies("sm_90a")
+
+
+def test_decode_tma_params_extend_decode_params():
+    """DecodeTmaParams: DecodeParams' fields at the same offsets (the append and combine kernels of a TMA call read
+    that prefix of the same buffer), then the two tensor maps on 64-byte boundaries."""
+    from cuflash import plan
+    base, ext = plan.DECODE_PARAMS_DTYPE, plan.DECODE_TMA_PARAMS_DTYPE
+    assert ext.names[:len(base.names)] == base.names
+    assert all(ext.fields[n][1] == base.fields[n][1] and ext.fields[n][0] == base.fields[n][0] for n in base.names)
+    offset = plan.DECODE_TMA_MAPS_OFFSET
+    assert offset % 64 == 0 and offset >= base.itemsize
+    assert (ext.fields["k_map"][1], ext.fields["v_map"][1], ext.itemsize) == (offset, offset + 128, offset + 256)
+
+
+def test_decode_tma_applies_only_where_it_can(monkeypatch):
+    from cuflash import plan
+    monkeypatch.setitem(plan.DECODE_TMA, "enabled", True)
+    assert plan.decode_tma_applies("sm_90a", 128, 4, 0) and plan.decode_tma_applies("sm_90a", 64, 16, 128)
+    assert not plan.decode_tma_applies("sm_80", 128, 4, 0)           # Hopper only
+    assert not plan.decode_tma_applies("sm_90a", 96, 4, 0)           # head dims exactly 64 / 128
+    assert not plan.decode_tma_applies("sm_90a", 128, 17, 0)         # more rows than one 16-row tile
+    assert not plan.decode_tma_applies("sm_90a", 128, 4, 48)         # a 64-row block would straddle pages
+    monkeypatch.setitem(plan.DECODE_TMA, "enabled", False)
+    assert not plan.decode_tma_applies("sm_90a", 128, 4, 0)
+    spec = plan.DecodeSpec("bf16", 128, plan.decode_tma_config(6), False)
+    assert spec.name == "decode_bf16_d128_r1n64s6_tma" and spec.template.startswith("cuflash::decode_tma_kernel<")
+    assert spec.smem_bytes <= plan.SMEM_PER_SM and spec in plan.all_decode_specs("sm_90a")
+    assert spec not in plan.all_decode_specs("sm_80")
+
+
+def test_decode_tma_maps_cover_the_cache(monkeypatch):
+    """The TMA kernel's maps: the cache as (d, KV heads, rows, cache rows or pages) with its own strides, boxes of
+    one 64 x 64 panel; None where the planner's switch is off or the call is not covered."""
+    from cuflash import api, plan, tma
+    seen = []
+    monkeypatch.setattr(tma, "encoder", lambda *layout, swizzle: seen.append((layout, swizzle)) or len(seen))
+    problem = checks.Problem(2, 1, 1024, 32, 8, 128, np.dtype(np.float16))
+    storage = np.zeros((2, 8, 1024, 128), np.float16)            # SDPA's layout, viewed (b, len, hk, d)
+    kc = _FakeDeviceArray(storage.transpose(0, 2, 1, 3), 0x10000)
+    monkeypatch.setitem(plan.DECODE_TMA, "enabled", True)
+    assert api._decode_tma_maps(problem, kc, kc, None, "sm_90a") == (1, 2)
+    (dtype, dims, strides, box), swizzle = seen[0]
+    assert dims == (128, 8, 1024, 2) and strides == (1024 * 128 * 2, 128 * 2, 8 * 1024 * 128 * 2)
+    assert box == (64, 1, 64, 1) and swizzle == 128
+    pool = _FakeDeviceArray(np.zeros((10, 48, 8, 128), np.float16), 0x10000)
+    assert api._decode_tma_maps(problem, pool, pool, object(), "sm_90a") is None   # 48-row pages
+    assert api._decode_tma_maps(problem, kc, kc, None, "sm_80") is None
+    monkeypatch.setitem(plan.DECODE_TMA, "enabled", False)
+    assert api._decode_tma_maps(problem, kc, kc, None, "sm_90a") is None
+
+
+def test_kernel_call_with_tail_writes_pointers_and_tail():
+    from cuflash import plan
+    from cuflash.launcher import KernelCall
+    p = np.zeros((), plan.DECODE_TMA_PARAMS_DTYPE)
+    p["headdim"] = 128
+    call = KernelCall((), p, plan.DECODE_PARAMS_DTYPE.names[:13])
+    tail = bytes(range(256))
+    call.call_with_tail(0, plan.DECODE_TMA_MAPS_OFFSET, tail, *range(1, 14))  # no launches: only the struct
+    got = np.frombuffer(call.params(*range(1, 14)), plan.DECODE_TMA_PARAMS_DTYPE)[0]
+    assert [int(got[n]) for n in plan.DECODE_PARAMS_DTYPE.names[:13]] == list(range(1, 14))
+    assert bytes(got["k_map"]) + bytes(got["v_map"]) == tail and got["headdim"] == 128

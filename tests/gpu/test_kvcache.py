@@ -10,6 +10,23 @@ from tests.gpu.helpers import DTYPES, assert_close_to_reference, assert_lse_clos
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True, params=["cp.async", "tma"])
+def decode_path(request, monkeypatch):
+    """Every test runs on the cp.async kernel and, on sm_90a, with the TMA kernel switched on (plan.DECODE_TMA;
+    the calls it does not cover, such as pages of 16-48 rows or more than 16 packed rows, stay on cp.async)."""
+    from cuflash import api, build, plan
+    if request.param == "tma":
+        import cupy
+        if build.device_arch(cupy.cuda.Device().id) != "sm_90a":
+            pytest.skip("the TMA decode kernel needs sm_90a")
+    monkeypatch.setitem(plan.DECODE_TMA, "enabled", request.param == "tma")
+    api._decode_calls.clear()
+    plan.plan_decode.cache_clear()
+    yield request.param
+    api._decode_calls.clear()
+    plan.plan_decode.cache_clear()
+
+
 def make_cache(rng, *, b, capacity, hk, d, dt, page_size=None, batch_idx=False):
     """A cache filled with random keys/values, as NumPy arrays plus the layout arguments for the call.
 
@@ -245,3 +262,39 @@ def test_host_index_arrays_are_refused():
     kc = cupy.zeros((1, 32, 2, 64), dtype=np.float16)
     with pytest.raises((TypeError, ValueError), match="cache_seqlens"):  # "on different devices (0 and host)"
         cuflash.attention_with_kvcache(q, kc, kc, cache_seqlens=np.array([3], dtype=np.int32))
+
+
+@pytest.mark.parametrize("stages", [3, 6])
+@pytest.mark.parametrize("page_size", [None, 64, 128])
+def test_garbage_past_the_length_is_ignored(compiled, decode_path, monkeypatch, stages, page_size):
+    """Cache rows past each row's length hold NaN: they must not reach the output (the cp.async kernel zero-fills
+    them; the TMA kernel copies them and zeroes the tail block's V rows in shared memory). Both TMA rings."""
+    import cupy
+    import cuflash
+    from cuflash import api, plan
+    if decode_path == "cp.async" and stages == 6:
+        pytest.skip("the ring depth is the TMA kernel's")
+    monkeypatch.setitem(plan.DECODE_TMA, "stages", stages)
+    api._decode_calls.clear()
+    plan.plan_decode.cache_clear()
+    rng = np.random.default_rng(stages)
+    dt = DTYPES["bf16"]
+    b, capacity, hk, h, d = 3, 640, 2, 8, 128
+    lens = np.array([640 - 37, 1, 300], dtype=np.int32)
+    kc, vc, layout = make_cache(rng, b=b, capacity=capacity, hk=hk, d=d, dt=dt, page_size=page_size)
+    for i in range(b):  # NaN everywhere past the length, in the cache rows or pages the row reads
+        pos = np.arange(int(lens[i]), capacity)
+        if page_size is None:
+            kc[i, pos], vc[i, pos] = np.nan, np.nan
+        else:
+            pages = layout["block_table"][i, pos // page_size]
+            kc[pages, pos % page_size], vc[pages, pos % page_size] = np.nan, np.nan
+    q = randn(rng, (b, 1, h, d), dt)
+    for splits in (1, 3):
+        out = cuflash.attention_with_kvcache(cupy.asarray(q), cupy.asarray(kc), cupy.asarray(vc),
+                                             cache_seqlens=cupy.asarray(lens), num_splits=splits,
+                                             block_table=None if page_size is None else
+                                             cupy.asarray(layout["block_table"])).get()
+        ref = reference.attention_with_kvcache(q, kc.copy(), vc.copy(), cache_seqlens=lens, **layout)
+        assert np.isfinite(out.astype(np.float32)).all(), (stages, page_size, splits)
+        assert_close_to_reference(out, ref, ref, floor=2e-2, context=f"stages={stages} page={page_size}")
