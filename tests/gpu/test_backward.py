@@ -38,8 +38,11 @@ def run_case(rng, *, b, sq, sk, h, hk, d, dtype, causal=False, window_size=(-1, 
                                        **opts)
     host = [x.get() for x in (q, k, v, dout)]
     sh = None if slopes is None else slopes.get()
-    ref_out, ref_lse = reference.attention(*host[:3], alibi_slopes=sh, return_lse=True, **opts)
-    ref = reference.attention_backward(host[3], *host[:3], ref_out, ref_lse, alibi_slopes=sh, **opts)
+    _, ref_lse = reference.attention(*host[:3], alibi_slopes=sh, return_lse=True, **opts)
+    # The exact gradients given the output the kernel was handed (rounded to the dtype): D = rowsum(dO * out) takes
+    # it as it is, and at d = 192 in fp16 that rounding alone moved one dq element by 8e-3, past the bound.
+    ref = reference.attention_backward(host[3], *host[:3], out.get().astype(np.float32), ref_lse, alibi_slopes=sh,
+                                       **opts)
     naive = naive_lowp_backward(host[3], *host[:3], alibi_slopes=sh, **opts)
     ctx = f"b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {dtype} {opts} alibi={alibi} det={deterministic}"
     for name, got, want, lowp, like in zip(("dq", "dk", "dv"), grads, ref, naive, (q, k, v)):
