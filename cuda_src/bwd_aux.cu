@@ -1,11 +1,12 @@
-// Backward helpers: D = rowsum(dO * O) with lse moved to the log2 domain before the main kernel, and the
-// fp32 dQ accumulator summed over its slices (in a fixed order) and cast after it.
+// Backward helpers: D = rowsum(dO * O) with lse moved to the log2 domain and the fp32 dQ accumulator zeroed before
+// the main kernel, and that accumulator summed over its slices (in a fixed order) and cast after it.
 #include "params.cuh"
 
 namespace cuflash {
 
 // Grid (row blocks, heads, sequences); a row is read by p.lanes adjacent threads (a power of two, 16 bytes of O and
-// of dO each per pass), so a warp covers several rows with every lane loading: no index division anywhere.
+// of dO each per pass), so a warp covers several rows with every lane loading: no index division anywhere. The same
+// threads zero the row's dQ accumulator in every slice (one pass over memory instead of a memset launch).
 template <class T>
 __global__ void bwd_preprocess(const BwdPreParams p) {
     const int sub = threadIdx.x % p.lanes, row = blockIdx.x * (blockDim.x / p.lanes) + threadIdx.x / p.lanes;
@@ -21,6 +22,10 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc += to_float<T>(oe[e]) * to_float<T>(de[e]);
         }
+        float* dq = p.dq_accum + (((i64)b * p.seqlen_q + row) * p.nheads + h) * p.headdim;
+        for (int s = 0; s < p.slices; ++s)
+            for (int c = sub * 4; c < p.headdim; c += p.lanes * 4)
+                *reinterpret_cast<float4*>(dq + s * p.dq_slice_stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     for (int off = p.lanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);  // within a row
     if (sub == 0 && row < p.seqlen_q) {

@@ -73,10 +73,13 @@ struct BwdPreParams {
     const float* lse;      // (batch, nheads, seqlen_q), natural log
     float* dsum;           // (batch, nheads, seqlen_q)
     float* lse_log2;       // (batch, nheads, seqlen_q)
+    float* dq_accum;       // (slices, batch, seqlen_q, nheads, headdim), zeroed here
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 dq_slice_stride;   // elements per slice
     int batch, seqlen_q, nheads, headdim;
     int lanes;             // threads per row: a power of two, 16 bytes each per pass (cuflash.plan.bwd_pre_lanes)
+    int slices;
 };
 
 // dQ: sum of the fp32 slices, cast to the output dtype (contiguous (batch, seqlen_q, nheads, headdim)).

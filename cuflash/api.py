@@ -242,9 +242,10 @@ _bwd_launches: dict = {}  # call signature -> BackwardCall
 
 class BackwardCall(NamedTuple):
     """The backward's three launches for one call signature, and where its workspace pieces lie: dsum at 0,
-    lse_log2 at ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed first) at ``dq_offset``
+    lse_log2 at ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed by the preprocess) at ``dq_offset``
     (:func:`cuflash.plan.backward_workspace`)."""
-    preprocess: KernelCall   # D = rowsum(dO * O), lse in log2: out, dout, lse, dsum, lse_log2
+    preprocess: KernelCall   # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed: out, dout, lse, dsum, lse_log2,
+    #                          dq_accum
     # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k
     main: KernelCall
     convert: KernelCall      # dQ = sum of the slices, cast: dq_accum, dq
@@ -255,10 +256,8 @@ class BackwardCall(NamedTuple):
 
     def __call__(self, stream, dout, q, k, v, out, lse, dq, dk, dv, alibi, cu_seqlens_q, cu_seqlens_k, workspace):
         """Launch on ``stream`` with these data pointers (0 where absent)."""
-        from cupy_backends.cuda.api import runtime
         dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
-        runtime.memsetAsync(dq_accum, 0, self.dq_bytes, stream)
-        self.preprocess(stream, out, dout, lse, dsum, lse_log2)
+        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum)
         self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k)
         self.convert(stream, dq_accum, dq)
 
@@ -287,9 +286,10 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     _set_strides(pp, o=out, do=dout)
     pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
     pp["lanes"] = plan.bwd_pre_lanes(d)
+    pp["dq_slice_stride"], pp["slices"] = rows * h * d, launch.slices
     pre_grid = plan.check_grid((-(-pre_sq // (pre.threads // int(pp["lanes"]))), h, pre_b))
     preprocess = KernelCall([(build.get_kernel(pre, device_id), pre_grid, (pre.threads,), 0)], pp,
-                            plan.BWD_PRE_PARAMS_DTYPE.names[:5])
+                            plan.BWD_PRE_PARAMS_DTYPE.names[:6])
 
     # the main kernel; dsum and lse_log2 are (pre_b, h, pre_sq) contiguous, seen per sequence
     bp = np.zeros((), dtype=plan.BWD_PARAMS_DTYPE)

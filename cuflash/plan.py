@@ -521,8 +521,8 @@ BWD_PARAMS_DTYPE = _struct(
      "deterministic"),
     ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
 BWD_PRE_PARAMS_DTYPE = _struct(
-    ("out", "dout", "lse", "dsum", "lse_log2"), _strides("o", "do"),
-    ("batch", "seqlen_q", "nheads", "headdim", "lanes"), ())
+    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum"), _strides("o", "do") + ["dq_slice_stride"],
+    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices"), ())
 BWD_CONVERT_PARAMS_DTYPE = _struct(("dq_accum", "dq"), ("slice_stride",), ("slices",), ())
 
 

@@ -184,9 +184,10 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
     assert main["dq_batch_stride"] == (h * d if packed else sq * h * d) and main["dq_slice_stride"] == rows * h * d
     assert (main["batch"], main["seqlen_q"], main["seqlen_k"], main["heads_per_kv"]) == (b, sq, sk, 2)
     assert (main["q_row_stride"], main["k_row_stride"], main["deterministic"]) == (h * d, hk * d, deterministic)
-    pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 6))
-    assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2")] == [1, 2, 3, 4, 5]
+    pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 7))
+    assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum")] == [1, 2, 3, 4, 5, 6]
     assert (pre["batch"], pre["seqlen_q"], pre["nheads"]) == ((1, rows, h) if packed else (b, sq, h))
+    assert (pre["dq_slice_stride"], pre["slices"]) == (rows * h * d, slices)  # it zeroes every slice
     conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, 8, 9)
     assert (int(conv["dq_accum"]), int(conv["dq"]), conv["slice_stride"], conv["slices"]) == (
         8, 9, rows * h * d, slices)
@@ -473,10 +474,11 @@ def test_decode_tma_applies_only_where_it_can(monkeypatch):
     assert not plan.decode_tma_applies("sm_90a", 128, 4, 48)         # a 64-row block would straddle pages
     monkeypatch.setitem(plan.DECODE_TMA, "enabled", False)
     assert not plan.decode_tma_applies("sm_90a", 128, 4, 0)
-    spec = plan.DecodeSpec("bf16", 128, plan.decode_tma_config(6), False)
-    assert spec.name == "decode_bf16_d128_r1n64s6_tma" and spec.template.startswith("cuflash::decode_tma_kernel<")
-    assert spec.smem_bytes <= plan.SMEM_PER_SM and spec in plan.all_decode_specs("sm_90a")
+    spec = plan.DecodeSpec("bf16", 128, plan.decode_tma_config(3), False)
+    assert spec.name == "decode_bf16_d128_r1n64s3_tma" and spec.template.startswith("cuflash::decode_tma_kernel<")
+    assert spec.smem_bytes <= plan.SMEM_PER_SM and spec in plan.all_decode_specs("sm_90a")  # compiled ahead
     assert spec not in plan.all_decode_specs("sm_80")
+    assert plan.DecodeSpec("bf16", 128, plan.decode_tma_config(6), False).smem_bytes <= plan.SMEM_PER_SM  # on demand
 
 
 def test_decode_tma_maps_cover_the_cache(monkeypatch):
