@@ -78,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the Hopper kernel's variant (cuflash.hopper.VARIANTS): lockstep (first version), ws "
                         "(warp-specialized producer, deeper ring), pingpong (ws, consumer warpgroups take turns), "
                         "ws_n128 and pingpong_n128 (those with 128-key blocks), ws3_n128 (three consumer "
-                        "warpgroups at d 64), ws_n128_p (ws_n128, persistent), lockstep_n128")
+                        "warpgroups at d 64), ws_n128_p and pingpong_n128_p (ws_n128 and pingpong_n128, persistent), "
+                        "lockstep_n128")
     p.add_argument("--dims", type=ba._int_list, default=list(HEADDIMS),
                    help="head dims, comma-separated, from 64,128,256 (default 64,128)")
     p.add_argument("--seqlens", type=ba._int_list, default=None,

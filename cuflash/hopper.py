@@ -73,8 +73,12 @@ class FwdSm90Spec:
 # ws_n128_p: ws_n128 made persistent: one CTA per SM walks the tiles, so the producer loads the next tile's Q and
 # keys while the consumers finish the last one (short sequences: prologue and epilogue overlap). (ws3_n128 made
 # persistent spills 8 bytes at d = 64 causal: the walk's counters do not fit in 160 registers beside S, P and O.)
+# pingpong_n128_p: pingpong_n128 made persistent. The turns stay balanced from tile to tile: each tile's first turn is
+# warpgroup 0's, and warpgroup 1 skips its last hand-over, so every arrival on the two named barriers is consumed
+# before the next tile's.
 # lockstep_n128: the lockstep kernel with 128-key blocks (half the CTA barriers per key), 64 at d = 256.
-VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128")
+VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128",
+            "pingpong_n128_p")
 
 
 def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
@@ -86,8 +90,8 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
         return dict(warp_specialized=False, stages=2, block_n=128 if headdim <= 128 else 64)
     if variant in ("ws", "pingpong"):
         return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
-    if variant == "ws_n128_p":
-        return dict(variant_options("ws_n128", headdim, score_mod), persistent=True)
+    if variant in ("ws_n128_p", "pingpong_n128_p"):  # the persistent kernel of that variant
+        return dict(variant_options(variant[:-len("_p")], headdim, score_mod), persistent=True)
     if variant == "ws3_n128":
         three = headdim == 64 and not score_mod
         return dict(variant_options("ws_n128", headdim), **(dict(consumers=3) if three else {}))

@@ -474,16 +474,30 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
 SM90_SHORT_SEQLEN = 2048
 SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p"}
 
-def _short_variants(text: str | None) -> dict:
-    """SM90_SHORT_VARIANTS without the head dims a CUFLASH_SM90_VARIANTS text names."""
+def _short_table_from_env(text: str | None) -> dict:
+    """CUFLASH_SM90_SHORT_VARIANTS, e.g. "128:pingpong_n128_p,128c:pingpong_n128_p" (c: causal or local), as a
+    table that replaces SM90_SHORT_VARIANTS (for measuring; "" empties it); None: the variable is unset."""
+    if text is None:
+        return SM90_SHORT_VARIANTS
+    table = {}
+    for item in text.replace(" ", "").split(","):
+        if item:
+            d, _, variant = item.partition(":")
+            table[int(d.rstrip("c")), d.endswith("c")] = variant
+    return table
+
+
+def _short_variants(text: str | None, short_text: str | None = None) -> dict:
+    """The short-sequence table (SM90_SHORT_VARIANTS or CUFLASH_SM90_SHORT_VARIANTS's) without the head dims a
+    CUFLASH_SM90_VARIANTS text names."""
     named = _variants_from_env(text, {})
-    return {key: variant for key, variant in SM90_SHORT_VARIANTS.items() if key[0] not in named}
+    return {key: variant for key, variant in _short_table_from_env(short_text).items() if key[0] not in named}
 
 
 SM90_FORWARD = {
     "enabled": os.environ.get("CUFLASH_SM90", "1") == "1",
     "variants": _variants_from_env(os.environ.get("CUFLASH_SM90_VARIANTS"), SM90_DEFAULT_VARIANTS),
-    "short": _short_variants(os.environ.get("CUFLASH_SM90_VARIANTS")),
+    "short": _short_variants(os.environ.get("CUFLASH_SM90_VARIANTS"), os.environ.get("CUFLASH_SM90_SHORT_VARIANTS")),
 }
 
 

@@ -295,6 +295,10 @@ def test_sm90_forward_short_sequences_take_their_own_variant(monkeypatch):
         assert key[0] in plan.SM90_DEFAULT_VARIANTS and variant in hopper.VARIANTS
     assert plan._short_variants(None) == plan.SM90_SHORT_VARIANTS
     assert all(d != 64 for d, _ in plan._short_variants("64:ws")) and plan._short_variants("128:ws")
+    # CUFLASH_SM90_SHORT_VARIANTS replaces the table ("c": causal or local); "" empties it
+    text = "64:ws_n128_p,128c:pingpong_n128_p"
+    assert plan._short_variants(None, text) == {(64, False): "ws_n128_p", (128, True): "pingpong_n128_p"}
+    assert plan._short_variants("128:ws", text) == {(64, False): "ws_n128_p"} and plan._short_variants(None, "") == {}
 
 
 @pytest.mark.parametrize("variant", list(hopper.VARIANTS))
