@@ -1,12 +1,23 @@
 # Sourced by the device scripts (gpu_*.sh) from the repository root: strict mode, $OUT, the repository on
 # PYTHONPATH (used in place, not installed), JAX told not to preallocate GPU memory (it shares the GPU with torch
-# and CuPy), t0 for the elapsed times the steps print, and sanitize_both.
+# and CuPy), t0 for the elapsed times the steps print, precompile_and_test and sanitize_both.
 set -u
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 t0=$SECONDS
+
+# precompile_and_test PATTERN TEST_FILE LOG SECONDS: the kernels whose names match PATTERN compiled ahead
+# (scripts/precompile.py), then the GPU test file under a timeout, both logged to LOG; prints each step's status.
+precompile_and_test() {
+    local pattern=$1 file=$2 log=$3 limit=$4
+    timeout -k 5 200 python3 scripts/precompile.py --pattern "$pattern" --workers 16 >"$log" 2>&1
+    echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$log")"
+    timeout -k 5 "$limit" python3 -m pytest -q --tb=short -p no:cacheprovider "$file" >>"$log" 2>&1
+    echo "$(basename "$file" .py): exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$log" | tail -1)"
+    grep -E "^FAILED|^E  " "$log" | head -8
+}
 
 # sanitize_both NAME SECONDS [VAR=value ...] [-- sanitize_cases.py arguments]: compute-sanitizer memcheck, then
 # racecheck, over scripts/sanitize_cases.py with those variables set, each under a timeout

@@ -13,12 +13,7 @@
 # Environment: OUT, TESTS_TIMEOUT (240), SANITIZE_TIMEOUT (90), BWD_BENCH_ARGS (--seqlens 512,1024,2048),
 # BWD_BENCH_TIMEOUT (150), PROFILE_CASES.
 source scripts/device_env.sh
-timeout -k 5 200 python3 scripts/precompile.py --pattern bwd --workers 16 >"$OUT/bwd.log" 2>&1
-echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/bwd.log")"
-timeout -k 5 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_backward.py \
-    >>"$OUT/bwd.log" 2>&1
-echo "test_backward: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/bwd.log" | tail -1)"
-grep -E "^FAILED|^E  " "$OUT/bwd.log" | head -8
+precompile_and_test bwd tests/gpu/test_backward.py "$OUT/bwd.log" "${TESTS_TIMEOUT:-240}"
 sanitize_both bwd "${SANITIZE_TIMEOUT:-90}" -- --only bwd
 sanitize_both portable_bwd "${SANITIZE_TIMEOUT:-90}" CUFLASH_BWD_SM90=0 -- --only bwd_
 timeout -k 5 "${BWD_BENCH_TIMEOUT:-150}" python3 benchmarks/bench_attention.py --op bwd \

@@ -19,12 +19,7 @@
 # Environment: OUT, DECODE_AB, DECODE_BENCH_ARGS, TUNE, TUNE_CELLS, TUNE_CONFIGS, TUNE_SPLITS, PROFILE_TMA (1),
 # NCU (1), TESTS_TIMEOUT (300).
 source scripts/device_env.sh
-timeout -k 5 200 python3 scripts/precompile.py --pattern decode --workers 16 >"$OUT/decode.log" 2>&1
-echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/decode.log")"
-timeout -k 5 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_kvcache.py \
-    >>"$OUT/decode.log" 2>&1
-echo "test_kvcache: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/decode.log" | tail -1)"
-grep -E "^FAILED|^E  " "$OUT/decode.log" | head -8
+precompile_and_test decode tests/gpu/test_kvcache.py "$OUT/decode.log" "${TESTS_TIMEOUT:-300}"
 sanitize_both kvcache 150 -- --only kvcache
 sanitize_both kvcache_tma 150 CUFLASH_DECODE_TMA=1 -- --only kvcache
 # The decode bench under each switch set of DECODE_AB (sets split by ';', variables inside a set by ','): by
