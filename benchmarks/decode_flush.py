@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""How the L2 flush before each timed call moves the small decode cells, cuflash beside SDPA's cuDNN backend.
+
+bench_decode.py times with triton's do_bench, which zeroes a 256 MB buffer before every call: the call then starts
+with an L2 full of dirty lines. This script times the same calls (one new row, 32 query heads, 8 KV heads, d 128,
+bf16; K/V shared as in bench_decode.py) after four kinds of flush, with CUDA events around each call:
+    memset       the 256 MB zeroed (do_bench's flush)
+    memset+read  the same, then the buffer read (a sum): the L2 ends full of clean lines
+    read         the buffer read only
+    none         nothing: K/V partly in L2 from the last call
+and prints the median microseconds per call.
+
+    python3 benchmarks/decode_flush.py [--cells 1x8192,1x1024,8x1024] [--iters 200]
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+H, HK, D = 32, 8, 128
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", default="1x8192,1x1024,8x1024", help="batch x KV length, comma-separated")
+    ap.add_argument("--iters", type=int, default=200)
+    args = ap.parse_args(argv)
+    import cupy
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import cuflash
+
+    buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    flushes = {"memset": lambda: buf.zero_(), "memset+read": lambda: (buf.zero_(), buf.sum(dtype=torch.int32)),
+               "read": lambda: buf.sum(dtype=torch.int32), "none": lambda: None}
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    print(f"{'cell':>8} {'impl':>8} " + " ".join(f"{m:>12}" for m in flushes) + "   (median us per call)")
+    for cell in args.cells.split(","):
+        b, n = map(int, cell.split("x"))
+        k = torch.randn(b, HK, n, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(b, H, 1, D, device="cuda", dtype=torch.bfloat16)
+        kc, vc, qc = (cupy.from_dlpack(x.transpose(1, 2)) for x in (k, v, q))
+
+        def cf():
+            with stream:
+                return cuflash.attention_with_kvcache(qc, kc, vc, cache_seqlens=n)
+
+        def cudnn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        for name, fn in (("cuflash", cf), ("cudnn", cudnn)):
+            fn()
+            medians = []
+            for flush in flushes.values():
+                pairs = []
+                for _ in range(args.iters):
+                    flush()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn()
+                    end.record()
+                    pairs.append((start, end))
+                torch.cuda.synchronize()
+                medians.append(statistics.median(1e3 * s.elapsed_time(e) for s, e in pairs))
+            print(f"{cell:>8} {name:>8} " + " ".join(f"{m:>12.1f}" for m in medians), flush=True)
+
+
+if __name__ == "__main__":
+    main()
