@@ -470,7 +470,12 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
 # ws_n128 and ws_n128_p at d = 128, but on the grid they lost to pingpong_n128 in five of six cells (non-causal
 # 359.7 / 468.8 / 535.2 against 394.8 / 492.1 / 549.9; causal 2k 373.6 against 439.2): the sweep's short cells
 # swing by up to 2x between variants of equal speed (its first cells run cold), so they pick nothing alone.
-# A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length.
+# Session 7 (scripts/gpu_short_variants.sh, docs/bench/short_variants_session7.txt; geometric mean over 512 / 1k / 2k
+# on the grid, best of two runs): pingpong_n128_p (persistent) 413.4 against pingpong_n128's 492.0 at d = 128
+# non-causal, 325.4 against 335.5 causal; ws_n128_p 338.5 against ws3_n128's 355.2 at d = 64 non-causal; at d = 64
+# causal ws_n128_p stays (259.0 against 222.0). The table did not change.
+# A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
+# "64c:ws_n128_p,128:pingpong_n128_p", c: causal or local) replaces this table, for measuring.
 SM90_SHORT_SEQLEN = 2048
 SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p"}
 
