@@ -452,14 +452,14 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> 
 SM90_DEFAULT_VARIANTS = {64: "ws3_n128", 128: "pingpong_n128", 256: "lockstep"}  # head dim -> cuflash.hopper.VARIANTS
 
 
+def _env_pairs(text: str | None) -> list:
+    """"64:ws,128c:ws_n128" -> [("64", "ws"), ("128c", "ws_n128")] (the variant switches' format)."""
+    return [tuple(item.partition(":")[::2]) for item in (text or "").replace(" ", "").split(",") if item]
+
+
 def _variants_from_env(text: str | None, default: dict) -> dict:
     """"64:ws,128:ws_n128" -> {64: "ws", 128: "ws_n128"} over `default`; head dims not named keep theirs."""
-    table = dict(default)
-    for item in (text or "").replace(" ", "").split(","):
-        if item:
-            d, _, variant = item.partition(":")
-            table[int(d)] = variant
-    return table
+    return {**default, **{int(d): variant for d, variant in _env_pairs(text)}}
 
 
 # Short sequences (seqlen_k <= SM90_SHORT_SEQLEN), per (head dim, masked by a band), where another variant beat the
@@ -479,17 +479,13 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
 SM90_SHORT_SEQLEN = 2048
 SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p"}
 
+
 def _short_table_from_env(text: str | None) -> dict:
     """CUFLASH_SM90_SHORT_VARIANTS, e.g. "128:pingpong_n128_p,128c:pingpong_n128_p" (c: causal or local), as a
     table that replaces SM90_SHORT_VARIANTS (for measuring; "" empties it); None: the variable is unset."""
     if text is None:
         return SM90_SHORT_VARIANTS
-    table = {}
-    for item in text.replace(" ", "").split(","):
-        if item:
-            d, _, variant = item.partition(":")
-            table[int(d.rstrip("c")), d.endswith("c")] = variant
-    return table
+    return {(int(d.rstrip("c")), d.endswith("c")): variant for d, variant in _env_pairs(text)}
 
 
 def _short_variants(text: str | None, short_text: str | None = None) -> dict:
