@@ -14,10 +14,11 @@
 //     dQ  += dS K         wgmma ss, both MN-major: dS^T goes to shared memory (rows of keys, 64 queries = one
 //                         128-byte swizzled line; BM / 64 such panels), K is read transposed; added to dq_accum
 //                         with fp32 vector reductions, 64 query rows at a time
-// dQ is split between the warpgroups by 64-column panel at d = 128 (after both stored dS^T: a CTA barrier) and by
-// keys at d = 64 (each its own 64 keys). Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its
-// derivative straight into dS, both products waited for first) at d = 64 (at 128 that kernel spills); head dims 64
-// and 128.
+// dQ is split between the warpgroups (after both stored dS^T: a CTA barrier) by 64-column panel at d = 128 and by
+// 64-row half at d = 64 with 128 rows, so that each dQ element gets one reduction per step; at d = 64 with 64 rows
+// (score mods) each warpgroup adds its own 64 keys' part to every element. Softcap and ALiBi (SCORE_MOD:
+// score_mod.cuh's modify per element, its derivative straight into dS, both products waited for first) at d = 64
+// (at 128 that kernel spills); head dims 64 and 128.
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "mask.cuh"
@@ -57,6 +58,9 @@ struct BwdSm90 {
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
     static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64;
+    // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
+    // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
+    static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
 
     const BwdSm90Params& P;
     const BwdParams& p;
@@ -198,6 +202,9 @@ struct BwdSm90 {
     }
 
     __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
+        // Opaque per step (the same values): the shared-memory descriptors derived from them are made where used,
+        // not hoisted out of the step loop and kept in registers across steps
+        asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
         int h, m;
         step_of(t, m_min, m_count, h, m);
         const int buf = tt % 2;
@@ -266,21 +273,21 @@ struct BwdSm90 {
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds[j / 2][(j % 2) * 2 + hh]) : "memory");
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
-        if (PANELS == 2) __syncthreads();  // d = 128: each warpgroup's dQ panel needs both halves of dS^T
+        if (PANELS == 2 || ROW_SPLIT) __syncthreads();  // each warpgroup's dQ reads both halves of dS^T
         else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // its own keys only
-        // dQ (BM queries x 64 columns, as BM / 64 halves of 64 rows): d = 128, panel wg over all 128 keys; d = 64, all
-        // columns over its 64 keys
-        constexpr int KEYS = PANELS == 2 ? BN : 64;
-        const int key_base = PANELS == 2 ? 0 : wg * 64, panel = PANELS == 2 ? wg : 0;
-        float dq[QH][8][4];
+        // dQ over 64 columns, as 64-row halves: d = 128, panel wg, all BM rows, over all 128 keys; d = 64 with 128
+        // rows (ROW_SPLIT), the half wg over all 128 keys; d = 64 with 64 rows, all of it over its own 64 keys
+        constexpr int KEYS = PANELS == 2 || ROW_SPLIT ? BN : 64, HALVES = ROW_SPLIT ? 1 : QH;
+        const int key_base = KEYS == BN ? 0 : wg * 64, panel = PANELS == 2 ? wg : 0, half0 = ROW_SPLIT ? wg : 0;
+        float dq[HALVES][8][4];
         sm90::wgmma_fence();
 #pragma unroll
-        for (int qh = 0; qh < QH; ++qh)
+        for (int qh = 0; qh < HALVES; ++qh)
 #pragma unroll
             for (int kk = 0; kk < KEYS / 16; ++kk)
                 sm90::wgmma_m64n64k16_ss_mn<T>(*reinterpret_cast<float(*)[32]>(&dq[qh][0][0]),
-                                               sm90::smem_desc_mn(ds_tile + qh * DS_PANEL + (key_base + kk * 16) * 128,
-                                                                  DS_PANEL),
+                                               sm90::smem_desc_mn(ds_tile + (half0 + qh) * DS_PANEL +
+                                                                  (key_base + kk * 16) * 128, DS_PANEL),
                                                sm90::smem_desc_mn(base + panel * K_PANEL + (key_base + kk * 16) * 128,
                                                                   K_PANEL), kk > 0);
         sm90::wgmma_commit();
@@ -294,26 +301,28 @@ struct BwdSm90 {
         float* dq_rows = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
                          SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D + panel * 64;
         const i64 row_stride = (i64)p.nheads * D;
-        // Deterministic mode: every element of this CTA's slice gets its additions in a fixed order. At d = 128 each
-        // is added by one thread only (its warpgroup's panel, the same lane at every step): program order. At d = 64
-        // both warpgroups add to the same elements, warpgroup 0 first (named barrier 3: it arrives once its additions
-        // are ordered, warpgroup 1 waits); the end-of-step barrier orders warpgroup 1's before the next step's. The
-        // threads ordering each other are in one CTA, so CTA-scope fences suffice.
+        // Deterministic mode: every element of this CTA's slice gets its additions in a fixed order. Where each
+        // element is added by one thread only (d = 128: its warpgroup's panel; ROW_SPLIT: its warpgroup's rows; the
+        // same lane at every step) that is program order. At d = 64 with 64 rows both warpgroups add to the same
+        // elements, warpgroup 0 first (named barrier 3: it arrives once its additions are ordered, warpgroup 1
+        // waits); the end-of-step barrier orders warpgroup 1's before the next step's. The threads ordering each
+        // other are in one CTA, so CTA-scope fences suffice.
+        constexpr bool SHARED_DQ = PANELS == 1 && !ROW_SPLIT;
         const bool ordered = p.deterministic != 0;
-        if (PANELS == 1 && ordered && wg == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");
+        if (SHARED_DQ && ordered && wg == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");
 #pragma unroll
-        for (int qh = 0; qh < QH; ++qh)
+        for (int qh = 0; qh < HALVES; ++qh)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const int row = m * BM + qh * 64 + warp * 16 + lane / 4 + 8 * hh;
+                const int row = m * BM + (half0 + qh) * 64 + warp * 16 + lane / 4 + 8 * hh;
                 if (row >= seqlen_q) continue;
 #pragma unroll
                 for (int j = 0; j < 8; ++j)  // two adjacent columns in one reduction: whole 32-byte sectors per quad
                     red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[qh][j][2 * hh],
                                dq[qh][j][2 * hh + 1]);
             }
-        if (PANELS == 1 && ordered) __threadfence_block();
-        if (PANELS == 1 && ordered && wg == 0) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+        if (SHARED_DQ && ordered) __threadfence_block();
+        if (SHARED_DQ && ordered && wg == 0) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
         sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
     }
 
