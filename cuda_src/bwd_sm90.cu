@@ -68,6 +68,7 @@ struct BwdSm90 {
     u32 base;
     int h_kv, b, q_begin, k_begin, n_key0;
     Mask<BAND> mask;
+    bool backwards;  // this key block's walk in reverse (step_of)
     float acc_dk[PANELS * 8][4], acc_dv[PANELS * 8][4];
 
     __device__ __forceinline__ explicit BwdSm90(const BwdSm90Params& params) : P(params), p(params.p) {}
@@ -85,8 +86,11 @@ struct BwdSm90 {
         else sm90::tma_load_4d(dst, map, col, head, row, b, bar);
     }
 
-    // Step t of the walk over (query head of the group, query block): which head and block.
+    // Step t of the walk over (query head of the group, query block): which head and block. A CTA with several key
+    // blocks (deterministic mode's slots) walks every other one backwards, so that the dQ slice lines and Q/dO tiles
+    // it touched last are the first it needs again, while some may still be in L2.
     __device__ __forceinline__ void step_of(int t, int m_min, int m_count, int& h, int& m) const {
+        if (backwards) t = m_count * p.heads_per_kv - 1 - t;
         h = h_kv * p.heads_per_kv + t / m_count;
         m = m_min + t % m_count;
     }
@@ -366,6 +370,7 @@ struct BwdSm90 {
         int tt = 0, kv_loads = 0;  // steps and K/V loads so far (the barriers' phases)
         for (int n = blockIdx.x; n < n_blocks; n += gridDim.x) {
             n_key0 = n * BN;
+            backwards = (n - blockIdx.x) / gridDim.x % 2 == 1;
             // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
             int m_min = 0, m_max = m_blocks;
             if (BAND) {

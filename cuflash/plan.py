@@ -221,6 +221,8 @@ BWD_WIDE = {"enabled": os.environ.get("CUFLASH_BWD_WIDE", "1") == "1", "headdim"
 # atomic dQ; docs/bench/drafts_session5_bwd_ab2.txt):
 #   d =  64: 211-262 non-causal, 114-154 causal   (portable kernel 105-121 / 85-117; SDPA flash 244-280 / 187-248)
 #   d = 128: 314-394 non-causal, 178-252 causal   (portable kernel 112-118 / 101-122; SDPA flash 265-306 / 208-277)
+# Since (session 8, ANCHORS grid 512-16k, docs/bench/release_session8.txt): d = 64 250-404 / 160-390 (SDPA flash
+# 209-287 / 138-278), d = 128 270-432 / 169-411 (SDPA flash 224-310 / 157-315).
 BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims": (64, 128), "score_mod": (64,),
             "block_n": 128}  # keys per CTA (BwdSm90::BN)
 
