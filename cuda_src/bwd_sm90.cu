@@ -36,6 +36,23 @@ struct BwdSm90Params {
     BwdParams p;        // the portable kernel's parameters (its q, k, v, dout pointers unused here)
 };
 
+// Deterministic mode 2 (ordered): one dQ accumulator, to which the key blocks that see a query block add in the
+// order of their index. Per (sequence, head, query block) an int32 counter of the key blocks that have added, right
+// after the accumulator (p.dq_accum + p.dq_slice_stride; zeroed by bwd_preprocess). A key block reads the counter
+// (acquire) until it shows its rank, adds, and counts itself in (release, after a CTA barrier: cumulative over the
+// CTA's additions). CTAs are deterministic mode's slots (a few per head, each walking its key blocks in turn), so
+// the wait is for a neighbouring slot about a step ahead, not a chain through the whole grid; the read is issued
+// at the start of the step and the count-in deferred to the next step, to keep both latencies off the step.
+// Progress needs the slots of the earliest unfinished head to be resident, which in-order CTA dispatch gives.
+__device__ __forceinline__ int load_acquire(const int* counter) {
+    int seen;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+    return seen;
+}
+__device__ __forceinline__ void count_in(int* counter) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+}
+
 // Two adjacent fp32 additions in one vector reduction (sm_90; 8-byte aligned, relaxed, gpu scope as atomicAdd's).
 __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y) : "memory");
@@ -69,6 +86,7 @@ struct BwdSm90 {
     int h_kv, b, q_begin, k_begin, n_key0;
     Mask<BAND> mask;
     bool backwards;  // this key block's walk in reverse (step_of)
+    int* turn_done;  // mode 2: the counter of the last step's query block, not yet counted in (count-in deferred)
     float acc_dk[PANELS * 8][4], acc_dv[PANELS * 8][4];
 
     __device__ __forceinline__ explicit BwdSm90(const BwdSm90Params& params) : P(params), p(params.p) {}
@@ -179,6 +197,26 @@ struct BwdSm90 {
         return all;
     }
 
+    // Mode 2's counter of query block m of head h in this sequence.
+    __device__ __forceinline__ int* turn_counter(int h, int m) const {
+        const i64 row = (i64)b * p.nheads + h;
+        return reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride) + row * ceil_div(p.seqlen_q, BM) + m;
+    }
+
+    // How many key blocks before this one see query block m (its turn): those from the first whose band reaches m.
+    // Every key block between that one and this sees m too, as this one does (band edges grow with the key block).
+    __device__ __forceinline__ int turn_rank(int m) const {
+        const int n = n_key0 / BN;
+        if (!BAND || p.window_left < 0) return n;
+        return n - max(0, ceil_div(m * BM - BN + 1 + mask.diag - p.window_left, BN));
+    }
+
+    // Mode 2: the previous step's count-in, once its additions are behind a CTA barrier (thread 0).
+    __device__ __forceinline__ void count_in_pending() {
+        if (turn_done != nullptr) count_in(turn_done);
+        turn_done = nullptr;
+    }
+
     // P^T = exp2(S^T scale - lse), in place; MASKED: 0 where the key is not visible to the query. Per key (a
     // thread holds two), the visible queries are one interval, so an element costs two compares.
     template <bool MASKED>
@@ -219,6 +257,13 @@ struct BwdSm90 {
         sm90::wgmma_fence();
         issue_keys_by_queries(st, base, q_tile(buf));
         issue_keys_by_queries(dpt, base + OFF_V, do_tile(buf));
+        const bool in_turn = p.deterministic == 2 && tid == 0;  // mode 2: thread 0 waits for this step's turn
+        int* turn = nullptr;
+        int turn_seen = 0;
+        if (in_turn) {  // read now, used after the products: its latency hides behind them
+            turn = turn_counter(h, m);
+            turn_seen = load_acquire(turn);
+        }
         // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
         const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
         // Issue order: dV as soon as P^T is in registers (EARLY_DV), then, once dS^T is in shared memory, dQ (then
@@ -277,7 +322,12 @@ struct BwdSm90 {
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds[j / 2][(j % 2) * 2 + hh]) : "memory");
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
-        if (PANELS == 2 || ROW_SPLIT) __syncthreads();  // each warpgroup's dQ reads both halves of dS^T
+        if (in_turn)
+            for (const int rank = turn_rank(m); turn_seen != rank;) {
+                __nanosleep(64);  // not ready: poll gently, the slot ahead is a step or so away
+                turn_seen = load_acquire(turn);
+            }
+        if (PANELS == 2 || ROW_SPLIT || p.deterministic == 2) __syncthreads();  // both dS^T halves; mode 2: the turn
         else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // its own keys only
         // dQ over 64 columns, as 64-row halves: d = 128, panel wg, all BM rows, over all 128 keys; d = 64 with 128
         // rows (ROW_SPLIT), the half wg over all 128 keys; d = 64 with 64 rows, all of it over its own 64 keys
@@ -301,16 +351,20 @@ struct BwdSm90 {
         }
         issue_keys_by_d(acc_dk, ds, q_tile(buf));
         sm90::wgmma_commit();
+        if (in_turn) {  // the previous step's additions are behind this step's barrier: count them in, here, where
+            count_in_pending();  // the release's wait overlaps the products (placed before them, it delayed them)
+            turn_done = turn;
+        }
         sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
-        float* dq_rows = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
+        float* dq_rows = p.dq_accum + (p.deterministic == 1 ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
                          SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D + panel * 64;
         const i64 row_stride = (i64)p.nheads * D;
-        // Deterministic mode: every element of this CTA's slice gets its additions in a fixed order. Where each
-        // element is added by one thread only (d = 128: its warpgroup's panel; ROW_SPLIT: its warpgroup's rows; the
-        // same lane at every step) that is program order. At d = 64 with 64 rows both warpgroups add to the same
-        // elements, warpgroup 0 first (named barrier 3: it arrives once its additions are ordered, warpgroup 1
-        // waits); the end-of-step barrier orders warpgroup 1's before the next step's. The threads ordering each
-        // other are in one CTA, so CTA-scope fences suffice.
+        // Deterministic modes: every element of this CTA's slice (mode 2: of the one buffer, in this key block's
+        // turn) gets its additions in a fixed order. Where each element is added by one thread only (d = 128: its
+        // warpgroup's panel; ROW_SPLIT: its warpgroup's rows; the same lane at every step) that is program order. At
+        // d = 64 with 64 rows both warpgroups add to the same elements, warpgroup 0 first (named barrier 3: it
+        // arrives once its additions are ordered, warpgroup 1 waits); the end-of-step barrier orders warpgroup 1's
+        // before the next step's. The threads ordering each other are in one CTA, so CTA-scope fences suffice.
         constexpr bool SHARED_DQ = PANELS == 1 && !ROW_SPLIT;
         const bool ordered = p.deterministic != 0;
         if (SHARED_DQ && ordered && wg == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");
@@ -368,9 +422,10 @@ struct BwdSm90 {
         }
         __syncthreads();
         int tt = 0, kv_loads = 0;  // steps and K/V loads so far (the barriers' phases)
+        turn_done = nullptr;
         for (int n = blockIdx.x; n < n_blocks; n += gridDim.x) {
             n_key0 = n * BN;
-            backwards = (n - blockIdx.x) / gridDim.x % 2 == 1;
+            backwards = p.deterministic == 1 && (n - blockIdx.x) / gridDim.x % 2 == 1;  // not in mode 2's turns
             // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
             int m_min = 0, m_max = m_blocks;
             if (BAND) {
@@ -408,7 +463,8 @@ struct BwdSm90 {
                         if (tid < BM) store_rows(smem, tt + 2, next_rows);
                     }
                 }
-                __syncthreads();  // the last rows stores are read; K and V may be replaced
+                __syncthreads();  // the last rows stores are read; K and V may be replaced; the last additions made
+                if (p.deterministic == 2 && tid == 0) count_in_pending();
             }
             store_dkdv(seq.seqlen_k);
         }

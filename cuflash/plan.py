@@ -226,6 +226,13 @@ BWD_WIDE = {"enabled": os.environ.get("CUFLASH_BWD_WIDE", "1") == "1", "headdim"
 BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims": (64, 128), "score_mod": (64,),
             "block_n": 128}  # keys per CTA (BwdSm90::BN)
 
+# Deterministic mode of the Hopper kernel: "slices" gives each of bwd_sm90_slots CTAs per head its own fp32 dQ
+# slice, summed in order after the kernel; "ordered" (CUFLASH_BWD_SM90_DET=ordered; a draft, not yet measured) adds
+# into one buffer, each key block in its turn per query block (bwd_sm90.cu, mode 2), with the same slots.
+BWD_SM90_DET = os.environ.get("CUFLASH_BWD_SM90_DET", "slices")
+if BWD_SM90_DET not in ("slices", "ordered"):
+    raise ValueError(f"CUFLASH_BWD_SM90_DET must be 'slices' or 'ordered', not {BWD_SM90_DET!r}")
+
 
 # Query rows per step of the Hopper backward, per head dim: 64, or 128 at d = 64 without a score mod (twice the work
 # per step for the same barriers and waits). 128 at d = 64 measured faster in every cell (H200, bf16, 2026-11-29,
@@ -363,6 +370,7 @@ class BwdLaunch:
     spec: BwdSpec
     grid: tuple
     slices: int    # fp32 dQ accumulator slices (1 unless deterministic)
+    counters: int = 0  # int32 turn counters after the accumulator (the Hopper kernel's ordered deterministic mode)
 
 
 def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
@@ -378,6 +386,12 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     groups = problem.batch * problem.nheads_k
     if bwd_sm90_applies(problem, score_mod, arch):
         n_blocks = math.ceil(problem.seqlen_k / BWD_SM90["block_n"])
+        if deterministic and BWD_SM90_DET == "ordered":
+            block_m = bwd_sm90_block_m(problem.headdim, score_mod)
+            m_blocks = math.ceil(problem.seqlen_q / block_m)
+            slots = bwd_sm90_ordered_slots(n_blocks, m_blocks * (problem.nheads // problem.nheads_k), groups, sm_count)
+            counters = problem.batch * problem.nheads * m_blocks
+            return BwdLaunch(spec, check_grid((slots, problem.nheads_k, problem.batch)), 1, counters)
         slots = bwd_sm90_slots(n_blocks, groups, sm_count) if deterministic else n_blocks
     else:
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
@@ -385,28 +399,44 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     return BwdLaunch(spec, check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1)
 
 
-def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int) -> int:
+def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int, most: int | None = None) -> int:
     """Deterministic mode on the Hopper kernel (one CTA per SM): of 1..n_blocks slots, the one whose CTAs
     (slots x groups of them, ceil(n_blocks / slots) key blocks each) finish soonest, and of those the fewest (each
     slot is a dQ slice to zero and sum). The portable rule (about two CTAs per SM) left waves part-empty and
-    CTAs uneven: 5 slots of 6-7 blocks at seqlen 4k, batch 4, 16 heads, d 128, where 2 slots of 16 end as soon."""
+    CTAs uneven: 5 slots of 6-7 blocks at seqlen 4k, batch 4, 16 heads, d 128, where 2 slots of 16 end as soon.
+    `most`: an upper bound on the count."""
     def makespan(slots: int) -> int:
         return math.ceil(slots * groups / sm_count) * math.ceil(n_blocks / slots)
-    return min(range(1, n_blocks + 1), key=lambda slots: (makespan(slots), slots))
+    return min(range(1, min(n_blocks, most or n_blocks) + 1), key=lambda slots: (makespan(slots), slots))
+
+
+def bwd_sm90_ordered_slots(n_blocks: int, steps: int, groups: int, sm_count: int) -> int:
+    """The ordered deterministic mode's slots: at least two where there are enough steps, so that a head's dQ is
+    added by slots walking its query blocks together (one slot per head walks all of it, and with many heads at once
+    that misses the L2: 1.26x atomic at d 64, 4k keys), at most a third of a key block's steps (slot s trails slot
+    s - 1 by a step or two; the first slot's next key block, `steps` query blocks on, must not catch up with the
+    last one) and one wave (a head's slots all resident). Of those the count whose CTAs finish soonest, counting
+    the trail of 2 steps per slot, and of equals the fewest."""
+    most = max(1, min(steps // 3, sm_count, n_blocks))
+
+    def makespan(slots: int) -> int:
+        return math.ceil(slots * groups / sm_count) * (math.ceil(n_blocks / slots) * steps + 2 * (slots - 1))
+    return min(range(min(2, most), most + 1), key=lambda slots: (makespan(slots), slots))
 
 
 WORKSPACE_ALIGN = 256  # bytes; each piece of a workspace starts on this boundary
 
 
-def backward_workspace(rows: int, nheads: int, headdim: int, slices: int) -> tuple[int, int, int]:
+def backward_workspace(rows: int, nheads: int, headdim: int, slices: int, counters: int = 0) -> tuple[int, int, int]:
     """The backward's workspaces as one aligned block: byte offsets of lse_log2 and of the dQ accumulator, and
     the total. In the order cuflash.api.launch_backward allocates them: dsum and lse_log2 (fp32, one per query
-    row and head), then the fp32 dQ accumulator (slices x rows x heads x headdim), each piece rounded up to
+    row and head), then the fp32 dQ accumulator (slices x rows x heads x headdim) and right after it `counters`
+    int32 (the Hopper kernel's ordered deterministic mode; zeroed with it), each piece rounded up to
     WORKSPACE_ALIGN (cuflash.jax hands them out of one XLA buffer this size). `rows`: batch * seqlen_q, or
     total_q when packed."""
     aligned = lambda n: -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN  # noqa: E731
     per_row = aligned(rows * nheads * 4)
-    return per_row, 2 * per_row, 2 * per_row + aligned(slices * rows * nheads * headdim * 4)
+    return per_row, 2 * per_row, 2 * per_row + aligned(slices * rows * nheads * headdim * 4 + counters * 4)
 
 
 def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
@@ -476,10 +506,14 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
 # on the grid, best of two runs): pingpong_n128_p (persistent) 413.4 against pingpong_n128's 492.0 at d = 128
 # non-causal, 325.4 against 335.5 causal; ws_n128_p 338.5 against ws3_n128's 355.2 at d = 64 non-causal; at d = 64
 # causal ws_n128_p stays (259.0 against 222.0). The table did not change.
+# Session 9 (scripts/gpu_fwd_tile_order.sh, docs/bench/fwd_tile_order_session9.txt): the persistent kernels without
+# a band now walk query blocks fastest, as the grid does (fwd_sm90.cu tile_of), and won the non-causal short cells:
+# d = 64 ws_n128_p 345.0 / 407.6 / 432.9 at 512 / 1k / 2k against ws3_n128's 284.1 / 359.7 / 436.5, d = 128
+# pingpong_n128_p 425.2 / 510.0 / 568.2 against pingpong_n128's 397.6 / 500.0 / 553.5-603.5 (two rounds).
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128:pingpong_n128_p", c: causal or local) replaces this table, for measuring.
 SM90_SHORT_SEQLEN = 2048
-SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p"}
+SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p", (64, False): "ws_n128_p", (128, False): "pingpong_n128_p"}
 
 
 def _short_table_from_env(text: str | None) -> dict:
@@ -539,7 +573,7 @@ BWD_PARAMS_DTYPE = _struct(
     ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
 BWD_PRE_PARAMS_DTYPE = _struct(
     ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum"), _strides("o", "do") + ["dq_slice_stride"],
-    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices"), ())
+    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "counters"), ())
 BWD_CONVERT_PARAMS_DTYPE = _struct(("dq_accum", "dq"), ("slice_stride",), ("slices",), ())
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The ordered deterministic mode of the Hopper backward (drafts/session8-ordered-dq.patch: one dQ buffer, each key
+# The ordered deterministic mode of the Hopper backward (CUFLASH_BWD_SM90_DET=ordered: one dQ buffer, each key
 # block adding in its turn) checked and measured in one device call, from the repository root:
 #
 #     OUT=... bash scripts/gpu_bwd_ordered.sh
 #
-#   1. the patch applied (git apply), the backward compiled ahead, then tests/gpu/test_backward.py with
+#   1. the backward compiled ahead, then tests/gpu/test_backward.py with
 #      CUFLASH_BWD_SM90_DET=ordered: every deterministic test runs the new mode             -> bwd_ordered.log
 #   2. memcheck and racecheck of the backward's sanitize cases in that mode    -> ordered_memcheck.log, ..._racecheck.log
 #   3. bench_attention.py --op bwd, ordered mode (beside atomic and SDPA flash), then the slices mode's
@@ -12,7 +12,6 @@
 # A wait that never ends (a turn never given) shows as a timeout. Environment: OUT, TESTS_TIMEOUT (200),
 # SANITIZE_TIMEOUT (60), BENCH_TIMEOUT (150), BENCH_ARGS (the ANCHORS grid).
 source scripts/device_env.sh
-git apply drafts/session8-ordered-dq.patch || { echo "the patch does not apply"; exit 1; }
 export CUFLASH_BWD_SM90_DET=ordered
 precompile_and_test bwd tests/gpu/test_backward.py "$OUT/bwd_ordered.log" "${TESTS_TIMEOUT:-200}"
 sanitize_both ordered "${SANITIZE_TIMEOUT:-60}" -- --only bwd

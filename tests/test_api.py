@@ -193,6 +193,56 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
         8, 9, rows * h * d, slices)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_backward_ordered_layout(no_gpu_kernels, monkeypatch, packed):
+    """Deterministic mode "ordered" on the Hopper kernel (plan.BWD_SM90_DET): slots as bwd_sm90_ordered_slots, one dQ
+    slice, mode 2 in the main struct, and batch x heads x query blocks int32 counters right after the accumulator,
+    inside the workspace and zeroed by the preprocess."""
+    from cuflash import api, hopper, plan
+    monkeypatch.setattr(plan, "BWD_SM90_DET", "ordered")
+    api._bwd_launches.clear()
+    b, sq, sk, h, hk, d = 3, 300, 1000, 4, 2, 128
+    rows = 700 if packed else b * sq
+    lead_q, lead_k = ((rows,), (2500,)) if packed else ((b, sq), (b, sk))
+    q = _FakeDeviceArray(np.zeros(lead_q + (h, d), np.float16), 0)
+    k = _FakeDeviceArray(np.zeros(lead_k + (hk, d), np.float16), 0)
+    lse = _FakeDeviceArray(np.zeros((h, rows) if packed else (b, h, sq), np.float32), 0)
+    problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(np.float16))
+    call = api.backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None, causal=True,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=True,
+                             packed=packed)
+    api._bwd_launches.clear()
+    launch = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
+    m_blocks = -(-sq // 64)  # d 128: 64 query rows per step
+    assert launch.slices == 1 and launch.counters == b * h * m_blocks
+    n_blocks = -(-sk // 128)
+    assert launch.grid == (plan.bwd_sm90_ordered_slots(n_blocks, m_blocks * 2, b * hk, 132), hk, b)
+    assert 1 <= launch.grid[0] <= min(n_blocks, m_blocks * 2 // 3)
+    lse_off, dq_off, total = plan.backward_workspace(rows, h, d, 1, launch.counters)
+    assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
+    assert dq_off + rows * h * d * 4 + launch.counters * 4 <= total  # the counters fit after the accumulator
+    assert isinstance(call.main, hopper.BackwardMain)
+    main = np.frombuffer(call.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
+    assert main["deterministic"] == 2 and main["dq_slice_stride"] == rows * h * d
+    assert call.main.kernel_call.launches[0][1:4] == launch.grid
+    pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 7))
+    assert (pre["slices"], pre["counters"], pre["dq_slice_stride"]) == (1, launch.counters, rows * h * d)
+
+
+def test_ordered_slots_leave_rounds_room():
+    """bwd_sm90_ordered_slots: two or more where a key block has the steps for it (a head's dQ added by slots
+    walking together), at most a third of a key block's steps and a wave, the sooner-finishing count of those."""
+    from cuflash import plan
+    assert plan.bwd_sm90_ordered_slots(32, 32, 128, 132) == 2    # 4k, d 64, b 4: the slices rule takes 1
+    assert plan.bwd_sm90_ordered_slots(128, 256, 16, 132) == 8   # 16k, d 128, b 1: one wave of 8 x 16
+    assert plan.bwd_sm90_ordered_slots(128, 6, 16, 132) == 2
+    assert plan.bwd_sm90_ordered_slots(4, 2, 512, 132) == 1      # too few steps to trail by one
+    assert plan.bwd_sm90_ordered_slots(1000, 10000, 1, 132) <= 132
+    for n_blocks, steps, groups in [(16, 32, 128), (64, 128, 32), (3, 9, 7), (40, 80, 300)]:
+        slots = plan.bwd_sm90_ordered_slots(n_blocks, steps, groups, 132)
+        assert 2 <= slots <= min(n_blocks, steps // 3, 132)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, deterministic):
     """plan.BWD_SM90 on (the default): the backward's main launch is the Hopper kernel (d 64/128, no score mod) with

@@ -279,3 +279,42 @@ def test_sm90_backward_varlen(compiled, sm90_backward, deterministic):
                  dtype="bf16", causal=True, deterministic=deterministic)
     run_backward(np.random.default_rng(22), lens_q=[129, 64, 300], lens_k=[129, 64, 300], h=2, hk=2, d=128,
                  dtype="fp16", deterministic=deterministic)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Hopper kernel's ordered deterministic mode (plan.BWD_SM90_DET "ordered"): one dQ buffer, key blocks in turn
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sm90_ordered(monkeypatch):
+    """Deterministic mode 2 of bwd_sm90.cu: slots add into one dQ buffer, each key block in its turn."""
+    import cupy
+    from cuflash import api, plan
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    monkeypatch.setattr(plan, "BWD_SM90_DET", "ordered")
+    api._bwd_launches.clear()
+    yield
+    api._bwd_launches.clear()
+
+
+@pytest.mark.parametrize("hk", [2, 1])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_ordered_deterministic(compiled, sm90_ordered, hk, d):
+    """Several key blocks per slot (turns across rounds), causal, a band with a left edge (turn ranks that skip
+    key blocks), score mods at d 64, GQA; bitwise repeatable."""
+    run_case(np.random.default_rng(31), b=1, sq=1000, sk=2000, h=2, hk=hk, d=d, dtype="bf16", causal=True,
+             deterministic=True)
+    run_case(np.random.default_rng(32), b=2, sq=700, sk=900, h=2, hk=hk, d=d, dtype="fp16", window_size=(300, 40),
+             deterministic=True)
+    run_case(np.random.default_rng(33), b=2, sq=333, sk=300, h=4, hk=hk, d=d, dtype="bf16", softcap=8.0,
+             alibi="bh", deterministic=True)
+    assert_bitwise_repeatable(8, runs=3, b=1, sq=1000, sk=1500, h=2, hk=hk, d=d)
+
+
+def test_sm90_ordered_varlen(compiled, sm90_ordered):
+    from tests.gpu.test_varlen import run_backward
+    run_backward(np.random.default_rng(34), lens_q=[0, 17, 900, 1, 330], lens_k=[5, 17, 1200, 1, 0], h=4, hk=2, d=64,
+                 dtype="bf16", causal=True, deterministic=True)
+    run_backward(np.random.default_rng(35), lens_q=[129, 640, 300], lens_k=[129, 1000, 300], h=2, hk=2, d=128,
+                 dtype="fp16", deterministic=True)
