@@ -36,14 +36,20 @@ struct BwdSm90Params {
     BwdParams p;        // the portable kernel's parameters (its q, k, v, dout pointers unused here)
 };
 
-// Deterministic mode 2 (ordered): one dQ accumulator, to which the key blocks that see a query block add in the
-// order of their index. Per (sequence, head, query block) an int32 counter of the key blocks that have added, right
-// after the accumulator (p.dq_accum + p.dq_slice_stride; zeroed by bwd_preprocess). A key block reads the counter
-// (acquire) until it shows its rank, adds, and counts itself in (release, after a CTA barrier: cumulative over the
-// CTA's additions). CTAs are deterministic mode's slots (a few per head, each walking its key blocks in turn), so
-// the wait is for a neighbouring slot about a step ahead, not a chain through the whole grid; the read is issued
-// at the start of the step and the count-in deferred to the next step, to keep both latencies off the step.
-// Progress needs the slots of the earliest unfinished head to be resident, which in-order CTA dispatch gives.
+// Deterministic mode 2 (ordered): the atomic mode's grid (one key block per CTA, all of a head's at once, so that
+// their dQ additions hit the L2 as atomic mode's do) and one dQ accumulator, to which the key blocks that see a
+// (head, query block) add in a fixed order: the order in which they reach it when all walk at the same pace, so
+// that a turn is normally given before it is needed. With a band, each key block walks its query blocks upwards
+// from the first it sees, and those of later key blocks start later: the order is by descending key block. Without
+// one, key block n starts its walk at step floor(n S / N) (S steps, N key blocks) and wraps around: the order at
+// step u is by the steps the key blocks take to reach u (turn_rank). Per (sequence, head, query block) an int32
+// counter of the key blocks that have added, right after the accumulator (p.dq_accum + p.dq_slice_stride; zeroed
+// by bwd_preprocess). Thread 0 reads it (acquire) early in the step, waits before the dS^T barrier until it shows
+// the rank, and counts the step's additions in (release, cumulative over the CTA's additions through the barrier
+// between) at the start of the next step, where the release's wait overlaps the products. Every wait is on a step
+// another key block takes before its own same-numbered step, so there is no cycle; progress needs the earliest
+// unfinished head's CTAs all resident (at most one per SM: plan_backward keeps N <= the SM count), which in-order
+// CTA dispatch gives.
 __device__ __forceinline__ int load_acquire(const int* counter) {
     int seen;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
@@ -86,6 +92,8 @@ struct BwdSm90 {
     int h_kv, b, q_begin, k_begin, n_key0;
     Mask<BAND> mask;
     bool backwards;  // this key block's walk in reverse (step_of)
+    int rot;         // mode 2 without a band: the step this key block's walk starts from (step_of)
+    int turn_n;      // mode 2: key blocks of this sequence
     int* turn_done;  // mode 2: the counter of the last step's query block, not yet counted in (count-in deferred)
     float acc_dk[PANELS * 8][4], acc_dv[PANELS * 8][4];
 
@@ -109,6 +117,10 @@ struct BwdSm90 {
     // it touched last are the first it needs again, while some may still be in L2.
     __device__ __forceinline__ void step_of(int t, int m_min, int m_count, int& h, int& m) const {
         if (backwards) t = m_count * p.heads_per_kv - 1 - t;
+        if (!BAND && rot > 0) {
+            t += rot;
+            if (t >= m_count * p.heads_per_kv) t -= m_count * p.heads_per_kv;
+        }
         h = h_kv * p.heads_per_kv + t / m_count;
         m = m_min + t % m_count;
     }
@@ -203,12 +215,22 @@ struct BwdSm90 {
         return reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride) + row * ceil_div(p.seqlen_q, BM) + m;
     }
 
-    // How many key blocks before this one see query block m (its turn): those from the first whose band reaches m.
-    // Every key block between that one and this sees m too, as this one does (band edges grow with the key block).
-    __device__ __forceinline__ int turn_rank(int m) const {
-        const int n = n_key0 / BN;
-        if (!BAND || p.window_left < 0) return n;
-        return n - max(0, ceil_div(m * BM - BN + 1 + mask.diag - p.window_left, BN));
+    // Mode 2: how many key blocks add to (head h, query block m) before this one (see above). With a band, the later
+    // key blocks that see m: up to the last whose keys some row of m sees (the band's edges grow with the key
+    // block). Without, at step u = (h - first head) m_blocks + m: those whose walk starts in (o, u] cyclically, o
+    // this one's start (they reach u sooner), and those before this one that start at o (as soon).
+    __device__ __forceinline__ int turn_rank(int h, int m, int m_blocks) const {
+        const int n = n_key0 / BN, nb = turn_n;
+        if (BAND) {
+            if (p.window_right < 0) return nb - 1 - n;
+            return min(nb - 1, floor_div((m + 1) * BM - 1 + mask.diag + p.window_right, BN)) - n;
+        }
+        const int steps = m_blocks * p.heads_per_kv, u = (h - h_kv * p.heads_per_kv) * m_blocks + m, o = rot;
+        const auto starts_by = [&](int x) {  // key blocks whose walk starts at step x or before
+            return x < 0 ? 0 : min(nb, (int)(((i64)(x + 1) * nb + steps - 1) / steps));
+        };
+        const int sooner = u >= o ? starts_by(u) - starts_by(o) : nb - starts_by(o) + starts_by(u);
+        return sooner + n - starts_by(o - 1);
     }
 
     // Mode 2: the previous step's count-in, once its additions are behind a CTA barrier (thread 0).
@@ -260,7 +282,8 @@ struct BwdSm90 {
         const bool in_turn = p.deterministic == 2 && tid == 0;  // mode 2: thread 0 waits for this step's turn
         int* turn = nullptr;
         int turn_seen = 0;
-        if (in_turn) {  // read now, used after the products: its latency hides behind them
+        if (in_turn) {  // the last step's count-in, its additions behind the barrier that ended it; then this step's
+            count_in_pending();  // turn read now, used after the products: both latencies hide behind them
             turn = turn_counter(h, m);
             turn_seen = load_acquire(turn);
         }
@@ -323,7 +346,7 @@ struct BwdSm90 {
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
         if (in_turn)
-            for (const int rank = turn_rank(m); turn_seen != rank;) {
+            for (const int rank = turn_rank(h, m, m_count); turn_seen != rank;) {
                 __nanosleep(64);  // not ready: poll gently, the slot ahead is a step or so away
                 turn_seen = load_acquire(turn);
             }
@@ -351,10 +374,7 @@ struct BwdSm90 {
         }
         issue_keys_by_d(acc_dk, ds, q_tile(buf));
         sm90::wgmma_commit();
-        if (in_turn) {  // the previous step's additions are behind this step's barrier: count them in, here, where
-            count_in_pending();  // the release's wait overlaps the products (placed before them, it delayed them)
-            turn_done = turn;
-        }
+        if (in_turn) turn_done = turn;  // counted in at the start of the next step or after the key block
         sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
         float* dq_rows = p.dq_accum + (p.deterministic == 1 ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
                          SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D + panel * 64;
@@ -433,6 +453,8 @@ struct BwdSm90 {
                 if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
             }
             const int m_count = max(0, m_max - m_min), steps = m_count * p.heads_per_kv;
+            turn_n = n_blocks;
+            rot = p.deterministic == 2 && !BAND ? (int)((i64)n * steps / n_blocks) : 0;
 #pragma unroll
             for (int dt = 0; dt < PANELS * 8; ++dt)
 #pragma unroll

@@ -227,8 +227,9 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
             "block_n": 128}  # keys per CTA (BwdSm90::BN)
 
 # Deterministic mode of the Hopper kernel: "slices" gives each of bwd_sm90_slots CTAs per head its own fp32 dQ
-# slice, summed in order after the kernel; "ordered" (CUFLASH_BWD_SM90_DET=ordered; a draft, not yet measured) adds
-# into one buffer, each key block in its turn per query block (bwd_sm90.cu, mode 2), with the same slots.
+# slice, summed in order after the kernel; "ordered" (CUFLASH_BWD_SM90_DET=ordered) adds into one buffer, each key
+# block in its turn per query block (bwd_sm90.cu, mode 2), on the atomic mode's grid, where a head's key blocks fit
+# in one wave (bwd_sm90_ordered_applies; slices otherwise).
 BWD_SM90_DET = os.environ.get("CUFLASH_BWD_SM90_DET", "slices")
 if BWD_SM90_DET not in ("slices", "ordered"):
     raise ValueError(f"CUFLASH_BWD_SM90_DET must be 'slices' or 'ordered', not {BWD_SM90_DET!r}")
@@ -378,7 +379,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     """Main backward kernel and its grid. Deterministic mode gives each of `slots` CTAs per (KV head,
     batch) its own dQ slice; enough slots to fill the GPU about twice, at most one per KV block. Where the Hopper
     kernel applies (bwd_sm90_applies; `spec` is then the portable fallback's) the grid is its own: 128-key blocks,
-    and in deterministic mode bwd_sm90_slots."""
+    and in deterministic mode bwd_sm90_slots, or the atomic grid and int32 turn counters for the ordered mode."""
     band = left >= 0 or right >= 0
     dtype = DTYPES[np.dtype(problem.dtype).name][0]
     d = bwd_headdim(problem.headdim, arch)
@@ -386,12 +387,10 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     groups = problem.batch * problem.nheads_k
     if bwd_sm90_applies(problem, score_mod, arch):
         n_blocks = math.ceil(problem.seqlen_k / BWD_SM90["block_n"])
-        if deterministic and BWD_SM90_DET == "ordered":
-            block_m = bwd_sm90_block_m(problem.headdim, score_mod)
-            m_blocks = math.ceil(problem.seqlen_q / block_m)
-            slots = bwd_sm90_ordered_slots(n_blocks, m_blocks * (problem.nheads // problem.nheads_k), groups, sm_count)
-            counters = problem.batch * problem.nheads * m_blocks
-            return BwdLaunch(spec, check_grid((slots, problem.nheads_k, problem.batch)), 1, counters)
+        if deterministic and bwd_sm90_ordered_applies(n_blocks, sm_count):
+            counters = problem.batch * problem.nheads * math.ceil(problem.seqlen_q / bwd_sm90_block_m(problem.headdim,
+                                                                                                    score_mod))
+            return BwdLaunch(spec, check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, counters)
         slots = bwd_sm90_slots(n_blocks, groups, sm_count) if deterministic else n_blocks
     else:
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
@@ -410,18 +409,10 @@ def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int, most: int | None =
     return min(range(1, min(n_blocks, most or n_blocks) + 1), key=lambda slots: (makespan(slots), slots))
 
 
-def bwd_sm90_ordered_slots(n_blocks: int, steps: int, groups: int, sm_count: int) -> int:
-    """The ordered deterministic mode's slots: at least two where there are enough steps, so that a head's dQ is
-    added by slots walking its query blocks together (one slot per head walks all of it, and with many heads at once
-    that misses the L2: 1.26x atomic at d 64, 4k keys), at most a third of a key block's steps (slot s trails slot
-    s - 1 by a step or two; the first slot's next key block, `steps` query blocks on, must not catch up with the
-    last one) and one wave (a head's slots all resident). Of those the count whose CTAs finish soonest, counting
-    the trail of 2 steps per slot, and of equals the fewest."""
-    most = max(1, min(steps // 3, sm_count, n_blocks))
-
-    def makespan(slots: int) -> int:
-        return math.ceil(slots * groups / sm_count) * (math.ceil(n_blocks / slots) * steps + 2 * (slots - 1))
-    return min(range(min(2, most), most + 1), key=lambda slots: (makespan(slots), slots))
+def bwd_sm90_ordered_applies(n_blocks: int, sm_count: int) -> bool:
+    """The ordered deterministic mode waits on other key blocks of the head, which must all be resident at once
+    (one CTA per SM): at most sm_count key blocks (seqlen_k <= 16896 on 132 SMs)."""
+    return BWD_SM90_DET == "ordered" and n_blocks <= sm_count
 
 
 WORKSPACE_ALIGN = 256  # bytes; each piece of a workspace starts on this boundary

@@ -195,8 +195,7 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_backward_ordered_layout(no_gpu_kernels, monkeypatch, packed):
-    """Deterministic mode "ordered" on the Hopper kernel (plan.BWD_SM90_DET): slots as bwd_sm90_ordered_slots, one dQ
-    slice, mode 2 in the main struct, and batch x heads x query blocks int32 counters right after the accumulator,
+    """Deterministic mode "ordered" on the Hopper kernel (plan.BWD_SM90_DET): the atomic grid, one dQ slice, mode 2 in the main struct, and batch x heads x query blocks int32 counters right after the accumulator,
     inside the workspace and zeroed by the preprocess."""
     from cuflash import api, hopper, plan
     monkeypatch.setattr(plan, "BWD_SM90_DET", "ordered")
@@ -216,8 +215,7 @@ def test_backward_ordered_layout(no_gpu_kernels, monkeypatch, packed):
     m_blocks = -(-sq // 64)  # d 128: 64 query rows per step
     assert launch.slices == 1 and launch.counters == b * h * m_blocks
     n_blocks = -(-sk // 128)
-    assert launch.grid == (plan.bwd_sm90_ordered_slots(n_blocks, m_blocks * 2, b * hk, 132), hk, b)
-    assert 1 <= launch.grid[0] <= min(n_blocks, m_blocks * 2 // 3)
+    assert launch.grid == (n_blocks, hk, b)
     lse_off, dq_off, total = plan.backward_workspace(rows, h, d, 1, launch.counters)
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
     assert dq_off + rows * h * d * 4 + launch.counters * 4 <= total  # the counters fit after the accumulator
@@ -229,18 +227,20 @@ def test_backward_ordered_layout(no_gpu_kernels, monkeypatch, packed):
     assert (pre["slices"], pre["counters"], pre["dq_slice_stride"]) == (1, launch.counters, rows * h * d)
 
 
-def test_ordered_slots_leave_rounds_room():
-    """bwd_sm90_ordered_slots: two or more where a key block has the steps for it (a head's dQ added by slots
-    walking together), at most a third of a key block's steps and a wave, the sooner-finishing count of those."""
+def test_ordered_mode_needs_a_heads_key_blocks_resident(monkeypatch):
+    """The ordered mode waits on a head's other key blocks: up to one per SM it takes the atomic grid; beyond, the
+    deterministic grid of slices (bwd_sm90_slots)."""
     from cuflash import plan
-    assert plan.bwd_sm90_ordered_slots(32, 32, 128, 132) == 2    # 4k, d 64, b 4: the slices rule takes 1
-    assert plan.bwd_sm90_ordered_slots(128, 256, 16, 132) == 8   # 16k, d 128, b 1: one wave of 8 x 16
-    assert plan.bwd_sm90_ordered_slots(128, 6, 16, 132) == 2
-    assert plan.bwd_sm90_ordered_slots(4, 2, 512, 132) == 1      # too few steps to trail by one
-    assert plan.bwd_sm90_ordered_slots(1000, 10000, 1, 132) <= 132
-    for n_blocks, steps, groups in [(16, 32, 128), (64, 128, 32), (3, 9, 7), (40, 80, 300)]:
-        slots = plan.bwd_sm90_ordered_slots(n_blocks, steps, groups, 132)
-        assert 2 <= slots <= min(n_blocks, steps // 3, 132)
+    monkeypatch.setattr(plan, "BWD_SM90_DET", "ordered")
+    fits = checks.Problem(1, 4000, 132 * 128, 4, 2, 128, np.dtype(np.float16))
+    over = checks.Problem(1, 4000, 132 * 128 + 1, 4, 2, 128, np.dtype(np.float16))
+    launch = plan.plan_backward(fits, -1, -1, False, True, "sm_90a", 132)
+    assert launch.grid == (132, 2, 1) and launch.slices == 1 and launch.counters == 4 * -(-4000 // 64)
+    launch = plan.plan_backward(over, -1, -1, False, True, "sm_90a", 132)
+    assert launch.grid == (plan.bwd_sm90_slots(133, 2, 132), 2, 1) and launch.counters == 0
+    assert launch.slices == launch.grid[0]
+    monkeypatch.setattr(plan, "BWD_SM90_DET", "slices")
+    assert plan.plan_backward(fits, -1, -1, False, True, "sm_90a", 132).counters == 0
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

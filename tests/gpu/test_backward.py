@@ -51,16 +51,17 @@ def run_case(rng, *, b, sq, sk, h, hk, d, dtype, causal=False, window_size=(-1, 
     return grads
 
 
-def assert_bitwise_repeatable(seed, *, runs, b, sq, sk, h, hk, d):
-    """Causal deterministic backward, called `runs` more times after a first: every call gives the same bits."""
+def assert_bitwise_repeatable(seed, *, runs, b, sq, sk, h, hk, d, causal=True):
+    """Deterministic backward (causal by default), called `runs` more times after a first: every call gives the
+    same bits."""
     import cupy
     import cuflash
     q, k, v, dout, _ = make_case(np.random.default_rng(seed), b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, dtype="bf16")
-    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
-    first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    first = [g.view(np.uint16).copy() for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                                           deterministic=True)]
     for _ in range(runs):
-        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
         for a, g in zip(first, again):
             assert bool(cupy.array_equal(a, g.view(np.uint16))), "deterministic mode changed bits between runs"
 
@@ -287,7 +288,7 @@ def test_sm90_backward_varlen(compiled, sm90_backward, deterministic):
 
 @pytest.fixture
 def sm90_ordered(monkeypatch):
-    """Deterministic mode 2 of bwd_sm90.cu: slots add into one dQ buffer, each key block in its turn."""
+    """Deterministic mode 2 of bwd_sm90.cu: the key blocks add into one dQ buffer, each in its turn."""
     import cupy
     from cuflash import api, plan
     if cupy.cuda.Device().compute_capability != "90":
@@ -301,15 +302,21 @@ def sm90_ordered(monkeypatch):
 @pytest.mark.parametrize("hk", [2, 1])
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_ordered_deterministic(compiled, sm90_ordered, hk, d):
-    """Several key blocks per slot (turns across rounds), causal, a band with a left edge (turn ranks that skip
-    key blocks), score mods at d 64, GQA; bitwise repeatable."""
+    """Causal (turns by descending key block), bands with and without a right edge, no band (walks started at
+    spread steps, turns by arrival; fewer steps than key blocks: ties), score mods at d 64, GQA; bitwise
+    repeatable with and without a band."""
     run_case(np.random.default_rng(31), b=1, sq=1000, sk=2000, h=2, hk=hk, d=d, dtype="bf16", causal=True,
              deterministic=True)
     run_case(np.random.default_rng(32), b=2, sq=700, sk=900, h=2, hk=hk, d=d, dtype="fp16", window_size=(300, 40),
              deterministic=True)
+    run_case(np.random.default_rng(36), b=1, sq=600, sk=700, h=2, hk=hk, d=d, dtype="bf16", window_size=(200, -1),
+             deterministic=True)
+    run_case(np.random.default_rng(37), b=2, sq=1100, sk=1300, h=4, hk=hk, d=d, dtype="bf16", deterministic=True)
+    run_case(np.random.default_rng(38), b=1, sq=70, sk=2100, h=2, hk=hk, d=d, dtype="fp16", deterministic=True)
     run_case(np.random.default_rng(33), b=2, sq=333, sk=300, h=4, hk=hk, d=d, dtype="bf16", softcap=8.0,
              alibi="bh", deterministic=True)
     assert_bitwise_repeatable(8, runs=3, b=1, sq=1000, sk=1500, h=2, hk=hk, d=d)
+    assert_bitwise_repeatable(9, runs=3, b=2, sq=1500, sk=1000, h=2, hk=hk, d=d, causal=False)
 
 
 def test_sm90_ordered_varlen(compiled, sm90_ordered):
