@@ -229,7 +229,9 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
 # Deterministic mode of the Hopper kernel: "slices" gives each of bwd_sm90_slots CTAs per head its own fp32 dQ
 # slice, summed in order after the kernel; "ordered" (CUFLASH_BWD_SM90_DET=ordered) adds into one buffer, each key
 # block in its turn per query block (bwd_sm90.cu, mode 2), on the atomic mode's grid, where a head's key blocks fit
-# in one wave (bwd_sm90_ordered_applies; slices otherwise).
+# in one wave (bwd_sm90_ordered_applies; slices otherwise). Slices are the default: on the ANCHORS grid (H200,
+# bf16, 2026-11-30, docs/bench/release_session9.txt) ordered took 1.11-1.84x the atomic time (median 1.28), the
+# slices 0.98-1.28x (median 1.13); ordered saves memory (one dQ buffer, not up to 8).
 BWD_SM90_DET = os.environ.get("CUFLASH_BWD_SM90_DET", "slices")
 if BWD_SM90_DET not in ("slices", "ordered"):
     raise ValueError(f"CUFLASH_BWD_SM90_DET must be 'slices' or 'ordered', not {BWD_SM90_DET!r}")

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The persistent Hopper forward's tile order (drafts/session8-persistent-tile-order.patch) measured in one device
-# call, from the repository root:
+# The persistent Hopper forward against the grid kernels on the whole ANCHORS grid, in one device call from the
+# repository root (session 9 ran it with drafts/session8-persistent-tile-order.patch applied first, now on main
+# for the kernels without a band):
 #
 #     OUT=... bash scripts/gpu_fwd_tile_order.sh
 #
-#   1. the patch applied (git apply; the tree is left patched), the Hopper forward compiled ahead     -> fwd_pre.log
+#   1. the Hopper forward compiled ahead                                                              -> fwd_pre.log
 #   2. bench_attention.py --op fwd on the ANCHORS grid, cuflash only, ROUNDS rounds interleaved of the planner's
 #      variants (A) against the persistent ones everywhere (B: PERSISTENT, CUFLASH_SM90_VARIANTS format), then
 #      once with cuDNN beside the planner's                          -> fwd_a_<round>.txt, fwd_b_<round>.txt, fwd_cudnn.txt
 # Environment: OUT, ROUNDS (2), PERSISTENT (64:ws_n128_p,128:pingpong_n128_p), BENCH_TIMEOUT (90).
 source scripts/device_env.sh
-git apply drafts/session8-persistent-tile-order.patch || { echo "the patch does not apply"; exit 1; }
 timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/fwd_pre.log" 2>&1
 echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/fwd_pre.log")"
 bench() {  # bench NAME [VAR=value]: cuflash alone on the grid
