@@ -153,18 +153,12 @@ def test_packed_forward_params(no_gpu_kernels):
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (80, 20)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic):
-    """The backward's three structs: every pointer in its field, the workspace pieces where
-    plan.backward_workspace puts them, lse/dsum strides of (b, h, sq) or packed (h, total_q), dq strides.
-    (The portable main kernel; the Hopper one, chosen on sm_90a by default, is
-    test_sm90_backward_main_behind_the_same_call's.)"""
-    from cuflash import api, plan
-    monkeypatch.setitem(plan.BWD_SM90, "enabled", False)
-    b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64  # several KV blocks: deterministic mode gets several slices
-    rows = 37 if packed else b * sq  # total_q when packed
-    lead_q, lead_k = ((rows,), (555,)) if packed else ((b, sq), (b, sk))
+def _fake_backward_call(b, sq, sk, h, hk, d, rows_k_packed, packed, deterministic, rows_packed):
+    """api.backward_call on fake device arrays (causal): the call, the query rows (total_q when packed), the
+    problem."""
+    from cuflash import api
+    rows = rows_packed if packed else b * sq
+    lead_q, lead_k = ((rows,), (rows_k_packed,)) if packed else ((b, sq), (b, sk))
     q = _FakeDeviceArray(np.zeros(lead_q + (h, d), np.float16), 0)
     k = _FakeDeviceArray(np.zeros(lead_k + (hk, d), np.float16), 0)
     lse = _FakeDeviceArray(np.zeros((h, rows) if packed else (b, h, sq), np.float32), 0)
@@ -172,6 +166,20 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
     call = api.backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None, causal=True,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=deterministic,
                              packed=packed)
+    return call, rows, problem
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic):
+    """The backward's three structs: every pointer in its field, the workspace pieces where
+    plan.backward_workspace puts them, lse/dsum strides of (b, h, sq) or packed (h, total_q), dq strides.
+    (The portable main kernel; the Hopper one, chosen on sm_90a by default, is
+    test_sm90_backward_main_behind_the_same_call's.)"""
+    from cuflash import plan
+    monkeypatch.setitem(plan.BWD_SM90, "enabled", False)
+    b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64  # several KV blocks: deterministic mode gets several slices
+    call, rows, problem = _fake_backward_call(b, sq, sk, h, hk, d, 555, packed, deterministic, rows_packed=37)
     slices = plan.plan_backward(problem, -1, 0, False, deterministic, "sm_90a", 132).slices
     assert (slices > 1) == deterministic
     lse_off, dq_off, total = plan.backward_workspace(rows, h, d, slices)
@@ -195,21 +203,14 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_backward_ordered_layout(no_gpu_kernels, monkeypatch, packed):
-    """Deterministic mode "ordered" on the Hopper kernel (plan.BWD_SM90_DET): the atomic grid, one dQ slice, mode 2 in the main struct, and batch x heads x query blocks int32 counters right after the accumulator,
-    inside the workspace and zeroed by the preprocess."""
+    """Deterministic mode "ordered" on the Hopper kernel (plan.BWD_SM90_DET): the atomic grid, one dQ slice,
+    mode 2 in the main struct, and batch x heads x query blocks int32 counters right after the accumulator, inside
+    the workspace and zeroed by the preprocess."""
     from cuflash import api, hopper, plan
     monkeypatch.setattr(plan, "BWD_SM90_DET", "ordered")
     api._bwd_launches.clear()
     b, sq, sk, h, hk, d = 3, 300, 1000, 4, 2, 128
-    rows = 700 if packed else b * sq
-    lead_q, lead_k = ((rows,), (2500,)) if packed else ((b, sq), (b, sk))
-    q = _FakeDeviceArray(np.zeros(lead_q + (h, d), np.float16), 0)
-    k = _FakeDeviceArray(np.zeros(lead_k + (hk, d), np.float16), 0)
-    lse = _FakeDeviceArray(np.zeros((h, rows) if packed else (b, h, sq), np.float32), 0)
-    problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(np.float16))
-    call = api.backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None, causal=True,
-                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=True,
-                             packed=packed)
+    call, rows, problem = _fake_backward_call(b, sq, sk, h, hk, d, 2500, packed, True, rows_packed=700)
     api._bwd_launches.clear()
     launch = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
     m_blocks = -(-sq // 64)  # d 128: 64 query rows per step
