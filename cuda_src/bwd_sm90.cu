@@ -347,7 +347,7 @@ struct BwdSm90 {
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
         if (in_turn)
             for (const int rank = turn_rank(h, m, m_count); turn_seen != rank;) {
-                __nanosleep(64);  // not ready: poll gently, the slot ahead is a step or so away
+                __nanosleep(64);  // not ready: poll gently, the key block ahead is a step or so away
                 turn_seen = load_acquire(turn);
             }
         if (PANELS == 2 || ROW_SPLIT || p.deterministic == 2) __syncthreads();  // both dS^T halves; mode 2: the turn

@@ -400,15 +400,14 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     return BwdLaunch(spec, check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1)
 
 
-def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int, most: int | None = None) -> int:
+def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int) -> int:
     """Deterministic mode on the Hopper kernel (one CTA per SM): of 1..n_blocks slots, the one whose CTAs
     (slots x groups of them, ceil(n_blocks / slots) key blocks each) finish soonest, and of those the fewest (each
     slot is a dQ slice to zero and sum). The portable rule (about two CTAs per SM) left waves part-empty and
-    CTAs uneven: 5 slots of 6-7 blocks at seqlen 4k, batch 4, 16 heads, d 128, where 2 slots of 16 end as soon.
-    `most`: an upper bound on the count."""
+    CTAs uneven: 5 slots of 6-7 blocks at seqlen 4k, batch 4, 16 heads, d 128, where 2 slots of 16 end as soon."""
     def makespan(slots: int) -> int:
         return math.ceil(slots * groups / sm_count) * math.ceil(n_blocks / slots)
-    return min(range(1, min(n_blocks, most or n_blocks) + 1), key=lambda slots: (makespan(slots), slots))
+    return min(range(1, n_blocks + 1), key=lambda slots: (makespan(slots), slots))
 
 
 def bwd_sm90_ordered_applies(n_blocks: int, sm_count: int) -> bool:
