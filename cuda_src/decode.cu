@@ -8,7 +8,7 @@
 //    end. Longer tiles (speculative decoding) give each warp 16 rows of its own (ROW_WARPS = 4);
 //  - K/V blocks stream through a STAGES-deep cp.async ring with one barrier per block;
 //  - with num_splits > 1 a CTA covers 1/num_splits of the visible KV blocks and writes fp32 partial O and lse,
-//    which decode_combine (decode_aux.cu) merges.
+//    which decode_combine (decode_aux.cu) merges, or, given split counters, the row tile's last CTA to finish.
 // Blocks run from the last to the first, so the masked tail block (cache length, causal diagonal) comes first.
 //
 // decode_tma_kernel (sm_90a; DecodeBlock with TMA = true) is the same computation with K/V blocks brought in by
@@ -68,6 +68,7 @@ struct DecodeBlock {
     int b, h_kv, group, rows, row0;  // group: query heads per KV head; rows: packed rows in all; row0: the tile's
     int len;                         // keys this batch row sees
     int n_begin, n_end;              // this split's KV blocks
+    int tile;                        // (batch, KV head, row tile), the index of the tile's split counter
     u32 sQ, sKV;
     LdmatrixAddr<QTile> q_addr;
     LdmatrixAddr<KVTile> k_addr, v_addr;  // into ring slot 0, as if K and V both started there
@@ -127,6 +128,16 @@ struct DecodeBlock {
             z = pos0 - pos0 / cache.page_size * cache.page_size;
         }
         sm90::mbar_arrive_expect_tx(bar, Traits::STAGE_BYTES);
+        if (p.kv_evict_first) {
+            const unsigned long long policy = sm90::l2_policy_evict_first();
+#pragma unroll
+            for (int pn = 0; pn < DP / 64; ++pn) {
+                sm90::tma_load_4d(dst + pn * KVTile::PANEL_BYTES, k_map, pn * 64, h_kv, z, w, bar, policy);
+                sm90::tma_load_4d(dst + KVTile::BYTES + pn * KVTile::PANEL_BYTES, v_map, pn * 64, h_kv, z, w, bar,
+                                  policy);
+            }
+            return;
+        }
 #pragma unroll
         for (int pn = 0; pn < DP / 64; ++pn) {
             sm90::tma_load_4d(dst + pn * KVTile::PANEL_BYTES, k_map, pn * 64, h_kv, z, w, bar);
@@ -291,11 +302,67 @@ struct DecodeBlock {
                 if (c == 0) p.lse_partial[partial] = lse;
             }
         }
+        if (p.num_splits > 1 && p.split_counters != nullptr) merge_if_last();
+    }
+
+    // The fused combine: every split CTA counts itself in on its row tile's counter once its partial results are
+    // written (each thread fences its own writes first); the last one resets the counter to 0 for the next call on
+    // the stream (cuflash/api.py keeps a zeroed buffer per stream) and merges the tile's rows: a thread per 4
+    // columns of a row, one pass over the splits with a running max (decode_combine's weights exp(lse_s - max),
+    // rescaled as the max grows), so that all the splits' loads can be in flight at once. It saves decode_combine's
+    // launch.
+    __device__ __forceinline__ void merge_if_last() {
+        __threadfence();
+        int last = 0;
+        if (tid == 0) {
+            last = atomicAdd(p.split_counters + tile, 1) == p.num_splits - 1;
+            if (last) p.split_counters[tile] = 0;
+        }
+        if (!__syncthreads_or(last)) return;
+        __threadfence();  // the other splits' partial results are visible from here (read past L1: __ldcg)
+        const int lanes = p.headdim / 4, per_pass = THREADS / lanes, splits = p.num_splits;
+        const i64 rows_total = (i64)p.batch * p.nheads * p.seqlen_q;
+        if (tid >= per_pass * lanes) return;
+        const int c = tid % lanes * 4;
+        for (int r = tid / lanes; r < BM && row0 + r < rows; r += per_pass) {
+            const int i = (row0 + r) / group, head = h_kv * group + (row0 + r) % group;
+            const i64 row = ((i64)b * p.nheads + head) * p.seqlen_q + i;
+            float m = NEG_INF, sum = 0.f;
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+            for (int s = 0; s < splits; ++s) {
+                const float l = __ldcg(p.lse_partial + s * rows_total + row);
+                const float4 x =
+                    __ldcg(reinterpret_cast<const float4*>(p.o_partial + (s * rows_total + row) * p.headdim + c));
+                if (l > m) {  // a new max: what is summed so far shrinks by exp(m - l) (0 from m = -inf)
+                    const float shrink = exp2f((m - l) * LOG2E);
+                    sum *= shrink;
+                    acc.x *= shrink;
+                    acc.y *= shrink;
+                    acc.z *= shrink;
+                    acc.w *= shrink;
+                    m = l;
+                }
+                const float w = l == NEG_INF ? 0.f : exp2f((l - m) * LOG2E);  // a split that saw no key weighs 0
+                sum += w;
+                acc.x += w * x.x;
+                acc.y += w * x.y;
+                acc.z += w * x.z;
+                acc.w += w * x.w;
+            }
+            const bool empty = !(sum > 0.f);
+            const float inv = empty ? 0.f : __frcp_rn(sum);
+            u16* dst = p.o + (i64)b * p.o_batch_stride + (i64)i * p.o_row_stride + (i64)head * p.o_head_stride + c;
+            *reinterpret_cast<uint2*>(dst) =
+                make_uint2(pack2<T>(acc.x * inv, acc.y * inv), pack2<T>(acc.z * inv, acc.w * inv));
+            if (c == 0 && p.lse != nullptr) p.lse[row] = empty ? NEG_INF : m + __logf(sum);
+        }
     }
 
     __device__ __forceinline__ void run(char* smem) {
         const int m_tiles = (p.seqlen_q * p.heads_per_kv + BM - 1) / BM;
         const int m_tile = blockIdx.x % m_tiles, split = blockIdx.x / m_tiles;
+        tile = (b * gridDim.y + h_kv) * m_tiles + m_tile;
         tid = threadIdx.x;
         lane = tid % 32;
         row_warp = (tid / 32) % Traits::ROW_WARPS;

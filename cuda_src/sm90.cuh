@@ -71,6 +71,23 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int x, i
         : "memory");
 }
 
+// The same, with an L2 eviction policy (l2_policy_evict_first) for the lines the copy brings into L2.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int x, int y, int z, int w, u32 bar,
+                                            unsigned long long policy) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+        "%3, %4, %5}], [%6], %7;\n" ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z),
+        "r"(w), "r"(bar), "l"(policy) : "memory");
+}
+
+// An L2 policy for copies: evict_first marks the lines as the first to go, so that data read once (a decode's K/V
+// stream) replaces itself instead of lines other work left in L2 (a dirty line costs a write-back to evict).
+__device__ __forceinline__ unsigned long long l2_policy_evict_first() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+
 // Shared memory written by ordinary stores, read next by wgmma or TMA: each writer fences, then a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 

@@ -484,10 +484,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         lse = cupy.ndarray(prep.lse_shape, np.float32, memptr=mem + prep.lse_offset) if return_lse else None
         o_partial = mem.ptr + prep.partial_offset if prep.partial_offset else 0
         lse_partial = mem.ptr + prep.lse_partial_offset if prep.partial_offset else 0
+        stream_ptr = cupy.cuda.get_current_stream().ptr
+        counters = _split_counters(prep.device_id, stream_ptr, prep.counter_tiles) if prep.counter_tiles else 0
         pointers = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr, _ptr(lse),
                     o_partial, lse_partial, _ptr(prep.seqlens_array(cache_seqlens)), _ptr(cache_batch_idx),
-                    _ptr(block_table), _ptr(alibi_slopes))
-        stream_ptr = cupy.cuda.get_current_stream().ptr
+                    _ptr(block_table), _ptr(alibi_slopes), counters)
         if prep.maps is None:
             prep.launch(stream_ptr, *pointers)
         else:  # the TMA kernel: the caches' tensor maps (cached per address) after the struct's plain fields
@@ -497,10 +498,26 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     return (out, lse) if return_lse else out
 
 
-# DecodeParams starts with 13 pointers (q .. alibi, params.cuh); every kernel of a call (append, decode, combine)
-# takes the same struct, so one KernelCall launches them all.
-DECODE_POINTERS = plan.DECODE_PARAMS_DTYPE.names[:13]
+# DecodeParams starts with 14 pointers (q .. split_counters, params.cuh); every kernel of a call (append, decode,
+# combine) takes the same struct, so one KernelCall launches them all.
+DECODE_POINTERS = plan.DECODE_PARAMS_DTYPE.names[:14]
 _decode_calls: dict = {}  # call signature -> _DecodeCall: checks, plan and constant params, done once
+_counters: dict = {}      # (device id, stream pointer) -> int32 zeros: the split counters of calls on that stream
+_retired: list = []       # outgrown counter buffers, kept: a kernel still queued may use one
+
+
+def _split_counters(device_id: int, stream_ptr: int, tiles: int) -> int:
+    """A zeroed int32 counter per row tile for the fused combine (plan.DECODE_COMBINE), on this stream. The last
+    CTA of a tile resets its counter, so a buffer is zero again for the next call on the same stream; calls on
+    other streams, which may run at the same time, get their own."""
+    buf = _counters.get((device_id, stream_ptr))
+    if buf is None or buf.size < tiles:
+        import cupy
+        if buf is not None:
+            _retired.append(buf)
+        buf = _counters[device_id, stream_ptr] = cupy.zeros(max(tiles, 2 * (buf.size if buf is not None else 512)),
+                                                             dtype=np.int32)
+    return buf.data.ptr
 
 
 class _DecodeCall(NamedTuple):
@@ -513,6 +530,7 @@ class _DecodeCall(NamedTuple):
     lse_partial_offset: int
     seqlens_array: Callable   # cache_seqlens -> the array to point at, or None
     maps: tuple | None = None  # the TMA kernel: (k map, v map) encoders, ptr -> 128 bytes; None: cp.async kernel
+    counter_tiles: int = 0    # the fused combine: split counters needed (row tiles x KV heads x batch); 0: none
 
 
 def _ptr(x) -> int:
@@ -558,6 +576,8 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
     p["page_size"] = k_cache.shape[1] if block_table is not None else 0
     p["window_left"], p["window_right"] = left, right
     p["num_splits"] = launch.splits
+    kv_bytes = 2 * b * max(known_keys, 1) * problem.nheads_k * d * q.itemsize  # what the call reads at most
+    p["kv_evict_first"] = int(maps is not None and plan.decode_evict_first(kv_bytes))
     for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
         p[name] = value
 
@@ -571,7 +591,9 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
     launches.append((build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
                      launch.spec.smem_bytes))
     partial_rows = launch.splits * b * h * sq if launch.splits > 1 else 0
-    if partial_rows:
+    fused = plan.decode_fused_combine(launch.splits)
+    counter_tiles = launch.grid[0] // launch.splits * launch.grid[1] * launch.grid[2] if fused else 0
+    if partial_rows and not fused:
         combine = plan.DecodeAuxSpec("decode_combine", dtype)
         launches.append((build.get_kernel(combine, device_id), (b * h * sq,), (combine.threads,), 0,  # a CTA a row
                          plan.pdl_applies(build.device_arch(device_id))))
@@ -585,7 +607,7 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
         launch = KernelCall(launches, p, DECODE_POINTERS)
     return _DecodeCall(device_id, launch, (b, h, sq), nbytes, lse_offset,
                        partial_offset, lse_partial_offset, (lambda x: x) if seqlens_is_array else (lambda x: None),
-                       maps)
+                       maps, counter_tiles)
 
 
 def _decode_tma_maps(problem, k_cache, v_cache, block_table, arch: str):

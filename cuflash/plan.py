@@ -621,6 +621,17 @@ DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decod
 # decode_combine launched as a programmatic dependent of the decode kernel (sm_90: it starts while the decode
 # kernel's last CTAs finish, cuflash.launcher's `overlap`). CUFLASH_PDL=0 launches it plainly.
 PDL = {"enabled": os.environ.get("CUFLASH_PDL", "1") == "1"}
+# The splits merged by the decode kernel itself (the last CTA of a row tile to finish, counted on a zeroed counter
+# per tile that cuflash.api keeps per stream) instead of decode_combine: no second launch. Session 10 (bench_decode.py,
+# two rounds, docs/bench/decode_session10.txt): batch 8 x 1k (4 splits) 21.5 -> 19.5 us, 8 x 8k 80.6 -> 78.6,
+# 1 x 1k (16 splits) 12.3 -> 11.1-11.7, 1 x 8k (32) 20.9-21.0 -> 20.6-20.7, the long cells unchanged. (A first
+# version that read every split's lse twice was 0.5-1.5 us slower than decode_combine at 32 splits and more.)
+# CUFLASH_DECODE_FUSED_MAX_SPLITS bounds the split counts merged so (0: decode_combine always).
+DECODE_COMBINE = {"fused_max_splits": int(os.environ.get("CUFLASH_DECODE_FUSED_MAX_SPLITS", str(DECODE_MAX_SPLITS)))}
+
+
+def decode_fused_combine(splits: int) -> bool:
+    return 1 < splits <= DECODE_COMBINE["fused_max_splits"]
 
 
 def pdl_applies(arch: str) -> bool:
@@ -634,7 +645,18 @@ def pdl_applies(arch: str) -> bool:
 # kernel's 4.47-4.50, and paged caches 1.2x faster (8 x 256k keys: 1943.6 against 2379.6 us); a 6-slot ring (one
 # CTA per SM) lost at 64 x 8k-256k. CUFLASH_DECODE_TMA=0 turns it off; CUFLASH_DECODE_TMA_STAGES picks the ring.
 DECODE_TMA = {"enabled": os.environ.get("CUFLASH_DECODE_TMA", "1") == "1", "headdims": (64, 128), "block_n": 64,
-              "stages": int(os.environ.get("CUFLASH_DECODE_TMA_STAGES", "3")), "stage_choices": (3,)}
+              "stages": int(os.environ.get("CUFLASH_DECODE_TMA_STAGES", "3")), "stage_choices": (3,),
+              "evict_first_mb": int(os.environ.get("CUFLASH_DECODE_EVICT_FIRST_MB", "128"))}
+
+
+# K/V copies marked evict_first in L2 (decode_tma_kernel's kv_evict_first) when a call reads at most
+# DECODE_TMA["evict_first_mb"] MiB of K/V: they then replace each other rather than what earlier kernels left in L2
+# (dirty lines cost a write-back to evict). Session 10 (bench_decode.py, two rounds each, L2 flushed by a 256 MB
+# write before every call, docs/bench/decode_session10.txt): 32 MB (1 x 8k, 8 x 1k) 22.4-23.0 -> 20.8-21.4 us,
+# 128 MB (32 x 1k) 45.9 -> 44.0-44.6; but at 256 MB and more 2-6% slower (1 x 256k 256.4 -> 272.4 us, 32 x 8k
+# 252.3 -> 265.5). CUFLASH_DECODE_EVICT_FIRST_MB sets the bound (0: never).
+def decode_evict_first(kv_bytes: int) -> bool:
+    return kv_bytes <= DECODE_TMA["evict_first_mb"] * 2**20
 
 
 def decode_tma_applies(arch: str, headdim: int, packed_rows: int, page_size: int) -> bool:
@@ -761,10 +783,10 @@ def plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int
 
 DECODE_PARAMS_DTYPE = _struct(
     ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "cache_seqlens",
-     "cache_batch_idx", "block_table", "alibi"),
+     "cache_batch_idx", "block_table", "alibi", "split_counters"),
     _strides("q", "k", "v", "kn", "vn", "o") + ["alibi_batch_stride", "block_table_stride"],
     ("batch", "seqlen_q", "seqlen_new_k", "cache_len", "nheads", "heads_per_kv", "headdim", "page_size",
-     "window_left", "window_right", "num_splits"),
+     "window_left", "window_right", "num_splits", "kv_evict_first"),
     ("scale_log2", "mod_scale", "softcap"))
 
 # DecodeTmaParams (decode.cu): DecodeParams, then the K and V caches' tensor maps on 64-byte boundaries.

@@ -562,9 +562,11 @@ def test_kernel_call_with_tail_writes_pointers_and_tail():
     from cuflash.launcher import KernelCall
     p = np.zeros((), plan.DECODE_TMA_PARAMS_DTYPE)
     p["headdim"] = 128
-    call = KernelCall((), p, plan.DECODE_PARAMS_DTYPE.names[:13])
+    from cuflash.api import DECODE_POINTERS
+    assert DECODE_POINTERS[-1] == "split_counters" and len(DECODE_POINTERS) == 14
+    call = KernelCall((), p, DECODE_POINTERS)
     tail = bytes(range(256))
-    call.call_with_tail(0, plan.DECODE_TMA_MAPS_OFFSET, tail, *range(1, 14))  # no launches: only the struct
-    got = np.frombuffer(call.params(*range(1, 14)), plan.DECODE_TMA_PARAMS_DTYPE)[0]
-    assert [int(got[n]) for n in plan.DECODE_PARAMS_DTYPE.names[:13]] == list(range(1, 14))
+    call.call_with_tail(0, plan.DECODE_TMA_MAPS_OFFSET, tail, *range(1, 15))  # no launches: only the struct
+    got = np.frombuffer(call.params(*range(1, 15)), plan.DECODE_TMA_PARAMS_DTYPE)[0]
+    assert [int(got[n]) for n in DECODE_POINTERS] == list(range(1, 15))
     assert bytes(got["k_map"]) + bytes(got["v_map"]) == tail and got["headdim"] == 128

@@ -245,3 +245,20 @@ def test_jax_workspace_bound_covers_both_backward_kernels():
             for sms in (108, 132):
                 slices = plan.plan_backward(problem, -1, 0, False, True, arch, sms).slices
                 assert plan.backward_workspace(b * s, h, d, slices)[2] <= bound, (arch, sms, b, s, h, d)
+
+
+def test_decode_merges_few_splits_in_the_kernel(monkeypatch):
+    """plan.decode_fused_combine: 2..fused_max_splits splits merge in the decode kernel, more in decode_combine;
+    one split needs no merge; a bound of 0 turns the fused merge off."""
+    monkeypatch.setitem(plan.DECODE_COMBINE, "fused_max_splits", 16)
+    assert [plan.decode_fused_combine(s) for s in (1, 2, 16, 17, 128)] == [False, True, True, False, False]
+    monkeypatch.setitem(plan.DECODE_COMBINE, "fused_max_splits", 0)
+    assert not plan.decode_fused_combine(4)
+
+
+def test_decode_evicts_first_only_small_reads(monkeypatch):
+    monkeypatch.setitem(plan.DECODE_TMA, "evict_first_mb", 128)
+    assert plan.decode_evict_first(32 * 2**20) and plan.decode_evict_first(128 * 2**20)
+    assert not plan.decode_evict_first(128 * 2**20 + 1)
+    monkeypatch.setitem(plan.DECODE_TMA, "evict_first_mb", 0)
+    assert not plan.decode_evict_first(1)

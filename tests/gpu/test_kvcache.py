@@ -204,6 +204,51 @@ def test_every_split_count_agrees(compiled):
     del rng
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_merge_both_ways(compiled, monkeypatch, fused):
+    """plan.DECODE_COMBINE: the splits merged by the decode kernel (the last CTA of each row tile) or by
+    decode_combine, both against the reference: several split counts, speculative rows over several row tiles,
+    an empty row, appends. The fused merge leaves its stream's counters at zero for the next call."""
+    import cupy
+    from cuflash import api, plan
+    monkeypatch.setitem(plan.DECODE_COMBINE, "fused_max_splits", 128 if fused else 0)
+    api._decode_calls.clear()
+    cases = ((2, 1, [1200, 0], 0, 128), (5, 3, [731, 1197], 3, 64), (16, 1, [1200, 17], 1, 128),
+             (7, 33, [1100, 900], 33, 128), (3, 1, [0, 5], 0, 64))  # splits, sq, lens, new_k, d
+    for splits, sq, lens, new_k, d in cases:
+        run_case(np.random.default_rng(splits), b=2, sq=sq, h=8, hk=2, d=d, dtype="bf16", capacity=1200 + new_k,
+                 lens=lens, new_k=new_k, causal=sq > 1, num_splits=splits)
+    cupy.cuda.Device().synchronize()
+    if fused:
+        counters = api._counters[cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr]
+        assert int(cupy.abs(counters).max()) == 0
+    api._decode_calls.clear()
+
+
+def test_fused_merge_on_two_streams_repeats_bitwise(compiled, monkeypatch):
+    """Calls on two streams at once each count on their own stream's counters; the merge's order is fixed, so
+    every result equals the first bitwise."""
+    import cupy
+    import cuflash
+    from cuflash import api, plan
+    monkeypatch.setitem(plan.DECODE_COMBINE, "fused_max_splits", 128)
+    api._decode_calls.clear()
+    rng = np.random.default_rng(2)
+    q = cupy.asarray(randn(rng, (1, 1, 32, 128), np.float16))
+    kc = cupy.asarray(randn(rng, (1, 8192, 8, 128), np.float16))
+    vc = cupy.asarray(randn(rng, (1, 8192, 8, 128), np.float16))
+    first = cuflash.attention_with_kvcache(q, kc, vc, num_splits=32)
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    outs = []
+    for _ in range(20):
+        for s in streams:
+            with s:
+                outs.append(cuflash.attention_with_kvcache(q, kc, vc, num_splits=32))
+    cupy.cuda.Device().synchronize()
+    for out in outs:
+        np.testing.assert_array_equal(out.get().view(np.uint16), first.get().view(np.uint16))
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_lengths_zero_to_capacity(compiled, splits):
     """Every row length 0..L in one batch; length 0 gives out 0 and lse -inf."""
