@@ -27,12 +27,6 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
             for (int c = sub * 4; c < p.headdim; c += p.lanes * 4)
                 *reinterpret_cast<float4*>(dq + s * p.dq_slice_stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    if (p.counters > 0) {  // deterministic mode 2's turn counters, spread over the grid
-        int* counters = reinterpret_cast<int*>(p.dq_accum + p.slices * p.dq_slice_stride);
-        const i64 block = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-        const i64 stride = (i64)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-        for (i64 i = block * blockDim.x + threadIdx.x; i < p.counters; i += stride) counters[i] = 0;
-    }
     for (int off = p.lanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);  // within a row
     if (sub == 0 && row < p.seqlen_q) {
         const i64 i = ((i64)b * p.nheads + h) * p.seqlen_q + row;

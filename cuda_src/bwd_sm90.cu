@@ -13,12 +13,12 @@
 //     dK  += dS^T Q       wgmma rs
 //     dQ  += dS K         wgmma ss, both MN-major: dS^T goes to shared memory (rows of keys, 64 queries = one
 //                         128-byte swizzled line; BM / 64 such panels), K is read transposed; added to dq_accum
-//                         with fp32 vector reductions, 64 query rows at a time
+//                         by TMA bulk reductions from shared memory, 64 x 64 per warpgroup (add_dq_tma)
 // dQ is split between the warpgroups (after both stored dS^T: a CTA barrier) by 64-column panel at d = 128 and by
-// 64-row half at d = 64 with 128 rows, so that each dQ element gets one reduction per step; at d = 64 with 64 rows
-// (score mods) each warpgroup adds its own 64 keys' part to every element. Softcap and ALiBi (SCORE_MOD:
-// score_mod.cuh's modify per element, its derivative straight into dS, both products waited for first) at d = 64
-// (at 128 that kernel spills); head dims 64 and 128.
+// 64-row half at d = 64 with 128 rows, so that each dQ element gets one addition per step; at d = 64 with 64 rows
+// (score mods) each warpgroup adds its own 64 keys' part to every element, with vector reductions (add_dq_red).
+// Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
+// waited for first) at d = 64 (at 128 that kernel spills); head dims 64 and 128.
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "mask.cuh"
@@ -33,31 +33,9 @@ struct BwdSm90Params {
     sm90::TmaMap k;     // (d, heads_k, seqlen_k, batch) or (d, heads_k, total_k), box (64, 1, 128[, 1])
     sm90::TmaMap v;
     sm90::TmaMap dout;  // like q
+    sm90::TmaMap dq;    // dq_accum, fp32 (d, heads, rows of all sequences, slices), box (32, 1, 64, 1)
     BwdParams p;        // the portable kernel's parameters (its q, k, v, dout pointers unused here)
 };
-
-// Deterministic mode 2 (ordered): the atomic mode's grid (one key block per CTA, all of a head's at once, so that
-// their dQ additions hit the L2 as atomic mode's do) and one dQ accumulator, to which the key blocks that see a
-// (head, query block) add in a fixed order: the order in which they reach it when all walk at the same pace, so
-// that a turn is normally given before it is needed. With a band, each key block walks its query blocks upwards
-// from the first it sees, and those of later key blocks start later: the order is by descending key block. Without
-// one, key block n starts its walk at step floor(n S / N) (S steps, N key blocks) and wraps around: the order at
-// step u is by the steps the key blocks take to reach u (turn_rank). Per (sequence, head, query block) an int32
-// counter of the key blocks that have added, right after the accumulator (p.dq_accum + p.dq_slice_stride; zeroed
-// by bwd_preprocess). Thread 0 reads it (acquire) early in the step, waits before the dS^T barrier until it shows
-// the rank, and counts the step's additions in (release, cumulative over the CTA's additions through the barrier
-// between) at the start of the next step, where the release's wait overlaps the products. Every wait is on a step
-// another key block takes before its own same-numbered step, so there is no cycle; progress needs the earliest
-// unfinished head's CTAs all resident (at most one per SM: plan_backward keeps N <= the SM count), which in-order
-// CTA dispatch gives.
-__device__ __forceinline__ int load_acquire(const int* counter) {
-    int seen;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
-    return seen;
-}
-__device__ __forceinline__ void count_in(int* counter) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
-}
 
 // Two adjacent fp32 additions in one vector reduction (sm_90; 8-byte aligned, relaxed, gpu scope as atomicAdd's).
 __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
@@ -74,7 +52,14 @@ struct BwdSm90 {
     // shared memory (1024-aligned): K | V | Q[2] | dO[2] | dS^T | rows[2] (lse_log2, D) | barriers (kv, qd[2])
     static constexpr u32 OFF_V = KV_BYTES, OFF_Q = 2 * KV_BYTES, OFF_DO = OFF_Q + 2 * QD_BYTES;
     static constexpr u32 OFF_DS = OFF_DO + 2 * QD_BYTES, OFF_ROWS = OFF_DS + QH * DS_PANEL;
-    static constexpr u32 OFF_BAR = OFF_ROWS + 2 * 2 * BM * 4;
+    // dQ by TMA wherever each dQ element has one adding thread per step (all but d = 64 with 64 rows, where both
+    // warpgroups add to every element): a warpgroup's 64 x 64 fp32 tile is stored to a staging buffer (two boxes of
+    // 32 columns, 128-byte swizzle; two buffers, by step parity) and one thread adds it to dq_accum with bulk tensor
+    // reductions, which leave the compute threads as soon as they are issued.
+    static constexpr bool TMA_DQ = !(D == 64 && BM == 64);
+    static constexpr u32 DQ_BOX = 64 * 128, DQ_TILE = 2 * DQ_BOX;
+    static constexpr u32 OFF_DQ = (OFF_ROWS + 2 * 2 * BM * 4 + 1023) / 1024 * 1024;
+    static constexpr u32 OFF_BAR = OFF_DQ + (TMA_DQ ? 2 * 2 * DQ_TILE : 0);
     static constexpr u32 SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
@@ -92,9 +77,6 @@ struct BwdSm90 {
     int h_kv, b, q_begin, k_begin, n_key0;
     Mask<BAND> mask;
     bool backwards;  // this key block's walk in reverse (step_of)
-    int rot;         // mode 2 without a band: the step this key block's walk starts from (step_of)
-    int turn_n;      // mode 2: key blocks of this sequence
-    int* turn_done;  // mode 2: the counter of the last step's query block, not yet counted in (count-in deferred)
     float acc_dk[PANELS * 8][4], acc_dv[PANELS * 8][4];
 
     __device__ __forceinline__ explicit BwdSm90(const BwdSm90Params& params) : P(params), p(params.p) {}
@@ -117,10 +99,6 @@ struct BwdSm90 {
     // it touched last are the first it needs again, while some may still be in L2.
     __device__ __forceinline__ void step_of(int t, int m_min, int m_count, int& h, int& m) const {
         if (backwards) t = m_count * p.heads_per_kv - 1 - t;
-        if (!BAND && rot > 0) {
-            t += rot;
-            if (t >= m_count * p.heads_per_kv) t -= m_count * p.heads_per_kv;
-        }
         h = h_kv * p.heads_per_kv + t / m_count;
         m = m_min + t % m_count;
     }
@@ -209,36 +187,6 @@ struct BwdSm90 {
         return all;
     }
 
-    // Mode 2's counter of query block m of head h in this sequence.
-    __device__ __forceinline__ int* turn_counter(int h, int m) const {
-        const i64 row = (i64)b * p.nheads + h;
-        return reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride) + row * ceil_div(p.seqlen_q, BM) + m;
-    }
-
-    // Mode 2: how many key blocks add to (head h, query block m) before this one (see above). With a band, the later
-    // key blocks that see m: up to the last whose keys some row of m sees (the band's edges grow with the key
-    // block). Without, at step u = (h - first head) m_blocks + m: those whose walk starts in (o, u] cyclically, o
-    // this one's start (they reach u sooner), and those before this one that start at o (as soon).
-    __device__ __forceinline__ int turn_rank(int h, int m, int m_blocks) const {
-        const int n = n_key0 / BN, nb = turn_n;
-        if (BAND) {
-            if (p.window_right < 0) return nb - 1 - n;
-            return min(nb - 1, floor_div((m + 1) * BM - 1 + mask.diag + p.window_right, BN)) - n;
-        }
-        const int steps = m_blocks * p.heads_per_kv, u = (h - h_kv * p.heads_per_kv) * m_blocks + m, o = rot;
-        const auto starts_by = [&](int x) {  // key blocks whose walk starts at step x or before
-            return x < 0 ? 0 : min(nb, (int)(((i64)(x + 1) * nb + steps - 1) / steps));
-        };
-        const int sooner = u >= o ? starts_by(u) - starts_by(o) : nb - starts_by(o) + starts_by(u);
-        return sooner + n - starts_by(o - 1);
-    }
-
-    // Mode 2: the previous step's count-in, once its additions are behind a CTA barrier (thread 0).
-    __device__ __forceinline__ void count_in_pending() {
-        if (turn_done != nullptr) count_in(turn_done);
-        turn_done = nullptr;
-    }
-
     // P^T = exp2(S^T scale - lse), in place; MASKED: 0 where the key is not visible to the query. Per key (a
     // thread holds two), the visible queries are one interval, so an element costs two compares.
     template <bool MASKED>
@@ -279,14 +227,6 @@ struct BwdSm90 {
         sm90::wgmma_fence();
         issue_keys_by_queries(st, base, q_tile(buf));
         issue_keys_by_queries(dpt, base + OFF_V, do_tile(buf));
-        const bool in_turn = p.deterministic == 2 && tid == 0;  // mode 2: thread 0 waits for this step's turn
-        int* turn = nullptr;
-        int turn_seen = 0;
-        if (in_turn) {  // the last step's count-in, its additions behind the barrier that ended it; then this step's
-            count_in_pending();  // turn read now, used after the products: both latencies hide behind them
-            turn = turn_counter(h, m);
-            turn_seen = load_acquire(turn);
-        }
         // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
         const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
         // Issue order: dV as soon as P^T is in registers (EARLY_DV), then, once dS^T is in shared memory, dQ (then
@@ -345,12 +285,7 @@ struct BwdSm90 {
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds[j / 2][(j % 2) * 2 + hh]) : "memory");
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
-        if (in_turn)
-            for (const int rank = turn_rank(h, m, m_count); turn_seen != rank;) {
-                __nanosleep(64);  // not ready: poll gently, the key block ahead is a step or so away
-                turn_seen = load_acquire(turn);
-            }
-        if (PANELS == 2 || ROW_SPLIT || p.deterministic == 2) __syncthreads();  // both dS^T halves; mode 2: the turn
+        if (PANELS == 2 || ROW_SPLIT) __syncthreads();  // both dS^T halves
         else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // its own keys only
         // dQ over 64 columns, as 64-row halves: d = 128, panel wg, all BM rows, over all 128 keys; d = 64 with 128
         // rows (ROW_SPLIT), the half wg over all 128 keys; d = 64 with 64 rows, all of it over its own 64 keys
@@ -374,34 +309,69 @@ struct BwdSm90 {
         }
         issue_keys_by_d(acc_dk, ds, q_tile(buf));
         sm90::wgmma_commit();
-        if (in_turn) turn_done = turn;  // counted in at the start of the next step or after the key block
         sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
-        float* dq_rows = p.dq_accum + (p.deterministic == 1 ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
-                         SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D + panel * 64;
+        if constexpr (TMA_DQ) {
+            add_dq_tma(dq[0], h, m * BM + half0 * 64, panel, tt);
+            sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
+            if (tid % 128 == 0) sm90::bulk_wait_read<1>();  // the staging buffer of step tt + 1 is read out
+        } else {
+            add_dq_red(dq, h, m, seqlen_q);
+            sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
+        }
+    }
+
+    // d = 64 with 64 rows (the score-mod kernel): both warpgroups add to every element of the 64 x 64 tile, each
+    // over its own 64 keys, with fp32 vector reductions (two adjacent columns each: whole 32-byte sectors per quad).
+    // Deterministic mode: each slot adds to its own slice, warpgroup 0 first (named barrier 3: it arrives once its
+    // additions are ordered, warpgroup 1 waits); the end-of-step barrier orders warpgroup 1's before the next step's.
+    // The threads ordering each other are in one CTA, so CTA-scope fences suffice.
+    __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const {
+        float* dq_rows = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
+                         SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D;
         const i64 row_stride = (i64)p.nheads * D;
-        // Deterministic modes: every element of this CTA's slice (mode 2: of the one buffer, in this key block's
-        // turn) gets its additions in a fixed order. Where each element is added by one thread only (d = 128: its
-        // warpgroup's panel; ROW_SPLIT: its warpgroup's rows; the same lane at every step) that is program order. At
-        // d = 64 with 64 rows both warpgroups add to the same elements, warpgroup 0 first (named barrier 3: it
-        // arrives once its additions are ordered, warpgroup 1 waits); the end-of-step barrier orders warpgroup 1's
-        // before the next step's. The threads ordering each other are in one CTA, so CTA-scope fences suffice.
-        constexpr bool SHARED_DQ = PANELS == 1 && !ROW_SPLIT;
-        const bool ordered = p.deterministic != 0;
-        if (SHARED_DQ && ordered && wg == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");
+        if (p.deterministic && wg == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");
 #pragma unroll
-        for (int qh = 0; qh < HALVES; ++qh)
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = m * BM + warp * 16 + lane / 4 + 8 * hh;
+            if (row >= seqlen_q) continue;
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int row = m * BM + (half0 + qh) * 64 + warp * 16 + lane / 4 + 8 * hh;
-                if (row >= seqlen_q) continue;
+            for (int j = 0; j < 8; ++j)
+                red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[0][j][2 * hh],
+                           dq[0][j][2 * hh + 1]);
+        }
+        if (p.deterministic) __threadfence_block();
+        if (p.deterministic && wg == 0) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+    }
+
+    // This warpgroup's dQ tile (rows row0.. of head h in this sequence, columns panel 64..) added to dq_accum by TMA
+    // from staging buffer tt % 2: (row r, column c) at box c / 32, line r, 16-byte chunk (c % 32) / 4 ^ (r % 8).
+    // Deterministic mode: each slot adds to its own slice in program order: its issuing thread waits until its last
+    // additions are made before it issues more (consecutive steps may add to the same rows).
+    __device__ __forceinline__ void add_dq_tma(const float (&dq)[8][4], int h, int row0, int panel, int tt) const {
+        const u32 tile = base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + wg * DQ_TILE;
 #pragma unroll
-                for (int j = 0; j < 8; ++j)  // two adjacent columns in one reduction: whole 32-byte sectors per quad
-                    red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[qh][j][2 * hh],
-                               dq[qh][j][2 * hh + 1]);
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = warp * 16 + lane / 4 + 8 * hh;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int chunk = 2 * (j % 4) + (lane % 4) / 2;
+                const u32 addr = tile + (j / 4) * DQ_BOX + r * 128 + ((chunk ^ (r % 8)) * 16) + (lane % 2) * 8;
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[j][2 * hh]),
+                             "f"(dq[j][2 * hh + 1]) : "memory");
             }
-        if (SHARED_DQ && ordered) __threadfence_block();
-        if (SHARED_DQ && ordered && wg == 0) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-        sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
+        }
+        sm90::fence_proxy_async();  // generic-proxy stores, read by TMA (async proxy) below
+        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+        if (tid % 128 != 0) return;
+        if (p.deterministic == 1) sm90::bulk_wait<0>();
+        // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b]. A box
+        // past this sequence's rows adds zeros there (its dS is 0) or is clipped at the end of the tensor.
+        const int row = (p.cu_seqlens_q != nullptr ? q_begin : q_begin * p.seqlen_q) + row0;
+        const int slice = p.deterministic == 1 ? blockIdx.x : 0;
+#pragma unroll
+        for (int box = 0; box < 2; ++box)
+            sm90::tma_reduce_add_4d(&P.dq, panel * 64 + box * 32, h, row, slice, tile + box * DQ_BOX);
+        sm90::bulk_commit();
     }
 
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
@@ -442,10 +412,9 @@ struct BwdSm90 {
         }
         __syncthreads();
         int tt = 0, kv_loads = 0;  // steps and K/V loads so far (the barriers' phases)
-        turn_done = nullptr;
         for (int n = blockIdx.x; n < n_blocks; n += gridDim.x) {
             n_key0 = n * BN;
-            backwards = p.deterministic == 1 && (n - blockIdx.x) / gridDim.x % 2 == 1;  // not in mode 2's turns
+            backwards = p.deterministic == 1 && (n - blockIdx.x) / gridDim.x % 2 == 1;
             // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
             int m_min = 0, m_max = m_blocks;
             if (BAND) {
@@ -453,8 +422,6 @@ struct BwdSm90 {
                 if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
             }
             const int m_count = max(0, m_max - m_min), steps = m_count * p.heads_per_kv;
-            turn_n = n_blocks;
-            rot = p.deterministic == 2 && !BAND ? (int)((i64)n * steps / n_blocks) : 0;
 #pragma unroll
             for (int dt = 0; dt < PANELS * 8; ++dt)
 #pragma unroll
@@ -486,10 +453,10 @@ struct BwdSm90 {
                     }
                 }
                 __syncthreads();  // the last rows stores are read; K and V may be replaced; the last additions made
-                if (p.deterministic == 2 && tid == 0) count_in_pending();
             }
             store_dkdv(seq.seqlen_k);
         }
+        if (TMA_DQ && tid % 128 == 0) sm90::bulk_wait<0>();  // every dQ addition made, no staging buffer still read
     }
 };
 

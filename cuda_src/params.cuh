@@ -62,8 +62,7 @@ struct BwdParams {
     int batch, seqlen_q, seqlen_k;  // packed: seqlen_q, seqlen_k are the maxima
     int nheads, heads_per_kv, headdim;
     int window_left, window_right;
-    int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only; 2 (bwd_sm90.cu):
-                           // slice 0, each key block in its turn (turn counters after the slice)
+    int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only
     float scale_log2, mod_scale, softcap, softmax_scale;
 };
 
@@ -81,7 +80,6 @@ struct BwdPreParams {
     int batch, seqlen_q, nheads, headdim;
     int lanes;             // threads per row: a power of two, 16 bytes each per pass (cuflash.plan.bwd_pre_lanes)
     int slices;
-    int counters;          // int32 turn counters right after the slices (deterministic mode 2), zeroed here too
 };
 
 // dQ: sum of the fp32 slices, cast to the output dtype (contiguous (batch, seqlen_q, nheads, headdim)).

@@ -88,6 +88,25 @@ __device__ __forceinline__ unsigned long long l2_policy_evict_first() {
     return policy;
 }
 
+// Adds the box at `src` in shared memory to the box at element coordinates (x innermost, y, z, w) of `map` in global
+// memory, element by element (a bulk reduction in L2; fp32 maps add fp32), as part of the thread's current bulk
+// group: bulk_commit closes the group, bulk_wait_read<N> waits until at most N groups still read shared memory,
+// bulk_wait<N> until at most N are incomplete (their additions made).
+__device__ __forceinline__ void tma_reduce_add_4d(const TmaMap* map, int x, int y, int z, int w, u32 src) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+                 ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Shared memory written by ordinary stores, read next by wgmma or TMA: each writer fences, then a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 

@@ -277,7 +277,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     # (slices, total_q, h, d). The elementwise launches see a packed batch as one sequence of total_q rows.
     pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
     rows = pre_b * pre_sq  # query rows of all sequences
-    lse_log2_offset, dq_offset, workspace_bytes = plan.backward_workspace(rows, h, d, launch.slices, launch.counters)
+    lse_log2_offset, dq_offset, workspace_bytes = plan.backward_workspace(rows, h, d, launch.slices)
 
     # D = rowsum(dO * O) and lse in the log2 domain: plan.bwd_pre_lanes(d) threads per row; grid (row blocks, heads,
     # sequences)
@@ -286,7 +286,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     _set_strides(pp, o=out, do=dout)
     pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
     pp["lanes"] = plan.bwd_pre_lanes(d)
-    pp["dq_slice_stride"], pp["slices"], pp["counters"] = rows * h * d, launch.slices, launch.counters
+    pp["dq_slice_stride"], pp["slices"] = rows * h * d, launch.slices
     pre_grid = plan.check_grid((-(-pre_sq // (pre.threads // int(pp["lanes"]))), h, pre_b))
     preprocess = KernelCall([(build.get_kernel(pre, device_id), pre_grid, (pre.threads,), 0)], pp,
                             plan.BWD_PRE_PARAMS_DTYPE.names[:6])
@@ -301,7 +301,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     bp["batch"], bp["seqlen_q"], bp["seqlen_k"] = b, sq, problem.seqlen_k
     bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
     bp["window_left"], bp["window_right"] = left, right
-    bp["deterministic"] = 2 if launch.counters else int(bool(deterministic))  # 2: one buffer, key blocks in turn
+    bp["deterministic"] = int(bool(deterministic))
     for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
         bp[name] = value
     bp["softmax_scale"] = scale

@@ -245,9 +245,15 @@ class BwdSm90Spec:
         return plan._template("bwd_sm90_kernel", self.dtype, (self.headdim, self.block_m), (self.band, self.score_mod))
 
     @property
-    def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, lse/D rows, barriers, alignment
+    def tma_dq(self) -> bool:  # BwdSm90::TMA_DQ: dQ added by TMA from staging buffers
+        return not (self.headdim == 64 and self.block_m == 64)
+
+    @property
+    def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, lse/D rows, dQ staging, barriers
         d, n, m = self.headdim, BWD_BLOCK_N, self.block_m
-        return 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 2 * m * 4 + 3 * 8 + 1024
+        rows_end = 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 2 * m * 4
+        staging = 2 * 2 * 64 * 64 * 4 if self.tma_dq else 0  # two buffers of a 64 x 64 fp32 tile per warpgroup
+        return -(-rows_end // 1024) * 1024 + staging + 3 * 8 + 1024
 
 
 def all_backward_specs() -> list:
@@ -257,13 +263,13 @@ def all_backward_specs() -> list:
 
 
 def _bwd_params_dtype() -> np.dtype:
-    """BwdSm90Params: the four tensor maps, then BwdParams (plan.BWD_PARAMS_DTYPE) at byte 512; 64-byte aligned."""
+    """BwdSm90Params: the five tensor maps, then BwdParams (plan.BWD_PARAMS_DTYPE) at byte 640; 64-byte aligned."""
     inner = plan.BWD_PARAMS_DTYPE
-    names = ["q_map", "k_map", "v_map", "dout_map"] + list(inner.names)
-    formats = ["V128"] * 4 + [inner.fields[n][0] for n in inner.names]
-    offsets = [0, 128, 256, 384] + [512 + inner.fields[n][1] for n in inner.names]
+    names = ["q_map", "k_map", "v_map", "dout_map", "dq_map"] + list(inner.names)
+    formats = ["V128"] * 5 + [inner.fields[n][0] for n in inner.names]
+    offsets = [0, 128, 256, 384, 512] + [640 + inner.fields[n][1] for n in inner.names]
     return np.dtype({"names": names, "formats": formats, "offsets": offsets,
-                     "itemsize": 512 + -(-inner.itemsize // 64) * 64})
+                     "itemsize": 640 + -(-inner.itemsize // 64) * 64})
 
 
 BWD_PARAMS_DTYPE = _bwd_params_dtype()
@@ -279,10 +285,12 @@ class BackwardMain:
     def __init__(self, kernel_call: KernelCall, maps: tuple, spec: BwdSm90Spec):
         self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
 
-    def __call__(self, stream: int, q: int, k: int, v: int, dout: int, *rest: int) -> None:
-        q_map, k_map, v_map, do_map = self.maps
+    def __call__(self, stream: int, q: int, k: int, v: int, dout: int, dk: int, dv: int, dq_accum: int,
+                 *rest: int) -> None:
+        q_map, k_map, v_map, do_map, dq_map = self.maps
         self.kernel_call.launch_head(
-            stream, q_map(q) + k_map(k) + v_map(v) + do_map(dout) + _BWD_POINTERS.pack(q, k, v, dout, *rest))
+            stream, q_map(q) + k_map(k) + v_map(v) + do_map(dout) + dq_map(dq_accum)
+            + _BWD_POINTERS.pack(q, k, v, dout, dk, dv, dq_accum, *rest))
 
 
 def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_id: int) -> BackwardMain:
@@ -293,5 +301,19 @@ def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_i
         p[name] = inner_params[name]
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
     m = spec.block_m
-    maps = (_encoder(q, m), _encoder(k, BWD_BLOCK_N), _encoder(v, BWD_BLOCK_N), _encoder(dout, m))
+    maps = (_encoder(q, m), _encoder(k, BWD_BLOCK_N), _encoder(v, BWD_BLOCK_N), _encoder(dout, m),
+            _dq_accum_encoder(inner_params, grid))
     return BackwardMain(call, maps, spec)
+
+
+def _dq_accum_layout(inner_params, grid) -> tuple:
+    """(dtype, dims, byte strides, box) of dq_accum's tensor map: fp32 (slices, rows of all sequences, heads, d) as
+    4-D (d, heads, rows, slices), box (32, 1, 64, 1): 32 columns (128 bytes, the swizzle span) of 64 rows."""
+    h, d = int(inner_params["nheads"]), int(inner_params["headdim"])
+    rows = int(inner_params["dq_slice_stride"]) // (h * d)
+    slices = grid[0] if int(inner_params["deterministic"]) else 1
+    return np.dtype(np.float32), (d, h, rows, slices), (d * 4, h * d * 4, rows * h * d * 4), (32, 1, 64, 1)
+
+
+def _dq_accum_encoder(inner_params, grid):
+    return tma.encoder(*_dq_accum_layout(inner_params, grid), swizzle=128)

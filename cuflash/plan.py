@@ -222,19 +222,15 @@ BWD_WIDE = {"enabled": os.environ.get("CUFLASH_BWD_WIDE", "1") == "1", "headdim"
 #   d =  64: 211-262 non-causal, 114-154 causal   (portable kernel 105-121 / 85-117; SDPA flash 244-280 / 187-248)
 #   d = 128: 314-394 non-causal, 178-252 causal   (portable kernel 112-118 / 101-122; SDPA flash 265-306 / 208-277)
 # Since (session 8, ANCHORS grid 512-16k, docs/bench/release_session8.txt): d = 64 250-404 / 160-390 (SDPA flash
-# 209-287 / 138-278), d = 128 270-432 / 169-411 (SDPA flash 224-310 / 157-315).
+# 209-287 / 138-278), d = 128 270-432 / 169-411 (SDPA flash 224-310 / 157-315). Session 10, dQ added by TMA bulk
+# reductions (docs/bench/bwd_tma_dq_session10.txt): d = 64 252-440 / 162-433, d = 128 272-452 / 174-445.
 BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims": (64, 128), "score_mod": (64,),
             "block_n": 128}  # keys per CTA (BwdSm90::BN)
 
-# Deterministic mode of the Hopper kernel: "slices" gives each of bwd_sm90_slots CTAs per head its own fp32 dQ
-# slice, summed in order after the kernel; "ordered" (CUFLASH_BWD_SM90_DET=ordered) adds into one buffer, each key
-# block in its turn per query block (bwd_sm90.cu, mode 2), on the atomic mode's grid, where a head's key blocks fit
-# in one wave (bwd_sm90_ordered_applies; slices otherwise). Slices are the default: on the ANCHORS grid (H200,
-# bf16, 2026-11-30, docs/bench/release_session9.txt) ordered took 1.11-1.84x the atomic time (median 1.28), the
-# slices 0.98-1.28x (median 1.13); ordered saves memory (one dQ buffer, not up to 8).
-BWD_SM90_DET = os.environ.get("CUFLASH_BWD_SM90_DET", "slices")
-if BWD_SM90_DET not in ("slices", "ordered"):
-    raise ValueError(f"CUFLASH_BWD_SM90_DET must be 'slices' or 'ordered', not {BWD_SM90_DET!r}")
+# Deterministic mode of the Hopper kernel: each of bwd_sm90_slots CTAs per head adds into its own fp32 dQ slice,
+# summed in order after the kernel. (Session 9's "ordered" mode, one buffer and key blocks adding in turn, was
+# 1.11-1.84x the atomic time against the slices' 0.98-1.28x; it went with session 10's TMA dQ reductions, whose
+# registers it did not leave room for: docs/perf-notes.md.)
 
 
 # Query rows per step of the Hopper backward, per head dim: 64, or 128 at d = 64 without a score mod (twice the work
@@ -373,7 +369,6 @@ class BwdLaunch:
     spec: BwdSpec
     grid: tuple
     slices: int    # fp32 dQ accumulator slices (1 unless deterministic)
-    counters: int = 0  # int32 turn counters after the accumulator (the Hopper kernel's ordered deterministic mode)
 
 
 def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
@@ -381,7 +376,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     """Main backward kernel and its grid. Deterministic mode gives each of `slots` CTAs per (KV head,
     batch) its own dQ slice; enough slots to fill the GPU about twice, at most one per KV block. Where the Hopper
     kernel applies (bwd_sm90_applies; `spec` is then the portable fallback's) the grid is its own: 128-key blocks,
-    and in deterministic mode bwd_sm90_slots, or the atomic grid and int32 turn counters for the ordered mode."""
+    and in deterministic mode bwd_sm90_slots."""
     band = left >= 0 or right >= 0
     dtype = DTYPES[np.dtype(problem.dtype).name][0]
     d = bwd_headdim(problem.headdim, arch)
@@ -389,10 +384,6 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     groups = problem.batch * problem.nheads_k
     if bwd_sm90_applies(problem, score_mod, arch):
         n_blocks = math.ceil(problem.seqlen_k / BWD_SM90["block_n"])
-        if deterministic and bwd_sm90_ordered_applies(n_blocks, sm_count):
-            counters = problem.batch * problem.nheads * math.ceil(problem.seqlen_q / bwd_sm90_block_m(problem.headdim,
-                                                                                                    score_mod))
-            return BwdLaunch(spec, check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, counters)
         slots = bwd_sm90_slots(n_blocks, groups, sm_count) if deterministic else n_blocks
     else:
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
@@ -410,25 +401,18 @@ def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int) -> int:
     return min(range(1, n_blocks + 1), key=lambda slots: (makespan(slots), slots))
 
 
-def bwd_sm90_ordered_applies(n_blocks: int, sm_count: int) -> bool:
-    """The ordered deterministic mode waits on other key blocks of the head, which must all be resident at once
-    (one CTA per SM): at most sm_count key blocks (seqlen_k <= 16896 on 132 SMs)."""
-    return BWD_SM90_DET == "ordered" and n_blocks <= sm_count
-
-
 WORKSPACE_ALIGN = 256  # bytes; each piece of a workspace starts on this boundary
 
 
-def backward_workspace(rows: int, nheads: int, headdim: int, slices: int, counters: int = 0) -> tuple[int, int, int]:
+def backward_workspace(rows: int, nheads: int, headdim: int, slices: int) -> tuple[int, int, int]:
     """The backward's workspaces as one aligned block: byte offsets of lse_log2 and of the dQ accumulator, and
     the total. In the order cuflash.api.launch_backward allocates them: dsum and lse_log2 (fp32, one per query
-    row and head), then the fp32 dQ accumulator (slices x rows x heads x headdim) and right after it `counters`
-    int32 (the Hopper kernel's ordered deterministic mode; zeroed with it), each piece rounded up to
+    row and head), then the fp32 dQ accumulator (slices x rows x heads x headdim), each piece rounded up to
     WORKSPACE_ALIGN (cuflash.jax hands them out of one XLA buffer this size). `rows`: batch * seqlen_q, or
     total_q when packed."""
     aligned = lambda n: -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN  # noqa: E731
     per_row = aligned(rows * nheads * 4)
-    return per_row, 2 * per_row, 2 * per_row + aligned(slices * rows * nheads * headdim * 4 + counters * 4)
+    return per_row, 2 * per_row, 2 * per_row + aligned(slices * rows * nheads * headdim * 4)
 
 
 def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
@@ -565,7 +549,7 @@ BWD_PARAMS_DTYPE = _struct(
     ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
 BWD_PRE_PARAMS_DTYPE = _struct(
     ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum"), _strides("o", "do") + ["dq_slice_stride"],
-    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "counters"), ())
+    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices"), ())
 BWD_CONVERT_PARAMS_DTYPE = _struct(("dq_accum", "dq"), ("slice_stride",), ("slices",), ())
 
 

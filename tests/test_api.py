@@ -201,49 +201,6 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
         8, 9, rows * h * d, slices)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_backward_ordered_layout(no_gpu_kernels, monkeypatch, packed):
-    """Deterministic mode "ordered" on the Hopper kernel (plan.BWD_SM90_DET): the atomic grid, one dQ slice,
-    mode 2 in the main struct, and batch x heads x query blocks int32 counters right after the accumulator, inside
-    the workspace and zeroed by the preprocess."""
-    from cuflash import api, hopper, plan
-    monkeypatch.setattr(plan, "BWD_SM90_DET", "ordered")
-    api._bwd_launches.clear()
-    b, sq, sk, h, hk, d = 3, 300, 1000, 4, 2, 128
-    call, rows, problem = _fake_backward_call(b, sq, sk, h, hk, d, 2500, packed, True, rows_packed=700)
-    api._bwd_launches.clear()
-    launch = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
-    m_blocks = -(-sq // 64)  # d 128: 64 query rows per step
-    assert launch.slices == 1 and launch.counters == b * h * m_blocks
-    n_blocks = -(-sk // 128)
-    assert launch.grid == (n_blocks, hk, b)
-    lse_off, dq_off, total = plan.backward_workspace(rows, h, d, 1, launch.counters)
-    assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
-    assert dq_off + rows * h * d * 4 + launch.counters * 4 <= total  # the counters fit after the accumulator
-    assert isinstance(call.main, hopper.BackwardMain)
-    main = np.frombuffer(call.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
-    assert main["deterministic"] == 2 and main["dq_slice_stride"] == rows * h * d
-    assert call.main.kernel_call.launches[0][1:4] == launch.grid
-    pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 7))
-    assert (pre["slices"], pre["counters"], pre["dq_slice_stride"]) == (1, launch.counters, rows * h * d)
-
-
-def test_ordered_mode_needs_a_heads_key_blocks_resident(monkeypatch):
-    """The ordered mode waits on a head's other key blocks: up to one per SM it takes the atomic grid; beyond, the
-    deterministic grid of slices (bwd_sm90_slots)."""
-    from cuflash import plan
-    monkeypatch.setattr(plan, "BWD_SM90_DET", "ordered")
-    fits = checks.Problem(1, 4000, 132 * 128, 4, 2, 128, np.dtype(np.float16))
-    over = checks.Problem(1, 4000, 132 * 128 + 1, 4, 2, 128, np.dtype(np.float16))
-    launch = plan.plan_backward(fits, -1, -1, False, True, "sm_90a", 132)
-    assert launch.grid == (132, 2, 1) and launch.slices == 1 and launch.counters == 4 * -(-4000 // 64)
-    launch = plan.plan_backward(over, -1, -1, False, True, "sm_90a", 132)
-    assert launch.grid == (plan.bwd_sm90_slots(133, 2, 132), 2, 1) and launch.counters == 0
-    assert launch.slices == launch.grid[0]
-    monkeypatch.setattr(plan, "BWD_SM90_DET", "slices")
-    assert plan.plan_backward(fits, -1, -1, False, True, "sm_90a", 132).counters == 0
-
-
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, deterministic):
     """plan.BWD_SM90 on (the default): the backward's main launch is the Hopper kernel (d 64/128, no score mod) with
@@ -284,9 +241,14 @@ def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, de
     for name in plan.BWD_PARAMS_DTYPE.names[12:]:
         if name not in ("mod_scale", "softcap", "scale_log2"):  # the score-mod kernel's natural-log scores
             assert got[name] == ref[name] == want[name], name
-    assert hopper.BWD_PARAMS_DTYPE.fields["q"][1] == 512 and hopper.BWD_PARAMS_DTYPE.itemsize % 64 == 0
+    assert hopper.BWD_PARAMS_DTYPE.fields["q"][1] == 640 and hopper.BWD_PARAMS_DTYPE.itemsize % 64 == 0
     for x, rows in ((q, hopper.BWD_BLOCK_M), (k, hopper.BWD_BLOCK_N)):
         tma.check_tiled(0x10000, *hopper._map_layout(x, rows), 128)
+    # dq_accum's map: fp32 (d, heads, rows of all sequences, slices), 32-column boxes of 64 rows
+    dtype, dims, strides, box = hopper._dq_accum_layout(got, launch.grid)
+    assert dims == (d, h, b * sq, launch.slices) and strides == (d * 4, h * d * 4, b * sq * h * d * 4)
+    assert dtype == np.float32 and box == (32, 1, 64, 1)
+    tma.check_tiled(0x10000, dtype, dims, strides, box, 128)
     smem = {s.headdim: s.smem_bytes for s in hopper.all_backward_specs()}
     assert smem[128] <= 227 * 1024 and smem[64] < smem[128]
 
