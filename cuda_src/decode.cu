@@ -8,7 +8,8 @@
 //    end. Longer tiles (speculative decoding) give each warp 16 rows of its own (ROW_WARPS = 4);
 //  - K/V blocks stream through a STAGES-deep cp.async ring with one barrier per block;
 //  - with num_splits > 1 a CTA covers 1/num_splits of the visible KV blocks and writes fp32 partial O and lse,
-//    which decode_combine (decode_aux.cu) merges, or, given split counters, the row tile's last CTA to finish.
+//    which decode_combine (decode_aux.cu) merges, or, in the TMA kernel given split counters, the row tile's last
+//    CTA to finish.
 // Blocks run from the last to the first, so the masked tail block (cache length, causal diagonal) comes first.
 //
 // decode_tma_kernel (sm_90a; DecodeBlock with TMA = true) is the same computation with K/V blocks brought in by
@@ -302,7 +303,9 @@ struct DecodeBlock {
                 if (c == 0) p.lse_partial[partial] = lse;
             }
         }
-        if (p.num_splits > 1 && p.split_counters != nullptr) merge_if_last();
+        if constexpr (TMA) {  // the cp.async kernel (sm_80 too) leaves the merge to decode_combine: beside its
+            if (p.num_splits > 1 && p.split_counters != nullptr) merge_if_last();  // loop it spilled on sm_80
+        }
     }
 
     // The fused combine: every split CTA counts itself in on its row tile's counter once its partial results are

@@ -111,8 +111,8 @@ struct DecodeParams {
     const int* cache_batch_idx;  // (batch,) cache row of each batch row, or nullptr: row b
     const int* block_table;    // (batch, max_pages) page indices, or nullptr: contiguous cache
     const float* alibi;        // as in FwdParams
-    int* split_counters;       // num_splits > 1: one zeroed int32 per row tile; the decode kernel merges the splits
-                               // (the last to finish, which resets it to 0), or nullptr: decode_combine does
+    int* split_counters;       // num_splits > 1: one zeroed int32 per row tile; the TMA decode kernel merges the
+                               // splits (the last to finish, which resets it to 0), or nullptr: decode_combine does
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride = page stride when paged
     i64 v_batch_stride, v_row_stride, v_head_stride;

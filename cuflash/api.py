@@ -591,7 +591,7 @@ def _prepare_decode(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
     launches.append((build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
                      launch.spec.smem_bytes))
     partial_rows = launch.splits * b * h * sq if launch.splits > 1 else 0
-    fused = plan.decode_fused_combine(launch.splits)
+    fused = maps is not None and plan.decode_fused_combine(launch.splits)  # the TMA kernel merges its own splits
     counter_tiles = launch.grid[0] // launch.splits * launch.grid[1] * launch.grid[2] if fused else 0
     if partial_rows and not fused:
         combine = plan.DecodeAuxSpec("decode_combine", dtype)

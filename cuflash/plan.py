@@ -605,8 +605,9 @@ DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decod
 # decode_combine launched as a programmatic dependent of the decode kernel (sm_90: it starts while the decode
 # kernel's last CTAs finish, cuflash.launcher's `overlap`). CUFLASH_PDL=0 launches it plainly.
 PDL = {"enabled": os.environ.get("CUFLASH_PDL", "1") == "1"}
-# The splits merged by the decode kernel itself (the last CTA of a row tile to finish, counted on a zeroed counter
-# per tile that cuflash.api keeps per stream) instead of decode_combine: no second launch. Session 10 (bench_decode.py,
+# The splits merged by the TMA decode kernel itself (the last CTA of a row tile to finish, counted on a zeroed
+# counter per tile that cuflash.api keeps per stream) instead of decode_combine: no second launch. (The cp.async
+# kernel keeps decode_combine: beside its loop the merge spilled on sm_80.) Session 10 (bench_decode.py,
 # two rounds, docs/bench/decode_session10.txt): batch 8 x 1k (4 splits) 21.5 -> 19.5 us, 8 x 8k 80.6 -> 78.6,
 # 1 x 1k (16 splits) 12.3 -> 11.1-11.7, 1 x 8k (32) 20.9-21.0 -> 20.6-20.7, the long cells unchanged. (A first
 # version that read every split's lse twice was 0.5-1.5 us slower than decode_combine at 32 splits and more.)
