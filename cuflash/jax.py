@@ -235,10 +235,9 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     """
     left, right = plan.normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
     rows = problem.batch * problem.seqlen_q if rows is None else rows  # total_q for packed sequences
-    launches = [plan.plan_backward(problem, left, right, score_mod, deterministic, arch, _max_sm_count())
-                for arch in ("sm_80", "sm_90a")]
-    return max(plan.backward_workspace(rows, problem.nheads, problem.headdim, launch.slices)[2]
-               for launch in launches)
+    slices = max(plan.plan_backward(problem, left, right, score_mod, deterministic, arch, _max_sm_count()).slices
+                 for arch in ("sm_80", "sm_90a"))
+    return plan.backward_workspace(rows, problem.nheads, problem.headdim, slices)[2]
 
 
 @functools.lru_cache(maxsize=None)
