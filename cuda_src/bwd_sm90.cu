@@ -2,8 +2,8 @@
 //
 // The main kernel of the backward only; bwd_aux.cu's preprocess (D = rowsum(dO * O), lse in log2) and dQ convert
 // run around it, with the portable kernel's workspace and parameters (BwdParams, params.cuh). Grid (slots, KV
-// heads, sequences) as bwd.cu: CTA x owns key blocks x, x + slots, ... of BN = 128 keys, as two warpgroups of 64
-// keys each, and loops over the query heads of its KV head and their BM-row query blocks that see the keys (BM 64,
+// heads, sequences) as bwd.cu, but CTA x owns key blocks x, 2 slots - 1 - x, 2 slots + x, ... (run) of BN = 128
+// keys, as two warpgroups of 64 keys each, and loops over the query heads of its KV head and their BM-row query blocks that see the keys (BM 64,
 // or 128 at d = 64 without a score mod: twice the work per step for the same fixed cost of barriers and waits).
 // Per query block, with K and V resident and Q, dO, lse, D double-buffered (TMA; thread 0 issues, lockstep):
 //     S^T  = K_w Q^T      wgmma m64n{BM} ss (A = this warpgroup's keys, K-major; B = Q, K-major)
@@ -311,7 +311,7 @@ struct BwdSm90 {
         sm90::wgmma_commit();
         sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
         if constexpr (TMA_DQ) {
-            add_dq_tma(dq[0], h, m * BM + half0 * 64, panel, tt);
+            add_dq_tma(dq[0], h, m * BM + half0 * 64, panel, tt, t == 0);
             sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
             if (tid % 128 == 0) sm90::bulk_wait_read<1>();  // the staging buffer of step tt + 1 is read out
         } else {
@@ -345,9 +345,11 @@ struct BwdSm90 {
 
     // This warpgroup's dQ tile (rows row0.. of head h in this sequence, columns panel 64..) added to dq_accum by TMA
     // from staging buffer tt % 2: (row r, column c) at box c / 32, line r, 16-byte chunk (c % 32) / 4 ^ (r % 8).
-    // Deterministic mode: each slot adds to its own slice in program order: its issuing thread waits until its last
-    // additions are made before it issues more (consecutive steps may add to the same rows).
-    __device__ __forceinline__ void add_dq_tma(const float (&dq)[8][4], int h, int row0, int panel, int tt) const {
+    // Deterministic mode: each slot adds to its own slice in program order. The steps of one key block add to
+    // disjoint rows (one query block of one head each), so only the first step of a key block, which may add to the
+    // rows of the last step before it (the zigzag walk), waits until the slot's earlier additions are made.
+    __device__ __forceinline__ void add_dq_tma(const float (&dq)[8][4], int h, int row0, int panel, int tt,
+                                               bool first) const {
         const u32 tile = base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + wg * DQ_TILE;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -363,7 +365,7 @@ struct BwdSm90 {
         sm90::fence_proxy_async();  // generic-proxy stores, read by TMA (async proxy) below
         asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
         if (tid % 128 != 0) return;
-        if (p.deterministic == 1) sm90::bulk_wait<0>();
+        if (p.deterministic == 1 && first) sm90::bulk_wait<0>();
         // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b]. A box
         // past this sequence's rows adds zeros there (its dS is 0) or is clipped at the end of the tensor.
         const int row = (p.cu_seqlens_q != nullptr ? q_begin : q_begin * p.seqlen_q) + row0;
@@ -412,9 +414,12 @@ struct BwdSm90 {
         }
         __syncthreads();
         int tt = 0, kv_loads = 0;  // steps and K/V loads so far (the barriers' phases)
-        for (int n = blockIdx.x; n < n_blocks; n += gridDim.x) {
+        // Slot x takes key blocks x, 2 slots - 1 - x, 2 slots + x, ... (a snake: under a causal mask every two of
+        // them make the same number of steps for every slot), walking every other one backwards (atomic mode: one)
+        backwards = false;
+        for (int n = blockIdx.x; n < n_blocks;
+             n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
             n_key0 = n * BN;
-            backwards = p.deterministic == 1 && (n - blockIdx.x) / gridDim.x % 2 == 1;
             // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
             int m_min = 0, m_max = m_blocks;
             if (BAND) {

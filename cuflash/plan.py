@@ -230,7 +230,9 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
 # Deterministic mode of the Hopper kernel: each of bwd_sm90_slots CTAs per head adds into its own fp32 dQ slice,
 # summed in order after the kernel. (Session 9's "ordered" mode, one buffer and key blocks adding in turn, was
 # 1.11-1.84x the atomic time against the slices' 0.98-1.28x; it went with session 10's TMA dQ reductions, whose
-# registers it did not leave room for: docs/perf-notes.md.)
+# registers it did not leave room for. Session 11's, turns in the order of the slots' passes, was 1.25-1.50x:
+# drafts/README.md.) "slots" > 0 fixes the slot count (CUFLASH_BWD_SM90_DET_SLOTS; for tests and measurements).
+BWD_SM90_DET = {"slots": int(os.environ.get("CUFLASH_BWD_SM90_DET_SLOTS", "0"))}
 
 
 # Query rows per step of the Hopper backward, per head dim: 64, or 128 at d = 64 without a score mod (twice the work
@@ -385,6 +387,8 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     if bwd_sm90_applies(problem, score_mod, arch):
         n_blocks = math.ceil(problem.seqlen_k / BWD_SM90["block_n"])
         slots = bwd_sm90_slots(n_blocks, groups, sm_count) if deterministic else n_blocks
+        if deterministic and BWD_SM90_DET["slots"] > 0:
+            slots = min(n_blocks, BWD_SM90_DET["slots"])
     else:
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
         slots = max(1, min(n_blocks, math.ceil(2 * sm_count / groups))) if deterministic else n_blocks

@@ -234,6 +234,20 @@ def test_sm90_backward_slots_end_soonest_with_fewest_slices():
         assert span[best - 1] == min(span) and span.index(min(span)) == best - 1
 
 
+def test_sm90_backward_slot_count_fixed_by_the_table(monkeypatch):
+    """plan.BWD_SM90_DET["slots"] (CUFLASH_BWD_SM90_DET_SLOTS) fixes deterministic mode's slot count, at most one
+    per key block; the atomic grid keeps one CTA per key block."""
+    problem = checks.Problem(1, 1000, 1000, 4, 2, 128, np.dtype(np.float16))  # 8 key blocks of 128
+    monkeypatch.setitem(plan.BWD_SM90_DET, "slots", 3)
+    launch = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
+    assert launch.grid[0] == launch.slices == 3
+    assert plan.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).grid[0] == 8
+    monkeypatch.setitem(plan.BWD_SM90_DET, "slots", 50)
+    assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] == 8
+    monkeypatch.setitem(plan.BWD_SM90_DET, "slots", 0)
+    assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] == plan.bwd_sm90_slots(8, 2, 132)
+
+
 def test_jax_workspace_bound_covers_both_backward_kernels():
     """cuflash.jax sizes the backward workspace before it knows the device: the bound covers the portable and the
     Hopper main kernel's deterministic slices."""
