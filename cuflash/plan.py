@@ -232,7 +232,13 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
 # 1.11-1.84x the atomic time against the slices' 0.98-1.28x; it went with session 10's TMA dQ reductions, whose
 # registers it did not leave room for. Session 11's, turns in the order of the slots' passes, was 1.25-1.50x:
 # drafts/README.md.) "slots" > 0 fixes the slot count (CUFLASH_BWD_SM90_DET_SLOTS; for tests and measurements).
-BWD_SM90_DET = {"slots": int(os.environ.get("CUFLASH_BWD_SM90_DET_SLOTS", "0"))}
+# "max_passes" > 0 (CUFLASH_BWD_SM90_DET_MAX_PASSES) breaks bwd_sm90_slots' ties toward the fewest slots of at most
+# that many key blocks each: more slots of a head walk its Q/dO side by side and share them in L2. Measured in
+# session 11 with the count fixed (docs/bench/bwd_det_session11.txt, call 3): 2 slots where the rule picks 1 took
+# det/atomic 1.201 -> 1.158 at d 64 non-causal 4k (32 -> 16 key blocks each) but 1.062 -> 1.092 at 1k (8 -> 4).
+# Off (0) until a run of the whole grid picks a bound.
+BWD_SM90_DET = {"slots": int(os.environ.get("CUFLASH_BWD_SM90_DET_SLOTS", "0")),
+                "max_passes": int(os.environ.get("CUFLASH_BWD_SM90_DET_MAX_PASSES", "0"))}
 
 
 # Query rows per step of the Hopper backward, per head dim: 64, or 128 at d = 64 without a score mod (twice the work
@@ -386,7 +392,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     groups = problem.batch * problem.nheads_k
     if bwd_sm90_applies(problem, score_mod, arch):
         n_blocks = math.ceil(problem.seqlen_k / BWD_SM90["block_n"])
-        slots = bwd_sm90_slots(n_blocks, groups, sm_count) if deterministic else n_blocks
+        slots = bwd_sm90_slots(n_blocks, groups, sm_count, BWD_SM90_DET["max_passes"]) if deterministic else n_blocks
         if deterministic and BWD_SM90_DET["slots"] > 0:
             slots = min(n_blocks, BWD_SM90_DET["slots"])
     else:
@@ -395,14 +401,18 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     return BwdLaunch(spec, check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1)
 
 
-def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int) -> int:
+def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int, max_passes: int = 0) -> int:
     """Deterministic mode on the Hopper kernel (one CTA per SM): of 1..n_blocks slots, the one whose CTAs
     (slots x groups of them, ceil(n_blocks / slots) key blocks each) finish soonest, and of those the fewest (each
-    slot is a dQ slice to zero and sum). The portable rule (about two CTAs per SM) left waves part-empty and
-    CTAs uneven: 5 slots of 6-7 blocks at seqlen 4k, batch 4, 16 heads, d 128, where 2 slots of 16 end as soon."""
+    slot is a dQ slice to zero and sum), or with `max_passes` > 0 the fewest of at most that many key blocks each
+    where one is as soon. The portable rule (about two CTAs per SM) left waves part-empty and CTAs uneven: 5 slots
+    of 6-7 blocks at seqlen 4k, batch 4, 16 heads, d 128, where 2 slots of 16 end as soon."""
     def makespan(slots: int) -> int:
         return math.ceil(slots * groups / sm_count) * math.ceil(n_blocks / slots)
-    return min(range(1, n_blocks + 1), key=lambda slots: (makespan(slots), slots))
+    best = min(makespan(slots) for slots in range(1, n_blocks + 1))
+    soonest = [slots for slots in range(1, n_blocks + 1) if makespan(slots) == best]
+    short = [slots for slots in soonest if max_passes > 0 and math.ceil(n_blocks / slots) <= max_passes]
+    return (short or soonest)[0]
 
 
 WORKSPACE_ALIGN = 256  # bytes; each piece of a workspace starts on this boundary

@@ -234,6 +234,21 @@ def test_sm90_backward_slots_end_soonest_with_fewest_slices():
         assert span[best - 1] == min(span) and span.index(min(span)) == best - 1
 
 
+def test_sm90_backward_slot_ties_broken_by_passes():
+    """bwd_sm90_slots' max_passes (plan.BWD_SM90_DET, off by default): among the slot counts that finish as soon,
+    the fewest with at most that many key blocks per slot; none such: the fewest slots as without it."""
+    assert plan.bwd_sm90_slots(32, 128, 132) == 1                 # d 64 4k: 1, 2, 4, ... slots tie
+    assert plan.bwd_sm90_slots(32, 128, 132, max_passes=16) == 2
+    assert plan.bwd_sm90_slots(8, 512, 132, max_passes=16) == 1   # 1k: 8 blocks per slot already
+    assert plan.bwd_sm90_slots(128, 32, 132, max_passes=16) == 8  # 16k: 4 and 8 slots tie (one and two waves)
+    assert plan.bwd_sm90_slots(128, 32, 132) == 4
+    for n, groups, bound in ((32, 64, 8), (40, 4, 3), (7, 100, 2), (64, 1, 4), (128, 16, 16)):
+        span = [math.ceil(s * groups / 132) * math.ceil(n / s) for s in range(1, n + 1)]
+        soonest = [s for s in range(1, n + 1) if span[s - 1] == min(span)]
+        short = [s for s in soonest if math.ceil(n / s) <= bound]
+        assert plan.bwd_sm90_slots(n, groups, 132, max_passes=bound) == (short or soonest)[0]
+
+
 def test_sm90_backward_slot_count_fixed_by_the_table(monkeypatch):
     """plan.BWD_SM90_DET["slots"] (CUFLASH_BWD_SM90_DET_SLOTS) fixes deterministic mode's slot count, at most one
     per key block; the atomic grid keeps one CTA per key block."""
