@@ -3,8 +3,9 @@
 // The main kernel of the backward only; bwd_aux.cu's preprocess (D = rowsum(dO * O), lse in log2) and dQ convert
 // run around it, with the portable kernel's workspace and parameters (BwdParams, params.cuh). Grid (slots, KV
 // heads, sequences) as bwd.cu, but CTA x owns key blocks x, 2 slots - 1 - x, 2 slots + x, ... (run) of BN = 128
-// keys, as two warpgroups of 64 keys each, and loops over the query heads of its KV head and their BM-row query blocks that see the keys (BM 64,
-// or 128 at d = 64 without a score mod: twice the work per step for the same fixed cost of barriers and waits).
+// keys, as two warpgroups of 64 keys each, and loops over the query heads of its KV head and their BM-row query
+// blocks that see the keys (BM 64, or 128 at d = 64 without a score mod: twice the work per step for the same fixed
+// cost of barriers and waits).
 // Per query block, with K and V resident and Q, dO, lse, D double-buffered (TMA; thread 0 issues, lockstep):
 //     S^T  = K_w Q^T      wgmma m64n{BM} ss (A = this warpgroup's keys, K-major; B = Q, K-major)
 //     dP^T = V_w dO^T     wgmma m64n{BM} ss
