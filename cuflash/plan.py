@@ -392,9 +392,12 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     groups = problem.batch * problem.nheads_k
     if bwd_sm90_applies(problem, score_mod, arch):
         n_blocks = math.ceil(problem.seqlen_k / BWD_SM90["block_n"])
-        slots = bwd_sm90_slots(n_blocks, groups, sm_count, BWD_SM90_DET["max_passes"]) if deterministic else n_blocks
-        if deterministic and BWD_SM90_DET["slots"] > 0:
+        if not deterministic:
+            slots = n_blocks
+        elif BWD_SM90_DET["slots"] > 0:
             slots = min(n_blocks, BWD_SM90_DET["slots"])
+        else:
+            slots = bwd_sm90_slots(n_blocks, groups, sm_count, BWD_SM90_DET["max_passes"])
     else:
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
         slots = max(1, min(n_blocks, math.ceil(2 * sm_count / groups))) if deterministic else n_blocks
@@ -407,10 +410,10 @@ def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int, max_passes: int = 
     slot is a dQ slice to zero and sum), or with `max_passes` > 0 the fewest of at most that many key blocks each
     where one is as soon. The portable rule (about two CTAs per SM) left waves part-empty and CTAs uneven: 5 slots
     of 6-7 blocks at seqlen 4k, batch 4, 16 heads, d 128, where 2 slots of 16 end as soon."""
-    def makespan(slots: int) -> int:
-        return math.ceil(slots * groups / sm_count) * math.ceil(n_blocks / slots)
-    best = min(makespan(slots) for slots in range(1, n_blocks + 1))
-    soonest = [slots for slots in range(1, n_blocks + 1) if makespan(slots) == best]
+    span = {slots: math.ceil(slots * groups / sm_count) * math.ceil(n_blocks / slots)
+            for slots in range(1, n_blocks + 1)}
+    best = min(span.values())
+    soonest = [slots for slots, s in span.items() if s == best]
     short = [slots for slots in soonest if max_passes > 0 and math.ceil(n_blocks / slots) <= max_passes]
     return (short or soonest)[0]
 
