@@ -7,7 +7,8 @@
 //     S = Q K^T            wgmma m64nBNk16 (BN = 64 or 128 keys), both from shared memory (K-major, 128-byte swizzle)
 //     mask, online softmax  on the accumulators, which have the mma.sync layout per warp (softmax.cuh, mask.cuh)
 //     O += P V              wgmma m64n64k16 with P in registers and V MN-major, one per 64-column panel of O
-// and the epilogue normalizes O by the row sums and writes O and lse from registers.
+// and the epilogue normalizes O by the row sums and writes lse from registers and O either from registers or, in the
+// warp-specialized kernels (p.o_tma), through a swizzled staging tile in shared memory and TMA stores (epilogue).
 //
 // Two ways to feed the ring (template flag WS):
 //  - WS = false (the first version, GPU-verified): thread 0 of the consumers issues the copies; after each block a
@@ -35,6 +36,7 @@ struct FwdSm90Params {
     sm90::TmaMap q;        // (d, heads, seqlen_q, batch) padded or (d, heads, total_q) packed, box (64, 1, BM[, 1])
     sm90::TmaMap k;        // (d, heads_k, seqlen_k, batch) or (d, heads_k, total_k), box (64, 1, BN[, 1])
     sm90::TmaMap v;
+    sm90::TmaMap o_map;    // O's map as q's, box (64, 1, 64[, 1]): one warpgroup's rows of a 64-column panel
     u16* o;                // (batch, seqlen_q, nheads, headdim) or (total_q, nheads, headdim)
     float* lse;            // (batch, nheads, seqlen_q) or (nheads, total_q), contiguous; or nullptr
     const float* alibi;    // ALiBi slopes (nheads,) or (batch, nheads), or nullptr
@@ -47,10 +49,11 @@ struct FwdSm90Params {
     float scale_log2;      // log2(e) in score-mod kernels (scores leave ScoreMod in natural-log units)
     float mod_scale, softcap;  // score-mod kernels: see score_mod.cuh and plan.forward_scales
     int batch;             // sequences (the persistent kernel walks query blocks x heads x batch itself)
+    int o_tma;             // warp-specialized kernels: O leaves through shared memory and TMA stores (epilogue)
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is
 // asserted).
-static_assert(sizeof(FwdSm90Params) == 512, "FwdSm90Params no longer matches cuflash/hopper.py");
+static_assert(sizeof(FwdSm90Params) == 704, "FwdSm90Params no longer matches cuflash/hopper.py");
 
 template <class T, int D, int BN, bool BAND, int STAGES, int WGS, bool WS, bool SCORE_MOD, bool PINGPONG,
           bool PERSISTENT>
@@ -62,8 +65,12 @@ struct FwdSm90 {
     static constexpr int CONSUMER_REGS = WGS == 2 ? 240 : 160;
     static constexpr u32 Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     static constexpr u32 Q_PANEL = BM * 128, KV_PANEL = BN * 128;  // bytes of one 64-column panel
-    // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] | barriers (q, full[STAGES], empty[STAGES][, q_empty])
-    static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_BAR = OFF_V + STAGES * KV_BYTES;
+    // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] [| O] | barriers (q, full[STAGES], empty[STAGES][,
+    // q_empty]). O: the persistent kernel's own staging tile for the epilogue's TMA stores where it fits (else O is
+    // staged in Q's tile, which the next tile's Q then waits for).
+    static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_O = OFF_V + STAGES * KV_BYTES;
+    static constexpr bool O_TILE = PERSISTENT && OFF_O + Q_BYTES + (2 + 2 * STAGES) * 8 + 1024 <= 227 * 1024;
+    static constexpr u32 OFF_BAR = OFF_O + (O_TILE ? Q_BYTES : 0);
     static constexpr u32 SMEM_BYTES = OFF_BAR + (1 + 2 * STAGES + PERSISTENT) * 8 + 1024;  // + room to align to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
     static_assert(BN == 64 || BN == 128, "S = Q K^T is one wgmma m64n64 or m64n128 per k16 step");
@@ -261,12 +268,39 @@ struct FwdSm90 {
         return *reinterpret_cast<float(*)[32]>(&acc_o[0][pn * 8][0]);
     }
 
-    __device__ __forceinline__ void epilogue() {
+    // O normalized by the row sums, to the output with lse. Two ways out:
+    //  - from registers, a 4-byte store per pair of columns (the lockstep kernel; rows of a packed sequence's last
+    //    tile, where a box would run into the next sequence; a persistent tile without key blocks when O is staged
+    //    in Q's tile, which the producer may be refilling then);
+    //  - p.o_tma (warp-specialized kernels): each warpgroup writes its rows into its rows of a staging tile (the 128-
+    //    byte swizzle of the TMA boxes) and one thread stores them by TMA, one box per 64-column panel. Rows past a
+    //    padded sequence's end fall outside the map. The staging tile is the persistent kernel's own where it fits
+    //    (O_TILE), else Q's (this warpgroup's last S = Q K^T has completed), free again once the copies have read it.
+    // In the persistent kernel every consumer thread arrives on q_empty once the tile's Q may be overwritten.
+    // q_loaded: the tile had key blocks, so its Q was loaded (else Q's tile may be the next tile's).
+    __device__ __forceinline__ void epilogue(bool q_loaded) {
         float lse[1][2];
         softmax.finalize(acc_o, p.scale_log2, lse);
+        const int wg_row0 = row0 + wg * 64;
+        const bool arrive_q = PERSISTENT && q_loaded;
+        const bool staged = WS && p.o_tma && (q_loaded || !PERSISTENT || O_TILE) &&
+                            (p.cu_seqlens_q == nullptr || wg_row0 + 64 <= seqlen_q);
+        const bool q_free_now = arrive_q && (O_TILE || !staged);  // else after the copies have read Q's tile
+        if (q_free_now) sm90::mbar_arrive(q_empty_bar());
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const int r = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
+            const int r = wg_row0 + warp * 16 + lane / 4 + 8 * hh;
+            if (p.lse != nullptr && lane % 4 == 0 && r < seqlen_q)
+                p.lse[SeqInfo::offset(q_begin, p.lse_batch_stride, 1, r) + (i64)h * p.lse_head_stride] = lse[0][hh];
+        }
+        if (staged) {
+            store_o_staged(wg_row0);
+            if (arrive_q && !q_free_now) sm90::mbar_arrive(q_empty_bar());
+            return;
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = wg_row0 + warp * 16 + lane / 4 + 8 * hh;
             if (r >= seqlen_q) continue;
             u16* o_row = p.o + SeqInfo::offset(q_begin, p.o_batch_stride, p.o_row_stride, r) + (i64)h * p.o_head_stride;
 #pragma unroll
@@ -275,8 +309,43 @@ struct FwdSm90 {
                 for (int j = 0; j < 8; ++j)
                     *reinterpret_cast<u32*>(o_row + pn * 64 + 8 * j + 2 * (lane % 4)) =
                         pack2<T>(acc_o[0][pn * 8 + j][2 * hh], acc_o[0][pn * 8 + j][2 * hh + 1]);
-            if (p.lse != nullptr && lane % 4 == 0)
-                p.lse[SeqInfo::offset(q_begin, p.lse_batch_stride, 1, r) + (i64)h * p.lse_head_stride] = lse[0][hh];
+        }
+    }
+
+    // The thread of each consumer warpgroup that issues its O copies (store_o_staged).
+    __device__ __forceinline__ bool o_issuer() const { return warp == 0 && lane == 0; }
+
+    // This warpgroup's 64 rows of O into its rows of the staging tile, then out by TMA (see epilogue). Row r of a
+    // panel holds its 16-byte chunk c at chunk c ^ (r % 8) (the 128-byte swizzle): a store's 32 lanes hit 32 banks.
+    // With O_TILE the issuing thread waits for its copies to read the tile only before the next tile's rows go in
+    // (and before the kernel ends, run_persistent), so the reads overlap the next tile's work.
+    __device__ __forceinline__ void store_o_staged(int wg_row0) {
+        const u32 tile = base + (O_TILE ? OFF_O : 0) + wg * 64 * 128;  // this warpgroup's rows of panel 0
+        if (O_TILE) {
+            if (o_issuer()) sm90::bulk_wait_read<0>();
+            sm90::named_sync(3 + wg, 128);  // (named barriers 1 and 2 are the ping-pong turns)
+        }
+        // rows r and r + 8 of this thread: r % 8 = lane / 4 picks the chunk swizzle
+        const u32 row = tile + (warp * 16 + lane / 4) * 128 + 4 * (lane % 4), swz = (lane / 4) * 16;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn)
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    st_shared(row + hh * 1024 + pn * Q_PANEL + ((j * 16) ^ swz),
+                              pack2<T>(acc_o[0][pn * 8 + j][2 * hh], acc_o[0][pn * 8 + j][2 * hh + 1]));
+        sm90::fence_proxy_async();
+        sm90::named_sync(3 + wg, 128);  // the warpgroup's rows are written
+        if (o_issuer()) {
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn) {
+                const u32 src = tile + pn * Q_PANEL;
+                if (p.cu_seqlens_q != nullptr) sm90::tma_store_3d(&p.o_map, pn * 64, h, q_begin + wg_row0, src);
+                else sm90::tma_store_4d(&p.o_map, pn * 64, h, wg_row0, b, src);
+            }
+            sm90::bulk_commit();
+            if (!O_TILE) sm90::bulk_wait_read<0>();
         }
     }
 
@@ -389,7 +458,7 @@ struct FwdSm90 {
                 if (tid == 0 && t + 2 < count) issue_kv(range.n_max - 1 - t - 2, t % 2);
             }
         }
-        epilogue();
+        epilogue(count > 0);
     }
 
     // Persistent (warp-specialized): gridDim.x CTAs (one per SM) walk the tiles idx = blockIdx.x, + gridDim.x, ...
@@ -438,12 +507,12 @@ struct FwdSm90 {
             if (count > 0) {
                 sm90::mbar_wait(base + OFF_BAR, loaded & 1);
                 consume_pipelined(range, count, it);
-                sm90::mbar_arrive(q_empty_bar());
                 it += count;
                 ++loaded;
             }
-            epilogue();
+            epilogue(count > 0);
         }
+        if (O_TILE && o_issuer()) sm90::bulk_wait_read<0>();  // the last copies out of the staging tile
     }
 };
 

@@ -97,6 +97,17 @@ __device__ __forceinline__ void tma_reduce_add_4d(const TmaMap* map, int x, int 
                  ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(src)
                  : "memory");
 }
+// Stores the box at `src` in shared memory to the box at element coordinates (x innermost, y, z[, w]) of `map`, as
+// part of the thread's current bulk group (rows out of the map's bounds are not written).
+__device__ __forceinline__ void tma_store_3d(const TmaMap* map, int x, int y, int z, u32 src) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(src) : "memory");
+}
+__device__ __forceinline__ void tma_store_4d(const TmaMap* map, int x, int y, int z, int w, u32 src) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+                 ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(src)
+                 : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {

@@ -57,8 +57,14 @@ class FwdSm90Spec:
                               (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent))
 
     @property
-    def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, mbarriers, alignment
-        return ((self.block_m + 2 * self.stages * self.block_n) * self.headdim * 2
+    def o_tile(self) -> bool:  # FwdSm90::O_TILE: the persistent kernel's own staging tile for O, where it fits
+        q_bytes = self.block_m * self.headdim * 2
+        rest = (self.block_m + 2 * self.stages * self.block_n) * self.headdim * 2 + (2 + 2 * self.stages) * 8 + 1024
+        return self.persistent and rest + q_bytes <= 227 * 1024
+
+    @property
+    def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, O's staging tile, mbarriers, alignment
+        return ((self.block_m * (1 + self.o_tile) + 2 * self.stages * self.block_n) * self.headdim * 2
                 + (1 + 2 * self.stages + self.persistent) * 8 + 1024)
 
 
@@ -108,18 +114,19 @@ def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: 
     return FwdSm90Spec(dtype, headdim, band, score_mod=score_mod, **variant_options(variant, headdim, score_mod))
 
 
-# FwdSm90Params (fwd_sm90.cu): three 64-byte-aligned tensor maps, the pointers o, lse, alibi, cu_seqlens_q,
-# cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales, batch; 512 bytes.
+# FwdSm90Params (fwd_sm90.cu): four 64-byte-aligned tensor maps (q, k, v, o), the pointers o, lse, alibi,
+# cu_seqlens_q, cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales, batch,
+# o_tma; 704 bytes.
 _POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")
 _I64S = ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride", "lse_head_stride",
          "alibi_batch_stride")
 _INTS = ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "window_left", "window_right")
 _FLOATS = ("scale_log2", "mod_scale", "softcap")
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "v", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, "batch"],
-    "formats": ["V128"] * 3 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3 + [np.int32],
-    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(11)] + [472 + 4 * i for i in range(10)],
-    "itemsize": 512})
+    "names": ["q", "k", "v", "o_map", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, "batch", "o_tma"],
+    "formats": ["V128"] * 4 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3 + [np.int32] * 2,
+    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(11)] + [600 + 4 * i for i in range(11)],
+    "itemsize": 704})
 
 
 def all_specs() -> list:
@@ -131,13 +138,13 @@ def all_specs() -> list:
         for band in (False, True) for mod in (False, True)))
 
 
-_POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the three maps (offset 384)
+_POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the four maps (offset 512)
 
 
 class ForwardCall:
     """The Hopper forward behind the call interface of the forward's KernelCall (``cuflash.api.forward_call``):
     ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k)`` with data pointers (0 where absent). The
-    tensor maps embed q, k and v's addresses, so a call encodes them (cached per pointer by cuflash.tma) into the
+    tensor maps embed q, k, v and o's addresses, so a call encodes them (cached per pointer by cuflash.tma) into the
     head of the struct."""
 
     __slots__ = ("kernel_call", "maps", "spec")
@@ -147,9 +154,10 @@ class ForwardCall:
 
     def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
                  cu_seqlens_k: int = 0) -> None:
-        q_map, k_map, v_map = self.maps
+        q_map, k_map, v_map, o_map = self.maps
         self.kernel_call.launch_head(
-            stream, q_map(q) + k_map(k) + v_map(v) + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k))
+            stream,
+            q_map(q) + k_map(k) + v_map(v) + o_map(o) + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k))
 
 
 def _map_layout(x, rows_box: int) -> tuple:
@@ -189,10 +197,12 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     for name, value in plan.forward_scales(scale, softcap, score_mod).items():
         p[name] = value
     p["batch"] = b
+    p["o_tma"] = plan.SM90_EPILOGUE["tma_store"][problem.headdim]
     tiles = (math.ceil(sq / spec.block_m), h, b)
     grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
-    return ForwardCall(call, (_encoder(q, spec.block_m), _encoder(k, spec.block_n), _encoder(v, spec.block_n)), spec)
+    maps = (_encoder(q, spec.block_m), _encoder(k, spec.block_n), _encoder(v, spec.block_n), _encoder(out, 64))
+    return ForwardCall(call, maps, spec)
 
 
 def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

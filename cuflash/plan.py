@@ -505,6 +505,15 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
 # pingpong_n128_p 425.2 / 510.0 / 568.2 against pingpong_n128's 397.6 / 500.0 / 553.5-603.5 (two rounds).
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128:pingpong_n128_p", c: causal or local) replaces this table, for measuring.
+# How the warp-specialized Hopper forward kernels write O, per head dim (fwd_sm90.cu epilogue): through shared
+# memory and TMA stores (1), or 4-byte stores from registers (0; the lockstep kernel always). Session 12, A/B in one
+# device call (bench_attention.py --op fwd, 512-4k, two rounds, TFLOP/s): d = 128 TMA stores, 512 / 1k / 2k keys:
+# non-causal 407 / 474 / 517 -> 427 / 493 / 560, causal 226 / 344 / 454 -> 261 / 381 / 478; d = 64 mixed: non-causal
+# 373 / 407 at 1k / 2k -> 359 / 397, causal 191 / 262 at 512 / 1k -> 195 / 269. CUFLASH_SM90_O_TMA=0 or 1 sets
+# every head dim.
+SM90_EPILOGUE = {"tma_store": ({64: 0, 128: 1, 256: 1} if os.environ.get("CUFLASH_SM90_O_TMA") is None
+                               else dict.fromkeys((64, 128, 256), int(os.environ["CUFLASH_SM90_O_TMA"])))}
+
 SM90_SHORT_SEQLEN = 2048
 SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p", (64, False): "ws_n128_p", (128, False): "pingpong_n128_p"}
 

@@ -1,6 +1,6 @@
 # Sourced by the device scripts (gpu_*.sh) from the repository root: strict mode, $OUT, the repository on
 # PYTHONPATH (used in place, not installed), JAX told not to preallocate GPU memory (it shares the GPU with torch
-# and CuPy), t0 for the elapsed times the steps print, precompile_and_test and sanitize_both.
+# and CuPy), t0 for the elapsed times the steps print, precompile_and_test, run_gpu_tests and sanitize_both.
 set -u
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
@@ -17,6 +17,17 @@ precompile_and_test() {
     timeout -k 5 "$limit" python3 -m pytest -q --tb=short -p no:cacheprovider "$file" >>"$log" 2>&1
     echo "$(basename "$file" .py): exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$log" | tail -1)"
     grep -E "^FAILED|^E  " "$log" | head -8
+}
+
+# run_gpu_tests SECONDS FILE...: each tests/gpu/FILE.py under a timeout -> $OUT/FILE.log; prints each one's status.
+run_gpu_tests() {
+    local limit=$1 f
+    shift
+    for f in "$@"; do
+        timeout -k 5 "$limit" python3 -m pytest -q --tb=short -p no:cacheprovider "tests/gpu/$f.py" >"$OUT/$f.log" 2>&1
+        echo "$f: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/$f.log" | tail -1)"
+        grep -E "^FAILED|^E  " "$OUT/$f.log" | head -6
+    done
 }
 
 # sanitize_both NAME SECONDS [VAR=value ...] [-- sanitize_cases.py arguments]: compute-sanitizer memcheck, then

@@ -15,12 +15,7 @@
 # 512,1024,2048), BWD_BENCH_TIMEOUT (150), PROFILE_CASES ("none" skips step 5).
 source scripts/device_env.sh
 precompile_and_test bwd tests/gpu/test_backward.py "$OUT/bwd.log" "${TESTS_TIMEOUT:-240}"
-for f in ${MORE_TESTS:-}; do
-    timeout -k 5 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q --tb=short -p no:cacheprovider "tests/gpu/$f.py" \
-        >"$OUT/$f.log" 2>&1
-    echo "$f: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/$f.log" | tail -1)"
-    grep -E "^FAILED|^E  " "$OUT/$f.log" | head -6
-done
+run_gpu_tests "${TESTS_TIMEOUT:-240}" ${MORE_TESTS:-}
 sanitize_both bwd "${SANITIZE_TIMEOUT:-90}" -- --only bwd
 sanitize_both portable_bwd "${SANITIZE_TIMEOUT:-90}" CUFLASH_BWD_SM90=0 -- --only bwd_
 timeout -k 5 "${BWD_BENCH_TIMEOUT:-150}" python3 benchmarks/bench_attention.py --op bwd \

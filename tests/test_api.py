@@ -342,7 +342,8 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
     assert np.isclose(p["scale_log2"], plan.LOG2E) and np.isclose(p["mod_scale"], 0.5 / 20.0)
     assert p["softcap"] == 20.0 and p["alibi_batch_stride"] == 8
-    assert hopper.PARAMS_DTYPE.fields["cu_seqlens_k"][1] + 8 == 3 * 128 + hopper._POINTERS.size  # the call's head
+    assert hopper.PARAMS_DTYPE.fields["cu_seqlens_k"][1] + 8 == 4 * 128 + hopper._POINTERS.size  # the call's head
+    assert p["o_tma"] == plan.SM90_EPILOGUE["tma_store"][128]
     # packed sequences: 3-D maps over the tokens, row strides as batch strides, lse (nheads, total_q)
     qp = _FakeDeviceArray(np.zeros((500, 8, 128), np.float16), 0)
     kp = _FakeDeviceArray(np.zeros((700, 2, 128), np.float16), 0)
@@ -358,7 +359,7 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     # ceil(200 / 128) query blocks, heads, batch; the persistent kernel: one CTA per tile up to one per SM
     assert call.kernel_call.launches[0][1:4] == ((16, 1, 1) if call.spec.persistent else (2, 8, 1))
     assert np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]["batch"] == 1
-    for x, rows in ((q, hopper.BLOCK_M), (kv, hopper.BLOCK_N)):
+    for x, rows in ((q, hopper.BLOCK_M), (kv, hopper.BLOCK_N), (out, 64)):
         dtype, dims, strides, box = hopper._map_layout(x, rows)
         tma.check_tiled(0x10000, dtype, dims, strides, box, 128)
     assert hopper._map_layout(kv, hopper.BLOCK_N)[2] == (256, 3 * 256, 333 * 2 * 256)  # rows as given, batch made valid
@@ -421,10 +422,11 @@ def test_kernel_call_head_write_keeps_the_rest():
     p = np.zeros((), hopper.PARAMS_DTYPE)
     p["seqlen_q"], p["softcap"] = 123, 2.5
     call = KernelCall((), p, ())
-    head = bytes(range(256)) * 1 + bytes(128) + hopper._POINTERS.pack(1, 2, 3, 4, 5)
+    head = bytes(range(256)) * 1 + bytes(128) + bytes(range(128)) + hopper._POINTERS.pack(1, 2, 3, 4, 5)
     call.launch_head(0, head)  # no launches: only the struct is written
     got = np.frombuffer(call.params(), hopper.PARAMS_DTYPE)[0]
     assert bytes(got["q"]) + bytes(got["k"]) == bytes(range(256)) and bytes(got["v"]) == bytes(128)
+    assert bytes(got["o_map"]) == bytes(range(128))
     assert [int(got[n]) for n in ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")] == [1, 2, 3, 4, 5]
     assert got["seqlen_q"] == 123 and got["softcap"] == 2.5
 

@@ -211,3 +211,33 @@ def test_persistent_varlen_with_empty_tiles(sm90_planned, variant, causal):
     run_forward(rng, lens_q=lens, lens_k=lens, h=8, hk=2, d=64, dtype="fp16", causal=causal, **extra)
     run_forward(rng, lens_q=lens, lens_k=[n + 50 for n in lens], h=8, hk=8, d=128, dtype="bf16", causal=causal)
     assert _routed_to_sm90()
+
+
+@pytest.mark.parametrize("o_tma", [0, 1])
+@pytest.mark.parametrize("variant", ["pingpong_n128", "ws3_n128", "pingpong_n128_p", "ws_n128_p"])
+def test_epilogue_through_shared_memory_or_registers(sm90_planned, monkeypatch, variant, o_tma):
+    """plan.SM90_EPILOGUE: O leaves by TMA stores from the Q tile, or from registers, with the same results: tiles
+    that end past a padded sequence (the map clips them) or a packed one (those rows go from registers), query blocks
+    that see no key (a persistent CTA's Q slot may hold the next tile's Q then: registers), several tiles per CTA."""
+    import cupy
+    from cuflash import plan, reference
+    from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
+    from tests.gpu.test_varlen import run_forward
+    monkeypatch.setitem(plan.SM90_EPILOGUE, "tma_store", dict.fromkeys((64, 128, 256), o_tma))
+    rng = np.random.default_rng(7 + o_tma)
+    for d in (64, 128):
+        b, sq, sk, h, hk = 2, 900, 300, 24, 6  # causal, bottom-right: query rows 0-599 see no key
+        q = cupy.asarray(randn(rng, (b, sq, h, d), DTYPES["bf16"]))
+        k = cupy.asarray(randn(rng, (b, sk, hk, d), DTYPES["bf16"]))
+        v = cupy.asarray(randn(rng, (b, sk, hk, d), DTYPES["bf16"]))
+        for opts in (dict(causal=True), dict(causal=False)):
+            out, lse = hopper.attention_sm90(q, k, v, return_lse=True, variant=variant, **opts)
+            ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
+            ctx = f"{variant} o_tma={o_tma} d={d} {opts}"
+            assert_close_to_reference(out.get(), ref, naive_lowp(q.get(), k.get(), v.get(), **opts), context=ctx)
+            assert_lse_close(lse.get(), ref_lse, context=ctx)
+    sm90_planned(variant)
+    lens = [int(x) for x in rng.integers(1, 500, size=12)] + [64, 128, 192, 0]
+    run_forward(rng, lens_q=lens, lens_k=[n + 30 for n in lens], h=8, hk=2, d=128, dtype="bf16", causal=True)
+    run_forward(rng, lens_q=lens, lens_k=lens, h=8, hk=8, d=64, dtype="fp16")
+    assert _routed_to_sm90()
