@@ -6,8 +6,14 @@
 #      the short cells 512-2k at d 64 and 128, cuflash alone)
 #   3. the Hopper forward's sanitizer cases (sm90_: every variant), memcheck and racecheck
 # Logs and A/B tables in $OUT/logs.tgz.
-# SKIP_SANITIZE=1, SKIP_TESTS=1 and an empty AB leave steps out.
+# SKIP_SANITIZE=1, SKIP_TESTS=1 and an empty AB leave steps out. FWD_SOURCE_AB=1 makes the forward's kernel file a
+# switch, CUFLASH_FWD_SM90_SOURCE (patched into hopper.py on the device), so that a copy of main's fwd_sm90.cu
+# (cuda_src/fwd_sm90_main.cu, untracked) can be a set of its own beside a draft applied to fwd_sm90.cu.
 source scripts/device_env.sh
+if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then
+    sed -i 's/    source = "fwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_FWD_SM90_SOURCE", "fwd_sm90.cu")/' \
+        cuflash/hopper.py
+fi
 timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
 echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
