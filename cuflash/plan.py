@@ -511,8 +511,19 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
 # non-causal 407 / 474 / 517 -> 427 / 493 / 560, causal 226 / 344 / 454 -> 261 / 381 / 478; d = 64 mixed: non-causal
 # 373 / 407 at 1k / 2k -> 359 / 397, causal 191 / 262 at 512 / 1k -> 195 / 269. CUFLASH_SM90_O_TMA=0 or 1 sets
 # every head dim.
-SM90_EPILOGUE = {"tma_store": ({64: 0, 128: 1, 256: 1} if os.environ.get("CUFLASH_SM90_O_TMA") is None
-                               else dict.fromkeys((64, 128, 256), int(os.environ["CUFLASH_SM90_O_TMA"])))}
+SM90_O_TMA_DEFAULT = {64: 0, 128: 1, 256: 1}
+
+
+def _o_tma_from_env(text: str | None) -> dict:
+    """CUFLASH_SM90_O_TMA ("0" or "1") as the per-head-dim table of SM90_EPILOGUE; None: SM90_O_TMA_DEFAULT."""
+    if text is None:
+        return dict(SM90_O_TMA_DEFAULT)
+    if text.strip() not in ("0", "1"):
+        raise ValueError(f"CUFLASH_SM90_O_TMA must be 0 or 1, not {text!r}")
+    return dict.fromkeys(SM90_O_TMA_DEFAULT, int(text))
+
+
+SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA"))}
 
 SM90_SHORT_SEQLEN = 2048
 SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p", (64, False): "ws_n128_p", (128, False): "pingpong_n128_p"}

@@ -291,3 +291,12 @@ def test_decode_evicts_first_only_small_reads(monkeypatch):
     assert not plan.decode_evict_first(128 * 2**20 + 1)
     monkeypatch.setitem(plan.DECODE_TMA, "evict_first_mb", 0)
     assert not plan.decode_evict_first(1)
+
+
+def test_sm90_o_tma_switch():
+    """CUFLASH_SM90_O_TMA sets how every head dim's Hopper forward writes O; unset, the measured table holds."""
+    assert plan._o_tma_from_env(None) == plan.SM90_O_TMA_DEFAULT == {64: 0, 128: 1, 256: 1}
+    assert plan._o_tma_from_env("1") == {64: 1, 128: 1, 256: 1}
+    assert plan._o_tma_from_env("0") == {64: 0, 128: 0, 256: 0}
+    with pytest.raises(ValueError, match="CUFLASH_SM90_O_TMA"):
+        plan._o_tma_from_env("yes")
