@@ -98,6 +98,12 @@ def _sum_groups(x, nheads_k):
 # --------------------------------------------------------------------------------------------
 
 
+def _bhsd(x):
+    """``(b, s, h, d)`` <-> ``(b, h, s, d)``: heads next to the batch, so that products over the head dim or the
+    keys are batched matrix products (``@``: BLAS, many times faster than ``np.einsum``'s loops)."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def _visible(seqlen_q, seqlen_k, causal, window_size):
     """Bool ``(seqlen_q, seqlen_k)``: may query i see key j? Masks are aligned bottom-right.
 
@@ -133,7 +139,7 @@ def _scores(q, k, *, softmax_scale, causal, window_size, softcap, alibi_slopes):
     """
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
-    s = softmax_scale * np.einsum("bihd,bjhd->bhij", q, k)
+    s = softmax_scale * (_bhsd(q) @ _bhsd(k).swapaxes(-1, -2))
     dcap = 1.0
     if softcap > 0:
         t = np.tanh(s / softcap)
@@ -168,7 +174,7 @@ def _forward(q, k, v, *, softmax_scale, causal, window_size, softcap, alibi_slop
     l = p.sum(axis=-1)                          # (b, h, sq)
     with np.errstate(divide="ignore"):
         lse = np.log(l) + m[..., 0]             # log(0) = -inf for an empty row
-    o = np.einsum("bhij,bjhd->bihd", p, v)
+    o = _bhsd(p @ _bhsd(v))
     out = o / np.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
     return out, lse
 
@@ -181,12 +187,12 @@ def _backward(dout, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
                  softcap=softcap, alibi_slopes=alibi_slopes)
     lse = np.where(np.isneginf(lse), np.inf, lse)[..., None]   # empty row: exp(-inf - inf) = 0
     p = np.exp(sc.scores - lse)                 # 0 where masked (score -inf) or the row is empty
-    dv = np.einsum("bhij,bihd->bjhd", p, dout)
-    dp = np.einsum("bihd,bjhd->bhij", dout, ve)
+    dv = _bhsd(p.swapaxes(-1, -2) @ _bhsd(dout))
+    dp = _bhsd(dout) @ _bhsd(ve).swapaxes(-1, -2)
     delta = np.einsum("bihd,bihd->bhi", dout, out)[..., None]
     ds = p * (dp - delta) * sc.dcap * softmax_scale
-    dq = np.einsum("bhij,bjhd->bihd", ds, ke)
-    dk = np.einsum("bhij,bihd->bjhd", ds, q)
+    dq = _bhsd(ds @ _bhsd(ke))
+    dk = _bhsd(ds.swapaxes(-1, -2) @ _bhsd(q))
     return dq, _sum_groups(dk, nheads_k), _sum_groups(dv, nheads_k)
 
 

@@ -16,6 +16,12 @@ def randn(rng, shape, dtype):
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
+def _bhsd(x):
+    """(b, s, h, d) <-> (b, h, s, d): products over d or the keys as batched matrix products (BLAS, far faster
+    than np.einsum's loops)."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None):
     """Attention computed the naive way in the inputs' low precision: scores, probabilities and output are
     each rounded to the input dtype (float32 arithmetic in between), as a plain framework implementation
@@ -27,7 +33,7 @@ def naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alib
     g = h // hk
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
     kf, vf = np.repeat(kf, g, axis=2), np.repeat(vf, g, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", qf, kf).astype(lowp).astype(np.float32) * scale
+    s = (_bhsd(qf) @ _bhsd(kf).swapaxes(-1, -2)).astype(lowp).astype(np.float32) * scale
     s = s.astype(lowp).astype(np.float32)
     if softcap > 0:
         s = (softcap * np.tanh(s / softcap)).astype(lowp).astype(np.float32)
@@ -43,7 +49,7 @@ def naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alib
     p = np.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
     p = (p / np.where(l > 0, l, 1)).astype(lowp).astype(np.float32)
-    out = np.einsum("bhqk,bkhd->bqhd", p, vf)
+    out = _bhsd(p @ _bhsd(vf))
     return out.astype(lowp)
 
 
@@ -108,7 +114,7 @@ def naive_lowp_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), so
     g = h // hk
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else softmax_scale
     kf, vf = np.repeat(kf, g, axis=2), np.repeat(vf, g, axis=2)
-    s = r(np.einsum("bqhd,bkhd->bhqk", qf, kf) * scale)
+    s = r((_bhsd(qf) @ _bhsd(kf).swapaxes(-1, -2)) * scale)
     dtanh = np.ones_like(s)
     if softcap > 0:
         t = np.tanh(s / softcap)
@@ -124,12 +130,12 @@ def naive_lowp_backward(dout, q, k, v, *, causal=False, window_size=(-1, -1), so
     p = np.exp(s - np.where(np.isfinite(m), m, 0))
     l = p.sum(axis=-1, keepdims=True)
     p = r(p / np.where(l > 0, l, 1))
-    o = r(np.einsum("bhqk,bkhd->bqhd", p, vf))
-    dv = np.einsum("bhqk,bqhd->bkhd", p, dof)
-    dp = r(np.einsum("bqhd,bkhd->bhqk", dof, vf))
+    o = r(_bhsd(p @ _bhsd(vf)))
+    dv = _bhsd(p.swapaxes(-1, -2) @ _bhsd(dof))
+    dp = r(_bhsd(dof) @ _bhsd(vf).swapaxes(-1, -2))
     dsum = np.einsum("bqhd,bqhd->bhq", dof, o)[..., None]
     ds = r(p * (dp - dsum) * dtanh)
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    dq = _bhsd(ds @ _bhsd(kf)) * scale
+    dk = _bhsd(ds.swapaxes(-1, -2) @ _bhsd(qf)) * scale
     group = lambda x: x.reshape(b, sk, hk, g, d).sum(axis=3)  # noqa: E731
     return r(dq).astype(lowp), r(group(dk)).astype(lowp), r(group(dv)).astype(lowp)
