@@ -216,9 +216,10 @@ def test_persistent_varlen_with_empty_tiles(sm90_planned, variant, causal):
 @pytest.mark.parametrize("o_tma", [0, 1])
 @pytest.mark.parametrize("variant", ["pingpong_n128", "ws3_n128", "pingpong_n128_p", "ws_n128_p"])
 def test_epilogue_through_shared_memory_or_registers(sm90_planned, monkeypatch, variant, o_tma):
-    """plan.SM90_EPILOGUE: O leaves by TMA stores from the Q tile, or from registers, with the same results: tiles
-    that end past a padded sequence (the map clips them) or a packed one (those rows go from registers), query blocks
-    that see no key (a persistent CTA's Q slot may hold the next tile's Q then: registers), several tiles per CTA."""
+    """plan.SM90_EPILOGUE: O leaves by TMA stores from a staging tile (Q's, or the persistent kernel's own at d 64),
+    or from registers, with the same results: tiles that end past a padded sequence (the map clips them) or a packed
+    one (those rows go from registers), query blocks that see no key (where O is staged in Q's tile, a persistent
+    CTA's Q slot may hold the next tile's Q then: registers), several tiles per CTA."""
     import cupy
     from cuflash import plan, reference
     from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
