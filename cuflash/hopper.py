@@ -56,16 +56,17 @@ class FwdSm90Spec:
         return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
                               (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent))
 
-    @property
-    def o_tile(self) -> bool:  # FwdSm90::O_TILE: the persistent kernel's own staging tile for O, where it fits
-        q_bytes = self.block_m * self.headdim * 2
-        rest = (self.block_m + 2 * self.stages * self.block_n) * self.headdim * 2 + (2 + 2 * self.stages) * 8 + 1024
-        return self.persistent and rest + q_bytes <= 227 * 1024
+    def _smem_bytes(self, o_tile: bool) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots[, O], mbarriers, alignment
+        return ((self.block_m * (1 + o_tile) + 2 * self.stages * self.block_n) * self.headdim * 2
+                + (1 + 2 * self.stages + self.persistent) * 8 + 1024)
 
     @property
-    def smem_bytes(self) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots, O's staging tile, mbarriers, alignment
-        return ((self.block_m * (1 + self.o_tile) + 2 * self.stages * self.block_n) * self.headdim * 2
-                + (1 + 2 * self.stages + self.persistent) * 8 + 1024)
+    def o_tile(self) -> bool:  # FwdSm90::O_TILE: the persistent kernel's own staging tile for O, where it fits
+        return self.persistent and self._smem_bytes(True) <= 227 * 1024
+
+    @property
+    def smem_bytes(self) -> int:
+        return self._smem_bytes(self.o_tile)
 
 
 # The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,

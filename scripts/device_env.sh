@@ -19,14 +19,17 @@ precompile_and_test() {
     grep -E "^FAILED|^E  " "$log" | head -8
 }
 
-# run_gpu_tests SECONDS FILE...: each tests/gpu/FILE.py under a timeout -> $OUT/FILE.log; prints each one's status.
+# run_gpu_tests SECONDS FILE[:FILTER]...: each tests/gpu/FILE.py (with pytest -k FILTER if given) under a timeout
+#                                                                      -> $OUT/FILE.log; prints each one's status.
 run_gpu_tests() {
-    local limit=$1 f
+    local limit=$1 f file filter
     shift
     for f in "$@"; do
-        timeout -k 5 "$limit" python3 -m pytest -q --tb=short -p no:cacheprovider "tests/gpu/$f.py" >"$OUT/$f.log" 2>&1
-        echo "$f: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/$f.log" | tail -1)"
-        grep -E "^FAILED|^E  " "$OUT/$f.log" | head -6
+        IFS=: read -r file filter <<<"$f"
+        timeout -k 5 "$limit" python3 -m pytest -q --tb=short -p no:cacheprovider "tests/gpu/$file.py" \
+            ${filter:+-k "$filter"} >"$OUT/$file.log" 2>&1
+        echo "$file ${filter:-}: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/$file.log" | tail -1)"
+        grep -E "^FAILED|^E  " "$OUT/$file.log" | head -6
     done
 }
 

@@ -9,13 +9,7 @@
 # against the snake slot order with deterministic mode's wait once per key block (docs/bench/bwd_det_session11.txt).
 source scripts/device_env.sh
 precompile_and_test bwd tests/gpu/test_backward.py "$OUT/bwd.log" "${TESTS_TIMEOUT:-240}"
-for f in ${MORE_TESTS:-}; do
-    IFS=: read -r file filter <<<"$f"
-    timeout -k 5 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q --tb=short -p no:cacheprovider "tests/gpu/$file.py" \
-        ${filter:+-k "$filter"} >"$OUT/$file.log" 2>&1
-    echo "$file ${filter:-}: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/$file.log" | tail -1)"
-    grep -E "^FAILED|^E  " "$OUT/$file.log" | head -6
-done
+run_gpu_tests "${TESTS_TIMEOUT:-240}" ${MORE_TESTS:-}
 sanitize_both bwd "${SANITIZE_TIMEOUT:-90}" -- --only bwd
 if [ "${BWD_SOURCE_AB:-0}" = 1 ]; then
     sed -i 's/    source = "bwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_BWD_SM90_SOURCE", "bwd_sm90.cu")/' \

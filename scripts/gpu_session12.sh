@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 12's device calls, from the repository root (OUT=... bash scripts/gpu_session12.sh):
-#   1. the Hopper forward compiled ahead, then tests/gpu/test_sm90.py filtered by TESTS_K (default: the epilogue,
-#      tile-order and persistent tests; "" runs the whole file) and the GPU test files in MORE_TESTS
+#   1. the Hopper forward compiled ahead, then tests/gpu/test_sm90.py filtered by TESTS_K (default: the epilogue
+#      and persistent tests; "" runs the whole file) and the GPU test files in MORE_TESTS
 #   2. an A/B of the forward on bench_attention.py --op fwd over AB's switch sets (gpu_ab.sh; BENCH_ARGS, default
 #      the short cells 512-2k at d 64 and 128, cuflash alone)
 #   3. the Hopper forward's sanitizer cases (sm90_: every variant), memcheck and racecheck
@@ -16,12 +16,7 @@ if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then
 fi
 timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
 echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    timeout -k 5 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_sm90.py \
-        -k "${TESTS_K-epilogue or grid_tile_order or persistent}" >"$OUT/sm90.log" 2>&1
-    echo "test_sm90: exit $? [$((SECONDS - t0))s] $(grep -E 'passed|failed' "$OUT/sm90.log" | tail -1)"
-    grep -E "^FAILED|^E  " "$OUT/sm90.log" | head -8
-fi
+[ "${SKIP_TESTS:-0}" = 1 ] || run_gpu_tests "${TESTS_TIMEOUT:-300}" "test_sm90:${TESTS_K-epilogue or persistent}"
 run_gpu_tests "${TESTS_TIMEOUT:-300}" ${MORE_TESTS:-}
 if [ -n "${AB:-}" ]; then
     AB="$AB" ROUNDS=${ROUNDS:-2} BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} \
