@@ -65,13 +65,14 @@ struct FwdSm90 {
     static constexpr int CONSUMER_REGS = WGS == 2 ? 240 : 160;
     static constexpr u32 Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     static constexpr u32 Q_PANEL = BM * 128, KV_PANEL = BN * 128;  // bytes of one 64-column panel
-    // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] [| O] | barriers (q, full[STAGES], empty[STAGES][,
-    // q_empty]). O: the persistent kernel's own staging tile for the epilogue's TMA stores where it fits (else O is
-    // staged in Q's tile, which the next tile's Q then waits for).
+    // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] [| O] | barriers (q, full[K, V][STAGES], empty[K, V]
+    // [STAGES][, q_empty]). O: the persistent kernel's own staging tile for the epilogue's TMA stores where it fits
+    // (else O is staged in Q's tile, which the next tile's Q then waits for).
+    static constexpr int BARRIERS = 1 + 4 * STAGES + PERSISTENT;
     static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_O = OFF_V + STAGES * KV_BYTES;
-    static constexpr bool O_TILE = PERSISTENT && OFF_O + Q_BYTES + (2 + 2 * STAGES) * 8 + 1024 <= 227 * 1024;
+    static constexpr bool O_TILE = PERSISTENT && OFF_O + Q_BYTES + BARRIERS * 8 + 1024 <= 227 * 1024;
     static constexpr u32 OFF_BAR = OFF_O + (O_TILE ? Q_BYTES : 0);
-    static constexpr u32 SMEM_BYTES = OFF_BAR + (1 + 2 * STAGES + PERSISTENT) * 8 + 1024;  // + room to align to 1024
+    static constexpr u32 SMEM_BYTES = OFF_BAR + BARRIERS * 8 + 1024;  // + room to align to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
     static_assert(BN == 64 || BN == 128, "S = Q K^T is one wgmma m64n64 or m64n128 per k16 step");
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
@@ -94,10 +95,16 @@ struct FwdSm90 {
 
     __device__ __forceinline__ explicit FwdSm90(const FwdSm90Params& params) : p(params) {}
 
-    __device__ __forceinline__ u32 full_bar(int slot) const { return base + OFF_BAR + 8 + 8 * slot; }
-    __device__ __forceinline__ u32 empty_bar(int slot) const { return base + OFF_BAR + 8 * (1 + STAGES + slot); }
+    // A ring slot's K (half 0) and V (half 1) have barriers of their own: K is handed back once S = Q K^T is done,
+    // V once O += P V is, so the producer can refill K a softmax earlier than the slot as a whole.
+    __device__ __forceinline__ u32 full_bar(int slot, int half) const {
+        return base + OFF_BAR + 8 * (1 + half * STAGES + slot);
+    }
+    __device__ __forceinline__ u32 empty_bar(int slot, int half) const {
+        return base + OFF_BAR + 8 * (1 + (2 + half) * STAGES + slot);
+    }
     // persistent kernel: the consumers are done with Q (all their wgmma of a tile have completed)
-    __device__ __forceinline__ u32 q_empty_bar() const { return base + OFF_BAR + 8 * (1 + 2 * STAGES); }
+    __device__ __forceinline__ u32 q_empty_bar() const { return base + OFF_BAR + 8 * (1 + 4 * STAGES); }
 
     // The TMA box of 64 columns from `col`, rows `row` .. of this sequence, head `head`: a 4-D map (d, heads, seqlen,
     // batch) of a padded batch, or a 3-D one (d, heads, total) of packed sequences whose rows start at `begin`. Rows
@@ -115,15 +122,18 @@ struct FwdSm90 {
             load_box(base + pn * Q_PANEL, &p.q, pn * 64, h, q_begin, row0, base + OFF_BAR);
     }
 
-    __device__ __forceinline__ void issue_kv(int n, int slot) {  // one thread
-        sm90::mbar_arrive_expect_tx(full_bar(slot), 2 * KV_BYTES);
+    // K (half 0) or V (half 1) of key block n into ring slot `slot`. One thread.
+    __device__ __forceinline__ void issue_half(int n, int slot, int half) {
+        sm90::mbar_arrive_expect_tx(full_bar(slot, half), KV_BYTES);
+        const u32 dst = base + (half ? OFF_V : OFF_K) + slot * KV_BYTES;
 #pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn) {
-            load_box(base + OFF_K + slot * KV_BYTES + pn * KV_PANEL, &p.k, pn * 64, h_kv, k_begin, n * BN,
-                     full_bar(slot));
-            load_box(base + OFF_V + slot * KV_BYTES + pn * KV_PANEL, &p.v, pn * 64, h_kv, k_begin, n * BN,
-                     full_bar(slot));
-        }
+        for (int pn = 0; pn < PANELS; ++pn)
+            load_box(dst + pn * KV_PANEL, half ? &p.v : &p.k, pn * 64, h_kv, k_begin, n * BN,
+                     full_bar(slot, half));
+    }
+    __device__ __forceinline__ void issue_kv(int n, int slot) {
+        issue_half(n, slot, 0);
+        issue_half(n, slot, 1);
     }
 
     // S = Q K^T for the block in ring slot `slot`, issued as one wgmma group (the caller fences and waits).
@@ -194,13 +204,14 @@ struct FwdSm90 {
     template <bool MASK, bool FIRST>
     __device__ __forceinline__ void step(int n, int t) {
         const int slot = t % STAGES;
-        sm90::mbar_wait(full_bar(slot), (t / STAGES) & 1);
+        sm90::mbar_wait(full_bar(slot, 0), (t / STAGES) & 1);
         float s[1][BN / 8][4], alpha[1][2];
         sm90::wgmma_fence();
         issue_s(s, slot);
         sm90::wgmma_wait<0>();
         probabilities<MASK, FIRST>(s, n, alpha);
         if (!FIRST) OnlineSoftmax<1>::rescale(acc_o, alpha);
+        sm90::mbar_wait(full_bar(slot, 1), (t / STAGES) & 1);
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {  // P packed a fragment at a time, next to its wgmma
@@ -214,8 +225,8 @@ struct FwdSm90 {
 
     // Warp-specialized consumer loop, software-pipelined within the warpgroup: S of block t and O += P V of block
     // t - 1 are in flight together, then the softmax of block t runs (in place on S) while P V still computes. O is
-    // rescaled and P packed once that lands: the registers of P and O are the wgmma's until the wait. Each slot is
-    // handed back (its "empty" barrier) when the P V that read its V is done.
+    // rescaled and P packed once that lands: the registers of P and O are the wgmma's until the wait. A slot's K is
+    // handed back (its "empty" barrier) when S of its block is done, its V when the P V that read it is.
     //
     // PINGPONG: the two consumer warpgroups also take turns issuing their GEMMs (named barriers 1 and 2, one per
     // warpgroup: "my turn"), so that one's softmax runs while the other's GEMMs keep the tensor cores busy.
@@ -230,38 +241,42 @@ struct FwdSm90 {
         float s[1][BN / 8][4], alpha[1][2];
         u32 pa[BN / 16][4];
         if (PINGPONG && wg == 1) sm90::named_arrive(1, 256);  // warpgroup 0 goes first
-        sm90::mbar_wait(full_bar(it0 % STAGES), (it0 / STAGES) & 1);
+        sm90::mbar_wait(full_bar(it0 % STAGES, 0), (it0 / STAGES) & 1);
         my_turn();
         sm90::wgmma_fence();
         issue_s(s, it0 % STAGES);
         your_turn();
         sm90::wgmma_wait<0>();
+        sm90::mbar_arrive(empty_bar(it0 % STAGES, 0));
         probabilities_of<true>(range, 0, s, alpha);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
         for (int t = 1; t < count; ++t) {
             const int slot = (it0 + t) % STAGES, prev = (it0 + t - 1) % STAGES;
-            sm90::mbar_wait(full_bar(slot), ((it0 + t) / STAGES) & 1);
+            sm90::mbar_wait(full_bar(slot, 0), ((it0 + t) / STAGES) & 1);
+            sm90::mbar_wait(full_bar(prev, 1), ((it0 + t - 1) / STAGES) & 1);
             my_turn();
             sm90::wgmma_fence();
             issue_s(s, slot);
             issue_pv(pa, prev);
             your_turn();
             sm90::wgmma_wait<1>();  // groups complete in order: S of block t is in
+            sm90::mbar_arrive(empty_bar(slot, 0));
             probabilities_of<false>(range, t, s, alpha);
             sm90::wgmma_wait<0>();  // and O += P V of block t - 1
-            sm90::mbar_arrive(empty_bar(prev));
+            sm90::mbar_arrive(empty_bar(prev, 1));
             OnlineSoftmax<1>::rescale(acc_o, alpha);
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
         }
         const int last = (it0 + count - 1) % STAGES;
+        sm90::mbar_wait(full_bar(last, 1), ((it0 + count - 1) / STAGES) & 1);
         my_turn();
         sm90::wgmma_fence();
         issue_pv(pa, last);
         if (wg == 0) your_turn();  // warpgroup 1's last turn has no taker: skipped, so every arrival is consumed
         sm90::wgmma_wait<0>();
-        sm90::mbar_arrive(empty_bar(last));
+        sm90::mbar_arrive(empty_bar(last, 1));
     }
 
     __device__ __forceinline__ float (&panel(int pn))[32] {
@@ -381,9 +396,9 @@ struct FwdSm90 {
     __device__ __forceinline__ void init_barriers() {
         if (tid == 0) {
             sm90::mbar_init(base + OFF_BAR, 1);
-            for (int i = 0; i < STAGES; ++i) {
-                sm90::mbar_init(full_bar(i), 1);
-                sm90::mbar_init(empty_bar(i), THREADS - CONSUMER0);
+            for (int i = 0; i < 2 * STAGES; ++i) {
+                sm90::mbar_init(full_bar(i % STAGES, i / STAGES), 1);
+                sm90::mbar_init(empty_bar(i % STAGES, i / STAGES), THREADS - CONSUMER0);
             }
             if (PERSISTENT) sm90::mbar_init(q_empty_bar(), THREADS - CONSUMER0);
             sm90::mbar_fence_init();
@@ -397,13 +412,15 @@ struct FwdSm90 {
     __device__ __forceinline__ void produce(const BlockRange& range, int count, int it, int tile) {
         if (!PERSISTENT) issue_q();
         for (int t = 0; t < count; ++t) {
-            const int i = it + t, slot = i % STAGES;
-            if (i >= STAGES) sm90::mbar_wait(empty_bar(slot), ((i / STAGES) - 1) & 1);
-            issue_kv(range.n_max - 1 - t, slot);
+            const int i = it + t, slot = i % STAGES, n = range.n_max - 1 - t;
+            if (i >= STAGES) sm90::mbar_wait(empty_bar(slot, 0), ((i / STAGES) - 1) & 1);
+            issue_half(n, slot, 0);
             if (PERSISTENT && t == 0) {
                 if (tile > 0) sm90::mbar_wait(q_empty_bar(), (tile - 1) & 1);
                 issue_q();
             }
+            if (i >= STAGES) sm90::mbar_wait(empty_bar(slot, 1), ((i / STAGES) - 1) & 1);
+            issue_half(n, slot, 1);
         }
     }
 
@@ -419,13 +436,17 @@ struct FwdSm90 {
         base = (smem_u32(smem) + 1023) & ~1023u;
     }
 
+    // The key blocks of a tile. Rows that see no key can have n_max < n_min (a causal mask's rows above a bottom-right
+    // diagonal): none. Producer and consumers must agree, or the producer's ring position runs ahead of theirs.
+    __device__ __forceinline__ static int blocks(const BlockRange& range) { return max(range.n_max - range.n_min, 0); }
+
     // One tile per CTA: grid (query blocks, heads, batch).
     __device__ __forceinline__ void run(char* smem) {
         start(smem);
         BlockRange range;
         if (!begin_tile(BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, range)) return;
         reset_accumulators();
-        const int count = range.n_max - range.n_min;  // blocks, walked from n_max - 1 down
+        const int count = blocks(range);  // walked from n_max - 1 down
         init_barriers();
         if constexpr (WS) {
             if (is_producer()) {  // producer warpgroup: one thread moves the data
@@ -461,22 +482,24 @@ struct FwdSm90 {
         epilogue(count > 0);
     }
 
-    // Persistent (warp-specialized): gridDim.x CTAs (one per SM) walk the tiles idx = blockIdx.x, + gridDim.x, ...
-    // Without a band, query blocks fastest, then heads, then sequences, as the grid of the other kernels: the tiles
-    // running at once are the query blocks of a few heads, which share those heads' K and V in L2 (query-block-major,
-    // one head per CTA, read K/V from DRAM once per query block: 284 against 345 TFLOP/s at d 64, 512 keys). With a
-    // band, query-block-major, the longest rows first: the tiles differ in length, and longest-first balances the
-    // CTAs' ends (query blocks fastest made d 64 causal at 512 keys 199 -> 142 TFLOP/s). The ring and Q's barrier
-    // carry on from tile to tile, so the producer loads the next tile while the consumers finish the last one.
-    // Producer and consumers each run their own copy of the walk: code both roles share would keep ptxas from
-    // honouring setmaxnreg (C7507).
+    // Persistent (warp-specialized): gridDim.x CTAs (one per SM) walk the tiles in rounds of gridDim.x. The tiles are
+    // ordered as the grid of the other kernels: query blocks fastest (longest first under a band), then heads, then
+    // sequences, so the tiles running at once are the query blocks of a few heads, which share those heads' K and V
+    // in L2 (one head per CTA read K/V from DRAM once per query block: 284 against 345 TFLOP/s at d 64, 512 keys;
+    // query-block-major under a band read it once per query block, too). CTA x takes tile x of each round; with a
+    // band every other round backwards (gridDim.x - 1 - x): the tiles of a head differ in length, and a plain stride
+    // gave a CTA the same query block of every head when gridDim.x is a multiple of the query blocks (all the longest
+    // to some CTAs: d 64 causal at 512 keys 199 -> 142 TFLOP/s), where the snake pairs a long tile with a short one.
+    // The ring and Q's barrier carry on from tile to tile, so the producer loads the next tile while the consumers
+    // finish the last one. Producer and consumers each run their own copy of the walk: code both roles share would
+    // keep ptxas from honouring setmaxnreg (C7507).
+    __device__ __forceinline__ int walk(int round) const {
+        return round * gridDim.x + (BAND && (round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+    }
+
     __device__ __forceinline__ bool tile_of(int idx, int m_blocks, BlockRange& range) {
-        if (BAND) {
-            const int per_block = p.nheads * p.batch, m = idx / per_block, rest = idx - m * per_block;
-            return begin_tile(m_blocks - 1 - m, rest % p.nheads, rest / p.nheads, range);
-        }
-        const int rest = idx / m_blocks;
-        return begin_tile(idx - rest * m_blocks, rest % p.nheads, rest / p.nheads, range);
+        const int rest = idx / m_blocks, m = idx - rest * m_blocks;
+        return begin_tile(BAND ? m_blocks - 1 - m : m, rest % p.nheads, rest / p.nheads, range);
     }
 
     __device__ __forceinline__ void run_persistent(char* smem) {
@@ -487,10 +510,10 @@ struct FwdSm90 {
         if (is_producer()) {
             sm90::regs_dealloc<24>();
             if (tid != 0) return;
-            for (int idx = blockIdx.x; idx < tiles; idx += gridDim.x) {
+            for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
                 BlockRange range;
                 if (!tile_of(idx, m_blocks, range)) continue;
-                const int count = range.n_max - range.n_min;
+                const int count = blocks(range);
                 if (count == 0) continue;
                 produce(range, count, it, loaded);
                 it += count;
@@ -499,10 +522,10 @@ struct FwdSm90 {
             return;
         }
         sm90::regs_alloc<CONSUMER_REGS>();
-        for (int idx = blockIdx.x; idx < tiles; idx += gridDim.x) {
+        for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
             BlockRange range;
             if (!tile_of(idx, m_blocks, range)) continue;
-            const int count = range.n_max - range.n_min;
+            const int count = blocks(range);
             reset_accumulators();
             if (count > 0) {
                 sm90::mbar_wait(base + OFF_BAR, loaded & 1);

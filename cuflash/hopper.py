@@ -58,7 +58,7 @@ class FwdSm90Spec:
 
     def _smem_bytes(self, o_tile: bool) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots[, O], mbarriers, alignment
         return ((self.block_m * (1 + o_tile) + 2 * self.stages * self.block_n) * self.headdim * 2
-                + (1 + 2 * self.stages + self.persistent) * 8 + 1024)
+                + (1 + 4 * self.stages + self.persistent) * 8 + 1024)  # K and V full and empty per slot
 
     @property
     def o_tile(self) -> bool:  # FwdSm90::O_TILE: the persistent kernel's own staging tile for O, where it fits
@@ -84,13 +84,18 @@ class FwdSm90Spec:
 # warpgroup 0's, and warpgroup 1 skips its last hand-over, so every arrival on the two named barriers is consumed
 # before the next tile's.
 # lockstep_n128: the lockstep kernel with 128-key blocks (half the CTA barriers per key), 64 at d = 256.
+# _s2: a variant with a two-slot ring (K and V handed back separately make two slots enough to keep loads ahead;
+# at d = 128 the slot saved leaves room for the persistent kernel's own O staging tile). Any variant takes the
+# suffix; VARIANTS lists those the planner's tables use (plan.SM90_SHORT_VARIANTS).
 VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128",
-            "pingpong_n128_p")
+            "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2")
 
 
 def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
     """FwdSm90Spec's warp_specialized, stages, pingpong, block_n and consumers for a variant of VARIANTS at a head
     dim, with or without a score mod."""
+    if variant.endswith("_s2") and variant[:-3] in VARIANTS:
+        return dict(variant_options(variant[:-3], headdim, score_mod), stages=2)
     if variant == "lockstep":
         return dict(warp_specialized=False, stages=2)
     if variant == "lockstep_n128":

@@ -487,8 +487,8 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
     return {**default, **{int(d): variant for d, variant in _env_pairs(text)}}
 
 
-# Short sequences (seqlen_k <= SM90_SHORT_SEQLEN), per (head dim, masked by a band), where another variant beat the
-# head dim's own on the ANCHORS grid (bench_attention.py --op fwd, H200, bf16, TFLOP/s, one run each, 2026-11-29;
+# Short sequences (seqlen_k <= SM90_SHORT_SEQLEN), per (head dim, masked by a band, most keys), where another variant
+# beat the head dim's own on the ANCHORS grid (bench_attention.py --op fwd, H200, bf16, TFLOP/s, one run each, 2026-11-29;
 # docs/bench/release_session5.txt against docs/bench/release_session6.txt): d = 64 causal ws_n128_p (persistent:
 # prologue and epilogue of consecutive tiles overlap) 198.9 / 265.0 / 315.9 at 512 / 1k / 2k against ws3_n128's
 # 151.7 / 223.6 / 327.8. The 512-2k sweep (scripts/sm90_sweep.sh, docs/bench/drafts_session6.txt) had also picked
@@ -503,8 +503,15 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
 # a band now walk query blocks fastest, as the grid does (fwd_sm90.cu tile_of), and won the non-causal short cells:
 # d = 64 ws_n128_p 345.0 / 407.6 / 432.9 at 512 / 1k / 2k against ws3_n128's 284.1 / 359.7 / 436.5, d = 128
 # pingpong_n128_p 425.2 / 510.0 / 568.2 against pingpong_n128's 397.6 / 500.0 / 553.5-603.5 (two rounds).
+# Session 13 (docs/bench/fwd_short_session13.txt; two device calls, two rounds each): K and V handed back separately
+# (fwd_sm90.cu) made two-slot rings enough, and the persistent kernels walk the grid's order with a snake under a
+# band. d = 128 non-causal 512: pingpong_n128_p_s2 (its own O staging tile) 455.5 against pingpong_n128_p's 420.0;
+# 1k / 2k: pingpong_n128_s2 519.9-524.7 / 568.0-595.1 against 478.9-484.0 / 513.0-517.6; causal 512 / 1k:
+# pingpong_n128_p_s2 295.6-297.5 / 396.8-397.5 against pingpong_n128's 263.5-265.6 / 381.4-382.6 (2k: within noise,
+# 467.6-478.4 every way). d = 64: ws_n128_p_s2 1-3% above ws_n128_p in all six cells (e.g. causal 2k 346.8 / 337.4).
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
-# "64c:ws_n128_p,128:pingpong_n128_p", c: causal or local) replaces this table, for measuring.
+# "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
+# measuring.
 # How the warp-specialized Hopper forward kernels write O, per head dim (fwd_sm90.cu epilogue): through shared
 # memory and TMA stores (1), or 4-byte stores from registers (0; the lockstep kernel always). Session 12, A/B in one
 # device call (bench_attention.py --op fwd, 512-4k, two rounds, TFLOP/s): d = 128 TMA stores, 512 / 1k / 2k keys:
@@ -526,15 +533,32 @@ def _o_tma_from_env(text: str | None) -> dict:
 SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA"))}
 
 SM90_SHORT_SEQLEN = 2048
-SM90_SHORT_VARIANTS = {(64, True): "ws_n128_p", (64, False): "ws_n128_p", (128, False): "pingpong_n128_p"}
+SM90_SHORT_VARIANTS = {(64, False, 2048): "ws_n128_p_s2", (64, True, 2048): "ws_n128_p_s2",
+                       (128, False, 512): "pingpong_n128_p_s2", (128, False, 2048): "pingpong_n128_s2",
+                       (128, True, 1024): "pingpong_n128_p_s2"}
 
 
 def _short_table_from_env(text: str | None) -> dict:
-    """CUFLASH_SM90_SHORT_VARIANTS, e.g. "128:pingpong_n128_p,128c:pingpong_n128_p" (c: causal or local), as a
-    table that replaces SM90_SHORT_VARIANTS (for measuring; "" empties it); None: the variable is unset."""
+    """CUFLASH_SM90_SHORT_VARIANTS, e.g. "128@512:pingpong_n128_p_s2,128:pingpong_n128_s2,128c:pingpong_n128_p"
+    (c: causal or local; @N: up to N keys, else up to SM90_SHORT_SEQLEN), as a table that replaces
+    SM90_SHORT_VARIANTS (for measuring; "" empties it); None: the variable is unset."""
     if text is None:
         return SM90_SHORT_VARIANTS
-    return {(int(d.rstrip("c")), d.endswith("c")): variant for d, variant in _env_pairs(text)}
+    table = {}
+    for key, variant in _env_pairs(text):
+        d, _, bound = key.partition("@")
+        bound = int(bound) if bound else SM90_SHORT_SEQLEN
+        if not 0 < bound <= SM90_SHORT_SEQLEN:
+            raise ValueError(f"CUFLASH_SM90_SHORT_VARIANTS: {key!r} bounds the keys beyond 1..{SM90_SHORT_SEQLEN}")
+        table[int(d.rstrip("c")), d.endswith("c"), bound] = variant
+    return table
+
+
+def short_variant(table: dict, headdim: int, band: bool, seqlen_k: int) -> str | None:
+    """The variant a short-sequence table gives a call: the entry of (head dim, band) with the fewest keys that
+    still covers seqlen_k; None where none does."""
+    bounds = [bound for d, b, bound in table if d == headdim and b == band and seqlen_k <= bound]
+    return table[headdim, band, min(bounds)] if bounds else None
 
 
 def _short_variants(text: str | None, short_text: str | None = None) -> dict:
@@ -556,9 +580,8 @@ def sm90_forward_variant(problem, arch: str, band: bool = False) -> str | None:
     table, and the path enabled; `band`: causal or local (the short-sequence table tells them apart)."""
     if not SM90_FORWARD["enabled"] or arch != "sm_90a" or problem.headdim not in SM90_FORWARD["variants"]:
         return None
-    if problem.seqlen_k <= SM90_SHORT_SEQLEN and (problem.headdim, band) in SM90_FORWARD["short"]:
-        return SM90_FORWARD["short"][problem.headdim, band]
-    return SM90_FORWARD["variants"][problem.headdim]
+    short = short_variant(SM90_FORWARD["short"], problem.headdim, band, problem.seqlen_k)
+    return short or SM90_FORWARD["variants"][problem.headdim]
 
 
 def _struct(pointers, int64s, int32s, float32s) -> np.dtype:

@@ -49,3 +49,25 @@ sanitize_both() {
             "$OUT/${name}_$tool.log")"
     done
 }
+
+# run_gpu_tests_parallel SECONDS SHARDS FILE...: every test of tests/gpu/FILE.py, dealt round-robin to SHARDS pytest
+# processes that run at once, each under the timeout (the CPU reference is what takes the time, and the device has 16
+# cores). Compile the kernels ahead: each process compiles with one worker (a worker is a CUDA context; 8 processes
+# of 16 ran out of memory)                                        -> $OUT/shard_I.log; prints each shard's status.
+run_gpu_tests_parallel() {
+    local limit=$1 shards=$2 i f files=() ids=()
+    shift 2
+    for f in "$@"; do files+=("tests/gpu/$f.py"); done
+    python3 -m pytest -q --collect-only -p no:cacheprovider "${files[@]}" 2>/dev/null | grep '::' >"$OUT/ids.txt"
+    echo "collected $(wc -l <"$OUT/ids.txt") tests from $* [$((SECONDS - t0))s]"
+    for i in $(seq 0 $((shards - 1))); do
+        mapfile -t ids < <(awk -v n="$shards" -v i="$i" '(NR - 1) % n == i' "$OUT/ids.txt")
+        CUFLASH_TEST_COMPILE_WORKERS=1 OMP_NUM_THREADS=$((16 / shards)) timeout -k 5 "$limit" \
+            python3 -m pytest -q --tb=short -p no:cacheprovider "${ids[@]}" >"$OUT/shard_$i.log" 2>&1 &
+    done
+    wait
+    for i in $(seq 0 $((shards - 1))); do
+        echo "shard $i: [$((SECONDS - t0))s] $(grep -E 'passed|failed|error' "$OUT/shard_$i.log" | tail -1)"
+        grep -E "^FAILED|^ERROR|^E  " "$OUT/shard_$i.log" | head -6
+    done
+}

@@ -4,11 +4,11 @@
     python3 scripts/pick_short_variants.py LABEL=TEXT:RUN.json[+RUN2.json...] ... [--margin 0.02]
 
 TEXT is a CUFLASH_SM90_SHORT_VARIANTS value ("-" for the variable unset: the planner's own table) and each RUN a
-`benchmarks/bench_attention.py --op fwd --json` file made with it. Per (head dim, causal) the variant each table
-implies (its entry, else the head dim's default variant) is scored by the geometric mean over the cells up to
-plan.SM90_SHORT_SEQLEN of cuflash's TFLOP/s, the best of that table's runs per cell. A variant replaces the head
-dim's default only when it beats it by more than --margin. Prints the scores, then on its last line the chosen table
-as a CUFLASH_SM90_SHORT_VARIANTS value.
+`benchmarks/bench_attention.py --op fwd --json` file made with it. Each cell up to plan.SM90_SHORT_SEQLEN keys
+(head dim, causal, seqlen) scores the variant each table gives it (its entry, else the head dim's default variant)
+by cuflash's TFLOP/s, the best of the runs that measured that variant there. A variant replaces the head dim's
+default in a cell only when it beats it by more than --margin. Prints the scores, then on its last line the chosen
+table as a CUFLASH_SM90_SHORT_VARIANTS value (an entry per run of cells with the same pick, "@N" bounding it).
 """
 import argparse
 import json
@@ -24,16 +24,33 @@ def table_of(text: str) -> dict:
     return plan._short_table_from_env(None if text == "-" else text)
 
 
+def entries(picks: dict, defaults: dict) -> list:
+    """{(d, band, seqlen): variant} -> CUFLASH_SM90_SHORT_VARIANTS items: per (d, band) the cells in order of
+    length up to the last that does not take the default, a run of equal picks as one entry bounded by its
+    longest cell (the last entry unbounded: up to SM90_SHORT_SEQLEN)."""
+    items = []
+    for d, band in sorted({(d, band) for d, band, _ in picks}):
+        cells = sorted((s, v) for (dd, b, s), v in picks.items() if (dd, b) == (d, band))
+        while cells and cells[-1][1] == defaults.get(d):
+            cells.pop()
+        for i, (seqlen, variant) in enumerate(cells):
+            if i + 1 < len(cells) and cells[i + 1][1] == variant:
+                continue
+            bound = "" if i + 1 == len(cells) else f"@{seqlen}"
+            items.append(f"{d}{'c' if band else ''}{bound}:{variant}")
+    return items
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="LABEL=TEXT:RUN.json[+RUN2.json]")
     ap.add_argument("--margin", type=float, default=0.02)
     args = ap.parse_args(argv)
-    scores = {}  # (d, band) -> {variant: geometric mean}
+    scores = {}  # (d, band, seqlen) -> {variant: TFLOP/s}
     for spec in args.runs:
         label, _, rest = spec.partition("=")
         text, _, paths = rest.rpartition(":")
-        best = {}  # (d, causal, seqlen) -> TFLOP/s, the best run
+        table = table_of(text)
         for path in paths.split("+"):
             try:
                 rows = json.load(open(path))
@@ -43,29 +60,21 @@ def main(argv=None):
             for r in rows:
                 t = r.get("tflops_cuflash")
                 if r.get("op") == "fwd" and t and r["seqlen"] <= plan.SM90_SHORT_SEQLEN:
-                    key = (r["d"], bool(r["causal"]), r["seqlen"])
-                    best[key] = max(best.get(key, 0.0), t)
-        table = table_of(text)
-        for d in sorted({k[0] for k in best}):
-            for band in (False, True):
-                cells = [v for (dd, c, _), v in best.items() if dd == d and c == band]
-                if not cells:
-                    continue
-                variant = table.get((d, band), plan.SM90_DEFAULT_VARIANTS.get(d))
-                gmean = math.exp(sum(map(math.log, cells)) / len(cells))
-                scores.setdefault((d, band), {})[variant] = max(scores.get((d, band), {}).get(variant, 0.0), gmean)
-                print(f"{label:>10}  d {d:3d} {'causal' if band else 'full  '}  {variant:16s} {gmean:7.1f} TFLOP/s "
-                      f"(geometric mean of {len(cells)} cells)")
-    chosen = {}
-    for (d, band), by_variant in sorted(scores.items()):
+                    d, band, seqlen = r["d"], bool(r["causal"]), r["seqlen"]
+                    variant = plan.short_variant(table, d, band, seqlen) or plan.SM90_DEFAULT_VARIANTS.get(d)
+                    cell = scores.setdefault((d, band, seqlen), {})
+                    cell[variant] = max(cell.get(variant, 0.0), t)
+    picks = {}
+    for (d, band, seqlen), by_variant in sorted(scores.items()):
         default = plan.SM90_DEFAULT_VARIANTS.get(d)
         base = by_variant.get(default)
         variant, score = max(by_variant.items(), key=lambda kv: kv[1])
-        if variant != default and (base is None or score > base * (1 + args.margin)):
-            chosen[d, band] = variant
-        print(f"pick  d {d:3d} {'causal' if band else 'full  '}  {chosen.get((d, band), default)}"
-              + (f"  (fastest other: {variant}, {score / base:.3f}x {default})" if base and variant != default else ""))
-    print(",".join(f"{d}{'c' if band else ''}:{v}" for (d, band), v in sorted(chosen.items())))
+        picks[d, band, seqlen] = (variant if variant != default and (base is None or score > base * (1 + args.margin))
+                                  else default)
+        print(f"d {d:3d} {'causal' if band else 'full  '} {seqlen:5d}  " +
+              "  ".join(f"{v} {t:.1f}" for v, t in sorted(by_variant.items(), key=lambda kv: -kv[1])) +
+              f"  -> {picks[d, band, seqlen]}")
+    print(",".join(entries(picks, plan.SM90_DEFAULT_VARIANTS)))
 
 
 if __name__ == "__main__":

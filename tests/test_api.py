@@ -290,28 +290,37 @@ def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
 
 
 def test_sm90_forward_short_sequences_take_their_own_variant(monkeypatch):
-    """plan.SM90_SHORT_VARIANTS: up to SM90_SHORT_SEQLEN keys, per (head dim, band); longer, the head dim's variant;
-    the short table drops the head dims CUFLASH_SM90_VARIANTS names."""
+    """plan.SM90_SHORT_VARIANTS: up to SM90_SHORT_SEQLEN keys, per (head dim, band, most keys), the entry with the
+    fewest keys that covers the call; longer, the head dim's variant; the short table drops the head dims
+    CUFLASH_SM90_VARIANTS names."""
     from cuflash import plan
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
     monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws3_n128", 128: "pingpong_n128"})
-    monkeypatch.setitem(plan.SM90_FORWARD, "short", {(64, False): "lockstep", (64, True): "ws_n128_p"})
-    short = checks.Problem(2, 1000, plan.SM90_SHORT_SEQLEN, 8, 2, 64, np.dtype(np.float16))
-    long = checks.Problem(1, 1000, plan.SM90_SHORT_SEQLEN + 1, 8, 2, 64, np.dtype(np.float16))
-    assert plan.sm90_forward_variant(short, "sm_90a") == "lockstep"
-    assert plan.sm90_forward_variant(short, "sm_90a", band=True) == "ws_n128_p"
+    monkeypatch.setitem(plan.SM90_FORWARD, "short", {(64, False, 512): "ws", (64, False, 2048): "lockstep",
+                                                     (64, True, 2048): "ws_n128_p", (128, True, 1024): "ws_n128"})
+    at = lambda d, seqlen_k: checks.Problem(2, 1000, seqlen_k, 8, 2, d, np.dtype(np.float16))  # noqa: E731
+    assert plan.sm90_forward_variant(at(64, 512), "sm_90a") == "ws"
+    assert plan.sm90_forward_variant(at(64, 513), "sm_90a") == "lockstep"
+    assert plan.sm90_forward_variant(at(64, plan.SM90_SHORT_SEQLEN), "sm_90a") == "lockstep"
+    assert plan.sm90_forward_variant(at(64, 100), "sm_90a", band=True) == "ws_n128_p"
+    long = at(64, plan.SM90_SHORT_SEQLEN + 1)
     assert plan.sm90_forward_variant(long, "sm_90a") == plan.sm90_forward_variant(long, "sm_90a", True) == "ws3_n128"
-    d128 = checks.Problem(2, 1000, 1000, 8, 2, 128, np.dtype(np.float16))
-    assert plan.sm90_forward_variant(d128, "sm_90a", band=True) == "pingpong_n128"
+    assert plan.sm90_forward_variant(at(128, 1024), "sm_90a", band=True) == "ws_n128"
+    assert plan.sm90_forward_variant(at(128, 1025), "sm_90a", band=True) == "pingpong_n128"
+    assert plan.sm90_forward_variant(at(128, 1000), "sm_90a") == "pingpong_n128"
     from cuflash import hopper
-    for key, variant in plan.SM90_SHORT_VARIANTS.items():
-        assert key[0] in plan.SM90_DEFAULT_VARIANTS and variant in hopper.VARIANTS
+    for (d, band, bound), variant in plan.SM90_SHORT_VARIANTS.items():
+        assert d in plan.SM90_DEFAULT_VARIANTS and variant in hopper.VARIANTS and 0 < bound <= plan.SM90_SHORT_SEQLEN
     assert plan._short_variants(None) == plan.SM90_SHORT_VARIANTS
-    assert all(d != 64 for d, _ in plan._short_variants("64:ws")) and plan._short_variants("128:ws")
-    # CUFLASH_SM90_SHORT_VARIANTS replaces the table ("c": causal or local); "" empties it
-    text = "64:ws_n128_p,128c:pingpong_n128_p"
-    assert plan._short_variants(None, text) == {(64, False): "ws_n128_p", (128, True): "pingpong_n128_p"}
-    assert plan._short_variants("128:ws", text) == {(64, False): "ws_n128_p"} and plan._short_variants(None, "") == {}
+    assert all(d != 64 for d, _, _ in plan._short_variants("64:ws")) and plan._short_variants("128:ws")
+    # CUFLASH_SM90_SHORT_VARIANTS replaces the table ("c": causal or local, "@N": up to N keys); "" empties it
+    text = "64:ws_n128_p,128c@1024:pingpong_n128_p"
+    assert plan._short_variants(None, text) == {(64, False, plan.SM90_SHORT_SEQLEN): "ws_n128_p",
+                                                (128, True, 1024): "pingpong_n128_p"}
+    assert plan._short_variants("128:ws", text) == {(64, False, plan.SM90_SHORT_SEQLEN): "ws_n128_p"}
+    assert plan._short_variants(None, "") == {}
+    with pytest.raises(ValueError, match="bounds the keys"):
+        plan._short_table_from_env(f"64@{plan.SM90_SHORT_SEQLEN + 1}:ws")
 
 
 @pytest.mark.parametrize("variant", list(hopper.VARIANTS))

@@ -28,6 +28,9 @@ def poisoned_allocator():
 
 @pytest.fixture(scope="session")
 def compiled():
-    """Compiles every forward kernel once, in parallel, so JIT time never trips a hypothesis deadline."""
+    """Compiles every forward kernel once, in parallel, so JIT time never trips a hypothesis deadline.
+    CUFLASH_TEST_COMPILE_WORKERS sets the processes (each holds a CUDA context: test processes running at once, as
+    scripts/device_env.sh's run_gpu_tests_parallel starts them after compiling ahead, take 1)."""
     import cuflash
-    return cuflash.precompile(workers=min(16, os.cpu_count() or 1))
+    workers = int(os.environ.get("CUFLASH_TEST_COMPILE_WORKERS", min(16, os.cpu_count() or 1)))
+    return cuflash.precompile(workers=workers)
