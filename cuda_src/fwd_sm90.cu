@@ -65,13 +65,17 @@ struct FwdSm90 {
     static constexpr int CONSUMER_REGS = WGS == 2 ? 240 : 160;
     static constexpr u32 Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     static constexpr u32 Q_PANEL = BM * 128, KV_PANEL = BN * 128;  // bytes of one 64-column panel
-    // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] [| O] | barriers (q, full[K, V][STAGES], empty[K, V]
-    // [STAGES][, q_empty]). O: the persistent kernel's own staging tile for the epilogue's TMA stores where it fits
-    // (else O is staged in Q's tile, which the next tile's Q then waits for).
-    static constexpr int BARRIERS = 1 + 4 * STAGES + PERSISTENT;
+    // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] [| O] [| Q'] | barriers (q full[Q_BUFS], full[K, V]
+    // [STAGES], empty[K, V][STAGES][, q_empty[Q_BUFS]]). O: the persistent kernel's own staging tile for the
+    // epilogue's TMA stores where it fits (else O is staged in Q's tile, which the next tile's Q then waits for).
+    // Q': where that fits too, the persistent kernel's second Q tile: tiles alternate between the two, so the next
+    // tile's Q loads while this one computes.
     static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_O = OFF_V + STAGES * KV_BYTES;
-    static constexpr bool O_TILE = PERSISTENT && OFF_O + Q_BYTES + BARRIERS * 8 + 1024 <= 227 * 1024;
-    static constexpr u32 OFF_BAR = OFF_O + (O_TILE ? Q_BYTES : 0);
+    static constexpr u32 LIMIT = 227 * 1024 - 1024;  // the SM's shared memory per block, less room to align to 1024
+    static constexpr bool O_TILE = PERSISTENT && OFF_O + Q_BYTES + (2 + 4 * STAGES) * 8 <= LIMIT;
+    static constexpr int Q_BUFS = O_TILE && OFF_O + 3 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT ? 2 : 1;
+    static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES;
+    static constexpr u32 OFF_Q2 = OFF_O + (O_TILE ? Q_BYTES : 0), OFF_BAR = OFF_Q2 + (Q_BUFS - 1) * Q_BYTES;
     static constexpr u32 SMEM_BYTES = OFF_BAR + BARRIERS * 8 + 1024;  // + room to align to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
     static_assert(BN == 64 || BN == 128, "S = Q K^T is one wgmma m64n64 or m64n128 per k16 step");
@@ -80,10 +84,12 @@ struct FwdSm90 {
     static_assert(WGS == 2 || (WGS == 3 && WS && !PINGPONG), "three consumer warpgroups: warp-specialized, no turns");
     static_assert(128 * 24 + 128 * WGS * CONSUMER_REGS <= 65536, "the register split exceeds the SM's file");
     static_assert(WS || !PERSISTENT, "the persistent kernel is the warp-specialized one");
+    static_assert(Q_BUFS == 1 || O_TILE, "O is staged in Q's tile only with one Q tile");
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
     u32 base;
+    int qb = 0;  // the Q tile this tile uses (0, or 1: at OFF_Q2)
     int row0, b, h, h_kv;
     int q_begin, k_begin, seqlen_q;  // this sequence (seqlen.cuh): where its rows start, how many queries
     Mask<BAND> mask;
@@ -95,16 +101,18 @@ struct FwdSm90 {
 
     __device__ __forceinline__ explicit FwdSm90(const FwdSm90Params& params) : p(params) {}
 
+    __device__ __forceinline__ u32 q_tile() const { return base + (qb ? OFF_Q2 : 0); }
+    __device__ __forceinline__ u32 q_full_bar() const { return base + OFF_BAR + 8 * qb; }
     // A ring slot's K (half 0) and V (half 1) have barriers of their own: K is handed back once S = Q K^T is done,
     // V once O += P V is, so the producer can refill K a softmax earlier than the slot as a whole.
     __device__ __forceinline__ u32 full_bar(int slot, int half) const {
-        return base + OFF_BAR + 8 * (1 + half * STAGES + slot);
+        return base + OFF_BAR + 8 * (Q_BUFS + half * STAGES + slot);
     }
     __device__ __forceinline__ u32 empty_bar(int slot, int half) const {
-        return base + OFF_BAR + 8 * (1 + (2 + half) * STAGES + slot);
+        return base + OFF_BAR + 8 * (Q_BUFS + (2 + half) * STAGES + slot);
     }
-    // persistent kernel: the consumers are done with Q (all their wgmma of a tile have completed)
-    __device__ __forceinline__ u32 q_empty_bar() const { return base + OFF_BAR + 8 * (1 + 4 * STAGES); }
+    // persistent kernel: the consumers are done with Q tile qb (all their wgmma of a tile have completed)
+    __device__ __forceinline__ u32 q_empty_bar() const { return base + OFF_BAR + 8 * (Q_BUFS + 4 * STAGES + qb); }
 
     // The TMA box of 64 columns from `col`, rows `row` .. of this sequence, head `head`: a 4-D map (d, heads, seqlen,
     // batch) of a padded batch, or a 3-D one (d, heads, total) of packed sequences whose rows start at `begin`. Rows
@@ -116,10 +124,10 @@ struct FwdSm90 {
     }
 
     __device__ __forceinline__ void issue_q() {  // one thread
-        sm90::mbar_arrive_expect_tx(base + OFF_BAR, Q_BYTES);
+        sm90::mbar_arrive_expect_tx(q_full_bar(), Q_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
-            load_box(base + pn * Q_PANEL, &p.q, pn * 64, h, q_begin, row0, base + OFF_BAR);
+            load_box(q_tile() + pn * Q_PANEL, &p.q, pn * 64, h, q_begin, row0, q_full_bar());
     }
 
     // K (half 0) or V (half 1) of key block n into ring slot `slot`. One thread.
@@ -139,11 +147,11 @@ struct FwdSm90 {
     // S = Q K^T for the block in ring slot `slot`, issued as one wgmma group (the caller fences and waits).
     __device__ __forceinline__ void issue_s(float (&s)[1][BN / 8][4], int slot) const {
         const u32 k_tile = base + OFF_K + slot * KV_BYTES;
-        const u32 q_tile = base + wg * 64 * 128;  // this warpgroup's 64 rows of every Q panel
+        const u32 q_rows = q_tile() + wg * 64 * 128;  // this warpgroup's 64 rows of every Q panel
         float(&sf)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0][0]);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
-            const auto a = sm90::smem_desc(q_tile + (ks / 4) * Q_PANEL + (ks % 4) * 32);
+            const auto a = sm90::smem_desc(q_rows + (ks / 4) * Q_PANEL + (ks % 4) * 32);
             const auto b = sm90::smem_desc(k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32);
             if constexpr (BN == 128) sm90::wgmma_m64n128k16_ss<T>(sf, a, b, ks > 0);
             else sm90::wgmma_m64n64k16_ss<T>(sf, a, b, ks > 0);
@@ -395,20 +403,24 @@ struct FwdSm90 {
 
     __device__ __forceinline__ void init_barriers() {
         if (tid == 0) {
-            sm90::mbar_init(base + OFF_BAR, 1);
             for (int i = 0; i < 2 * STAGES; ++i) {
                 sm90::mbar_init(full_bar(i % STAGES, i / STAGES), 1);
                 sm90::mbar_init(empty_bar(i % STAGES, i / STAGES), THREADS - CONSUMER0);
             }
-            if (PERSISTENT) sm90::mbar_init(q_empty_bar(), THREADS - CONSUMER0);
+            for (qb = 0; qb < Q_BUFS; ++qb) {
+                sm90::mbar_init(q_full_bar(), 1);
+                if (PERSISTENT) sm90::mbar_init(q_empty_bar(), THREADS - CONSUMER0);
+            }
+            qb = 0;
             sm90::mbar_fence_init();
         }
         __syncthreads();  // the last CTA-wide barrier of the warp-specialized kernel
     }
 
     // The producer thread: the tile's key blocks into the ring from position `it` (each slot once the consumers have
-    // emptied it), and Q. `tile`: how many tiles this CTA loaded before; the persistent kernel issues Q after the
-    // first key block, once the consumers are done with the previous tile's, so that it lands during their epilogue.
+    // emptied it), and Q. `tile`: how many tiles this CTA loaded before; the persistent kernel issues Q into Q tile
+    // tile % Q_BUFS after the first key block, once the consumers are done with the tile that used it last (with one
+    // Q tile the previous one: Q lands during their epilogue; with two, the one before).
     __device__ __forceinline__ void produce(const BlockRange& range, int count, int it, int tile) {
         if (!PERSISTENT) issue_q();
         for (int t = 0; t < count; ++t) {
@@ -416,7 +428,8 @@ struct FwdSm90 {
             if (i >= STAGES) sm90::mbar_wait(empty_bar(slot, 0), ((i / STAGES) - 1) & 1);
             issue_half(n, slot, 0);
             if (PERSISTENT && t == 0) {
-                if (tile > 0) sm90::mbar_wait(q_empty_bar(), (tile - 1) & 1);
+                qb = tile % Q_BUFS;
+                if (tile >= Q_BUFS) sm90::mbar_wait(q_empty_bar(), (tile / Q_BUFS - 1) & 1);
                 issue_q();
             }
             if (i >= STAGES) sm90::mbar_wait(empty_bar(slot, 1), ((i / STAGES) - 1) & 1);
@@ -456,7 +469,7 @@ struct FwdSm90 {
             }
             sm90::regs_alloc<CONSUMER_REGS>();
             if (count > 0) {
-                sm90::mbar_wait(base + OFF_BAR, 0);
+                sm90::mbar_wait(q_full_bar(), 0);
                 consume_pipelined(range, count, 0);
             }
         } else if (count > 0) {
@@ -464,7 +477,7 @@ struct FwdSm90 {
                 issue_q();
                 for (int i = 0; i < 2 && i < count; ++i) issue_kv(range.n_max - 1 - i, i);
             }
-            sm90::mbar_wait(base + OFF_BAR, 0);
+            sm90::mbar_wait(q_full_bar(), 0);
             for (int t = 0; t < count; ++t) {
                 const int n = range.n_max - 1 - t;
                 const bool masked = n > range.full_hi || n < range.full_lo;
@@ -528,7 +541,8 @@ struct FwdSm90 {
             const int count = blocks(range);
             reset_accumulators();
             if (count > 0) {
-                sm90::mbar_wait(base + OFF_BAR, loaded & 1);
+                qb = loaded % Q_BUFS;
+                sm90::mbar_wait(q_full_bar(), (loaded / Q_BUFS) & 1);
                 consume_pipelined(range, count, it);
                 it += count;
                 ++loaded;

@@ -56,17 +56,23 @@ class FwdSm90Spec:
         return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
                               (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent))
 
-    def _smem_bytes(self, o_tile: bool) -> int:  # FwdSm90::SMEM_BYTES: Q, K and V slots[, O], mbarriers, alignment
-        return ((self.block_m * (1 + o_tile) + 2 * self.stages * self.block_n) * self.headdim * 2
-                + (1 + 4 * self.stages + self.persistent) * 8 + 1024)  # K and V full and empty per slot
+    def _smem_bytes(self, o_tile: bool, q_bufs: int = 1) -> int:
+        """FwdSm90::SMEM_BYTES: Q tiles, K and V slots[, O], mbarriers (Q full[, empty] per Q tile, K and V full
+        and empty per slot), room to align to 1024."""
+        return ((self.block_m * (o_tile + q_bufs) + 2 * self.stages * self.block_n) * self.headdim * 2
+                + (q_bufs * (1 + self.persistent) + 4 * self.stages) * 8 + 1024)
 
     @property
     def o_tile(self) -> bool:  # FwdSm90::O_TILE: the persistent kernel's own staging tile for O, where it fits
         return self.persistent and self._smem_bytes(True) <= 227 * 1024
 
     @property
+    def q_bufs(self) -> int:  # FwdSm90::Q_BUFS: a second Q tile for the persistent kernel, where that fits too
+        return 2 if self.o_tile and self._smem_bytes(True, 2) <= 227 * 1024 else 1
+
+    @property
     def smem_bytes(self) -> int:
-        return self._smem_bytes(self.o_tile)
+        return self._smem_bytes(self.o_tile, self.q_bufs)
 
 
 # The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,

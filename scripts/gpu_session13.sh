@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
-# Session 13's landing call, from the repository root (OUT=... bash scripts/gpu_session13.sh):
+# Session 13's device calls, from the repository root (OUT=... bash scripts/gpu_session13.sh):
 #   1. every kernel compiled ahead (precompile.py: portable and Hopper)
-#   2. the GPU test files in FILES (default: test_sm90, test_forward, test_varlen, test_torch, test_jax) in SHARDS
-#      (8) processes at once (run_gpu_tests_parallel)
+#   2. the GPU test files in FILES (default: all of tests/gpu) in SHARDS (8) processes at once
+#      (run_gpu_tests_parallel)
 #   3. the Hopper forward's sanitizer cases (sm90_: every variant), memcheck and racecheck
-#   4. bench_attention.py --op fwd on the ANCHORS grid beside SDPA's flash and cuDNN backends    -> bench_fwd.txt
-# Logs in $OUT/logs.tgz. SKIP_SANITIZE=1 and SKIP_BENCH=1 leave steps out.
+#   4. an A/B of the forward over AB's switch sets (gpu_ab.sh, BENCH_ARGS: default the short cells 512-2k, cuflash
+#      alone), if AB is set. FWD_SOURCE_AB=1 makes the forward's kernel file a switch, CUFLASH_FWD_SM90_SOURCE
+#      (patched into hopper.py here), so that a copy of main's fwd_sm90.cu (cuda_src/fwd_sm90_main.cu, untracked)
+#      can be a set of its own
+#   5. bench_attention.py --op fwd on the ANCHORS grid beside SDPA's flash and cuDNN backends    -> bench_fwd.txt
+# Logs in $OUT/logs.tgz. SKIP_TESTS=1, SKIP_SANITIZE=1 and SKIP_BENCH=1 leave steps out.
 source scripts/device_env.sh
+if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then
+    sed -i 's/    source = "fwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_FWD_SM90_SOURCE", "fwd_sm90.cu")/' \
+        cuflash/hopper.py
+fi
 timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
 echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
-run_gpu_tests_parallel "${TESTS_TIMEOUT:-400}" "${SHARDS:-8}" ${FILES:-test_sm90 test_forward test_varlen test_torch test_jax}
+[ "${SKIP_TESTS:-0}" = 1 ] || run_gpu_tests_parallel "${TESTS_TIMEOUT:-400}" "${SHARDS:-8}" \
+    ${FILES:-test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax}
 [ "${SKIP_SANITIZE:-0}" = 1 ] || sanitize_both sm90 "${SANITIZE_TIMEOUT:-150}" -- --only sm90_
+if [ -n "${AB:-}" ]; then
+    AB="$AB" ROUNDS=${ROUNDS:-2} BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} \
+        BENCH="benchmarks/bench_attention.py --op fwd ${AB_BENCH_ARGS:---seqlens 512,1024,2048 --impls cuflash}" \
+        bash scripts/gpu_ab.sh
+fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
     timeout -k 5 150 python3 benchmarks/bench_attention.py --op fwd ${BENCH_ARGS:-} >"$OUT/bench_fwd.txt" 2>&1
     echo "bench: exit $? [$((SECONDS - t0))s]"
