@@ -1,6 +1,7 @@
 # Sourced by the device scripts (gpu_*.sh) from the repository root: strict mode, $OUT, the repository on
 # PYTHONPATH (used in place, not installed), JAX told not to preallocate GPU memory (it shares the GPU with torch
-# and CuPy), t0 for the elapsed times the steps print, precompile_and_test, run_gpu_tests and sanitize_both.
+# and CuPy), t0 for the elapsed times the steps print, precompile_and_test, run_gpu_tests, run_gpu_tests_parallel,
+# sanitize_both and precompile_hopper.
 set -u
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
@@ -70,4 +71,16 @@ run_gpu_tests_parallel() {
         echo "shard $i: [$((SECONDS - t0))s] $(grep -E 'passed|failed|error' "$OUT/shard_$i.log" | tail -1)"
         grep -E "^FAILED|^ERROR|^E  " "$OUT/shard_$i.log" | head -6
     done
+}
+
+# precompile_hopper: every kernel compiled ahead (precompile.py --hopper: portable and Hopper)  -> $OUT/pre.log. With
+# FWD_SOURCE_AB=1 first makes the Hopper forward's kernel file a switch, CUFLASH_FWD_SM90_SOURCE (patched into
+# hopper.py here), so that a copy of main's fwd_sm90.cu (cuda_src/fwd_sm90_main.cu, untracked) can be an A/B set.
+precompile_hopper() {
+    if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then
+        sed -i 's/    source = "fwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_FWD_SM90_SOURCE", "fwd_sm90.cu")/' \
+            cuflash/hopper.py
+    fi
+    timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
+    echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
 }

@@ -10,12 +10,7 @@
 # switch, CUFLASH_FWD_SM90_SOURCE (patched into hopper.py on the device), so that a copy of main's fwd_sm90.cu
 # (cuda_src/fwd_sm90_main.cu, untracked) can be a set of its own beside a draft applied to fwd_sm90.cu.
 source scripts/device_env.sh
-if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then
-    sed -i 's/    source = "fwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_FWD_SM90_SOURCE", "fwd_sm90.cu")/' \
-        cuflash/hopper.py
-fi
-timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
-echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
+precompile_hopper  # (FWD_SOURCE_AB=1: the kernel file as a switch first)
 [ "${SKIP_TESTS:-0}" = 1 ] || run_gpu_tests "${TESTS_TIMEOUT:-300}" "test_sm90:${TESTS_K-epilogue or persistent}"
 run_gpu_tests "${TESTS_TIMEOUT:-300}" ${MORE_TESTS:-}
 if [ -n "${AB:-}" ]; then

@@ -11,12 +11,7 @@
 #   5. bench_attention.py --op fwd on the ANCHORS grid beside SDPA's flash and cuDNN backends    -> bench_fwd.txt
 # Logs in $OUT/logs.tgz. SKIP_TESTS=1, SKIP_SANITIZE=1 and SKIP_BENCH=1 leave steps out.
 source scripts/device_env.sh
-if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then
-    sed -i 's/    source = "fwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_FWD_SM90_SOURCE", "fwd_sm90.cu")/' \
-        cuflash/hopper.py
-fi
-timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
-echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
+precompile_hopper  # (FWD_SOURCE_AB=1: the kernel file as a switch first)
 [ "${SKIP_TESTS:-0}" = 1 ] || run_gpu_tests_parallel "${TESTS_TIMEOUT:-400}" "${SHARDS:-8}" \
     ${FILES:-test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax}
 [ "${SKIP_SANITIZE:-0}" = 1 ] || sanitize_both sm90 "${SANITIZE_TIMEOUT:-150}" -- --only sm90_
