@@ -73,7 +73,9 @@ struct FwdSm90 {
     static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_O = OFF_V + STAGES * KV_BYTES;
     static constexpr u32 LIMIT = 227 * 1024 - 1024;  // the SM's shared memory per block, less room to align to 1024
     static constexpr bool O_TILE = PERSISTENT && OFF_O + Q_BYTES + (2 + 4 * STAGES) * 8 <= LIMIT;
-    static constexpr int Q_BUFS = O_TILE && OFF_O + 3 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT ? 2 : 1;
+    // (D == 64: the second Q tile has run on a GPU only there; d 128 with two slots has room for it, 225 KB:
+    // drafts/session13-q2-d128.patch)
+    static constexpr int Q_BUFS = O_TILE && D == 64 && OFF_O + 2 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT ? 2 : 1;
     static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES;
     static constexpr u32 OFF_Q2 = OFF_O + (O_TILE ? Q_BYTES : 0), OFF_BAR = OFF_Q2 + (Q_BUFS - 1) * Q_BYTES;
     static constexpr u32 SMEM_BYTES = OFF_BAR + BARRIERS * 8 + 1024;  // + room to align to 1024

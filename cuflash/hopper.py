@@ -67,8 +67,8 @@ class FwdSm90Spec:
         return self.persistent and self._smem_bytes(True) <= 227 * 1024
 
     @property
-    def q_bufs(self) -> int:  # FwdSm90::Q_BUFS: a second Q tile for the persistent kernel, where that fits too
-        return 2 if self.o_tile and self._smem_bytes(True, 2) <= 227 * 1024 else 1
+    def q_bufs(self) -> int:  # FwdSm90::Q_BUFS: a second Q tile for the persistent kernel at d = 64, where it fits
+        return 2 if self.o_tile and self.headdim == 64 and self._smem_bytes(True, 2) <= 227 * 1024 else 1
 
     @property
     def smem_bytes(self) -> int:

@@ -93,3 +93,27 @@ def test_hopper_forward_compiles_with_async_wgmma(d, band, variant, score_mod):
         # packed between fence and wgmma); the warp-specialized one must have none.
         notes = set(re.findall(r"\((C75\d\d)\)", log))
         assert notes <= (set() if spec.warp_specialized else {"C7519"}), log
+
+
+def test_hopper_forward_shared_memory_is_the_kernels():
+    """FwdSm90Spec.smem_bytes (what the launcher allocates) is FwdSm90::SMEM_BYTES (what the kernel lays out) for every
+    Hopper forward specialization, so that no ring slot, staging tile, second Q tile or barrier lies past the
+    allocation: one NVRTC program of static_asserts, compiled for sm_90a."""
+    from cuflash.plan import DTYPES
+    specs = hopper.all_specs()
+    flag = lambda f: "true" if f else "false"  # noqa: E731
+    asserts = [
+        f"static_assert(cuflash::FwdSm90<{dict(DTYPES.values())[s.dtype]}, {s.headdim}, {s.block_n}, {flag(s.band)}, "
+        f"{s.stages}, {s.consumers}, {flag(s.warp_specialized)}, {flag(s.score_mod)}, {flag(s.pingpong)}, "
+        f"{flag(s.persistent)}>::SMEM_BYTES == {s.smem_bytes}, \"{s.name}\");" for s in specs]
+    source = f'#include "{specs[0].source}"\n' + "\n".join(asserts) + "\n"
+    nvrtc = build._nvrtc()
+    prog = nvrtc.createProgram(source, "fwd_sm90_smem.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(build.nvrtc_options("sm_90a")))
+        except Exception as err:
+            raise AssertionError(nvrtc.getProgramLog(prog)) from err
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert len(asserts) == len(set(specs)) > 100
