@@ -27,7 +27,7 @@ def table_of(text: str) -> dict:
 def entries(picks: dict, defaults: dict) -> list:
     """{(d, band, seqlen): variant} -> CUFLASH_SM90_SHORT_VARIANTS items: per (d, band) the cells in order of
     length up to the last that does not take the default, a run of equal picks as one entry bounded by its
-    longest cell (the last entry unbounded: up to SM90_SHORT_SEQLEN)."""
+    longest cell ("@N"; none where that is SM90_SHORT_SEQLEN)."""
     items = []
     for d, band in sorted({(d, band) for d, band, _ in picks}):
         cells = sorted((s, v) for (dd, b, s), v in picks.items() if (dd, b) == (d, band))
@@ -36,7 +36,7 @@ def entries(picks: dict, defaults: dict) -> list:
         for i, (seqlen, variant) in enumerate(cells):
             if i + 1 < len(cells) and cells[i + 1][1] == variant:
                 continue
-            bound = "" if i + 1 == len(cells) else f"@{seqlen}"
+            bound = "" if seqlen == plan.SM90_SHORT_SEQLEN else f"@{seqlen}"
             items.append(f"{d}{'c' if band else ''}{bound}:{variant}")
     return items
 
