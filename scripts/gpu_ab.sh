@@ -6,14 +6,14 @@
 #
 # AB: switch sets split by ';', variables inside a set by spaces (a value may hold commas); each set runs BENCH once
 # per round (ROUNDS, 2), in the order A B A B ..., so that a drift of the GPU's clocks or of the host shows as a
-# difference between rounds, not between the sets                                           -> ab_<set>_<round>.txt
-# Environment: OUT, AB, BENCH, ROUNDS (2), BENCH_TIMEOUT (120).
+# difference between rounds, not between the sets                                   -> ab<AB_TAG>_<set>_<round>.txt
+# Environment: OUT, AB, BENCH, ROUNDS (2), BENCH_TIMEOUT (120), AB_TAG ("": a second A/B in the same $OUT).
 source scripts/device_env.sh
 IFS=';' read -r -a ab_sets <<<"${AB:?AB: switch sets, e.g. CUFLASH_X=0;CUFLASH_X=1}"
 for round in $(seq 1 "${ROUNDS:-2}"); do
     for i in "${!ab_sets[@]}"; do
         read -r -a vars <<<"${ab_sets[$i]}"
-        log="$OUT/ab_${i}_$round.txt"
+        log="$OUT/ab${AB_TAG:-}_${i}_$round.txt"
         echo "### ${vars[*]}: python3 ${BENCH:?BENCH: a benchmark script and its arguments}" >"$log"
         env "${vars[@]}" timeout -k 5 "${BENCH_TIMEOUT:-120}" python3 $BENCH >>"$log" 2>&1
         echo "set $i (${vars[*]}) round $round: exit $? [$((SECONDS - t0))s]"
