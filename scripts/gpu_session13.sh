@@ -7,7 +7,7 @@
 #   4. an A/B of the forward over AB's switch sets (gpu_ab.sh, AB_BENCH_ARGS: default the short cells 512-2k, cuflash
 #      alone), if AB is set. FWD_SOURCE_AB=1 makes the forward's kernel file a switch, CUFLASH_FWD_SM90_SOURCE
 #      (patched into hopper.py here), so that a copy of main's fwd_sm90.cu (cuda_src/fwd_sm90_main.cu, untracked)
-#      can be a set of its own
+#      can be a set of its own; scripts/ab_table.py prints the sets side by side
 #   5. an A/B of the backward over BWD_AB's switch sets (gpu_ab.sh, one round, BWD_AB_BENCH_ARGS: default the grid,
 #      atomic and deterministic), if BWD_AB is set                                        -> ab_bwd_<set>_1.txt
 #   6. bench_attention.py --op fwd on the ANCHORS grid beside SDPA's flash and cuDNN backends    -> bench_fwd.txt
@@ -21,11 +21,13 @@ if [ -n "${AB:-}" ]; then
     AB="$AB" ROUNDS=${ROUNDS:-2} BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} \
         BENCH="benchmarks/bench_attention.py --op fwd ${AB_BENCH_ARGS:---seqlens 512,1024,2048 --impls cuflash}" \
         bash scripts/gpu_ab.sh
+    python3 scripts/ab_table.py "$OUT"
 fi
 if [ -n "${BWD_AB:-}" ]; then
     AB="$BWD_AB" AB_TAG=_bwd ROUNDS=${BWD_ROUNDS:-1} BENCH_TIMEOUT=${BWD_BENCH_TIMEOUT:-200} \
         BENCH="benchmarks/bench_attention.py --op bwd ${BWD_AB_BENCH_ARGS:---impls cuflash,cuflash_det}" \
         bash scripts/gpu_ab.sh
+    for column in cuflash cuflash_det; do python3 scripts/ab_table.py "$OUT" --tag _bwd --column $column; done
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
     timeout -k 5 150 python3 benchmarks/bench_attention.py --op fwd ${BENCH_ARGS:-} >"$OUT/bench_fwd.txt" 2>&1
