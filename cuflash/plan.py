@@ -487,31 +487,6 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
     return {**default, **{int(d): variant for d, variant in _env_pairs(text)}}
 
 
-# Short sequences (seqlen_k <= SM90_SHORT_SEQLEN), per (head dim, masked by a band, most keys), where another variant
-# beat the head dim's own on the ANCHORS grid (bench_attention.py --op fwd, H200, bf16, TFLOP/s, one run each, 2026-11-29;
-# docs/bench/release_session5.txt against docs/bench/release_session6.txt): d = 64 causal ws_n128_p (persistent:
-# prologue and epilogue of consecutive tiles overlap) 198.9 / 265.0 / 315.9 at 512 / 1k / 2k against ws3_n128's
-# 151.7 / 223.6 / 327.8. The 512-2k sweep (scripts/sm90_sweep.sh, docs/bench/drafts_session6.txt) had also picked
-# ws_n128 and ws_n128_p at d = 128, but on the grid they lost to pingpong_n128 in five of six cells (non-causal
-# 359.7 / 468.8 / 535.2 against 394.8 / 492.1 / 549.9; causal 2k 373.6 against 439.2): the sweep's short cells
-# swing by up to 2x between variants of equal speed (its first cells run cold), so they pick nothing alone.
-# Session 7 (scripts/gpu_short_variants.sh, docs/bench/short_variants_session7.txt; geometric mean over 512 / 1k / 2k
-# on the grid, best of two runs): pingpong_n128_p (persistent) 413.4 against pingpong_n128's 492.0 at d = 128
-# non-causal, 325.4 against 335.5 causal; ws_n128_p 338.5 against ws3_n128's 355.2 at d = 64 non-causal; at d = 64
-# causal ws_n128_p stays (259.0 against 222.0). The table did not change.
-# Session 9 (scripts/gpu_fwd_tile_order.sh, docs/bench/fwd_tile_order_session9.txt): the persistent kernels without
-# a band now walk query blocks fastest, as the grid does (fwd_sm90.cu tile_of), and won the non-causal short cells:
-# d = 64 ws_n128_p 345.0 / 407.6 / 432.9 at 512 / 1k / 2k against ws3_n128's 284.1 / 359.7 / 436.5, d = 128
-# pingpong_n128_p 425.2 / 510.0 / 568.2 against pingpong_n128's 397.6 / 500.0 / 553.5-603.5 (two rounds).
-# Session 13 (docs/bench/fwd_short_session13.txt; two device calls, two rounds each): K and V handed back separately
-# (fwd_sm90.cu) made two-slot rings enough, and the persistent kernels walk the grid's order with a snake under a
-# band. d = 128 non-causal 512: pingpong_n128_p_s2 (its own O staging tile) 455.5 against pingpong_n128_p's 420.0;
-# 1k / 2k: pingpong_n128_s2 519.9-524.7 / 568.0-595.1 against 478.9-484.0 / 513.0-517.6; causal 512 / 1k:
-# pingpong_n128_p_s2 295.6-297.5 / 396.8-397.5 against pingpong_n128's 263.5-265.6 / 381.4-382.6 (2k: within noise,
-# 467.6-478.4 every way). d = 64: ws_n128_p_s2 1-3% above ws_n128_p in all six cells (e.g. causal 2k 346.8 / 337.4).
-# A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
-# "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
-# measuring.
 # How the warp-specialized Hopper forward kernels write O, per head dim (fwd_sm90.cu epilogue): through shared
 # memory and TMA stores (1), or 4-byte stores from registers (0; the lockstep kernel always). Session 12, A/B in one
 # device call (bench_attention.py --op fwd, 512-4k, two rounds, TFLOP/s): d = 128 TMA stores, 512 / 1k / 2k keys:
@@ -532,6 +507,32 @@ def _o_tma_from_env(text: str | None) -> dict:
 
 SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA"))}
 
+
+# Short sequences (seqlen_k <= SM90_SHORT_SEQLEN), per (head dim, masked by a band, most keys), where another variant
+# beat the head dim's own on the ANCHORS grid (bench_attention.py --op fwd, H200, bf16, TFLOP/s, one run each,
+# 2026-11-29; docs/bench/release_session5.txt against docs/bench/release_session6.txt): d = 64 causal ws_n128_p
+# (persistent: prologue and epilogue of consecutive tiles overlap) 198.9 / 265.0 / 315.9 at 512 / 1k / 2k against
+# ws3_n128's 151.7 / 223.6 / 327.8. The 512-2k sweep (scripts/sm90_sweep.sh, docs/bench/drafts_session6.txt) had also picked
+# ws_n128 and ws_n128_p at d = 128, but on the grid they lost to pingpong_n128 in five of six cells (non-causal
+# 359.7 / 468.8 / 535.2 against 394.8 / 492.1 / 549.9; causal 2k 373.6 against 439.2): the sweep's short cells
+# swing by up to 2x between variants of equal speed (its first cells run cold), so they pick nothing alone.
+# Session 7 (scripts/gpu_short_variants.sh, docs/bench/short_variants_session7.txt; geometric mean over 512 / 1k / 2k
+# on the grid, best of two runs): pingpong_n128_p (persistent) 413.4 against pingpong_n128's 492.0 at d = 128
+# non-causal, 325.4 against 335.5 causal; ws_n128_p 338.5 against ws3_n128's 355.2 at d = 64 non-causal; at d = 64
+# causal ws_n128_p stays (259.0 against 222.0). The table did not change.
+# Session 9 (scripts/gpu_fwd_tile_order.sh, docs/bench/fwd_tile_order_session9.txt): the persistent kernels without
+# a band now walk query blocks fastest, as the grid does (fwd_sm90.cu tile_of), and won the non-causal short cells:
+# d = 64 ws_n128_p 345.0 / 407.6 / 432.9 at 512 / 1k / 2k against ws3_n128's 284.1 / 359.7 / 436.5, d = 128
+# pingpong_n128_p 425.2 / 510.0 / 568.2 against pingpong_n128's 397.6 / 500.0 / 553.5-603.5 (two rounds).
+# Session 13 (docs/bench/fwd_short_session13.txt; two device calls, two rounds each): K and V handed back separately
+# (fwd_sm90.cu) made two-slot rings enough, and the persistent kernels walk the grid's order with a snake under a
+# band. d = 128 non-causal 512: pingpong_n128_p_s2 (its own O staging tile) 455.5 against pingpong_n128_p's 420.0;
+# 1k / 2k: pingpong_n128_s2 519.9-524.7 / 568.0-595.1 against 478.9-484.0 / 513.0-517.6; causal 512 / 1k:
+# pingpong_n128_p_s2 295.6-297.5 / 396.8-397.5 against pingpong_n128's 263.5-265.6 / 381.4-382.6 (2k: within noise,
+# 467.6-478.4 every way). d = 64: ws_n128_p_s2 1-3% above ws_n128_p in all six cells (e.g. causal 2k 346.8 / 337.4).
+# A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
+# "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
+# measuring.
 SM90_SHORT_SEQLEN = 2048
 SM90_SHORT_VARIANTS = {(64, False, 2048): "ws_n128_p_s2", (64, True, 2048): "ws_n128_p_s2",
                        (128, False, 512): "pingpong_n128_p_s2", (128, False, 2048): "pingpong_n128_s2",

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflash.reference import _bhsd  # (b, s, h, d) <-> (b, h, s, d), for batched matrix products
+
 try:
     import ml_dtypes
     BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -14,12 +16,6 @@ DTYPES = {"fp16": np.dtype(np.float16), "bf16": BF16}
 
 def randn(rng, shape, dtype):
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
-
-
-def _bhsd(x):
-    """(b, s, h, d) <-> (b, h, s, d): products over d or the keys as batched matrix products (BLAS, far faster
-    than np.einsum's loops)."""
-    return x.transpose(0, 2, 1, 3)
 
 
 def naive_lowp(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, softmax_scale=None):
