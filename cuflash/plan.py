@@ -512,10 +512,10 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # beat the head dim's own on the ANCHORS grid (bench_attention.py --op fwd, H200, bf16, TFLOP/s, one run each,
 # 2026-11-29; docs/bench/release_session5.txt against docs/bench/release_session6.txt): d = 64 causal ws_n128_p
 # (persistent: prologue and epilogue of consecutive tiles overlap) 198.9 / 265.0 / 315.9 at 512 / 1k / 2k against
-# ws3_n128's 151.7 / 223.6 / 327.8. The 512-2k sweep (scripts/sm90_sweep.sh, docs/bench/drafts_session6.txt) had also picked
-# ws_n128 and ws_n128_p at d = 128, but on the grid they lost to pingpong_n128 in five of six cells (non-causal
-# 359.7 / 468.8 / 535.2 against 394.8 / 492.1 / 549.9; causal 2k 373.6 against 439.2): the sweep's short cells
-# swing by up to 2x between variants of equal speed (its first cells run cold), so they pick nothing alone.
+# ws3_n128's 151.7 / 223.6 / 327.8. The 512-2k sweep (scripts/sm90_sweep.sh, docs/bench/drafts_session6.txt) had also
+# picked ws_n128 and ws_n128_p at d = 128, but on the grid they lost to pingpong_n128 in five of six cells (non-causal
+# 359.7 / 468.8 / 535.2 against 394.8 / 492.1 / 549.9; causal 2k 373.6 against 439.2): the sweep's short cells swing by
+# up to 2x between variants of equal speed (its first cells run cold), so they pick nothing alone.
 # Session 7 (scripts/gpu_short_variants.sh, docs/bench/short_variants_session7.txt; geometric mean over 512 / 1k / 2k
 # on the grid, best of two runs): pingpong_n128_p (persistent) 413.4 against pingpong_n128's 492.0 at d = 128
 # non-causal, 325.4 against 335.5 causal; ws_n128_p 338.5 against ws3_n128's 355.2 at d = 64 non-causal; at d = 64
