@@ -73,14 +73,12 @@ struct FwdSm90 {
     static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_O = OFF_V + STAGES * KV_BYTES;
     static constexpr u32 LIMIT = 227 * 1024 - 1024;  // the SM's shared memory per block, less room to align to 1024
     static constexpr bool O_TILE = PERSISTENT && OFF_O + Q_BYTES + (2 + 4 * STAGES) * 8 <= LIMIT;
-    // (D == 64: the second Q tile has run on a GPU only there; d 128 with two slots has room for it, 225 KB:
-    // drafts/session13-q2-d128.patch)
-    static constexpr int Q_BUFS = O_TILE && D == 64 && OFF_O + 2 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT ? 2 : 1;
+    static constexpr int Q_BUFS = O_TILE && OFF_O + 2 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT ? 2 : 1;
     static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES;
     static constexpr u32 OFF_Q2 = OFF_O + (O_TILE ? Q_BYTES : 0), OFF_BAR = OFF_Q2 + (Q_BUFS - 1) * Q_BYTES;
     static constexpr u32 SMEM_BYTES = OFF_BAR + BARRIERS * 8 + 1024;  // + room to align to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
-    static_assert(BN == 64 || BN == 128, "S = Q K^T is one wgmma m64n64 or m64n128 per k16 step");
+    static_assert(BN == 64 || BN == 128 || BN == 176, "S = Q K^T is one wgmma m64n64, n128 or n176 per k16 step");
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
     static_assert(WS || !PINGPONG, "ping-pong schedules the warp-specialized consumers");
     static_assert(WGS == 2 || (WGS == 3 && WS && !PINGPONG), "three consumer warpgroups: warp-specialized, no turns");
@@ -155,7 +153,8 @@ struct FwdSm90 {
         for (int ks = 0; ks < D / 16; ++ks) {
             const auto a = sm90::smem_desc(q_rows + (ks / 4) * Q_PANEL + (ks % 4) * 32);
             const auto b = sm90::smem_desc(k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32);
-            if constexpr (BN == 128) sm90::wgmma_m64n128k16_ss<T>(sf, a, b, ks > 0);
+            if constexpr (BN == 176) sm90::wgmma_m64n176k16_ss<T>(sf, a, b, ks > 0);
+            else if constexpr (BN == 128) sm90::wgmma_m64n128k16_ss<T>(sf, a, b, ks > 0);
             else sm90::wgmma_m64n64k16_ss<T>(sf, a, b, ks > 0);
         }
         sm90::wgmma_commit();

@@ -186,10 +186,19 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
                  : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
 #define CUFLASH_ACC32 CUFLASH_ACC8(0), CUFLASH_ACC8(8), CUFLASH_ACC8(16), CUFLASH_ACC8(24)
 #define CUFLASH_ACC64 CUFLASH_ACC32, CUFLASH_ACC8(32), CUFLASH_ACC8(40), CUFLASH_ACC8(48), CUFLASH_ACC8(56)
+#define CUFLASH_ACC88 CUFLASH_ACC64, CUFLASH_ACC8(64), CUFLASH_ACC8(72), CUFLASH_ACC8(80)
+#define CUFLASH_D88 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "            \
+                    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "            \
+                    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "            \
+                    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "            \
+                    "%80, %81, %82, %83, %84, %85, %86, %87}, "
 #define CUFLASH_SS_N64(TYPE, TRANS) \
     CUFLASH_WGMMA_SS("m64n64k16", TYPE, CUFLASH_D32, CUFLASH_ACC32, "%34", "%32, %33, acc, 1, 1, " TRANS)
 #define CUFLASH_SS_N128(TYPE) \
     CUFLASH_WGMMA_SS("m64n128k16", TYPE, CUFLASH_D64, CUFLASH_ACC64, "%66", "%64, %65, acc, 1, 1, 0, 0")
+#define CUFLASH_SS_N176(TYPE) \
+    CUFLASH_WGMMA_SS("m64n176k16", TYPE, CUFLASH_D88, CUFLASH_ACC88, "%90", "%88, %89, acc, 1, 1, 0, 0")
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A and B both K-major in shared memory, fp32 accumulators. Per thread
 // (warp w of the warpgroup, lane l): d[4j + e] is row 16w + l/4 + 8(e/2), column 8j + 2(l%4) + e%2, the
@@ -216,6 +225,13 @@ template <class T> __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d
     if constexpr (T::is_bf16) CUFLASH_SS_N128("bf16");
     else CUFLASH_SS_N128("f16");
 }
+// The same with N = 176 (S of a 176-key block, FA3's d = 128 tile): d[4j + e] for the 22 column groups j of 8.
+template <class T> __device__ __forceinline__ void wgmma_m64n176k16_ss(float (&d)[88], unsigned long long a_desc,
+                                                                       unsigned long long b_desc, bool accumulate) {
+    if constexpr (T::is_bf16) CUFLASH_SS_N176("bf16");
+    else CUFLASH_SS_N176("f16");
+}
+#undef CUFLASH_SS_N176
 #undef CUFLASH_SS_N128
 #undef CUFLASH_SS_N64
 #undef CUFLASH_WGMMA_SS
@@ -237,6 +253,8 @@ template <class T> __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)
     else CUFLASH_WGMMA_M64N64K16_RS("f16");
 }
 #undef CUFLASH_WGMMA_M64N64K16_RS
+#undef CUFLASH_ACC88
+#undef CUFLASH_D88
 #undef CUFLASH_ACC64
 #undef CUFLASH_ACC32
 #undef CUFLASH_D64

@@ -24,7 +24,7 @@ class FwdSm90Spec:
     dtype: str     # "fp16" | "bf16"
     headdim: int   # 64 | 128 | 256
     band: bool
-    block_n: int = BLOCK_N          # keys per block: 64, or 128 (S by wgmma m64n128)
+    block_n: int = BLOCK_N          # keys per block: 64, 128 or 176 (S by wgmma m64n128, m64n176)
     consumers: int = 2              # consumer warpgroups of 64 query rows (3: warp-specialized, no ping-pong)
     persistent: bool = False        # one CTA per SM walking the tiles (warp-specialized only)
     warp_specialized: bool = False  # a producer warpgroup and "empty" mbarriers (fwd_sm90.cu, WS)
@@ -67,8 +67,8 @@ class FwdSm90Spec:
         return self.persistent and self._smem_bytes(True) <= 227 * 1024
 
     @property
-    def q_bufs(self) -> int:  # FwdSm90::Q_BUFS: a second Q tile for the persistent kernel at d = 64, where it fits
-        return 2 if self.o_tile and self.headdim == 64 and self._smem_bytes(True, 2) <= 227 * 1024 else 1
+    def q_bufs(self) -> int:  # FwdSm90::Q_BUFS: a second Q tile for the persistent kernel, where that fits too
+        return 2 if self.o_tile and self._smem_bytes(True, 2) <= 227 * 1024 else 1
 
     @property
     def smem_bytes(self) -> int:
@@ -93,8 +93,10 @@ class FwdSm90Spec:
 # _s2: a variant with a two-slot ring (K and V handed back separately make two slots enough to keep loads ahead;
 # at d = 128 the slot saved leaves room for the persistent kernel's own O staging tile). Any variant takes the
 # suffix; VARIANTS lists those the planner's tables use (plan.SM90_SHORT_VARIANTS).
+# pingpong_n176: FA3's d = 128 tile, 176-key blocks and two slots (other head dims: pingpong_n128). Measured against
+# pingpong_n128 at d = 128 from 2k keys and not taken (docs/perf-notes.md, session 14); tests run it as every variant.
 VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128",
-            "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2")
+            "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2", "pingpong_n176")
 
 
 def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
@@ -113,6 +115,10 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
     if variant == "ws3_n128":
         three = headdim == 64 and not score_mod
         return dict(variant_options("ws_n128", headdim), **(dict(consumers=3) if three else {}))
+    if variant == "pingpong_n176":  # FA3's d = 128 tile: 176-key blocks, two slots (211 KB at d = 128)
+        if headdim != 128:
+            return variant_options("pingpong_n128", headdim)
+        return dict(warp_specialized=True, stages=2, pingpong=True, block_n=176)
     if variant in ("ws_n128", "pingpong_n128"):
         if headdim > 128:
             return variant_options(variant[:-len("_n128")], headdim)

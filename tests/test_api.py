@@ -381,7 +381,8 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
              for variant in hopper.VARIANTS for d in hopper.HEADDIMS for dtype in ("fp16", "bf16")
              for band in (False, True) for mod in (False, True)}
     assert set(specs) == every and len(specs) == len(every)
-    assert {s.block_n for s in specs} == {64, 128} and all(s.block_n == 64 for s in specs if s.headdim == 256)
+    assert {s.block_n for s in specs} == {64, 128, 176} and all(s.block_n == 64 for s in specs if s.headdim == 256)
+    assert all(s.headdim == 128 for s in specs if s.block_n == 176)
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
     assert all(s.smem_bytes <= 227 * 1024 for s in specs)
 
