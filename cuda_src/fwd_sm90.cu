@@ -85,12 +85,22 @@ struct FwdSm90 {
     static_assert(128 * 24 + 128 * WGS * CONSUMER_REGS <= 65536, "the register split exceeds the SM's file");
     static_assert(WS || !PERSISTENT, "the persistent kernel is the warp-specialized one");
     static_assert(Q_BUFS == 1 || O_TILE, "O is staged in Q's tile only with one Q tile");
+    // The persistent kernel with two Q tiles starts each tile (its first S and softmax) while the last P V of the
+    // tile before computes (consume_overlapped); not at d 128 with a score mod, whose turns then spill 4 bytes.
+    static constexpr bool OVERLAP = PERSISTENT && Q_BUFS == 2 && (D == 64 || !SCORE_MOD);
+    // A persistent kernel with its own O tile hands a tile's Q back once the tile's last S = Q K^T is done, not after
+    // its epilogue: the producer can load the tile after next's Q a P V and an epilogue sooner.
+    static constexpr bool Q_EARLY = PERSISTENT && O_TILE;
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
     u32 base;
     int qb = 0;  // the Q tile this tile uses (0, or 1: at OFF_Q2)
     int row0, b, h, h_kv;
+    // What the epilogue reads of a tile, kept for the last tile while begin_tile has moved on to the next one.
+    struct TileRows {
+        int row0, b, h, q_begin, seqlen_q, qb;
+    };
     int q_begin, k_begin, seqlen_q;  // this sequence (seqlen.cuh): where its rows start, how many queries
     Mask<BAND> mask;
     ScoreMod mod;  // softcap / ALiBi (SCORE_MOD kernels)
@@ -246,10 +256,10 @@ struct FwdSm90 {
         if (PINGPONG) sm90::named_arrive(2 - wg, 256);
     }
 
-    __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, int it0) {
-        float s[1][BN / 8][4], alpha[1][2];
-        u32 pa[BN / 16][4];
-        if (PINGPONG && wg == 1) sm90::named_arrive(1, 256);  // warpgroup 0 goes first
+    // Block 0 of a tile (ring position it0): S, then its softmax, with nothing of the tile to overlap; P packed.
+    __device__ __forceinline__ void first_block(const BlockRange& range, int count, int it0,
+                                                float (&s)[1][BN / 8][4], float (&alpha)[1][2],
+                                                u32 (&pa)[BN / 16][4]) {
         sm90::mbar_wait(full_bar(it0 % STAGES, 0), (it0 / STAGES) & 1);
         my_turn();
         sm90::wgmma_fence();
@@ -257,9 +267,16 @@ struct FwdSm90 {
         your_turn();
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(empty_bar(it0 % STAGES, 0));
+        s_done(0, count);
         probabilities_of<true>(range, 0, s, alpha);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
+    }
+
+    // Blocks 1 .. count - 1: S of block t and O += P V of block t - 1 in flight together, then block t's softmax.
+    __device__ __forceinline__ void middle_blocks(const BlockRange& range, int count, int it0,
+                                                  float (&s)[1][BN / 8][4], float (&alpha)[1][2],
+                                                  u32 (&pa)[BN / 16][4]) {
         for (int t = 1; t < count; ++t) {
             const int slot = (it0 + t) % STAGES, prev = (it0 + t - 1) % STAGES;
             sm90::mbar_wait(full_bar(slot, 0), ((it0 + t) / STAGES) & 1);
@@ -271,6 +288,7 @@ struct FwdSm90 {
             your_turn();
             sm90::wgmma_wait<1>();  // groups complete in order: S of block t is in
             sm90::mbar_arrive(empty_bar(slot, 0));
+            s_done(t, count);
             probabilities_of<false>(range, t, s, alpha);
             sm90::wgmma_wait<0>();  // and O += P V of block t - 1
             sm90::mbar_arrive(empty_bar(prev, 1));
@@ -278,14 +296,31 @@ struct FwdSm90 {
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
         }
-        const int last = (it0 + count - 1) % STAGES;
-        sm90::mbar_wait(full_bar(last, 1), ((it0 + count - 1) / STAGES) & 1);
+    }
+
+    // S of block t of a tile of `count` blocks is done: the last hands the tile's Q back (Q_EARLY).
+    __device__ __forceinline__ void s_done(int t, int count) {
+        if (Q_EARLY && t == count - 1) sm90::mbar_arrive(q_empty_bar());
+    }
+
+    // O += P V of the block at ring position `it`, the tile's last.
+    __device__ __forceinline__ void last_pv(const u32 (&pa)[BN / 16][4], int it) {
+        sm90::mbar_wait(full_bar(it % STAGES, 1), (it / STAGES) & 1);
         my_turn();
         sm90::wgmma_fence();
-        issue_pv(pa, last);
+        issue_pv(pa, it % STAGES);
         if (wg == 0) your_turn();  // warpgroup 1's last turn has no taker: skipped, so every arrival is consumed
         sm90::wgmma_wait<0>();
-        sm90::mbar_arrive(empty_bar(last, 1));
+        sm90::mbar_arrive(empty_bar(it % STAGES, 1));
+    }
+
+    __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, int it0) {
+        float s[1][BN / 8][4], alpha[1][2];
+        u32 pa[BN / 16][4];
+        if (PINGPONG && wg == 1) sm90::named_arrive(1, 256);  // warpgroup 0 goes first
+        first_block(range, count, it0, s, alpha, pa);
+        middle_blocks(range, count, it0, s, alpha, pa);
+        last_pv(pa, it0 + count - 1);
     }
 
     __device__ __forceinline__ float (&panel(int pn))[32] {
@@ -306,7 +341,7 @@ struct FwdSm90 {
         float lse[1][2];
         softmax.finalize(acc_o, p.scale_log2, lse);
         const int wg_row0 = row0 + wg * 64;
-        const bool arrive_q = PERSISTENT && q_loaded;
+        const bool arrive_q = PERSISTENT && q_loaded && !Q_EARLY;  // (Q_EARLY: handed back by s_done)
         const bool staged = WS && p.o_tma && (q_loaded || !PERSISTENT || O_TILE) &&
                             (p.cu_seqlens_q == nullptr || wg_row0 + 64 <= seqlen_q);
         const bool q_free_now = arrive_q && (O_TILE || !staged);  // else after the copies have read Q's tile
@@ -394,11 +429,14 @@ struct FwdSm90 {
         return true;
     }
 
-    __device__ __forceinline__ void reset_accumulators() {
+    __device__ __forceinline__ void zero_o() {
 #pragma unroll
         for (int dt = 0; dt < PANELS * 8; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    }
+    __device__ __forceinline__ void reset_accumulators() {
+        zero_o();
         softmax.reset();
     }
 
@@ -516,6 +554,104 @@ struct FwdSm90 {
         return begin_tile(BAND ? m_blocks - 1 - m : m, rest % p.nheads, rest / p.nheads, range);
     }
 
+    __device__ __forceinline__ TileRows rows() const { return {row0, b, h, q_begin, seqlen_q, qb}; }
+    __device__ __forceinline__ void set_rows(const TileRows& t) {
+        row0 = t.row0;
+        b = t.b;
+        h = t.h;
+        q_begin = t.q_begin;
+        seqlen_q = t.seqlen_q;
+        qb = t.qb;
+    }
+
+    // The consumers' walk: the next tile with rows from round `round` on (begin_tile makes it this thread's).
+    __device__ __forceinline__ bool next_tile(int& round, int m_blocks, int tiles, BlockRange& range) {
+        for (int idx; (idx = walk(round)) < tiles;) {
+            ++round;
+            if (tile_of(idx, m_blocks, range)) return true;
+        }
+        return false;
+    }
+
+    // The tile that was current (rows `done`, row statistics `done_softmax`, O in acc_o) out through the epilogue
+    // while begin_tile's state is the next tile's.
+    __device__ __forceinline__ void epilogue_of(const TileRows& done, const OnlineSoftmax<1>& done_softmax) {
+        const TileRows next = rows();
+        const OnlineSoftmax<1> next_softmax = softmax;
+        set_rows(done);
+        softmax = done_softmax;
+        epilogue(true);
+        set_rows(next);
+        softmax = next_softmax;
+    }
+
+    // The persistent consumers with OVERLAP: when the next tile has key blocks, its first S = Q K^T is issued beside
+    // this tile's last O += P V (its Q is in the other Q tile), and its softmax runs while that P V computes; then
+    // this tile's epilogue, and the next tile goes on from its second block. Without it every tile begins with an S
+    // and a softmax that nothing overlaps and ends with a P V that nothing overlaps.
+    // PINGPONG: the joined issue is one turn of each warpgroup, in place of the last P V's turn and the next tile's
+    // first S's; each side gives up one wait and one hand-over, so the turns stay balanced. A tile that starts on
+    // its own (the first, or one after a tile that ended on its own) starts as consume_pipelined does.
+    __device__ __forceinline__ void consume_overlapped(int m_blocks, int tiles) {
+        float s[1][BN / 8][4], alpha[1][2];
+        u32 pa[BN / 16][4];
+        int it = 0, loaded = 0, round = 0;
+        bool started = false;  // the current tile's first block is done (by the tile before's end)
+        BlockRange range;
+        bool have = next_tile(round, m_blocks, tiles, range);
+        while (have) {
+            const int count = blocks(range);
+            if (count == 0) {  // rows that see no key: O = 0, lse = -inf
+                reset_accumulators();
+                epilogue(false);
+                have = next_tile(round, m_blocks, tiles, range);
+                continue;
+            }
+            if (!started) {
+                qb = loaded % Q_BUFS;
+                sm90::mbar_wait(q_full_bar(), (loaded / Q_BUFS) & 1);
+                reset_accumulators();
+                if (PINGPONG && wg == 1) sm90::named_arrive(1, 256);  // warpgroup 0 goes first
+                first_block(range, count, it, s, alpha, pa);
+            }
+            middle_blocks(range, count, it, s, alpha, pa);
+            const int last = it + count - 1;
+            it += count;
+            ++loaded;
+            const TileRows done = rows();
+            BlockRange next;
+            have = next_tile(round, m_blocks, tiles, next);
+            started = have && blocks(next) > 0;
+            if (started) {
+                qb = loaded % Q_BUFS;
+                sm90::mbar_wait(q_full_bar(), (loaded / Q_BUFS) & 1);
+                sm90::mbar_wait(full_bar(it % STAGES, 0), (it / STAGES) & 1);
+                sm90::mbar_wait(full_bar(last % STAGES, 1), (last / STAGES) & 1);
+                my_turn();
+                sm90::wgmma_fence();
+                issue_s(s, it % STAGES);
+                issue_pv(pa, last % STAGES);
+                your_turn();
+                sm90::wgmma_wait<1>();  // the next tile's S is in
+                sm90::mbar_arrive(empty_bar(it % STAGES, 0));
+                s_done(0, blocks(next));
+                const OnlineSoftmax<1> done_softmax = softmax;
+                softmax.reset();
+                probabilities_of<true>(next, 0, s, alpha);
+                sm90::wgmma_wait<0>();  // and this tile's last P V
+                sm90::mbar_arrive(empty_bar(last % STAGES, 1));
+                epilogue_of(done, done_softmax);
+                zero_o();
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
+            } else {
+                last_pv(pa, last);
+                epilogue_of(done, softmax);
+            }
+            range = next;
+        }
+    }
+
     __device__ __forceinline__ void run_persistent(char* smem) {
         start(smem);
         init_barriers();
@@ -536,6 +672,11 @@ struct FwdSm90 {
             return;
         }
         sm90::regs_alloc<CONSUMER_REGS>();
+        if constexpr (OVERLAP) {
+            consume_overlapped(m_blocks, tiles);
+            if (O_TILE && o_issuer()) sm90::bulk_wait_read<0>();  // the last copies out of the staging tile
+            return;
+        }
         for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
             BlockRange range;
             if (!tile_of(idx, m_blocks, range)) continue;

@@ -534,7 +534,7 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
 SM90_SHORT_SEQLEN = 2048
-SM90_SHORT_VARIANTS = {(64, False, 2048): "ws_n128_p_s2", (64, True, 2048): "ws_n128_p_s2",
+SM90_SHORT_VARIANTS = {(64, False, 2048): "ws_n128_p", (64, True, 2048): "ws_n128_p",
                        (128, False, 512): "pingpong_n128_p_s2", (128, False, 2048): "pingpong_n128_s2",
                        (128, True, 1024): "pingpong_n128_p_s2"}
 
