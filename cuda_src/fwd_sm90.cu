@@ -85,12 +85,14 @@ struct FwdSm90 {
     static_assert(128 * 24 + 128 * WGS * CONSUMER_REGS <= 65536, "the register split exceeds the SM's file");
     static_assert(WS || !PERSISTENT, "the persistent kernel is the warp-specialized one");
     static_assert(Q_BUFS == 1 || O_TILE, "O is staged in Q's tile only with one Q tile");
-    // The persistent kernel with two Q tiles starts each tile (its first S and softmax) while the last P V of the
-    // tile before computes (consume_overlapped); not at d 128 with a score mod, whose turns then spill 4 bytes.
-    static constexpr bool OVERLAP = PERSISTENT && Q_BUFS == 2 && (D == 64 || !SCORE_MOD);
-    // A persistent kernel with its own O tile hands a tile's Q back once the tile's last S = Q K^T is done, not after
-    // its epilogue: the producer can load the tile after next's Q a P V and an epilogue sooner.
-    static constexpr bool Q_EARLY = PERSISTENT && O_TILE;
+    // The persistent kernel with two Q tiles at d 64 starts each tile (its first S and softmax) while the last P V of
+    // the tile before computes (consume_overlapped), and hands a tile's Q back once the tile's last S = Q K^T is done
+    // (Q_EARLY), not after its epilogue, so that the producer loads the tile after next's Q sooner: the overlapped
+    // step needs the next tile's Q and first K about a key block earlier. Measured at d 64 with the four-slot ring
+    // (ws_n128_p): +2 to +7% up to 2k keys; with two slots the step waited for them, -6 to -14%. At d 128 (two
+    // slots, the most that fit beside two Q tiles and the O tile) it lost 2-4% (docs/perf-notes.md, session 14).
+    static constexpr bool OVERLAP = PERSISTENT && Q_BUFS == 2 && D == 64;
+    static constexpr bool Q_EARLY = OVERLAP;
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup

@@ -530,6 +530,11 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # 1k / 2k: pingpong_n128_s2 519.9-524.7 / 568.0-595.1 against 478.9-484.0 / 513.0-517.6; causal 512 / 1k:
 # pingpong_n128_p_s2 295.6-297.5 / 396.8-397.5 against pingpong_n128's 263.5-265.6 / 381.4-382.6 (2k: within noise,
 # 467.6-478.4 every way). d = 64: ws_n128_p_s2 1-3% above ws_n128_p in all six cells (e.g. causal 2k 346.8 / 337.4).
+# Session 14 (docs/bench/fwd_session14.txt, calls 3-4): at d = 64 the persistent kernels with two Q tiles start
+# each tile under the last one's P V (fwd_sm90.cu OVERLAP), which needs the next tile's Q and first K a block sooner:
+# with ws_n128_p's four slots 369.2 / 411.8 / 434.2 at 512 / 1k / 2k non-causal, 230.9 / 307.6 / 369.2 causal,
+# against 346.6 / 400.7 / 430.1 and 216.4 / 296.6 / 362.2 for ws_n128_p_s2 without the overlap (two slots with it:
+# 311.2 / 367.6 / 406.4, 198.3 / 270.9 / 342.3).
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
