@@ -534,12 +534,13 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # each tile under the last one's P V (fwd_sm90.cu OVERLAP), which needs the next tile's Q and first K a block sooner:
 # with ws_n128_p's four slots 369.2 / 411.8 / 434.2 at 512 / 1k / 2k non-causal, 230.9 / 307.6 / 369.2 causal,
 # against 346.6 / 400.7 / 430.1 and 216.4 / 296.6 / 362.2 for ws_n128_p_s2 without the overlap (two slots with it:
-# 311.2 / 367.6 / 406.4, 198.3 / 270.9 / 342.3).
+# 311.2 / 367.6 / 406.4, 198.3 / 270.9 / 342.3). Call 5: ws_n128_p at d = 64 causal 4k 407.8 against ws3_n128's 397.5
+# (non-causal 4k 449.9 against 465.2), so the table reaches 4096 keys, and d = 64 causal takes ws_n128_p up to there.
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
-SM90_SHORT_SEQLEN = 2048
-SM90_SHORT_VARIANTS = {(64, False, 2048): "ws_n128_p", (64, True, 2048): "ws_n128_p",
+SM90_SHORT_SEQLEN = 4096
+SM90_SHORT_VARIANTS = {(64, False, 2048): "ws_n128_p", (64, True, 4096): "ws_n128_p",
                        (128, False, 512): "pingpong_n128_p_s2", (128, False, 2048): "pingpong_n128_s2",
                        (128, True, 1024): "pingpong_n128_p_s2"}
 

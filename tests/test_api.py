@@ -279,7 +279,7 @@ def test_sm90_backward_128_query_rows_at_d64(no_gpu_kernels, monkeypatch):
 
 def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     from cuflash import plan
-    problem = checks.Problem(2, 300, 4096, 8, 2, 128, np.dtype(np.float16))  # past SM90_SHORT_SEQLEN keys
+    problem = checks.Problem(2, 300, 8192, 8, 2, 128, np.dtype(np.float16))  # past SM90_SHORT_SEQLEN keys
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
     assert plan.sm90_forward_variant(problem, "sm_90a") == plan.SM90_FORWARD["variants"][128]
     assert plan.sm90_forward_variant(problem, "sm_80") is None       # not Hopper
@@ -296,8 +296,9 @@ def test_sm90_forward_short_sequences_take_their_own_variant(monkeypatch):
     from cuflash import plan
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
     monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws3_n128", 128: "pingpong_n128"})
-    monkeypatch.setitem(plan.SM90_FORWARD, "short", {(64, False, 512): "ws", (64, False, 2048): "lockstep",
-                                                     (64, True, 2048): "ws_n128_p", (128, True, 1024): "ws_n128"})
+    short = {(64, False, 512): "ws", (64, False, plan.SM90_SHORT_SEQLEN): "lockstep", (64, True, 2048): "ws_n128_p",
+             (128, True, 1024): "ws_n128"}
+    monkeypatch.setitem(plan.SM90_FORWARD, "short", short)
     at = lambda d, seqlen_k: checks.Problem(2, 1000, seqlen_k, 8, 2, d, np.dtype(np.float16))  # noqa: E731
     assert plan.sm90_forward_variant(at(64, 512), "sm_90a") == "ws"
     assert plan.sm90_forward_variant(at(64, 513), "sm_90a") == "lockstep"

@@ -36,5 +36,6 @@ def test_each_cell_takes_its_fastest_variant_and_the_bounds_keep_it(tmp_path):
     picks = {cell: plan.short_variant(table, *cell) for cell in CELLS if cell[2] <= plan.SM90_SHORT_SEQLEN}
     assert picks == {(128, False, 512): "x", (128, False, 1024): "x", (128, False, 2048): "y",
                      (128, True, 512): "x", (128, True, 1024): "x", (128, True, 2048): None,
-                     **{(64, c, s): None for c in (False, True) for s in (512, 1024, 2048)}}
-    assert line == "128@1024:x,128:y,128c@1024:x"
+                     (128, False, 4096): None, (128, True, 4096): None,
+                     **{(64, c, s): None for c in (False, True) for s in (512, 1024, 2048, 4096)}}
+    assert line == "128@1024:x,128@2048:y,128c@1024:x"
