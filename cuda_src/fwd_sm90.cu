@@ -300,6 +300,12 @@ struct FwdSm90 {
         }
     }
 
+    // The consumers' Q for the loaded-th tile with key blocks: its Q tile, once loaded.
+    __device__ __forceinline__ void wait_q(int loaded) {
+        qb = loaded % Q_BUFS;
+        sm90::mbar_wait(q_full_bar(), (loaded / Q_BUFS) & 1);
+    }
+
     // S of block t of a tile of `count` blocks is done: the last hands the tile's Q back (Q_EARLY).
     __device__ __forceinline__ void s_done(int t, int count) {
         if (Q_EARLY && t == count - 1) sm90::mbar_arrive(q_empty_bar());
@@ -610,8 +616,7 @@ struct FwdSm90 {
                 continue;
             }
             if (!started) {
-                qb = loaded % Q_BUFS;
-                sm90::mbar_wait(q_full_bar(), (loaded / Q_BUFS) & 1);
+                wait_q(loaded);
                 reset_accumulators();
                 if (PINGPONG && wg == 1) sm90::named_arrive(1, 256);  // warpgroup 0 goes first
                 first_block(range, count, it, s, alpha, pa);
@@ -625,8 +630,7 @@ struct FwdSm90 {
             have = next_tile(round, m_blocks, tiles, next);
             started = have && blocks(next) > 0;
             if (started) {
-                qb = loaded % Q_BUFS;
-                sm90::mbar_wait(q_full_bar(), (loaded / Q_BUFS) & 1);
+                wait_q(loaded);
                 sm90::mbar_wait(full_bar(it % STAGES, 0), (it / STAGES) & 1);
                 sm90::mbar_wait(full_bar(last % STAGES, 1), (last / STAGES) & 1);
                 my_turn();
@@ -676,22 +680,20 @@ struct FwdSm90 {
         sm90::regs_alloc<CONSUMER_REGS>();
         if constexpr (OVERLAP) {
             consume_overlapped(m_blocks, tiles);
-            if (O_TILE && o_issuer()) sm90::bulk_wait_read<0>();  // the last copies out of the staging tile
-            return;
-        }
-        for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
-            BlockRange range;
-            if (!tile_of(idx, m_blocks, range)) continue;
-            const int count = blocks(range);
-            reset_accumulators();
-            if (count > 0) {
-                qb = loaded % Q_BUFS;
-                sm90::mbar_wait(q_full_bar(), (loaded / Q_BUFS) & 1);
-                consume_pipelined(range, count, it);
-                it += count;
-                ++loaded;
+        } else {
+            for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
+                BlockRange range;
+                if (!tile_of(idx, m_blocks, range)) continue;
+                const int count = blocks(range);
+                reset_accumulators();
+                if (count > 0) {
+                    wait_q(loaded);
+                    consume_pipelined(range, count, it);
+                    it += count;
+                    ++loaded;
+                }
+                epilogue(count > 0);
             }
-            epilogue(count > 0);
         }
         if (O_TILE && o_issuer()) sm90::bulk_wait_read<0>();  // the last copies out of the staging tile
     }

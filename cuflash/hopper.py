@@ -115,7 +115,7 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
     if variant == "ws3_n128":
         three = headdim == 64 and not score_mod
         return dict(variant_options("ws_n128", headdim), **(dict(consumers=3) if three else {}))
-    if variant == "pingpong_n176":  # FA3's d = 128 tile: 176-key blocks, two slots (211 KB at d = 128)
+    if variant == "pingpong_n176":  # FA3's d = 128 tile: 176-key blocks, two slots (214,088 bytes at d = 128)
         if headdim != 128:
             return variant_options("pingpong_n128", headdim)
         return dict(warp_specialized=True, stages=2, pingpong=True, block_n=176)
