@@ -68,12 +68,16 @@ struct FwdSm90 {
     // shared memory (1024-aligned): Q | K[STAGES] | V[STAGES] [| O] [| Q'] | barriers (q full[Q_BUFS], full[K, V]
     // [STAGES], empty[K, V][STAGES][, q_empty[Q_BUFS]]). O: the persistent kernel's own staging tile for the
     // epilogue's TMA stores where it fits (else O is staged in Q's tile, which the next tile's Q then waits for).
-    // Q': where that fits too, the persistent kernel's second Q tile: tiles alternate between the two, so the next
-    // tile's Q loads while this one computes.
+    // Q': where that fits too, the persistent kernel's second Q tile (at d 64 a second and a third): tiles take them
+    // in turn, so the next tile's Q loads while this one computes (with three, while the one before ends too: a
+    // causal tile of a block or two hands its Q tile back only a block or two before the next needs one). The third
+    // measured +1 to +3% at d 64 non-causal 512-2k, causal within noise (docs/bench/fwd_bwd_session15_call1.txt).
     static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * KV_BYTES, OFF_O = OFF_V + STAGES * KV_BYTES;
     static constexpr u32 LIMIT = 227 * 1024 - 1024;  // the SM's shared memory per block, less room to align to 1024
     static constexpr bool O_TILE = PERSISTENT && OFF_O + Q_BYTES + (2 + 4 * STAGES) * 8 <= LIMIT;
-    static constexpr int Q_BUFS = O_TILE && OFF_O + 2 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT ? 2 : 1;
+    static constexpr int Q_BUFS = O_TILE && D == 64 && OFF_O + 3 * Q_BYTES + (6 + 4 * STAGES) * 8 <= LIMIT ? 3
+                                  : O_TILE && OFF_O + 2 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT        ? 2
+                                                                                                         : 1;
     static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES;
     static constexpr u32 OFF_Q2 = OFF_O + (O_TILE ? Q_BYTES : 0), OFF_BAR = OFF_Q2 + (Q_BUFS - 1) * Q_BYTES;
     static constexpr u32 SMEM_BYTES = OFF_BAR + BARRIERS * 8 + 1024;  // + room to align to 1024
@@ -85,19 +89,20 @@ struct FwdSm90 {
     static_assert(128 * 24 + 128 * WGS * CONSUMER_REGS <= 65536, "the register split exceeds the SM's file");
     static_assert(WS || !PERSISTENT, "the persistent kernel is the warp-specialized one");
     static_assert(Q_BUFS == 1 || O_TILE, "O is staged in Q's tile only with one Q tile");
-    // The persistent kernel with two Q tiles at d 64 starts each tile (its first S and softmax) while the last P V of
-    // the tile before computes (consume_overlapped), and hands a tile's Q back once the tile's last S = Q K^T is done
-    // (Q_EARLY), not after its epilogue, so that the producer loads the tile after next's Q sooner: the overlapped
-    // step needs the next tile's Q and first K about a key block earlier. Measured at d 64 with the four-slot ring
-    // (ws_n128_p): +2 to +7% up to 2k keys; with two slots the step waited for them, -6 to -14%. At d 128 (two
-    // slots, the most that fit beside two Q tiles and the O tile) it lost 2-4% (docs/perf-notes.md, session 14).
-    static constexpr bool OVERLAP = PERSISTENT && Q_BUFS == 2 && D == 64;
+    // The persistent kernel with more than one Q tile at d 64 starts each tile (its first S and softmax) while the
+    // last P V of the tile before computes (consume_overlapped), and hands a tile's Q back once the tile's last
+    // S = Q K^T is done (Q_EARLY), not after its epilogue, so that the producer loads a later tile's Q sooner: the
+    // overlapped step needs the next tile's Q and first K about a key block earlier. Measured at d 64 with the
+    // four-slot ring (ws_n128_p): +2 to +7% up to 2k keys; with two slots the step waited for them, -6 to -14%. At
+    // d 128 (two slots, the most that fit beside two Q tiles and the O tile) it lost 2-4% (docs/perf-notes.md,
+    // session 14).
+    static constexpr bool OVERLAP = PERSISTENT && Q_BUFS >= 2 && D == 64;
     static constexpr bool Q_EARLY = OVERLAP;
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
     u32 base;
-    int qb = 0;  // the Q tile this tile uses (0, or 1: at OFF_Q2)
+    int qb = 0;  // the Q tile this tile uses (0; 1, 2 from OFF_Q2)
     int row0, b, h, h_kv;
     // What the epilogue reads of a tile, kept for the last tile while begin_tile has moved on to the next one.
     struct TileRows {
@@ -113,7 +118,7 @@ struct FwdSm90 {
 
     __device__ __forceinline__ explicit FwdSm90(const FwdSm90Params& params) : p(params) {}
 
-    __device__ __forceinline__ u32 q_tile() const { return base + (qb ? OFF_Q2 : 0); }
+    __device__ __forceinline__ u32 q_tile() const { return base + (qb ? OFF_Q2 + (qb - 1) * Q_BYTES : 0); }
     __device__ __forceinline__ u32 q_full_bar() const { return base + OFF_BAR + 8 * qb; }
     // A ring slot's K (half 0) and V (half 1) have barriers of their own: K is handed back once S = Q K^T is done,
     // V once O += P V is, so the producer can refill K a softmax earlier than the slot as a whole.
@@ -467,7 +472,7 @@ struct FwdSm90 {
     // The producer thread: the tile's key blocks into the ring from position `it` (each slot once the consumers have
     // emptied it), and Q. `tile`: how many tiles this CTA loaded before; the persistent kernel issues Q into Q tile
     // tile % Q_BUFS after the first key block, once the consumers are done with the tile that used it last (with one
-    // Q tile the previous one: Q lands during their epilogue; with two, the one before).
+    // Q tile the previous one: Q lands during their epilogue; with Q_BUFS, the one Q_BUFS tiles back).
     __device__ __forceinline__ void produce(const BlockRange& range, int count, int it, int tile) {
         if (!PERSISTENT) issue_q();
         for (int t = 0; t < count; ++t) {

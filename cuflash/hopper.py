@@ -67,7 +67,9 @@ class FwdSm90Spec:
         return self.persistent and self._smem_bytes(True) <= 227 * 1024
 
     @property
-    def q_bufs(self) -> int:  # FwdSm90::Q_BUFS: a second Q tile for the persistent kernel, where that fits too
+    def q_bufs(self) -> int:  # FwdSm90::Q_BUFS: more Q tiles for the persistent kernel where they fit (d 64: three)
+        if self.o_tile and self.headdim == 64 and self._smem_bytes(True, 3) <= 227 * 1024:
+            return 3
         return 2 if self.o_tile and self._smem_bytes(True, 2) <= 227 * 1024 else 1
 
     @property
