@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Session 15's last device call, from the repository root (OUT=... bash scripts/gpu_session15.sh):
+# Session 15's fourth device call, from the repository root (OUT=... bash scripts/gpu_session15.sh):
 #   1. the landing run of this tree (scripts/gpu_session13.sh without A/Bs or bench: precompile, the whole GPU suite in
 #      shards, the Hopper sanitizer cases)
 #   2. then drafts/session15-bwd-pairs.patch applied here, and its probes of the deterministic pairs' cost (one CTA
 #      per slot in clusters of two: the cost of the cluster launch alone; pairs without reading the partner's tile)
 #      on the backward's non-causal cells at 512, 4k and 16k keys                           -> ab_bwd_<set>_<round>.txt
-# Logs in $OUT/logs.tgz.
+# Logs in $OUT/logs_landing.tgz (step 1) and $OUT/logs.tgz (step 2).
 source scripts/device_env.sh
 SKIP_BENCH=1 bash scripts/gpu_session13.sh
 mv "$OUT/logs.tgz" "$OUT/logs_landing.tgz"
