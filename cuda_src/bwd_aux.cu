@@ -1,5 +1,8 @@
 // Backward helpers: D = rowsum(dO * O) with lse moved to the log2 domain and the fp32 dQ accumulator zeroed before
-// the main kernel, and that accumulator summed over its slices (in a fixed order) and cast after it.
+// the main kernel, and that accumulator summed over its slices (in a fixed order) and cast after it. Deterministic
+// mode 2 (fixed_dq.cuh) adds the bounds its scales come from: |dO| per row here, max |K| and max |V_j| per KV head
+// in bwd_kv_bound; the convert scales its int32 accumulator back.
+#include "fixed_dq.cuh"
 #include "params.cuh"
 
 namespace cuflash {
@@ -11,7 +14,9 @@ template <class T>
 __global__ void bwd_preprocess(const BwdPreParams p) {
     const int sub = threadIdx.x % p.lanes, row = blockIdx.x * (blockDim.x / p.lanes) + threadIdx.x / p.lanes;
     const int h = blockIdx.y, b = blockIdx.z;
-    float acc = 0.f;
+    if (p.fixed_point && (blockIdx.x | blockIdx.y | blockIdx.z) == 0)
+        for (int i = threadIdx.x; i < 2 * p.nheads_k; i += blockDim.x) p.kv_bound[i] = 0u;  // before bwd_kv_bound
+    float acc = 0.f, sq = 0.f;
     if (row < p.seqlen_q) {
         const u16* o = p.out + b * p.o_batch_stride + row * p.o_row_stride + h * p.o_head_stride;
         const u16* d = p.dout + b * p.do_batch_stride + row * p.do_row_stride + h * p.do_head_stride;
@@ -20,25 +25,89 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
             const u16* oe = reinterpret_cast<const u16*>(&ov);
             const u16* de = reinterpret_cast<const u16*>(&dv);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc += to_float<T>(oe[e]) * to_float<T>(de[e]);
+            for (int e = 0; e < 8; ++e) {
+                acc += to_float<T>(oe[e]) * to_float<T>(de[e]);
+                sq += to_float<T>(de[e]) * to_float<T>(de[e]);
+            }
         }
         float* dq = p.dq_accum + (((i64)b * p.seqlen_q + row) * p.nheads + h) * p.headdim;
         for (int s = 0; s < p.slices; ++s)
             for (int c = sub * 4; c < p.headdim; c += p.lanes * 4)
                 *reinterpret_cast<float4*>(dq + s * p.dq_slice_stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    for (int off = p.lanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);  // within a row
+    for (int off = p.lanes / 2; off > 0; off /= 2) {  // within a row
+        acc += __shfl_xor_sync(0xffffffff, acc, off);
+        sq += __shfl_xor_sync(0xffffffff, sq, off);
+    }
     if (sub == 0 && row < p.seqlen_q) {
         const i64 i = ((i64)b * p.nheads + h) * p.seqlen_q + row;
         const float lse = p.lse[i];
         p.dsum[i] = acc;
+        if (p.fixed_point) p.dq_rownorm[i] = sqrtf(sq);
         p.lse_log2[i] = lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse * LOG2E;
+    }
+}
+
+// Fixed point (after bwd_preprocess, which zeroed kv_bound): max |K| and max |V_j| per KV head. Grid (row blocks,
+// KV heads, sequences), p.lanes threads per row as there; one atomicMax per warp and value (float bits: the values
+// are >= 0, so their bits order as they do).
+template <class T>
+__global__ void bwd_kv_bound(const BwdPreParams p) {
+    const int sub = threadIdx.x % p.lanes, row = blockIdx.x * (blockDim.x / p.lanes) + threadIdx.x / p.lanes;
+    const int h = blockIdx.y, b = blockIdx.z;
+    float kmax = 0.f, vsq = 0.f;
+    if (row < p.seqlen_k) {
+        const u16* k = p.k + b * p.k_batch_stride + row * p.k_row_stride + h * p.k_head_stride;
+        const u16* v = p.v + b * p.v_batch_stride + row * p.v_row_stride + h * p.v_head_stride;
+        for (int c = sub * 8; c < p.headdim; c += p.lanes * 8) {
+            uint4 kv = *reinterpret_cast<const uint4*>(k + c), vv = *reinterpret_cast<const uint4*>(v + c);
+            const u16* ke = reinterpret_cast<const u16*>(&kv);
+            const u16* ve = reinterpret_cast<const u16*>(&vv);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                kmax = fmaxf(kmax, fabsf(to_float<T>(ke[e])));
+                vsq += to_float<T>(ve[e]) * to_float<T>(ve[e]);
+            }
+        }
+    }
+    for (int off = p.lanes / 2; off > 0; off /= 2) vsq += __shfl_xor_sync(0xffffffff, vsq, off);  // a row's |V_j|^2
+    for (int off = 16; off > 0; off /= 2) {  // the warp's rows
+        kmax = fmaxf(kmax, __shfl_xor_sync(0xffffffff, kmax, off));
+        vsq = fmaxf(vsq, __shfl_xor_sync(0xffffffff, vsq, off));
+    }
+    if (threadIdx.x % 32 == 0) {
+        atomicMax(p.kv_bound + 2 * h, __float_as_uint(kmax));
+        atomicMax(p.kv_bound + 2 * h + 1, __float_as_uint(sqrtf(vsq)));
+    }
+}
+
+// The fixed-point accumulator (one int32 slice) times each row's unit. Grid (groups of 4 elements of a row, rows):
+// rows of dq are (sequence, row) with (head, column) elements; the per-row arrays are (sequence, head, row), as
+// bwd_preprocess wrote them.
+template <class T>
+__device__ __forceinline__ void convert_fixed(const BwdConvertParams& p) {
+    const int groups = p.nheads * p.headdim / 4, tokens = (int)(p.slice_stride / (4 * groups));
+    for (int token = blockIdx.y; token < tokens; token += gridDim.y) {
+        const i64 first = ((i64)(token / p.seqlen_q) * p.nheads) * p.seqlen_q + token % p.seqlen_q;
+        for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += gridDim.x * blockDim.x) {
+            const int h = 4 * g / p.headdim;
+            const i64 r = first + (i64)h * p.seqlen_q, i = (i64)token * 4 * groups + 4 * g;
+            const float unit = dq_fixed_unit(
+                dq_row_bound(p.softmax_scale, p.kv_bound + 2 * (h / p.heads_per_kv), p.dq_rownorm[r], p.dsum[r]));
+            const int4 x = *reinterpret_cast<const int4*>(p.dq_accum + i);
+            *reinterpret_cast<uint2*>(p.dq + i) = make_uint2(pack2<T>((float)x.x * unit, (float)x.y * unit),
+                                                             pack2<T>((float)x.z * unit, (float)x.w * unit));
+        }
     }
 }
 
 // Four elements per thread and pass (slice_stride is a multiple of 8: head dims are).
 template <class T>
 __global__ void bwd_convert_dq(const BwdConvertParams p) {
+    if (p.fixed_point) {
+        convert_fixed<T>(p);
+        return;
+    }
     for (i64 i = 4 * ((i64)blockIdx.x * blockDim.x + threadIdx.x); i < p.slice_stride;
          i += 4 * (i64)gridDim.x * blockDim.x) {
         float4 acc = *reinterpret_cast<const float4*>(p.dq_accum + i);

@@ -20,11 +20,14 @@
 // (score mods) each warpgroup adds its own 64 keys' part to every element, with vector reductions (add_dq_red).
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
 // waited for first) at d = 64 (at 128 that kernel spills); head dims 64 and 128.
+// Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
+// with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order.
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
 #include "seqlen.cuh"
+#include "fixed_dq.cuh"
 #include "params.cuh"
 
 namespace cuflash {
@@ -50,7 +53,8 @@ struct BwdSm90 {
     static constexpr u32 K_PANEL = BN * 128, Q_PANEL = BM * 128;  // bytes of one 64-column panel
     static constexpr u32 DS_PANEL = BN * 128;                     // dS^T: all keys x 64 queries
     static constexpr u32 KV_BYTES = BN * D * 2, QD_BYTES = BM * D * 2;
-    // shared memory (1024-aligned): K | V | Q[2] | dO[2] | dS^T | rows[2] (lse_log2, D) | barriers (kv, qd[2])
+    // shared memory (1024-aligned): K | V | Q[2] | dO[2] | dS^T | rows[2] (lse_log2, D, fixed-point scale) | dQ
+    // staging | barriers (kv, qd[2])
     static constexpr u32 OFF_V = KV_BYTES, OFF_Q = 2 * KV_BYTES, OFF_DO = OFF_Q + 2 * QD_BYTES;
     static constexpr u32 OFF_DS = OFF_DO + 2 * QD_BYTES, OFF_ROWS = OFF_DS + QH * DS_PANEL;
     // dQ by TMA wherever each dQ element has one adding thread per step (all but d = 64 with 64 rows, where both
@@ -59,7 +63,7 @@ struct BwdSm90 {
     // reductions, which leave the compute threads as soon as they are issued.
     static constexpr bool TMA_DQ = !(D == 64 && BM == 64);
     static constexpr u32 DQ_BOX = 64 * 128, DQ_TILE = 2 * DQ_BOX;
-    static constexpr u32 OFF_DQ = (OFF_ROWS + 2 * 2 * BM * 4 + 1023) / 1024 * 1024;
+    static constexpr u32 OFF_DQ = (OFF_ROWS + 2 * 3 * BM * 4 + 1023) / 1024 * 1024;
     static constexpr u32 OFF_BAR = OFF_DQ + (TMA_DQ ? 2 * 2 * DQ_TILE : 0);
     static constexpr u32 SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
@@ -85,7 +89,7 @@ struct BwdSm90 {
     __device__ __forceinline__ u32 q_tile(int buf) const { return base + OFF_Q + buf * QD_BYTES; }
     __device__ __forceinline__ u32 do_tile(int buf) const { return base + OFF_DO + buf * QD_BYTES; }
     __device__ __forceinline__ float* rows(char* smem, int buf) const {
-        return reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + OFF_ROWS) + buf * 2 * BM;
+        return reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + OFF_ROWS) + buf * 3 * BM;
     }
     __device__ __forceinline__ u32 qd_bar(int buf) const { return base + OFF_BAR + 8 + 8 * buf; }
 
@@ -120,17 +124,28 @@ struct BwdSm90 {
 
     // Threads < BM: lse_log2 and D of row `tid` of step t, read from global memory into registers a step ahead (the
     // load's latency hides behind a step's work) and stored to the rows of buffer tt % 2 once that buffer is free.
+    // Fixed point (deterministic mode 2), threads BM..2 BM - 1 too: the dQ scale of row `tid - BM` (fixed_dq.cuh).
+    __device__ __forceinline__ int row_threads() const { return p.deterministic == 2 ? 2 * BM : BM; }
     __device__ __forceinline__ float2 fetch_rows(int t, int m_min, int m_count, int seqlen_q) const {
         int h, m;
         step_of(t, m_min, m_count, h, m);
-        const int row = m * BM + tid;
-        if (row >= seqlen_q) return make_float2(__int_as_float(0x7f800000), 0.f);  // lse +inf: P = 0
+        const bool scale = tid >= BM;
+        const int row = m * BM + tid - (scale ? BM : 0);
+        if (row >= seqlen_q) return make_float2(scale ? 0.f : __int_as_float(0x7f800000), 0.f);  // lse +inf: P = 0
         const i64 i = SeqInfo::offset(q_begin, p.lse_batch_stride, 1, row) + (i64)h * p.lse_head_stride;
+        if (scale)
+            return make_float2(
+                dq_fixed_scale(dq_row_bound(p.softmax_scale, p.kv_bound + 2 * h_kv, p.dq_rownorm[i], p.dsum[i])), 0.f);
         return make_float2(p.lse_log2[i], p.dsum[i]);
     }
     __device__ __forceinline__ void store_rows(char* smem, int tt, float2 r) const {
-        rows(smem, tt % 2)[tid] = r.x;
-        rows(smem, tt % 2)[BM + tid] = r.y;
+        float* at = rows(smem, tt % 2);
+        if (tid < BM) {
+            at[tid] = r.x;
+            at[BM + tid] = r.y;
+        } else {
+            at[BM + tid] = r.x;  // the scales at 2 BM..
+        }
     }
 
     // S^T or dP^T of this warpgroup's 64 keys against the BM queries of a buffer (A = keys tile, B = queries tile).
@@ -312,7 +327,7 @@ struct BwdSm90 {
         sm90::wgmma_commit();
         sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
         if constexpr (TMA_DQ) {
-            add_dq_tma(dq[0], h, m * BM + half0 * 64, panel, tt, t == 0);
+            add_dq_tma(dq[0], h, m * BM + half0 * 64, panel, tt, t == 0, lse + 2 * BM + half0 * 64);
             sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
             if (tid % 128 == 0) sm90::bulk_wait_read<1>();  // the staging buffer of step tt + 1 is read out
         } else {
@@ -346,21 +361,27 @@ struct BwdSm90 {
 
     // This warpgroup's dQ tile (rows row0.. of head h in this sequence, columns panel 64..) added to dq_accum by TMA
     // from staging buffer tt % 2: (row r, column c) at box c / 32, line r, 16-byte chunk (c % 32) / 4 ^ (r % 8).
-    // Deterministic mode: each slot adds to its own slice in program order. The steps of one key block add to
+    // Deterministic mode 1: each slot adds to its own slice in program order. The steps of one key block add to
     // disjoint rows (one query block of one head each), so only the first step of a key block, which may add to the
-    // rows of the last step before it (the zigzag walk), waits until the slot's earlier additions are made.
+    // rows of the last step before it (the zigzag walk), waits until the slot's earlier additions are made. Mode 2:
+    // the tile as int32 fixed point (row r times scales[r]) into the one int32 accumulator, in any order.
     __device__ __forceinline__ void add_dq_tma(const float (&dq)[8][4], int h, int row0, int panel, int tt,
-                                               bool first) const {
+                                               bool first, const float* scales) const {
         const u32 tile = base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + wg * DQ_TILE;
+        const bool fixed = p.deterministic == 2;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = warp * 16 + lane / 4 + 8 * hh;
+            const float scale = fixed ? scales[r] : 0.f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const int chunk = 2 * (j % 4) + (lane % 4) / 2;
                 const u32 addr = tile + (j / 4) * DQ_BOX + r * 128 + ((chunk ^ (r % 8)) * 16) + (lane % 2) * 8;
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[j][2 * hh]),
-                             "f"(dq[j][2 * hh + 1]) : "memory");
+                if (fixed)
+                    st_shared_fixed2(addr, dq[j][2 * hh], dq[j][2 * hh + 1], scale);
+                else
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[j][2 * hh]),
+                                 "f"(dq[j][2 * hh + 1]) : "memory");
             }
         }
         sm90::fence_proxy_async();  // generic-proxy stores, read by TMA (async proxy) below
@@ -443,19 +464,20 @@ struct BwdSm90 {
                 }
                 for (int t = 0; t < 2 && t < steps; ++t) {
                     load_step(t, tt + t, m_min, m_count);
-                    if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
+                    if (tid < row_threads()) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
                 }
                 __syncthreads();  // the rows of the first two steps
                 sm90::mbar_wait(base + OFF_BAR, kv_loads & 1);
                 ++kv_loads;
                 for (int t = 0; t < steps; ++t, ++tt) {
                     float2 next_rows;  // step t + 2's, in flight during this step
-                    if (tid < BM && t + 2 < steps) next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
+                    if (tid < row_threads() && t + 2 < steps)
+                        next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
                     step(smem, t, tt, m_min, m_count, seq.seqlen_q);
                     __syncthreads();  // every read of this buffer (and of dS^T) is done
                     if (t + 2 < steps) {
                         load_step(t + 2, tt + 2, m_min, m_count);
-                        if (tid < BM) store_rows(smem, tt + 2, next_rows);
+                        if (tid < row_threads()) store_rows(smem, tt + 2, next_rows);
                     }
                 }
                 __syncthreads();  // the last rows stores are read; K and V may be replaced; the last additions made

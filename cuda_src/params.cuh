@@ -49,6 +49,8 @@ struct BwdParams {
     const float* alibi;    // as in FwdParams
     const int* cu_seqlens_q;  // as in FwdParams
     const int* cu_seqlens_k;
+    const float* dq_rownorm;  // deterministic mode 2 (fixed point, fixed_dq.cuh): |dO| per row, like lse_log2
+    const unsigned* kv_bound; // mode 2: (nheads_k, 2) max |K| and max row norm of V, as float bits
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -62,7 +64,8 @@ struct BwdParams {
     int batch, seqlen_q, seqlen_k;  // packed: seqlen_q, seqlen_k are the maxima
     int nheads, heads_per_kv, headdim;
     int window_left, window_right;
-    int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only
+    int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only; 2: every CTA adds
+                           // int32 fixed point into slice 0 (the Hopper kernel only; fixed_dq.cuh)
     float scale_log2, mod_scale, softcap, softmax_scale;
 };
 
@@ -74,20 +77,34 @@ struct BwdPreParams {
     float* dsum;           // (batch, nheads, seqlen_q)
     float* lse_log2;       // (batch, nheads, seqlen_q)
     float* dq_accum;       // (slices, batch, seqlen_q, nheads, headdim), zeroed here
+    float* dq_rownorm;     // fixed point: |dO| per row, like dsum
+    unsigned* kv_bound;    // fixed point: (nheads_k, 2), zeroed by bwd_preprocess, maxima taken by bwd_kv_bound
+    const u16* k;          // fixed point: (kv_batch, seqlen_k, nheads_k, headdim), read by bwd_kv_bound
+    const u16* v;
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
     i64 dq_slice_stride;   // elements per slice
     int batch, seqlen_q, nheads, headdim;
     int lanes;             // threads per row: a power of two, 16 bytes each per pass (cuflash.plan.bwd_pre_lanes)
     int slices;
+    int fixed_point;       // 1: deterministic mode 2 (fixed_dq.cuh): row norms and K/V bounds too
+    int kv_batch, seqlen_k, nheads_k;  // bwd_kv_bound's rows (packed: 1, total_k)
 };
 
-// dQ: sum of the fp32 slices, cast to the output dtype (contiguous (batch, seqlen_q, nheads, headdim)).
+// dQ: sum of the fp32 slices, cast to the output dtype (contiguous (batch, seqlen_q, nheads, headdim)); in fixed
+// point, the one int32 slice times each row's unit (fixed_dq.cuh).
 struct BwdConvertParams {
     const float* dq_accum;
     u16* dq;
+    const float* dsum;        // fixed point: as in BwdParams
+    const float* dq_rownorm;
+    const unsigned* kv_bound;
     i64 slice_stride;      // elements per slice = number of dq elements
     int slices;
+    int fixed_point, seqlen_q, nheads, headdim, heads_per_kv;  // fixed point: rows as bwd_preprocess's
+    float softmax_scale;
 };
 
 }  // namespace cuflash

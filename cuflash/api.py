@@ -241,25 +241,31 @@ _bwd_launches: dict = {}  # call signature -> BackwardCall
 
 
 class BackwardCall(NamedTuple):
-    """The backward's three launches for one call signature, and where its workspace pieces lie: dsum at 0,
-    lse_log2 at ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed by the preprocess) at ``dq_offset``
-    (:func:`cuflash.plan.backward_workspace`)."""
-    preprocess: KernelCall   # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed: out, dout, lse, dsum, lse_log2,
-    #                          dq_accum
-    # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k
+    """The backward's launches for one call signature, and where its workspace pieces lie: dsum at 0, lse_log2 at
+    ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed by the preprocess) at ``dq_offset``, and in
+    deterministic mode's fixed point |dO| per row and the K/V bounds at ``fixed_offsets``
+    (:func:`cuflash.plan.backward_workspace`, :func:`cuflash.plan.fixed_point_offsets`)."""
+    # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed (fixed point: |dO| per row, then the K/V bounds):
+    # out, dout, lse, dsum, lse_log2, dq_accum, dq_rownorm, kv_bound, k, v
+    preprocess: KernelCall
+    # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k, dq_rownorm,
+    # kv_bound
     main: KernelCall
-    convert: KernelCall      # dQ = sum of the slices, cast: dq_accum, dq
+    convert: KernelCall      # dQ = sum of the slices, cast: dq_accum, dq, dsum, dq_rownorm, kv_bound
     lse_log2_offset: int
     dq_offset: int
     dq_bytes: int
     workspace_bytes: int
+    fixed_offsets: tuple | None = None  # (dq_rownorm, kv_bound) byte offsets; None: not fixed point
 
     def __call__(self, stream, dout, q, k, v, out, lse, dq, dk, dv, alibi, cu_seqlens_q, cu_seqlens_k, workspace):
         """Launch on ``stream`` with these data pointers (0 where absent)."""
         dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
-        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum)
-        self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k)
-        self.convert(stream, dq_accum, dq)
+        rownorm, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
+        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, rownorm, kv_bound, k, v)
+        self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
+                  rownorm, kv_bound)
+        self.convert(stream, dq_accum, dq, dsum, rownorm, kv_bound)
 
 
 def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, softmax_scale, causal, window_size,
@@ -277,7 +283,9 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     # (slices, total_q, h, d). The elementwise launches see a packed batch as one sequence of total_q rows.
     pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
     rows = pre_b * pre_sq  # query rows of all sequences
-    lse_log2_offset, dq_offset, workspace_bytes = plan.backward_workspace(rows, h, d, launch.slices)
+    fixed = launch.fixed_point
+    lse_log2_offset, dq_offset, workspace_bytes = plan.backward_workspace(rows, h, d, launch.slices,
+                                                                          problem.nheads_k if fixed else 0)
 
     # D = rowsum(dO * O) and lse in the log2 domain: plan.bwd_pre_lanes(d) threads per row; grid (row blocks, heads,
     # sequences)
@@ -287,9 +295,17 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
     pp["lanes"] = plan.bwd_pre_lanes(d)
     pp["dq_slice_stride"], pp["slices"] = rows * h * d, launch.slices
-    pre_grid = plan.check_grid((-(-pre_sq // (pre.threads // int(pp["lanes"]))), h, pre_b))
-    preprocess = KernelCall([(build.get_kernel(pre, device_id), pre_grid, (pre.threads,), 0)], pp,
-                            plan.BWD_PRE_PARAMS_DTYPE.names[:6])
+    pre_rows = pre.threads // int(pp["lanes"])
+    pre_launches = [(build.get_kernel(pre, device_id), plan.check_grid((-(-pre_sq // pre_rows), h, pre_b)),
+                     (pre.threads,), 0)]
+    if fixed:  # then max |K| and max |V_j| per KV head, over every row of K and V (packed: one sequence)
+        _set_strides(pp, k=k, v=v)
+        pp["fixed_point"], pp["nheads_k"] = 1, problem.nheads_k
+        pp["kv_batch"], pp["seqlen_k"] = (1, k.shape[0]) if packed else (b, problem.seqlen_k)
+        kv_grid = plan.check_grid((-(-int(pp["seqlen_k"]) // pre_rows), problem.nheads_k, int(pp["kv_batch"])))
+        pre_launches.append((build.get_kernel(plan.AuxSpec("bwd_kv_bound", dtype), device_id), kv_grid,
+                             (pre.threads,), 0))
+    preprocess = KernelCall(pre_launches, pp, plan.BWD_PRE_PARAMS_DTYPE.names[:10])
 
     # the main kernel; dsum and lse_log2 are (pre_b, h, pre_sq) contiguous, seen per sequence
     bp = np.zeros((), dtype=plan.BWD_PARAMS_DTYPE)
@@ -301,7 +317,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     bp["batch"], bp["seqlen_q"], bp["seqlen_k"] = b, sq, problem.seqlen_k
     bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
     bp["window_left"], bp["window_right"] = left, right
-    bp["deterministic"] = int(bool(deterministic))
+    bp["deterministic"] = 2 if fixed else int(bool(deterministic))
     for name, value in plan.forward_scales(scale, float(softcap), score_mod).items():
         bp[name] = value
     bp["softmax_scale"] = scale
@@ -310,17 +326,22 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
         main = hopper.backward_main(spec, bp, q, k, v, dout, launch.grid, device_id)  # plan_backward's grid
     else:
         main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
-                            launch.spec.smem_bytes)], bp, plan.BWD_PARAMS_DTYPE.names[:12])
+                            launch.spec.smem_bytes)], bp, plan.BWD_PARAMS_DTYPE.names[:14])
 
-    # dQ: sum the slices (fixed order), cast
+    # dQ: sum the slices (fixed order), cast; fixed point: the int32 accumulator times each row's unit, grid (groups
+    # of four elements of a row, rows)
     conv = plan.AuxSpec("bwd_convert_dq", dtype)
     cp = np.zeros((), dtype=plan.BWD_CONVERT_PARAMS_DTYPE)
     cp["slice_stride"], cp["slices"] = rows * h * d, launch.slices
     conv_grid = (min(-(-(rows * h * d // 4) // conv.threads), 65535 * 16),)
+    if fixed:
+        cp["fixed_point"], cp["seqlen_q"], cp["nheads"], cp["headdim"] = 1, pre_sq, h, d
+        cp["heads_per_kv"], cp["softmax_scale"] = h // problem.nheads_k, scale
+        conv_grid = (-(-(h * d // 4) // conv.threads), min(rows, 65535))
     convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
-                         plan.BWD_CONVERT_PARAMS_DTYPE.names[:2])
+                         plan.BWD_CONVERT_PARAMS_DTYPE.names[:5])
     return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
-                        workspace_bytes)
+                        workspace_bytes, plan.fixed_point_offsets(rows, h, d) if fixed else None)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,

@@ -279,9 +279,9 @@ class BwdSm90Spec:
         return not (self.headdim == 64 and self.block_m == 64)
 
     @property
-    def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, lse/D rows, dQ staging, barriers
-        d, n, m = self.headdim, BWD_BLOCK_N, self.block_m
-        rows_end = 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 2 * m * 4
+    def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, rows (lse, D, dQ scale), dQ staging,
+        d, n, m = self.headdim, BWD_BLOCK_N, self.block_m  # barriers
+        rows_end = 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 3 * m * 4
         staging = 2 * 2 * 64 * 64 * 4 if self.tma_dq else 0  # two buffers of a 64 x 64 fp32 tile per warpgroup
         return -(-rows_end // 1024) * 1024 + staging + 3 * 8 + 1024
 
@@ -303,12 +303,13 @@ def _bwd_params_dtype() -> np.dtype:
 
 
 BWD_PARAMS_DTYPE = _bwd_params_dtype()
-_BWD_POINTERS = struct.Struct("12Q")  # BwdParams' leading pointers, right after the maps
+_BWD_POINTERS = struct.Struct("14Q")  # BwdParams' leading pointers, right after the maps
 
 
 class BackwardMain:
     """The Hopper backward's main launch behind the call interface of the portable one (``BackwardCall.main``):
-    ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k)``."""
+    ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k, dq_rownorm,
+    kv_bound)``."""
 
     __slots__ = ("kernel_call", "maps", "spec")
 
@@ -338,11 +339,14 @@ def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_i
 
 def _dq_accum_layout(inner_params, grid) -> tuple:
     """(dtype, dims, byte strides, box) of dq_accum's tensor map: fp32 (slices, rows of all sequences, heads, d) as
-    4-D (d, heads, rows, slices), box (32, 1, 64, 1): 32 columns (128 bytes, the swizzle span) of 64 rows."""
+    4-D (d, heads, rows, slices), box (32, 1, 64, 1): 32 columns (128 bytes, the swizzle span) of 64 rows; int32 and
+    one slice in deterministic mode's fixed point (BwdParams::deterministic 2)."""
     h, d = int(inner_params["nheads"]), int(inner_params["headdim"])
     rows = int(inner_params["dq_slice_stride"]) // (h * d)
-    slices = grid[0] if int(inner_params["deterministic"]) else 1
-    return np.dtype(np.float32), (d, h, rows, slices), (d * 4, h * d * 4, rows * h * d * 4), (32, 1, 64, 1)
+    mode = int(inner_params["deterministic"])
+    slices = grid[0] if mode == 1 else 1
+    dtype = np.dtype(np.int32 if mode == 2 else np.float32)
+    return dtype, (d, h, rows, slices), (d * 4, h * d * 4, rows * h * d * 4), (32, 1, 64, 1)
 
 
 def _dq_accum_encoder(inner_params, grid):

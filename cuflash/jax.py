@@ -230,14 +230,16 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
 
     Deterministic mode's slice count grows with the GPU's SM count and differs between the portable and the
     Hopper main kernel, so it is planned for the largest GPU visible here and the larger of the two (an upper
-    bound for any of them). `rows`: query rows of the workspaces, batch * seqlen_q by default, total_q for packed
+    bound for any of them), with room for the Hopper kernel's fixed point (one slice and two small pieces). `rows`: query rows of the workspaces, batch * seqlen_q by default, total_q for packed
     sequences.
     """
     left, right = plan.normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
     rows = problem.batch * problem.seqlen_q if rows is None else rows  # total_q for packed sequences
     slices = max(plan.plan_backward(problem, left, right, score_mod, deterministic, arch, _max_sm_count()).slices
                  for arch in ("sm_80", "sm_90a"))
-    return plan.backward_workspace(rows, problem.nheads, problem.headdim, slices)[2]
+    # room for the fixed point's pieces too in deterministic mode (whether a GPU takes it depends on its SM count)
+    return plan.backward_workspace(rows, problem.nheads, problem.headdim, slices,
+                                   problem.nheads_k if deterministic else 0)[2]
 
 
 @functools.lru_cache(maxsize=None)

@@ -237,8 +237,18 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
 # session 11 with the count fixed (docs/bench/bwd_det_session11.txt, call 3): 2 slots where the rule picks 1 took
 # det/atomic 1.201 -> 1.158 at d 64 non-causal 4k (32 -> 16 key blocks each) but 1.062 -> 1.092 at 1k (8 -> 4).
 # Off (0) until a run of the whole grid picks a bound.
+#
+# Fixed point (session 16; BwdParams::deterministic 2, cuda_src/fixed_dq.cuh): the atomic mode's grid, every CTA
+# adding its dQ tile as int32 fixed point (a per-row scale from a bound on the row's partial sums) into one
+# accumulator; integer sums do not depend on their order. It costs a pass over K and V for the bound (bwd_kv_bound)
+# and reads |dO| per row. "mode": "auto" takes it where the slot rule would give a head more than one slot (where
+# the slices cost: their adds miss the L2), "slices" never, "fixed" wherever the kernel adds dQ by TMA (all but the
+# d = 64 score-mod kernel); CUFLASH_BWD_SM90_DET. A fixed slot count ("slots" > 0) keeps the slices.
 BWD_SM90_DET = {"slots": int(os.environ.get("CUFLASH_BWD_SM90_DET_SLOTS", "0")),
-                "max_passes": int(os.environ.get("CUFLASH_BWD_SM90_DET_MAX_PASSES", "0"))}
+                "max_passes": int(os.environ.get("CUFLASH_BWD_SM90_DET_MAX_PASSES", "0")),
+                "mode": os.environ.get("CUFLASH_BWD_SM90_DET", "auto")}
+if BWD_SM90_DET["mode"] not in ("auto", "slices", "fixed"):
+    raise ValueError(f"CUFLASH_BWD_SM90_DET must be auto, slices or fixed, not {BWD_SM90_DET['mode']!r}")
 
 
 # Query rows per step of the Hopper backward, per head dim: 64, or 128 at d = 64 without a score mod (twice the work
@@ -318,7 +328,7 @@ class BwdSpec:
 class AuxSpec:
     """A small helper kernel of the backward (cuda_src/bwd_aux.cu), templated on the dtype only."""
 
-    kernel: str   # "bwd_preprocess" | "bwd_convert_dq"
+    kernel: str   # "bwd_preprocess" | "bwd_kv_bound" | "bwd_convert_dq"
     dtype: str
 
     source = "bwd_aux.cu"
@@ -353,7 +363,8 @@ def bwd_headdim(headdim: int, arch: str | None = None) -> int:
 
 
 def all_backward_specs(arch: str) -> list:
-    specs = [AuxSpec(kernel, dtype) for kernel in ("bwd_preprocess", "bwd_convert_dq") for dtype in ("fp16", "bf16")]
+    specs = [AuxSpec(kernel, dtype) for kernel in ("bwd_preprocess", "bwd_kv_bound", "bwd_convert_dq")
+             for dtype in ("fp16", "bf16")]
     for dtype in ("fp16", "bf16"):
         for d in BWD_HEADDIMS:
             for band in (False, True):
@@ -377,6 +388,7 @@ class BwdLaunch:
     spec: BwdSpec
     grid: tuple
     slices: int    # fp32 dQ accumulator slices (1 unless deterministic)
+    fixed_point: bool = False  # deterministic mode 2 (BWD_SM90_DET): one int32 accumulator on the atomic grid
 
 
 def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
@@ -398,6 +410,10 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
             slots = min(n_blocks, BWD_SM90_DET["slots"])
         else:
             slots = bwd_sm90_slots(n_blocks, groups, sm_count, BWD_SM90_DET["max_passes"])
+            tma_dq = not (problem.headdim == 64 and bwd_sm90_block_m(64, score_mod) == 64)  # BwdSm90::TMA_DQ
+            mode = BWD_SM90_DET["mode"]
+            if tma_dq and (mode == "fixed" or (mode == "auto" and slots > 1)):
+                return BwdLaunch(spec, check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, True)
     else:
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
         slots = max(1, min(n_blocks, math.ceil(2 * sm_count / groups))) if deterministic else n_blocks
@@ -421,15 +437,27 @@ def bwd_sm90_slots(n_blocks: int, groups: int, sm_count: int, max_passes: int = 
 WORKSPACE_ALIGN = 256  # bytes; each piece of a workspace starts on this boundary
 
 
-def backward_workspace(rows: int, nheads: int, headdim: int, slices: int) -> tuple[int, int, int]:
+def _aligned(n: int) -> int:
+    return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+
+def backward_workspace(rows: int, nheads: int, headdim: int, slices: int, nheads_k: int = 0) -> tuple[int, int, int]:
     """The backward's workspaces as one aligned block: byte offsets of lse_log2 and of the dQ accumulator, and
     the total. In the order cuflash.api.launch_backward allocates them: dsum and lse_log2 (fp32, one per query
     row and head), then the fp32 dQ accumulator (slices x rows x heads x headdim), each piece rounded up to
     WORKSPACE_ALIGN (cuflash.jax hands them out of one XLA buffer this size). `rows`: batch * seqlen_q, or
-    total_q when packed."""
-    aligned = lambda n: -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN  # noqa: E731
-    per_row = aligned(rows * nheads * 4)
-    return per_row, 2 * per_row, 2 * per_row + aligned(slices * rows * nheads * headdim * 4)
+    total_q when packed. `nheads_k` > 0: deterministic mode's fixed point, whose two pieces follow
+    (fixed_point_offsets)."""
+    per_row = _aligned(rows * nheads * 4)
+    total = 2 * per_row + _aligned(slices * rows * nheads * headdim * 4)
+    return per_row, 2 * per_row, total + (per_row + _aligned(nheads_k * 2 * 4) if nheads_k > 0 else 0)
+
+
+def fixed_point_offsets(rows: int, nheads: int, headdim: int) -> tuple[int, int]:
+    """Byte offsets of fixed point's pieces in backward_workspace(rows, nheads, headdim, 1, nheads_k): |dO| per row
+    (like dsum), then the K/V bounds (nheads_k x 2 x 4 bytes)."""
+    rownorm = backward_workspace(rows, nheads, headdim, 1)[2]
+    return rownorm, rownorm + _aligned(rows * nheads * 4)
 
 
 def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
@@ -608,16 +636,21 @@ FWD_PARAMS_DTYPE = _struct(
     ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right"),
     ("scale_log2", "mod_scale", "softcap"))
 BWD_PARAMS_DTYPE = _struct(
-    ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi", "cu_seqlens_q", "cu_seqlens_k"),
+    ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi", "cu_seqlens_q", "cu_seqlens_k",
+     "dq_rownorm", "kv_bound"),
     _strides("q", "k", "v", "do", "dk", "dv")
     + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
     ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
      "deterministic"),
     ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
 BWD_PRE_PARAMS_DTYPE = _struct(
-    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum"), _strides("o", "do") + ["dq_slice_stride"],
-    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices"), ())
-BWD_CONVERT_PARAMS_DTYPE = _struct(("dq_accum", "dq"), ("slice_stride",), ("slices",), ())
+    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_rownorm", "kv_bound", "k", "v"),
+    _strides("o", "do", "k", "v") + ["dq_slice_stride"],
+    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k"),
+    ())
+BWD_CONVERT_PARAMS_DTYPE = _struct(
+    ("dq_accum", "dq", "dsum", "dq_rownorm", "kv_bound"), ("slice_stride",),
+    ("slices", "fixed_point", "seqlen_q", "nheads", "headdim", "heads_per_kv"), ("softmax_scale",))
 
 
 def forward_scales(softmax_scale: float, softcap: float, score_mod: bool) -> dict:

@@ -193,6 +193,11 @@ def _sm90_cases() -> list[dict]:
                                                              alibi=True)))
         cases.append(dict(name=f"sm90_{variant}_bf16_d128_many_tiles", fn="attention_sm90", dtype="bf16",
                           shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=128), opts=dict(variant=variant)))
+    # the Hopper backward's deterministic fixed point (plan.BWD_SM90_DET "fixed": bwd_kv_bound, the int32 dQ
+    # reductions, the scaled convert), d 64 (128 query rows) and 128, causal
+    for d in (64, 128):
+        cases.append(dict(name=f"sm90_bwd_fixed_bf16_d{d}_causal", fn="attention_backward", dtype="bf16",
+                          shape=dict(BWD_S70, d=d), det_mode="fixed", opts=dict(causal=True, deterministic=True)))
     return cases
 
 
@@ -251,7 +256,13 @@ def run_attention_backward(rng, case, stream):
     out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
     dout = _rand(rng, out.shape, case["dtype"])
     _ready()  # out, lse from the forward's stream; dout from the default stream's copy
-    return cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
+    from cuflash import plan
+    mode = plan.BWD_SM90_DET["mode"]
+    plan.BWD_SM90_DET["mode"] = case.get("det_mode", mode)  # plan_backward reads it when the call is first built
+    try:
+        return cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
+    finally:
+        plan.BWD_SM90_DET["mode"] = mode
 
 
 def run_attention_with_kvcache(rng, case, stream):

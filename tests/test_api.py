@@ -186,19 +186,64 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
     assert call.dq_bytes == slices * rows * h * d * 4 and dq_off + call.dq_bytes <= total
 
-    main = _struct(call.main, plan.BWD_PARAMS_DTYPE, *range(101, 113))
-    assert [int(main[n]) for n in plan.BWD_PARAMS_DTYPE.names[:12]] == list(range(101, 113))
+    main = _struct(call.main, plan.BWD_PARAMS_DTYPE, *range(101, 115))
+    assert [int(main[n]) for n in plan.BWD_PARAMS_DTYPE.names[:14]] == list(range(101, 115))
     assert (main["lse_batch_stride"], main["lse_head_stride"]) == ((1, rows) if packed else (h * sq, sq))
     assert main["dq_batch_stride"] == (h * d if packed else sq * h * d) and main["dq_slice_stride"] == rows * h * d
     assert (main["batch"], main["seqlen_q"], main["seqlen_k"], main["heads_per_kv"]) == (b, sq, sk, 2)
     assert (main["q_row_stride"], main["k_row_stride"], main["deterministic"]) == (h * d, hk * d, deterministic)
-    pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 7))
-    assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum")] == [1, 2, 3, 4, 5, 6]
+    pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 11))
+    assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_rownorm", "kv_bound",
+                                  "k", "v")] == list(range(1, 11))
+    assert len(call.preprocess.launches) == 1 and pre["fixed_point"] == 0 and call.fixed_offsets is None
     assert (pre["batch"], pre["seqlen_q"], pre["nheads"]) == ((1, rows, h) if packed else (b, sq, h))
     assert (pre["dq_slice_stride"], pre["slices"]) == (rows * h * d, slices)  # it zeroes every slice
-    conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, 8, 9)
+    conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, 8, 9, 10, 11, 12)
     assert (int(conv["dq_accum"]), int(conv["dq"]), conv["slice_stride"], conv["slices"]) == (
         8, 9, rows * h * d, slices)
+    assert conv["fixed_point"] == 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_backward_fixed_point_layout(no_gpu_kernels, monkeypatch, packed):
+    """Deterministic mode's fixed point (plan.BWD_SM90_DET "auto", where the slot rule gives a head several slots):
+    the Hopper kernel on the atomic grid with deterministic = 2 and an int32 dq_accum map of one slice; the
+    preprocess then bwd_kv_bound over every K row (packed: one sequence of total_k rows) per KV head; the pieces
+    where plan.fixed_point_offsets puts them; the convert's rows as the preprocess's, grid (row groups, rows)."""
+    from cuflash import hopper, plan
+    monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
+    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "auto")
+    b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64
+    call, rows, problem = _fake_backward_call(b, sq, sk, h, hk, d, 555, packed, True, rows_packed=37)
+    launch = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
+    assert launch.fixed_point and launch.slices == 1 and launch.grid == (4, hk, b)  # 400 keys: 4 blocks
+    assert plan.bwd_sm90_slots(4, b * hk, 132) > 1
+    lse_off, dq_off, total = plan.backward_workspace(rows, h, d, 1, hk)
+    rownorm_off, kvb_off = plan.fixed_point_offsets(rows, h, d)
+    assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
+    assert call.fixed_offsets == (rownorm_off, kvb_off)
+    assert dq_off + call.dq_bytes <= rownorm_off and rownorm_off + rows * h * 4 <= kvb_off
+    assert kvb_off + hk * 2 * 4 <= total
+    main = np.frombuffer(call.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
+    assert main["deterministic"] == 2 and call.main.kernel_call.launches[0][1:4] == (4, hk, b)
+    dtype, dims, _, _ = hopper._dq_accum_layout(main, launch.grid)
+    assert dtype == np.int32 and dims == (d, h, rows, 1)
+    pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 11))
+    assert pre["fixed_point"] == 1 and pre["nheads_k"] == hk and len(call.preprocess.launches) == 2
+    rows_k = (1, 555) if packed else (b, sk)
+    assert (pre["kv_batch"], pre["seqlen_k"]) == rows_k and pre["k_row_stride"] == hk * d
+    per_block = 256 // plan.bwd_pre_lanes(d)
+    assert call.preprocess.launches[1][1:4] == (-(-rows_k[1] // per_block), hk, rows_k[0])
+    conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, *range(8, 13))
+    assert (conv["fixed_point"], conv["seqlen_q"], conv["nheads"], conv["headdim"]) == (
+        1, rows if packed else sq, h, d)
+    assert conv["heads_per_kv"] == 2 and conv["softmax_scale"] == np.float32(d ** -0.5)
+    assert call.convert.launches[0][1:3] == (1, rows)  # h d / 4 = 64 groups: one block per row
+    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "slices")
+    assert not plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point
+    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "auto")
+    monkeypatch.setitem(plan.BWD_SM90_DET, "slots", 2)  # a fixed slot count keeps the slices
+    assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).slices == 2
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -230,6 +275,8 @@ def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, de
     monkeypatch.setitem(plan.BWD_SM90, "score_mod", ())  # as at d = 128: score mods stay on the portable kernel
     portable = call(softcap=5.0)
     assert not isinstance(portable.main, hopper.BackwardMain)
+    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "slices")  # the fixed point: test_backward_fixed_point_layout
+    main, capped = call(), call(softcap=5.0)
     launch = plan.plan_backward(problem, -1, 0, False, deterministic, "sm_90a", 132)
     slots = plan.bwd_sm90_slots(4, b * hk, 132) if deterministic else 4  # 400 keys: four 128-key blocks
     assert launch.grid[0] == slots and launch.slices == (slots if deterministic else 1)
@@ -237,8 +284,8 @@ def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, de
     assert main.main.kernel_call.launches[0][1:5] == (slots, hk, b, 256)
     got = np.frombuffer(main.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
     want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
-    ref = _struct(portable.main, plan.BWD_PARAMS_DTYPE, *([0] * 12))
-    for name in plan.BWD_PARAMS_DTYPE.names[12:]:
+    ref = _struct(portable.main, plan.BWD_PARAMS_DTYPE, *([0] * 14))
+    for name in plan.BWD_PARAMS_DTYPE.names[14:]:
         if name not in ("mod_scale", "softcap", "scale_log2"):  # the score-mod kernel's natural-log scores
             assert got[name] == ref[name] == want[name], name
     assert hopper.BWD_PARAMS_DTYPE.fields["q"][1] == 640 and hopper.BWD_PARAMS_DTYPE.itemsize % 64 == 0

@@ -30,9 +30,15 @@ def make_case(rng, *, b, sq, sk, h, hk, d, dtype, alibi=None):
 
 def run_case(rng, *, b, sq, sk, h, hk, d, dtype, causal=False, window_size=(-1, -1), softcap=0.0, alibi=None,
              softmax_scale=None, deterministic=False):
-    import cuflash
     q, k, v, dout, slopes = make_case(rng, b=b, sq=sq, sk=sk, h=h, hk=hk, d=d, dtype=dtype, alibi=alibi)
     opts = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale)
+    ctx = f"b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {dtype} {opts} alibi={alibi} det={deterministic}"
+    return check_case(q, k, v, dout, slopes, opts, deterministic, ctx)
+
+
+def check_case(q, k, v, dout, slopes, opts, deterministic, ctx):
+    """The backward of these inputs (forward run first for out and lse) against the reference."""
+    import cuflash
     out, lse = cuflash.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **opts)
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, alibi_slopes=slopes, deterministic=deterministic,
                                        **opts)
@@ -44,7 +50,6 @@ def run_case(rng, *, b, sq, sk, h, hk, d, dtype, causal=False, window_size=(-1, 
     ref = reference.attention_backward(host[3], *host[:3], out.get().astype(np.float32), ref_lse, alibi_slopes=sh,
                                        **opts)
     naive = naive_lowp_backward(host[3], *host[:3], alibi_slopes=sh, **opts)
-    ctx = f"b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} {dtype} {opts} alibi={alibi} det={deterministic}"
     for name, got, want, lowp, like in zip(("dq", "dk", "dv"), grads, ref, naive, (q, k, v)):
         assert got.shape == like.shape and got.dtype == like.dtype, (name, ctx)
         assert_close_to_reference(got.get(), want, lowp, what=name, context=ctx)
@@ -291,6 +296,49 @@ def test_sm90_deterministic_over_several_passes(compiled, sm90_backward, monkeyp
         run_backward(np.random.default_rng(34), lens_q=[300, 0, 65], lens_k=[850, 17, 400], h=4, hk=2, d=d,
                      dtype="bf16", causal=True, deterministic=True)
         assert_bitwise_repeatable(35, runs=3, b=2, sq=300, sk=850, h=4, hk=2, d=d)
+    finally:
+        api._bwd_launches.clear()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_fixed_point_deterministic(compiled, sm90_backward, monkeypatch, d):
+    """plan.BWD_SM90_DET "fixed": dQ as int32 fixed point on the atomic grid (cuda_src/fixed_dq.cuh; not with the
+    d = 64 kernel of 64 query rows, which keeps the slices), under causal, local and no masks, GQA, lengths off the
+    tiles and packed sequences: against the reference and bitwise equal over repeated calls. Then rows of dO over
+    five orders of magnitude, some all zero (their dq exactly 0), and one outlier in K (a bound 30x looser for
+    every row)."""
+    import cupy
+    import cuflash
+    from cuflash import api, checks, plan
+    from tests.gpu.test_varlen import run_backward
+    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "fixed")
+    problem = checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16))
+    tma_dq = not (d == 64 and plan.bwd_sm90_block_m(64, False) == 64)
+    assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point == tma_dq
+    api._bwd_launches.clear()
+    try:
+        run_case(np.random.default_rng(41), b=2, sq=400, sk=850, h=4, hk=2, d=d, dtype="bf16", causal=True,
+                 deterministic=True)
+        run_case(np.random.default_rng(42), b=1, sq=700, sk=850, h=2, hk=1, d=d, dtype="fp16",
+                 window_size=(200, 60), deterministic=True)
+        run_case(np.random.default_rng(43), b=3, sq=129, sk=333, h=3, hk=1, d=d, dtype="bf16", deterministic=True)
+        run_case(np.random.default_rng(44), b=1, sq=17, sk=1, h=2, hk=2, d=d, dtype="bf16", deterministic=True)
+        run_backward(np.random.default_rng(45), lens_q=[300, 0, 65], lens_k=[850, 17, 400], h=4, hk=2, d=d,
+                     dtype="bf16", causal=True, deterministic=True)
+        assert_bitwise_repeatable(46, runs=3, b=2, sq=300, sk=850, h=4, hk=2, d=d)
+        rng = np.random.default_rng(47)
+        q, _, v, _, _ = make_case(rng, b=2, sq=300, sk=500, h=4, hk=2, d=d, dtype="bf16")
+        host_do = randn(rng, (2, 300, 4, d), np.float32) * 10.0 ** rng.uniform(-3, 2, (2, 300, 4, 1))
+        host_do[:, 5:12] = 0
+        host_k = randn(rng, (2, 500, 2, d), np.float32)
+        host_k[1, 3, 0, 5] = 120.0
+        dout, k = (cupy.asarray(x.astype(DTYPES["bf16"])) for x in (host_do, host_k))
+        opts = dict(causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None)
+        dq = check_case(q, k, v, dout, None, opts, True, "rows of dO 1e-3..1e2, zero rows, a K outlier")[0]
+        assert not bool(dq[:, 5:12].view(np.uint16).any()), "rows with dO = 0 must get dq = 0"
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)[0]
+        assert bool(cupy.array_equal(dq.view(np.uint16), again.view(np.uint16)))
     finally:
         api._bwd_launches.clear()
 
