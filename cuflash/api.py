@@ -302,7 +302,8 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
         _set_strides(pp, k=k, v=v)
         pp["fixed_point"], pp["nheads_k"] = 1, problem.nheads_k
         pp["kv_batch"], pp["seqlen_k"] = (1, k.shape[0]) if packed else (b, problem.seqlen_k)
-        kv_grid = plan.check_grid((-(-int(pp["seqlen_k"]) // pre_rows), problem.nheads_k, int(pp["kv_batch"])))
+        kv_grid = plan.check_grid((plan.kv_bound_blocks(int(pp["seqlen_k"]), pre_rows, problem.nheads_k * int(
+            pp["kv_batch"]), build.sm_count(device_id)), problem.nheads_k, int(pp["kv_batch"])))
         pre_launches.append((build.get_kernel(plan.AuxSpec("bwd_kv_bound", dtype), device_id), kv_grid,
                              (pre.threads,), 0))
     preprocess = KernelCall(pre_launches, pp, plan.BWD_PRE_PARAMS_DTYPE.names[:10])

@@ -240,13 +240,18 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
 #
 # Fixed point (session 16; BwdParams::deterministic 2, cuda_src/fixed_dq.cuh): the atomic mode's grid, every CTA
 # adding its dQ tile as int32 fixed point (a per-row scale from a bound on the row's partial sums) into one
-# accumulator; integer sums do not depend on their order. It costs a pass over K and V for the bound (bwd_kv_bound)
-# and reads |dO| per row. "mode": "auto" takes it where the slot rule would give a head more than one slot (where
-# the slices cost: their adds miss the L2), "slices" never, "fixed" wherever the kernel adds dQ by TMA (all but the
-# d = 64 score-mod kernel); CUFLASH_BWD_SM90_DET. A fixed slot count ("slots" > 0) keeps the slices.
+# accumulator; integer sums do not depend on their order. It costs a pass over K and V for the bound (bwd_kv_bound),
+# reads |dO| per row, and the main kernel's int32 conversions (cvt, a quarter-rate pipe) cost it 3-8% against the
+# atomic mode. "mode": "auto" takes it where the slot rule gives a head more than one slot or from "fixed_min_blocks"
+# key blocks on (where the slices cost most: a slot's passes each add to the whole dQ of its heads, which misses the
+# L2), "slices" never, "fixed" wherever the kernel adds dQ by TMA (all but the d = 64 score-mod kernel);
+# CUFLASH_BWD_SM90_DET. A fixed slot count ("slots" > 0) keeps the slices. Measured (session 16, call 5, with "auto"
+# as slots > 1 alone, A/B in one call, det TFLOP/s slices -> fixed): d 128 non-causal 4k / 8k / 16k 367.8 / 379.7 /
+# 386.4 -> 379.8 / 408.5 / 424.2, causal 8k / 16k 351.2 / 362.3 -> 367.5 / 413.4; slower at d 128 causal 4k (330.6
+# -> 320.2) and d 64 causal 8k (348.4 -> 334.0) with bwd_kv_bound's 210 us, since cut by a block reduction.
 BWD_SM90_DET = {"slots": int(os.environ.get("CUFLASH_BWD_SM90_DET_SLOTS", "0")),
                 "max_passes": int(os.environ.get("CUFLASH_BWD_SM90_DET_MAX_PASSES", "0")),
-                "mode": os.environ.get("CUFLASH_BWD_SM90_DET", "auto")}
+                "mode": os.environ.get("CUFLASH_BWD_SM90_DET", "auto"), "fixed_min_blocks": 16}
 if BWD_SM90_DET["mode"] not in ("auto", "slices", "fixed"):
     raise ValueError(f"CUFLASH_BWD_SM90_DET must be auto, slices or fixed, not {BWD_SM90_DET['mode']!r}")
 
@@ -411,8 +416,8 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
         else:
             slots = bwd_sm90_slots(n_blocks, groups, sm_count, BWD_SM90_DET["max_passes"])
             tma_dq = not (problem.headdim == 64 and bwd_sm90_block_m(64, score_mod) == 64)  # BwdSm90::TMA_DQ
-            mode = BWD_SM90_DET["mode"]
-            if tma_dq and (mode == "fixed" or (mode == "auto" and slots > 1)):
+            mode, auto = BWD_SM90_DET["mode"], slots > 1 or n_blocks >= BWD_SM90_DET["fixed_min_blocks"]
+            if tma_dq and (mode == "fixed" or (mode == "auto" and auto)):
                 return BwdLaunch(spec, check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, True)
     else:
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
@@ -451,6 +456,12 @@ def backward_workspace(rows: int, nheads: int, headdim: int, slices: int, nheads
     per_row = _aligned(rows * nheads * 4)
     total = 2 * per_row + _aligned(slices * rows * nheads * headdim * 4)
     return per_row, 2 * per_row, total + (per_row + _aligned(nheads_k * 2 * 4) if nheads_k > 0 else 0)
+
+
+def kv_bound_blocks(rows: int, rows_per_block: int, groups: int, sm_count: int) -> int:
+    """bwd_kv_bound's blocks per (KV head, sequence): enough for about 8 blocks per SM over all `groups`, each
+    striding over its rows, at most one per `rows_per_block` rows."""
+    return max(1, min(-(-rows // rows_per_block), -(-8 * sm_count // groups)))
 
 
 def fixed_point_offsets(rows: int, nheads: int, headdim: int) -> tuple[int, int]:

@@ -210,7 +210,7 @@ def test_backward_fixed_point_layout(no_gpu_kernels, monkeypatch, packed):
     the Hopper kernel on the atomic grid with deterministic = 2 and an int32 dq_accum map of one slice; the
     preprocess then bwd_kv_bound over every K row (packed: one sequence of total_k rows) per KV head; the pieces
     where plan.fixed_point_offsets puts them; the convert's rows as the preprocess's, grid (row groups, rows)."""
-    from cuflash import hopper, plan
+    from cuflash import build, hopper, plan
     monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
     monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "auto")
     b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64
@@ -233,7 +233,8 @@ def test_backward_fixed_point_layout(no_gpu_kernels, monkeypatch, packed):
     rows_k = (1, 555) if packed else (b, sk)
     assert (pre["kv_batch"], pre["seqlen_k"]) == rows_k and pre["k_row_stride"] == hk * d
     per_block = 256 // plan.bwd_pre_lanes(d)
-    assert call.preprocess.launches[1][1:4] == (-(-rows_k[1] // per_block), hk, rows_k[0])
+    blocks = plan.kv_bound_blocks(rows_k[1], per_block, hk * rows_k[0], build.sm_count(0))
+    assert call.preprocess.launches[1][1:4] == (blocks, hk, rows_k[0]) and blocks <= -(-rows_k[1] // per_block)
     conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, *range(8, 13))
     assert (conv["fixed_point"], conv["seqlen_q"], conv["nheads"], conv["headdim"]) == (
         1, rows if packed else sq, h, d)

@@ -300,3 +300,33 @@ def test_sm90_o_tma_switch():
     assert plan._o_tma_from_env("0") == {64: 0, 128: 0, 256: 0}
     with pytest.raises(ValueError, match="CUFLASH_SM90_O_TMA"):
         plan._o_tma_from_env("yes")
+
+
+def test_kv_bound_blocks():
+    """bwd_kv_bound's blocks per (KV head, sequence): about 8 per SM over all of them, at most one per rows_per_block
+    rows, at least one."""
+    assert plan.kv_bound_blocks(16384, 32, 32, 132) == 33          # 8 x 132 / 32 heads
+    assert plan.kv_bound_blocks(100, 32, 1, 132) == 4              # one per 32 rows
+    assert plan.kv_bound_blocks(1, 32, 10_000, 132) == 1
+
+
+def test_deterministic_fixed_point_rule(monkeypatch):
+    """plan.BWD_SM90_DET "auto": the fixed point where the slot rule gives several slots or from fixed_min_blocks key
+    blocks on, not with the d = 64 score-mod kernel (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
+    from cuflash import checks
+    monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
+    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "auto")
+    big = checks.Problem(32, 512, 512, 16, 16, 128, np.dtype(np.float16))   # 4 blocks, one slot each
+    long = checks.Problem(8, 2048, 2048, 16, 16, 128, np.dtype(np.float16))  # 16 blocks, one slot each
+    assert plan.bwd_sm90_slots(4, 32 * 16, 132) == 1 and plan.bwd_sm90_slots(16, 8 * 16, 132) == 1
+    assert not plan.plan_backward(big, -1, -1, False, True, "sm_90a", 132).fixed_point
+    fixed = plan.plan_backward(long, -1, -1, False, True, "sm_90a", 132)
+    assert fixed.fixed_point and fixed.slices == 1 and fixed.grid == (16, 16, 8)
+    capped = checks.Problem(1, 4096, 4096, 4, 4, 64, np.dtype(np.float16))
+    assert plan.plan_backward(capped, -1, -1, False, True, "sm_90a", 132).fixed_point
+    assert not plan.plan_backward(capped, -1, -1, True, True, "sm_90a", 132).fixed_point  # score mod: 64 rows
+    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "slices")
+    assert not plan.plan_backward(long, -1, -1, False, True, "sm_90a", 132).fixed_point
+    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "fixed")
+    assert plan.plan_backward(big, -1, -1, False, True, "sm_90a", 132).fixed_point
+    assert not plan.plan_backward(big, -1, -1, False, False, "sm_90a", 132).fixed_point
