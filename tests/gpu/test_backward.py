@@ -284,20 +284,25 @@ def test_sm90_deterministic_over_several_passes(compiled, sm90_backward, monkeyp
     here: with 3 slots the last, odd pass leaves slots 0 and 1 without one), under causal, local and no masks, GQA
     and packed sequences: against the reference, and bitwise equal over repeated calls."""
     from cuflash import api, plan
-    from tests.gpu.test_varlen import run_backward
     monkeypatch.setitem(plan.BWD_SM90_DET, "slots", slots)
     api._bwd_launches.clear()
     try:
-        run_case(np.random.default_rng(31), b=2, sq=400, sk=850, h=4, hk=2, d=d, dtype="bf16", causal=True,
-                 deterministic=True)
-        run_case(np.random.default_rng(32), b=1, sq=700, sk=850, h=2, hk=1, d=d, dtype="fp16",
-                 window_size=(200, 60), deterministic=True)
-        run_case(np.random.default_rng(33), b=1, sq=129, sk=850, h=2, hk=2, d=d, dtype="bf16", deterministic=True)
-        run_backward(np.random.default_rng(34), lens_q=[300, 0, 65], lens_k=[850, 17, 400], h=4, hk=2, d=d,
-                     dtype="bf16", causal=True, deterministic=True)
-        assert_bitwise_repeatable(35, runs=3, b=2, sq=300, sk=850, h=4, hk=2, d=d)
+        run_deterministic_mix(d, (31, 32, 33, 34, 35), dict(b=1, sq=129, sk=850, h=2, hk=2))
     finally:
         api._bwd_launches.clear()
+
+
+def run_deterministic_mix(d, seeds, plain):
+    """Deterministic mode under causal (GQA), local and no masks (`plain`: the shape) and packed sequences against the
+    reference, then bitwise equal over repeated calls; one seed each."""
+    from tests.gpu.test_varlen import run_backward
+    rngs = [np.random.default_rng(seed) for seed in seeds]
+    run_case(rngs[0], b=2, sq=400, sk=850, h=4, hk=2, d=d, dtype="bf16", causal=True, deterministic=True)
+    run_case(rngs[1], b=1, sq=700, sk=850, h=2, hk=1, d=d, dtype="fp16", window_size=(200, 60), deterministic=True)
+    run_case(rngs[2], **plain, d=d, dtype="bf16", deterministic=True)
+    run_backward(rngs[3], lens_q=[300, 0, 65], lens_k=[850, 17, 400], h=4, hk=2, d=d, dtype="bf16", causal=True,
+                 deterministic=True)
+    assert_bitwise_repeatable(seeds[4], runs=3, b=2, sq=300, sk=850, h=4, hk=2, d=d)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -310,22 +315,14 @@ def test_sm90_fixed_point_deterministic(compiled, sm90_backward, monkeypatch, d)
     import cupy
     import cuflash
     from cuflash import api, checks, plan
-    from tests.gpu.test_varlen import run_backward
     monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "fixed")
     problem = checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16))
     tma_dq = not (d == 64 and plan.bwd_sm90_block_m(64, False) == 64)
     assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point == tma_dq
     api._bwd_launches.clear()
     try:
-        run_case(np.random.default_rng(41), b=2, sq=400, sk=850, h=4, hk=2, d=d, dtype="bf16", causal=True,
-                 deterministic=True)
-        run_case(np.random.default_rng(42), b=1, sq=700, sk=850, h=2, hk=1, d=d, dtype="fp16",
-                 window_size=(200, 60), deterministic=True)
-        run_case(np.random.default_rng(43), b=3, sq=129, sk=333, h=3, hk=1, d=d, dtype="bf16", deterministic=True)
+        run_deterministic_mix(d, (41, 42, 43, 45, 46), dict(b=3, sq=129, sk=333, h=3, hk=1))
         run_case(np.random.default_rng(44), b=1, sq=17, sk=1, h=2, hk=2, d=d, dtype="bf16", deterministic=True)
-        run_backward(np.random.default_rng(45), lens_q=[300, 0, 65], lens_k=[850, 17, 400], h=4, hk=2, d=d,
-                     dtype="bf16", causal=True, deterministic=True)
-        assert_bitwise_repeatable(46, runs=3, b=2, sq=300, sk=850, h=4, hk=2, d=d)
         rng = np.random.default_rng(47)
         q, _, v, _, _ = make_case(rng, b=2, sq=300, sk=500, h=4, hk=2, d=d, dtype="bf16")
         host_do = randn(rng, (2, 300, 4, d), np.float32) * 10.0 ** rng.uniform(-3, 2, (2, 300, 4, 1))
