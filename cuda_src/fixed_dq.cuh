@@ -31,8 +31,8 @@ __device__ __forceinline__ float dq_fixed_unit(float bound) { return bound * (1.
 
 // Two fp32 values as int32 fixed point (round to nearest even; cvt saturates, and NaN becomes 0).
 __device__ __forceinline__ void st_shared_fixed2(u32 addr, float x, float y, float scale) {
-    asm volatile("{\n.reg .s32 a, b;\ncvt.rni.s32.f32 a, %1;\ncvt.rni.s32.f32 b, %2;\nst.shared.v2.s32 [%0], {a, b};\n}\n"
-                 ::"r"(addr), "f"(x * scale), "f"(y * scale) : "memory");
+    asm volatile("{\n.reg .s32 a, b;\ncvt.rni.s32.f32 a, %1;\ncvt.rni.s32.f32 b, %2;\n"
+                 "st.shared.v2.s32 [%0], {a, b};\n}\n" ::"r"(addr), "f"(x * scale), "f"(y * scale) : "memory");
 }
 
 }  // namespace cuflash

@@ -230,8 +230,8 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
 
     Deterministic mode's slice count grows with the GPU's SM count and differs between the portable and the
     Hopper main kernel, so it is planned for the largest GPU visible here and the larger of the two (an upper
-    bound for any of them), with room for the Hopper kernel's fixed point (one slice and two small pieces). `rows`: query rows of the workspaces, batch * seqlen_q by default, total_q for packed
-    sequences.
+    bound for any of them), with room for the Hopper kernel's fixed point (one slice and two small pieces).
+    `rows`: query rows of the workspaces, batch * seqlen_q by default, total_q for packed sequences.
     """
     left, right = plan.normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
     rows = problem.batch * problem.seqlen_q if rows is None else rows  # total_q for packed sequences
