@@ -276,7 +276,7 @@ class BwdSm90Spec:
 
     @property
     def tma_dq(self) -> bool:  # BwdSm90::TMA_DQ: dQ added by TMA from staging buffers
-        return not (self.headdim == 64 and self.block_m == 64)
+        return plan.bwd_sm90_tma_dq(self.headdim, self.block_m)
 
     @property
     def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, rows (lse, D, dQ scale), dQ staging,

@@ -271,6 +271,12 @@ def bwd_sm90_block_m_allowed(headdim: int, score_mod: bool, block_m: int) -> boo
     return block_m == 64 or (block_m == 128 and headdim == 64 and not score_mod)
 
 
+def bwd_sm90_tma_dq(headdim: int, block_m: int) -> bool:
+    """BwdSm90::TMA_DQ: dQ added by TMA bulk reductions from staging tiles (all but d = 64 with 64 query rows, the
+    score-mod kernel, whose warpgroups both add to every element with vector reductions)."""
+    return not (headdim == 64 and block_m == 64)
+
+
 def bwd_sm90_block_m(headdim: int, score_mod: bool) -> int:
     """The Hopper backward's query rows per step for this head dim (the table's entry where the kernel allows it)."""
     block_m = BWD_SM90_BLOCK_M.get(headdim, 64)
@@ -415,7 +421,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
             slots = min(n_blocks, BWD_SM90_DET["slots"])
         else:
             slots = bwd_sm90_slots(n_blocks, groups, sm_count, BWD_SM90_DET["max_passes"])
-            tma_dq = not (problem.headdim == 64 and bwd_sm90_block_m(64, score_mod) == 64)  # BwdSm90::TMA_DQ
+            tma_dq = bwd_sm90_tma_dq(problem.headdim, bwd_sm90_block_m(problem.headdim, score_mod))
             mode, auto = BWD_SM90_DET["mode"], slots > 1 or n_blocks >= BWD_SM90_DET["fixed_min_blocks"]
             if tma_dq and (mode == "fixed" or (mode == "auto" and auto)):
                 return BwdLaunch(spec, check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, True)

@@ -317,7 +317,7 @@ def test_sm90_fixed_point_deterministic(compiled, sm90_backward, monkeypatch, d)
     from cuflash import api, checks, plan
     monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "fixed")
     problem = checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16))
-    tma_dq = not (d == 64 and plan.bwd_sm90_block_m(64, False) == 64)
+    tma_dq = plan.bwd_sm90_tma_dq(d, plan.bwd_sm90_block_m(d, False))
     assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point == tma_dq
     api._bwd_launches.clear()
     try:
