@@ -98,6 +98,10 @@ struct FwdSm90 {
     // session 14).
     static constexpr bool OVERLAP = PERSISTENT && Q_BUFS >= 2 && D == 64;
     static constexpr bool Q_EARLY = OVERLAP;
+    // A value every lane of the warp holds, made one ptxas can see as such (sm90::warp_uniform), so that the ring
+    // position and the wgmma descriptors stay on the uniform datapath: +2 to +6% at d 128 up to 4k keys. Not in the
+    // OVERLAP kernel, where the shuffles cost more than they saved (-3 to -10% at d 64 up to 2k keys; session 17).
+    __device__ __forceinline__ static int uniform(int x) { return OVERLAP ? x : sm90::warp_uniform(x); }
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
@@ -163,13 +167,14 @@ struct FwdSm90 {
 
     // S = Q K^T for the block in ring slot `slot`, issued as one wgmma group (the caller fences and waits).
     __device__ __forceinline__ void issue_s(float (&s)[1][BN / 8][4], int slot) const {
-        const u32 k_tile = base + OFF_K + slot * KV_BYTES;
-        const u32 q_rows = q_tile() + wg * 64 * 128;  // this warpgroup's 64 rows of every Q panel
+        const u32 k_tile = OFF_K + slot * KV_BYTES;  // (offsets from base: smem_desc(base) advanced)
+        const u32 q_rows = q_tile() - base + wg * 64 * 128;  // this warpgroup's 64 rows of every Q panel
         float(&sf)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0][0]);
+        const auto desc0 = sm90::smem_desc(base);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
-            const auto a = sm90::smem_desc(q_rows + (ks / 4) * Q_PANEL + (ks % 4) * 32);
-            const auto b = sm90::smem_desc(k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32);
+            const auto a = sm90::desc_advance(desc0, q_rows + (ks / 4) * Q_PANEL + (ks % 4) * 32);
+            const auto b = sm90::desc_advance(desc0, k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32);
             if constexpr (BN == 176) sm90::wgmma_m64n176k16_ss<T>(sf, a, b, ks > 0);
             else if constexpr (BN == 128) sm90::wgmma_m64n128k16_ss<T>(sf, a, b, ks > 0);
             else sm90::wgmma_m64n64k16_ss<T>(sf, a, b, ks > 0);
@@ -177,13 +182,21 @@ struct FwdSm90 {
         sm90::wgmma_commit();
     }
 
-    // O += P V over keys 16 kk .. 16 kk + 15 of the block in slot `slot`: P's A fragment `a` from registers.
+    // O += P V over keys 16 kk .. 16 kk + 15 of the block in slot `slot`: P's A fragment `a` from registers. Where
+    // the head dim has an even number of 64-column panels one m64n128k16 covers two of them (PV_N128: P's fragment
+    // read once for both), else one m64n64k16 per panel.
+    static constexpr bool PV_N128 = PANELS % 2 == 0;
     __device__ __forceinline__ void issue_pv_k16(const u32 (&a)[4], int kk, int slot) {
-        const u32 v_tile = base + OFF_V + slot * KV_BYTES;
+        const u32 v_tile = OFF_V + slot * KV_BYTES;
+        const auto desc0 = sm90::smem_desc_mn(base, KV_PANEL);
+        constexpr int STEP = PV_N128 ? 2 : 1;
 #pragma unroll
-        for (int pn = 0; pn < PANELS; ++pn)
-            sm90::wgmma_m64n64k16_rs<T>(panel(pn), a, sm90::smem_desc_mn(v_tile + pn * KV_PANEL + kk * 2048, KV_PANEL),
-                                        true);
+        for (int pn = 0; pn < PANELS; pn += STEP) {
+            const auto b = sm90::desc_advance(desc0, v_tile + pn * KV_PANEL + kk * 2048);
+            if constexpr (PV_N128)
+                sm90::wgmma_m64n128k16_rs<T>(*reinterpret_cast<float(*)[64]>(&acc_o[0][pn * 8][0]), a, b, true);
+            else sm90::wgmma_m64n64k16_rs<T>(panel(pn), a, b, true);
+        }
     }
 
     // O += P V for the whole block, P packed beforehand, issued as one wgmma group. The registers of P and O belong
@@ -285,7 +298,7 @@ struct FwdSm90 {
                                                   float (&s)[1][BN / 8][4], float (&alpha)[1][2],
                                                   u32 (&pa)[BN / 16][4]) {
         for (int t = 1; t < count; ++t) {
-            const int slot = (it0 + t) % STAGES, prev = (it0 + t - 1) % STAGES;
+            const int slot = uniform((it0 + t) % STAGES), prev = (slot + STAGES - 1) % STAGES;
             sm90::mbar_wait(full_bar(slot, 0), ((it0 + t) / STAGES) & 1);
             sm90::mbar_wait(full_bar(prev, 1), ((it0 + t - 1) / STAGES) & 1);
             my_turn();
@@ -307,7 +320,7 @@ struct FwdSm90 {
 
     // The consumers' Q for the loaded-th tile with key blocks: its Q tile, once loaded.
     __device__ __forceinline__ void wait_q(int loaded) {
-        qb = loaded % Q_BUFS;
+        qb = uniform(loaded % Q_BUFS);
         sm90::mbar_wait(q_full_bar(), (loaded / Q_BUFS) & 1);
     }
 
@@ -495,7 +508,7 @@ struct FwdSm90 {
 
     __device__ __forceinline__ void start(char* smem) {
         tid = threadIdx.x;
-        wg = (tid - CONSUMER0) / 128;  // consumers 0 .. WGS - 1 (producer threads never use it)
+        wg = uniform((tid - CONSUMER0) / 128);  // consumers 0 .. WGS - 1 (producer threads never use it)
         warp = (tid / 32) % 4;
         lane = tid % 32;
         base = (smem_u32(smem) + 1023) & ~1023u;
@@ -509,9 +522,11 @@ struct FwdSm90 {
     __device__ __forceinline__ void run(char* smem) {
         start(smem);
         BlockRange range;
-        if (!begin_tile(BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, range)) return;
+        if (!uniform(begin_tile(BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z,
+                                           range)))
+            return;
         reset_accumulators();
-        const int count = blocks(range);  // walked from n_max - 1 down
+        const int count = uniform(blocks(range));  // walked from n_max - 1 down
         init_barriers();
         if constexpr (WS) {
             if (is_producer()) {  // producer warpgroup: one thread moves the data
@@ -633,7 +648,8 @@ struct FwdSm90 {
             const TileRows done = rows();
             BlockRange next;
             have = next_tile(round, m_blocks, tiles, next);
-            started = have && blocks(next) > 0;
+            const int next_count = have ? blocks(next) : 0;
+            started = next_count > 0;
             if (started) {
                 wait_q(loaded);
                 sm90::mbar_wait(full_bar(it % STAGES, 0), (it / STAGES) & 1);
@@ -645,7 +661,7 @@ struct FwdSm90 {
                 your_turn();
                 sm90::wgmma_wait<1>();  // the next tile's S is in
                 sm90::mbar_arrive(empty_bar(it % STAGES, 0));
-                s_done(0, blocks(next));
+                s_done(0, next_count);
                 const OnlineSoftmax<1> done_softmax = softmax;
                 softmax.reset();
                 probabilities_of<true>(next, 0, s, alpha);
@@ -688,8 +704,8 @@ struct FwdSm90 {
         } else {
             for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
                 BlockRange range;
-                if (!tile_of(idx, m_blocks, range)) continue;
-                const int count = blocks(range);
+                if (!uniform(tile_of(idx, m_blocks, range))) continue;
+                const int count = uniform(blocks(range));
                 reset_accumulators();
                 if (count > 0) {
                     wait_q(loaded);

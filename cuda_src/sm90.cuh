@@ -139,7 +139,24 @@ __device__ __forceinline__ unsigned long long smem_desc_mn(u32 addr, u32 panel_b
            ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) further on than `desc`'s: only the start address field
+// (bits 0-13, the address >> 4) moves, and the add stays in it (shared memory ends below 256 KB). A kernel builds
+// one descriptor per buffer and advances it, instead of rebuilding each one from its address (a mask, shifts and
+// ors per wgmma, then two moves to uniform registers: about a third of a d = 64 forward step's instructions).
+__device__ __forceinline__ unsigned long long desc_advance(unsigned long long desc, u32 bytes) {
+    unsigned long long d;
+    asm("mov.b64 %0, {%1, %2};\n" : "=l"(d) : "r"((u32)desc + (bytes >> 4)), "r"((u32)(desc >> 32)));
+    return d;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+// x as a value ptxas can see is the same in every lane (a shuffle from lane 0; the whole warp takes part). Values
+// it cannot prove warp-uniform (loaded from memory, or computed inside a loop whose trip count it cannot prove
+// uniform) live in per-thread registers: every wgmma descriptor built from them is then computed per thread and moved
+// to uniform registers (R2UR) at each wgmma. A tile's block count and the like made uniform keep the ring position
+// and the descriptors on the uniform datapath.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffff, x, 0); }
 
 // Named CTA barriers (ids 1..15; 0 is __syncthreads) over `threads` threads: sync arrives and waits until that many
 // have arrived, arrive only counts. Two warpgroups take turns with a pair of them (fwd_sm90.cu, PINGPONG).
@@ -238,21 +255,35 @@ template <class T> __device__ __forceinline__ void wgmma_m64n176k16_ss(float (&d
 
 // D[64 x 64] (+)= A[64 x 16] B[16 x 64], A from registers (per warp the mma.sync m16n8k16 A fragment of its 16
 // rows: P straight from the S accumulators), B MN-major in shared memory (smem_desc_mn), fp32 accumulators.
-#define CUFLASH_WGMMA_M64N64K16_RS(TYPE)                                                                          \
+// RS: DREGS / ACC_OPERANDS as in CUFLASH_WGMMA_SS, AFTER the A registers, descriptor, predicate and immediates.
+#define CUFLASH_WGMMA_RS(SHAPE, TYPE, DREGS, ACC_OPERANDS, PRED, AFTER)                                           \
     asm volatile("{\n"                                                                                            \
                  ".reg .pred acc;\n"                                                                              \
-                 "setp.ne.b32 acc, %37, 0;\n"                                                                     \
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " CUFLASH_D32                      \
-                 "{%32, %33, %34, %35}, %36, acc, 1, 1, 1;\n"                                                     \
+                 "setp.ne.b32 acc, " PRED ", 0;\n"                                                                \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " DREGS AFTER ";\n"                \
                  "}\n"                                                                                            \
-                 : CUFLASH_ACC32                                                                                  \
+                 : ACC_OPERANDS                                                                                   \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"((int)accumulate))
+#define CUFLASH_RS_N64(TYPE) \
+    CUFLASH_WGMMA_RS("m64n64k16", TYPE, CUFLASH_D32, CUFLASH_ACC32, "%37", "{%32, %33, %34, %35}, %36, acc, 1, 1, 1")
+#define CUFLASH_RS_N128(TYPE) \
+    CUFLASH_WGMMA_RS("m64n128k16", TYPE, CUFLASH_D64, CUFLASH_ACC64, "%69", "{%64, %65, %66, %67}, %68, acc, 1, 1, 1")
 template <class T> __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4],
                                                                       unsigned long long b_desc, bool accumulate) {
-    if constexpr (T::is_bf16) CUFLASH_WGMMA_M64N64K16_RS("bf16");
-    else CUFLASH_WGMMA_M64N64K16_RS("f16");
+    if constexpr (T::is_bf16) CUFLASH_RS_N64("bf16");
+    else CUFLASH_RS_N64("f16");
 }
-#undef CUFLASH_WGMMA_M64N64K16_RS
+// The same with N = 128 (O += P V at d = 128: both 64-column panels of V, `panel_bytes` apart in smem_desc_mn's
+// leading byte offset, in one instruction): d[4j + e] for the 16 column groups j of 8, the two n64 forms' d side by
+// side. P's fragment is read once for both panels.
+template <class T> __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4],
+                                                                       unsigned long long b_desc, bool accumulate) {
+    if constexpr (T::is_bf16) CUFLASH_RS_N128("bf16");
+    else CUFLASH_RS_N128("f16");
+}
+#undef CUFLASH_RS_N128
+#undef CUFLASH_RS_N64
+#undef CUFLASH_WGMMA_RS
 #undef CUFLASH_ACC88
 #undef CUFLASH_D88
 #undef CUFLASH_ACC64
