@@ -6,7 +6,8 @@
 // bytes in. Per KV block each consumer warpgroup runs
 //     S = Q K^T            wgmma m64nBNk16 (BN = 64 or 128 keys), both from shared memory (K-major, 128-byte swizzle)
 //     mask, online softmax  on the accumulators, which have the mma.sync layout per warp (softmax.cuh, mask.cuh)
-//     O += P V              wgmma m64n64k16 with P in registers and V MN-major, one per 64-column panel of O
+//     O += P V              wgmma m64n64k16 with P in registers and V MN-major per 64-column panel of O (m64n128k16
+//                           per pair of panels: d = 128, 256)
 // and the epilogue normalizes O by the row sums and writes lse from registers and O either from registers or, in the
 // warp-specialized kernels (p.o_tma), through a swizzled staging tile in shared memory and TMA stores (epilogue).
 //
@@ -522,9 +523,9 @@ struct FwdSm90 {
     __device__ __forceinline__ void run(char* smem) {
         start(smem);
         BlockRange range;
-        if (!uniform(begin_tile(BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z,
-                                           range)))
-            return;
+        bool has_rows = begin_tile(BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, range);
+        if (WS) has_rows = uniform(has_rows);  // (in the lockstep kernel the shuffle made ptxas serialize wgmma: C7520)
+        if (!has_rows) return;
         reset_accumulators();
         const int count = uniform(blocks(range));  // walked from n_max - 1 down
         init_barriers();

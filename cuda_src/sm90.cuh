@@ -142,7 +142,7 @@ __device__ __forceinline__ unsigned long long smem_desc_mn(u32 addr, u32 panel_b
 // The descriptor of the operand `bytes` (a multiple of 16) further on than `desc`'s: only the start address field
 // (bits 0-13, the address >> 4) moves, and the add stays in it (shared memory ends below 256 KB). A kernel builds
 // one descriptor per buffer and advances it, instead of rebuilding each one from its address (a mask, shifts and
-// ors per wgmma, then two moves to uniform registers: about a third of a d = 64 forward step's instructions).
+// ors per wgmma, then two moves to uniform registers: about a sixth of a d = 64 forward step's instructions).
 __device__ __forceinline__ unsigned long long desc_advance(unsigned long long desc, u32 bytes) {
     unsigned long long d;
     asm("mov.b64 %0, {%1, %2};\n" : "=l"(d) : "r"((u32)desc + (bytes >> 4)), "r"((u32)(desc >> 32)));

@@ -95,8 +95,9 @@ class FwdSm90Spec:
 # _s2: a variant with a two-slot ring (K and V handed back separately make two slots enough to keep loads ahead;
 # at d = 128 the slot saved leaves room for the persistent kernel's own O staging tile). Any variant takes the
 # suffix; VARIANTS lists those the planner's tables use (plan.SM90_SHORT_VARIANTS).
-# pingpong_n176: FA3's d = 128 tile, 176-key blocks and two slots (other head dims: pingpong_n128). Measured against
-# pingpong_n128 at d = 128 from 2k keys and not taken (docs/perf-notes.md, session 14); tests run it as every variant.
+# pingpong_n176: FA3's d = 128 tile, 176-key blocks and two slots (other head dims and score mods: pingpong_n128).
+# Measured against pingpong_n128 at d = 128 from 2k keys and not taken (docs/perf-notes.md, session 14); tests run it
+# as every variant.
 VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128",
             "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2", "pingpong_n176")
 
@@ -118,7 +119,7 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
         three = headdim == 64 and not score_mod
         return dict(variant_options("ws_n128", headdim), **(dict(consumers=3) if three else {}))
     if variant == "pingpong_n176":  # FA3's d = 128 tile: 176-key blocks, two slots (214,088 bytes at d = 128)
-        if headdim != 128:
+        if headdim != 128 or score_mod:  # (softcap/ALiBi beside S's 88 registers: 4 bytes of spills since session 17)
             return variant_options("pingpong_n128", headdim)
         return dict(warp_specialized=True, stages=2, pingpong=True, block_n=176)
     if variant in ("ws_n128", "pingpong_n128"):
