@@ -73,14 +73,18 @@ run_gpu_tests_parallel() {
     done
 }
 
+# fwd_source_switch: the Hopper forward's kernel file becomes CUFLASH_FWD_SM90_SOURCE (default fwd_sm90.cu), patched
+# into cuflash/hopper.py here, so that copies of fwd_sm90.cu (untracked files of cuda_src/) can be A/B sets.
+fwd_source_switch() {
+    sed -i 's/    source = "fwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_FWD_SM90_SOURCE", "fwd_sm90.cu")/' \
+        cuflash/hopper.py
+}
+
 # precompile_hopper: every kernel compiled ahead (precompile.py --hopper: portable and Hopper)  -> $OUT/pre.log. With
 # FWD_SOURCE_AB=1 first makes the Hopper forward's kernel file a switch, CUFLASH_FWD_SM90_SOURCE (patched into
 # hopper.py here), so that a copy of main's fwd_sm90.cu (cuda_src/fwd_sm90_main.cu, untracked) can be an A/B set.
 precompile_hopper() {
-    if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then
-        sed -i 's/    source = "fwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_FWD_SM90_SOURCE", "fwd_sm90.cu")/' \
-            cuflash/hopper.py
-    fi
+    if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then fwd_source_switch; fi
     timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
     echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
 }
