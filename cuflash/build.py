@@ -28,8 +28,8 @@ SOURCE_DIR = _find_source_dir()
 @functools.lru_cache(maxsize=None)
 def source_hash() -> str:
     h = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.glob("*.cu*")):
-        h.update(path.name.encode())
+    for path in sorted(SOURCE_DIR.rglob("*.cu*")):  # (subfolders: kernel variants for A/Bs, scripts/kernel_variant.sh)
+        h.update(path.relative_to(SOURCE_DIR).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -6,7 +6,8 @@
 #     OUT=... SOURCES="fwd_sm90_head.cu fwd_sm90.cu" bash scripts/gpu_fwd_source_ab.sh
 #
 #   1. every kernel compiled ahead; the forward's kernel file a switch (FWD_SOURCE_AB, CUFLASH_FWD_SM90_SOURCE)
-#   2. the whole GPU suite in 8 shards on the working tree's kernels (SKIP_TESTS=1 leaves it out)
+#   2. the GPU test files of FILES (default: all) in 8 shards on the working tree's kernels, or with TEST_SOURCE on
+#      that kernel file (a variant of scripts/kernel_variant.sh, say); SKIP_TESTS=1 leaves it out
 #   3. if it passed: the sm90_ sanitizer cases, memcheck and racecheck
 #   4. bench_attention.py --op fwd, cuflash alone (AB_BENCH_ARGS), ROUNDS (3) rounds of one set per kernel file in
 #      SOURCES (files of cuda_src/), interleaved                                               -> ab_<set>_<round>.txt
@@ -18,18 +19,20 @@ for f in ${SOURCES:?SOURCES: kernel files of cuda_src/}; do
     [ -f "cuda_src/$f" ] || { echo "cuda_src/$f is missing (see the header)"; exit 2; }
     sets="${sets:+$sets;}CUFLASH_FWD_SM90_SOURCE=$f"
 done
+[ -n "${TEST_SOURCE:-}" ] && export CUFLASH_FWD_SM90_SOURCE=$TEST_SOURCE
 FWD_SOURCE_AB=1 precompile_hopper
 grep -q CUFLASH_FWD_SM90_SOURCE cuflash/hopper.py || { echo "the source switch did not patch in"; exit 2; }
 suite_ok=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    run_gpu_tests_parallel "${TESTS_TIMEOUT:-300}" 8 test_sm90 test_forward test_varlen test_backward test_kvcache \
-        test_torch test_jax
+    run_gpu_tests_parallel "${TESTS_TIMEOUT:-300}" 8 \
+        ${FILES:-test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax}
     suite_ok=1
     grep -qE "[0-9]+ (failed|error)" "$OUT"/shard_*.log && suite_ok=0
     for i in $(seq 0 7); do grep -qE "[0-9]+ passed" "$OUT/shard_$i.log" || suite_ok=0; done
     echo "suite_ok=$suite_ok"
 fi
 [ $suite_ok = 1 ] && sanitize_both sm90 150 -- --only sm90_
+unset CUFLASH_FWD_SM90_SOURCE  # (each A/B set names its own)
 AB="$sets" ROUNDS=${ROUNDS:-3} BENCH_TIMEOUT=150 \
     BENCH="benchmarks/bench_attention.py --op fwd ${AB_BENCH_ARGS:---impls cuflash}" bash scripts/gpu_ab.sh
 python3 scripts/ab_table.py "$OUT"
