@@ -7,8 +7,9 @@
 # A kernel file's quoted includes resolve next to it first, so cuda_src/NAME/fwd_sm90.cu compiles against the
 # patched headers while every other kernel keeps cuda_src/'s; CUFLASH_FWD_SM90_SOURCE=NAME/fwd_sm90.cu selects it
 # (scripts/gpu_fwd_source_ab.sh's SOURCES and TEST_SOURCE), CUFLASH_BWD_SM90_SOURCE=NAME/bwd_sm90.cu the
-# backward's (the switch scripts/gpu_session17.sh patches into cuflash/hopper.py). Other hunks of a patch (cuflash/...) are not applied:
-# apply them to the tree where every set needs them. Remove the folder before committing.
+# backward's (the switch scripts/gpu_session17.sh patches into cuflash/hopper.py). Other hunks of a patch
+# (cuflash/...) are not applied: apply them to the tree where every set needs them. Remove the folder before
+# committing.
 set -eu
 name=${1:?NAME}
 shift
