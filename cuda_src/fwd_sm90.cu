@@ -101,7 +101,7 @@ struct FwdSm90 {
     static constexpr bool Q_EARLY = OVERLAP;
     // A value every lane of the warp holds, made one ptxas can see as such (sm90::warp_uniform), so that the ring
     // position and the wgmma descriptors stay on the uniform datapath: +2 to +6% at d 128 up to 4k keys. Not in the
-    // OVERLAP kernel, where the shuffles cost more than they saved (-3 to -10% at d 64 up to 2k keys; session 17).
+    // OVERLAP kernel, where the shuffles cost more than they saved (-1 to -10% at d 64 up to 4k keys; session 17).
     __device__ __forceinline__ static int uniform(int x) { return OVERLAP ? x : sm90::warp_uniform(x); }
 
     const FwdSm90Params& p;
