@@ -74,6 +74,10 @@ struct BwdSm90 {
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
+    // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
+    // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
+    // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one made ptxas spill 4-12 bytes.
+    __device__ __forceinline__ static int uniform(int x) { return ROW_SPLIT ? x : sm90::warp_uniform(x); }
 
     const BwdSm90Params& P;
     const BwdParams& p;
@@ -150,10 +154,13 @@ struct BwdSm90 {
 
     // S^T or dP^T of this warpgroup's 64 keys against the BM queries of a buffer (A = keys tile, B = queries tile).
     __device__ __forceinline__ void issue_keys_by_queries(float (&acc)[NT][4], u32 keys, u32 queries) const {
+        const auto desc0 = sm90::smem_desc(base);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
-            const auto a = sm90::smem_desc(keys + wg * 64 * 128 + (ks / 4) * K_PANEL + (ks % 4) * 32);
-            const auto q = sm90::smem_desc(queries + (ks / 4) * Q_PANEL + (ks % 4) * 32);
+            const u32 a_at = keys + wg * 64 * 128 + (ks / 4) * K_PANEL + (ks % 4) * 32;
+            const u32 q_at = queries + (ks / 4) * Q_PANEL + (ks % 4) * 32;
+            const auto a = ROW_SPLIT ? sm90::smem_desc(a_at) : sm90::desc_advance(desc0, a_at - base);
+            const auto q = ROW_SPLIT ? sm90::smem_desc(q_at) : sm90::desc_advance(desc0, q_at - base);
             if constexpr (BM == 64)
                 sm90::wgmma_m64n64k16_ss<T>(*reinterpret_cast<float(*)[32]>(&acc[0][0]), a, q, ks > 0);
             else
@@ -164,12 +171,16 @@ struct BwdSm90 {
 
     // acc (+)= A B over the BM queries, A (keys x queries) from registers, B a queries x D tile (MN-major).
     __device__ __forceinline__ void issue_keys_by_d(float (&acc)[PANELS * 8][4], const u32 (&a)[KK][4], u32 tile) {
+        const auto desc0 = sm90::smem_desc_mn(base, Q_PANEL);
 #pragma unroll
         for (int kk = 0; kk < KK; ++kk)
 #pragma unroll
-            for (int pn = 0; pn < PANELS; ++pn)
+            for (int pn = 0; pn < PANELS; ++pn) {
+                const u32 at = tile + pn * Q_PANEL + kk * 2048;
                 sm90::wgmma_m64n64k16_rs<T>(*reinterpret_cast<float(*)[32]>(&acc[pn * 8][0]), a[kk],
-                                            sm90::smem_desc_mn(tile + pn * Q_PANEL + kk * 2048, Q_PANEL), true);
+                                            ROW_SPLIT ? sm90::smem_desc_mn(at, Q_PANEL)
+                                                      : sm90::desc_advance(desc0, at - base), true);
+            }
     }
 
     __device__ __forceinline__ static void a_fragments(const float (&s)[NT][4], u32 (&a)[KK][4]) {
@@ -233,9 +244,10 @@ struct BwdSm90 {
         // Opaque per step (the same values): the shared-memory descriptors derived from them are made where used,
         // not hoisted out of the step loop and kept in registers across steps
         asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
+        base = uniform(base);
         int h, m;
         step_of(t, m_min, m_count, h, m);
-        const int buf = tt % 2;
+        const int buf = uniform(tt % 2);
         const float* lse = rows(smem, buf);
         const float* dsum = lse + BM;
         sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);
@@ -418,7 +430,7 @@ struct BwdSm90 {
 
     __device__ __forceinline__ void run(char* smem) {
         tid = threadIdx.x;
-        wg = tid / 128;
+        wg = uniform(tid / 128);
         warp = (tid / 32) % 4;
         lane = tid % 32;
         base = (smem_u32(smem) + 1023) & ~1023u;

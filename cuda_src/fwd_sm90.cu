@@ -96,8 +96,9 @@ struct FwdSm90 {
     // overlapped step needs the next tile's Q and first K about a key block earlier. Measured at d 64 with the
     // four-slot ring (ws_n128_p): +2 to +7% up to 2k keys; with two slots the step waited for them, -6 to -14%. At
     // d 128 (two slots, the most that fit beside two Q tiles and the O tile) it lost 2-4% (docs/perf-notes.md,
-    // session 14).
-    static constexpr bool OVERLAP = PERSISTENT && Q_BUFS >= 2 && D == 64;
+    // session 14). Two consumer warpgroups only: with three, the next tile's S does not fit in 160 registers beside
+    // P and O (200-336 bytes of spills).
+    static constexpr bool OVERLAP = PERSISTENT && Q_BUFS >= 2 && D == 64 && WGS == 2;
     static constexpr bool Q_EARLY = OVERLAP;
     // A value every lane of the warp holds, made one ptxas can see as such (sm90::warp_uniform), so that the ring
     // position and the wgmma descriptors stay on the uniform datapath: +2 to +6% at d 128 up to 4k keys. Not in the

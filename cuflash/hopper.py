@@ -87,7 +87,11 @@ class FwdSm90Spec:
 # ptxas spills) it is ws_n128.
 # ws_n128_p: ws_n128 made persistent: one CTA per SM walks the tiles, so the producer loads the next tile's Q and
 # keys while the consumers finish the last one (short sequences: prologue and epilogue overlap). (ws3_n128 made
-# persistent spills 8 bytes at d = 64 causal: the walk's counters do not fit in 160 registers beside S, P and O.)
+# persistent with the overlapped tile start spills 200-336 bytes: the next tile's S does not fit in 160 registers
+# beside P and O.)
+# ws3_n128_p: ws3_n128 made persistent, without the overlapped tile start (fwd_sm90.cu OVERLAP is the two-warpgroup
+# kernel's) but with three Q tiles, so the producer loads the next tiles' Q during this one (d 64 only; elsewhere
+# ws_n128_p).
 # pingpong_n128_p: pingpong_n128 made persistent. The turns stay balanced from tile to tile: each tile's first turn is
 # warpgroup 0's, and warpgroup 1 skips its last hand-over, so every arrival on the two named barriers is consumed
 # before the next tile's.
@@ -99,7 +103,7 @@ class FwdSm90Spec:
 # Measured against pingpong_n128 at d = 128 from 2k keys and not taken (docs/perf-notes.md, session 14); tests run it
 # as every variant.
 VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128",
-            "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2", "pingpong_n176")
+            "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2", "pingpong_n176", "ws3_n128_p")
 
 
 def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
@@ -113,7 +117,7 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
         return dict(warp_specialized=False, stages=2, block_n=128 if headdim <= 128 else 64)
     if variant in ("ws", "pingpong"):
         return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
-    if variant in ("ws_n128_p", "pingpong_n128_p"):  # the persistent kernel of that variant
+    if variant in ("ws_n128_p", "pingpong_n128_p", "ws3_n128_p"):  # the persistent kernel of that variant
         return dict(variant_options(variant[:-len("_p")], headdim, score_mod), persistent=True)
     if variant == "ws3_n128":
         three = headdim == 64 and not score_mod

@@ -581,11 +581,18 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # against 346.6 / 400.7 / 430.1 and 216.4 / 296.6 / 362.2 for ws_n128_p_s2 without the overlap (two slots with it:
 # 311.2 / 367.6 / 406.4, 198.3 / 270.9 / 342.3). Call 5: ws_n128_p at d = 64 causal 4k 407.8 against ws3_n128's 397.5
 # (non-causal 4k 449.9 against 465.2), so the table reaches 4096 keys, and d = 64 causal takes ws_n128_p up to there.
+# Session 18 (docs/bench/fwd_session18.txt, call 2; three rounds, TFLOP/s): ws3_n128_p (three consumer warpgroups,
+# persistent, three Q tiles, no overlapped tile start) against the table's d = 64 choices: non-causal 512 / 1k / 2k /
+# 4k 369.6 / 409.2 / 462.5 / 472.3 against 367.1 / 402.9 / 430.1 / 471.3 (8k / 16k: within 0.5%), causal 4k 415.4
+# against 399.5; causal up to 2k it lost (198.7 / 258.5 / 357.7 against 234.1 / 310.8 / 364.3), and past 4k keys
+# (causal 8k / 16k: 418.0 / 414.6 against ws3_n128's 443.3 / 469.7). So d = 64 takes it from 1k to 4k keys without a
+# band, and at 4k with one.
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
 SM90_SHORT_SEQLEN = 4096
-SM90_SHORT_VARIANTS = {(64, False, 2048): "ws_n128_p", (64, True, 4096): "ws_n128_p",
+SM90_SHORT_VARIANTS = {(64, False, 512): "ws_n128_p", (64, False, 4096): "ws3_n128_p",
+                       (64, True, 2048): "ws_n128_p", (64, True, 4096): "ws3_n128_p",
                        (128, False, 512): "pingpong_n128_p_s2", (128, False, 2048): "pingpong_n128_s2",
                        (128, True, 1024): "pingpong_n128_p_s2"}
 

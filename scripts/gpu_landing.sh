@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The landing call of a kernel or planner change (about 7 minutes), from the repository root:
+#
+#     OUT=... bash scripts/gpu_landing.sh
+#
+#   1. every kernel compiled ahead (precompile.py --hopper)                                               -> pre.log
+#   2. the whole GPU suite (FILES: test files of tests/gpu, default all) in 8 shards                  -> shard_I.log
+#   3. if it passed: memcheck and racecheck over every case of scripts/sanitize_cases.py (SANITIZE_ONLY narrows them)
+#                                                                                 -> all_memcheck.log, all_racecheck.log
+#   4. bench_attention.py --op fwd, then --op bwd, beside SDPA's flash and cuDNN backends (SKIP_BWD_BENCH=1: forward
+#      only)                                                                              -> bench_fwd.txt, bench_bwd.txt
+# Logs in $OUT/logs.tgz.
+source scripts/device_env.sh
+precompile_hopper
+run_gpu_tests_parallel "${TESTS_TIMEOUT:-300}" 8 \
+    ${FILES:-test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax}
+suite_ok=1
+grep -qE "[0-9]+ (failed|error)" "$OUT"/shard_*.log && suite_ok=0
+for i in $(seq 0 7); do grep -qE "[0-9]+ passed" "$OUT/shard_$i.log" || suite_ok=0; done
+echo "suite_ok=$suite_ok"
+if [ $suite_ok = 1 ]; then
+    sanitize_both all "${SANITIZE_TIMEOUT:-200}" -- --only "${SANITIZE_ONLY:-}"
+    for op in fwd bwd; do
+        [ $op = bwd ] && [ "${SKIP_BWD_BENCH:-0}" = 1 ] && continue
+        timeout -k 5 200 python3 benchmarks/bench_attention.py --op $op >"$OUT/bench_$op.txt" 2>&1
+        echo "bench $op: exit $? [$((SECONDS - t0))s]"
+        awk '/^===/{p=1} p' "$OUT/bench_$op.txt"
+    done
+fi
+cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null; rm -f ./*.log ./*.txt
