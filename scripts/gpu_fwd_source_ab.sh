@@ -11,7 +11,8 @@
 #   3. if it passed: the sm90_ sanitizer cases, memcheck and racecheck
 #   4. bench_attention.py --op fwd, cuflash alone (AB_BENCH_ARGS), ROUNDS (3) rounds of one set per kernel file in
 #      SOURCES (files of cuda_src/), interleaved                                               -> ab_<set>_<round>.txt
-#   5. if the suite passed: bench_attention.py --op fwd beside SDPA's flash and cuDNN backends      -> bench_fwd.txt
+#   5. if the suite passed: bench_attention.py --op fwd beside SDPA's flash and cuDNN backends, on BENCH_SOURCE's kernel
+#      file if set (the tested variant, say), else the working tree's                             -> bench_fwd.txt
 # Logs in $OUT/logs.tgz.
 source scripts/device_env.sh
 sets=""
@@ -37,6 +38,7 @@ AB="$sets" ROUNDS=${ROUNDS:-3} BENCH_TIMEOUT=150 \
     BENCH="benchmarks/bench_attention.py --op fwd ${AB_BENCH_ARGS:---impls cuflash}" bash scripts/gpu_ab.sh
 python3 scripts/ab_table.py "$OUT"
 if [ $suite_ok = 1 ]; then
+    [ -n "${BENCH_SOURCE:-}" ] && export CUFLASH_FWD_SM90_SOURCE=$BENCH_SOURCE
     timeout -k 5 150 python3 benchmarks/bench_attention.py --op fwd >"$OUT/bench_fwd.txt" 2>&1
     echo "bench: exit $? [$((SECONDS - t0))s]"
     awk '/^===/{p=1} p' "$OUT/bench_fwd.txt"

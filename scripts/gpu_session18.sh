@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 18's first device call (about 6 minutes), from the repository root:
+# Session 18's second device call (about 6 minutes), from the repository root, as run on 0c6d764's tree with
+# ws3_n128_p added (the backward patch landed in 9beaf74 and left drafts/; step 4 runs only where cuda_src/v_bwd is):
 #
 #     bash scripts/kernel_variant.sh v_bwd drafts/session17-bwd-desc-uniform.patch   # untracked: travels with the tree
 #     OUT=... bash scripts/gpu_session18.sh
