@@ -1,7 +1,7 @@
 # Sourced by the device scripts (gpu_*.sh) from the repository root: strict mode, $OUT, the repository on
 # PYTHONPATH (used in place, not installed), JAX told not to preallocate GPU memory (it shares the GPU with torch
 # and CuPy), t0 for the elapsed times the steps print, precompile_and_test, run_gpu_tests, run_gpu_tests_parallel,
-# sanitize_both and precompile_hopper.
+# run_gpu_suite, sanitize_both and precompile_hopper.
 set -u
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
@@ -78,6 +78,18 @@ run_gpu_tests_parallel() {
 fwd_source_switch() {
     sed -i 's/    source = "fwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_FWD_SM90_SOURCE", "fwd_sm90.cu")/' \
         cuflash/hopper.py
+}
+
+# run_gpu_suite FILE...: run_gpu_tests_parallel in 8 shards (TESTS_TIMEOUT, 300 s) over those test files of tests/gpu
+# (GPU_TEST_FILES: all of them); sets suite_ok to 1 when every shard passed, else 0, and prints it.
+GPU_TEST_FILES="test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax"
+run_gpu_suite() {
+    local i
+    run_gpu_tests_parallel "${TESTS_TIMEOUT:-300}" 8 "$@"
+    suite_ok=1
+    grep -qE "[0-9]+ (failed|error)" "$OUT"/shard_*.log && suite_ok=0
+    for i in $(seq 0 7); do grep -qE "[0-9]+ passed" "$OUT/shard_$i.log" || suite_ok=0; done
+    echo "suite_ok=$suite_ok"
 }
 
 # precompile_hopper: every kernel compiled ahead (precompile.py --hopper: portable and Hopper)  -> $OUT/pre.log. With

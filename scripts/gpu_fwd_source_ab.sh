@@ -25,12 +25,7 @@ FWD_SOURCE_AB=1 precompile_hopper
 grep -q CUFLASH_FWD_SM90_SOURCE cuflash/hopper.py || { echo "the source switch did not patch in"; exit 2; }
 suite_ok=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    run_gpu_tests_parallel "${TESTS_TIMEOUT:-300}" 8 \
-        ${FILES:-test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax}
-    suite_ok=1
-    grep -qE "[0-9]+ (failed|error)" "$OUT"/shard_*.log && suite_ok=0
-    for i in $(seq 0 7); do grep -qE "[0-9]+ passed" "$OUT/shard_$i.log" || suite_ok=0; done
-    echo "suite_ok=$suite_ok"
+    run_gpu_suite ${FILES:-$GPU_TEST_FILES}
 fi
 [ $suite_ok = 1 ] && sanitize_both sm90 150 -- --only sm90_
 unset CUFLASH_FWD_SM90_SOURCE  # (each A/B set names its own)

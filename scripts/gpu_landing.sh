@@ -12,12 +12,7 @@
 # Logs in $OUT/logs.tgz.
 source scripts/device_env.sh
 precompile_hopper
-run_gpu_tests_parallel "${TESTS_TIMEOUT:-300}" 8 \
-    ${FILES:-test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax}
-suite_ok=1
-grep -qE "[0-9]+ (failed|error)" "$OUT"/shard_*.log && suite_ok=0
-for i in $(seq 0 7); do grep -qE "[0-9]+ passed" "$OUT/shard_$i.log" || suite_ok=0; done
-echo "suite_ok=$suite_ok"
+run_gpu_suite ${FILES:-$GPU_TEST_FILES}
 if [ $suite_ok = 1 ]; then
     sanitize_both all "${SANITIZE_TIMEOUT:-200}" -- --only "${SANITIZE_ONLY:-}"
     for op in fwd bwd; do

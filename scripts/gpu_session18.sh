@@ -18,11 +18,7 @@ sed -i 's/    source = "bwd_sm90.cu"/    source = __import__("os").environ.get("
     cuflash/hopper.py
 grep -q CUFLASH_BWD_SM90_SOURCE cuflash/hopper.py || { echo "the source switch did not patch in"; exit 2; }
 precompile_hopper
-run_gpu_tests_parallel "${TESTS_TIMEOUT:-300}" 8 ${FILES:-test_sm90}
-suite_ok=1
-grep -qE "[0-9]+ (failed|error)" "$OUT"/shard_*.log && suite_ok=0
-for i in $(seq 0 7); do grep -qE "[0-9]+ passed" "$OUT/shard_$i.log" || suite_ok=0; done
-echo "suite_ok=$suite_ok"
+run_gpu_suite ${FILES:-test_sm90}
 [ $suite_ok = 1 ] && sanitize_both sm90 150 -- --only sm90_
 AB="CUFLASH_SM90_VARIANTS=;CUFLASH_SM90_VARIANTS=64:ws3_n128_p;CUFLASH_SM90_VARIANTS=64:ws3_n128_p_s2" AB_TAG=_fwd \
     ROUNDS=${ROUNDS:-3} BENCH_TIMEOUT=150 \

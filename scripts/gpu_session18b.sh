@@ -13,12 +13,7 @@
 source scripts/device_env.sh
 [ -f cuda_src/fwd_sm90_head.cu ] || { echo "cuda_src/fwd_sm90_head.cu is missing (see the header)"; exit 2; }
 FWD_SOURCE_AB=1 precompile_hopper
-run_gpu_tests_parallel "${TESTS_TIMEOUT:-300}" 8 \
-    ${FILES:-test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax}
-suite_ok=1
-grep -qE "[0-9]+ (failed|error)" "$OUT"/shard_*.log && suite_ok=0
-for i in $(seq 0 7); do grep -qE "[0-9]+ passed" "$OUT/shard_$i.log" || suite_ok=0; done
-echo "suite_ok=$suite_ok"
+run_gpu_suite ${FILES:-$GPU_TEST_FILES}
 [ $suite_ok = 1 ] && sanitize_both sm90 100 -- --only sm90_
 AB="CUFLASH_FWD_SM90_SOURCE=fwd_sm90_head.cu;CUFLASH_FWD_SM90_SOURCE=fwd_sm90.cu;CUFLASH_SM90_VARIANTS=64:ws3_n128_p" \
     ROUNDS=2 BENCH_TIMEOUT=100 \
