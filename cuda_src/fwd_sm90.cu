@@ -116,6 +116,7 @@ struct FwdSm90 {
     };
     int q_begin, k_begin, seqlen_q;  // this sequence (seqlen.cuh): where its rows start, how many queries
     Mask<BAND> mask;
+    FastDiv by_m_blocks{1}, by_heads{1};  // the persistent kernel's tile index to query block, head, sequence
     ScoreMod mod;  // softcap / ALiBi (SCORE_MOD kernels)
     OnlineSoftmax<1> softmax;
     // O's accumulators: per 64-column panel the 32 of one wgmma m64n64; viewed whole, the [rows][8-col tiles][4]
@@ -134,6 +135,10 @@ struct FwdSm90 {
     __device__ __forceinline__ u32 empty_bar(int slot, int half) const {
         return base + OFF_BAR + 8 * (Q_BUFS + (2 + half) * STAGES + slot);
     }
+    // Ring position i (counted from 0 over the CTA's key blocks): its slot, and the parity of the slot's fill that
+    // holds it (unsigned: no sign fix-ups in the division)
+    __device__ __forceinline__ static int slot_of(int i) { return (int)((u32)i % STAGES); }
+    __device__ __forceinline__ static u32 pass_of(int i) { return ((u32)i / STAGES) & 1; }
     // persistent kernel: the consumers are done with Q tile qb (all their wgmma of a tile have completed)
     __device__ __forceinline__ u32 q_empty_bar() const { return base + OFF_BAR + 8 * (Q_BUFS + 4 * STAGES + qb); }
 
@@ -244,15 +249,15 @@ struct FwdSm90 {
     // injecting warpgroup fences around the branch, C7519).
     template <bool MASK, bool FIRST>
     __device__ __forceinline__ void step(int n, int t) {
-        const int slot = t % STAGES;
-        sm90::mbar_wait(full_bar(slot, 0), (t / STAGES) & 1);
+        const int slot = slot_of(t);
+        sm90::mbar_wait(full_bar(slot, 0), pass_of(t));
         float s[1][BN / 8][4], alpha[1][2];
         sm90::wgmma_fence();
         issue_s(s, slot);
         sm90::wgmma_wait<0>();
         probabilities<MASK, FIRST>(s, n, alpha);
         if (!FIRST) OnlineSoftmax<1>::rescale(acc_o, alpha);
-        sm90::mbar_wait(full_bar(slot, 1), (t / STAGES) & 1);
+        sm90::mbar_wait(full_bar(slot, 1), pass_of(t));
         sm90::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {  // P packed a fragment at a time, next to its wgmma
@@ -282,13 +287,13 @@ struct FwdSm90 {
     __device__ __forceinline__ void first_block(const BlockRange& range, int count, int it0,
                                                 float (&s)[1][BN / 8][4], float (&alpha)[1][2],
                                                 u32 (&pa)[BN / 16][4]) {
-        sm90::mbar_wait(full_bar(it0 % STAGES, 0), (it0 / STAGES) & 1);
+        sm90::mbar_wait(full_bar(slot_of(it0), 0), pass_of(it0));
         my_turn();
         sm90::wgmma_fence();
-        issue_s(s, it0 % STAGES);
+        issue_s(s, slot_of(it0));
         your_turn();
         sm90::wgmma_wait<0>();
-        sm90::mbar_arrive(empty_bar(it0 % STAGES, 0));
+        sm90::mbar_arrive(empty_bar(slot_of(it0), 0));
         s_done(0, count);
         probabilities_of<true>(range, 0, s, alpha);
 #pragma unroll
@@ -300,9 +305,9 @@ struct FwdSm90 {
                                                   float (&s)[1][BN / 8][4], float (&alpha)[1][2],
                                                   u32 (&pa)[BN / 16][4]) {
         for (int t = 1; t < count; ++t) {
-            const int slot = uniform((it0 + t) % STAGES), prev = (slot + STAGES - 1) % STAGES;
-            sm90::mbar_wait(full_bar(slot, 0), ((it0 + t) / STAGES) & 1);
-            sm90::mbar_wait(full_bar(prev, 1), ((it0 + t - 1) / STAGES) & 1);
+            const int slot = uniform(slot_of(it0 + t)), prev = slot == 0 ? STAGES - 1 : slot - 1;
+            sm90::mbar_wait(full_bar(slot, 0), pass_of(it0 + t));
+            sm90::mbar_wait(full_bar(prev, 1), pass_of(it0 + t - 1));
             my_turn();
             sm90::wgmma_fence();
             issue_s(s, slot);
@@ -333,13 +338,13 @@ struct FwdSm90 {
 
     // O += P V of the block at ring position `it`, the tile's last.
     __device__ __forceinline__ void last_pv(const u32 (&pa)[BN / 16][4], int it) {
-        sm90::mbar_wait(full_bar(it % STAGES, 1), (it / STAGES) & 1);
+        sm90::mbar_wait(full_bar(slot_of(it), 1), pass_of(it));
         my_turn();
         sm90::wgmma_fence();
-        issue_pv(pa, it % STAGES);
+        issue_pv(pa, slot_of(it));
         if (wg == 0) your_turn();  // warpgroup 1's last turn has no taker: skipped, so every arrival is consumed
         sm90::wgmma_wait<0>();
-        sm90::mbar_arrive(empty_bar(it % STAGES, 1));
+        sm90::mbar_arrive(empty_bar(slot_of(it), 1));
     }
 
     __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, int it0) {
@@ -491,15 +496,15 @@ struct FwdSm90 {
     __device__ __forceinline__ void produce(const BlockRange& range, int count, int it, int tile) {
         if (!PERSISTENT) issue_q();
         for (int t = 0; t < count; ++t) {
-            const int i = it + t, slot = i % STAGES, n = range.n_max - 1 - t;
-            if (i >= STAGES) sm90::mbar_wait(empty_bar(slot, 0), ((i / STAGES) - 1) & 1);
+            const int i = it + t, slot = slot_of(i), n = range.n_max - 1 - t;
+            if (i >= STAGES) sm90::mbar_wait(empty_bar(slot, 0), pass_of(i) ^ 1);
             issue_half(n, slot, 0);
             if (PERSISTENT && t == 0) {
                 qb = tile % Q_BUFS;
                 if (tile >= Q_BUFS) sm90::mbar_wait(q_empty_bar(), (tile / Q_BUFS - 1) & 1);
                 issue_q();
             }
-            if (i >= STAGES) sm90::mbar_wait(empty_bar(slot, 1), ((i / STAGES) - 1) & 1);
+            if (i >= STAGES) sm90::mbar_wait(empty_bar(slot, 1), pass_of(i) ^ 1);
             issue_half(n, slot, 1);
         }
     }
@@ -580,8 +585,9 @@ struct FwdSm90 {
     }
 
     __device__ __forceinline__ bool tile_of(int idx, int m_blocks, BlockRange& range) {
-        const int rest = idx / m_blocks, m = idx - rest * m_blocks;
-        return begin_tile(BAND ? m_blocks - 1 - m : m, rest % p.nheads, rest / p.nheads, range);
+        const int rest = by_m_blocks.div(idx), m = idx - rest * m_blocks;
+        const int batch = by_heads.div(rest);
+        return begin_tile(BAND ? m_blocks - 1 - m : m, rest - batch * p.nheads, batch, range);
     }
 
     __device__ __forceinline__ TileRows rows() const { return {row0, b, h, q_begin, seqlen_q, qb}; }
@@ -654,21 +660,21 @@ struct FwdSm90 {
             started = next_count > 0;
             if (started) {
                 wait_q(loaded);
-                sm90::mbar_wait(full_bar(it % STAGES, 0), (it / STAGES) & 1);
-                sm90::mbar_wait(full_bar(last % STAGES, 1), (last / STAGES) & 1);
+                sm90::mbar_wait(full_bar(slot_of(it), 0), pass_of(it));
+                sm90::mbar_wait(full_bar(slot_of(last), 1), pass_of(last));
                 my_turn();
                 sm90::wgmma_fence();
-                issue_s(s, it % STAGES);
-                issue_pv(pa, last % STAGES);
+                issue_s(s, slot_of(it));
+                issue_pv(pa, slot_of(last));
                 your_turn();
                 sm90::wgmma_wait<1>();  // the next tile's S is in
-                sm90::mbar_arrive(empty_bar(it % STAGES, 0));
+                sm90::mbar_arrive(empty_bar(slot_of(it), 0));
                 s_done(0, next_count);
                 const OnlineSoftmax<1> done_softmax = softmax;
                 softmax.reset();
                 probabilities_of<true>(next, 0, s, alpha);
                 sm90::wgmma_wait<0>();  // and this tile's last P V
-                sm90::mbar_arrive(empty_bar(last % STAGES, 1));
+                sm90::mbar_arrive(empty_bar(slot_of(last), 1));
                 epilogue_of(done, done_softmax);
                 zero_o();
 #pragma unroll
@@ -685,6 +691,8 @@ struct FwdSm90 {
         start(smem);
         init_barriers();
         const int m_blocks = (p.seqlen_q + BM - 1) / BM, tiles = m_blocks * p.nheads * p.batch;
+        by_m_blocks = FastDiv(m_blocks);
+        by_heads = FastDiv(p.nheads);
         int it = 0, loaded = 0;  // ring position, tiles with key blocks so far
         if (is_producer()) {
             sm90::regs_dealloc<24>();

@@ -28,18 +28,24 @@ struct Mask {
     // column. (Decode packs several heads into one tile, so its rows are not consecutive queries.)
     template <int NT>
     __device__ __forceinline__ void apply_row(float (&s)[NT][4], int h, int row, int col_lane) const {
-        int hi = seqlen_k - col_lane, lo = -col_lane;
-        if (BAND) {
-            if (right >= 0) hi = min(hi, row + diag + right + 1 - col_lane);
-            if (left >= 0) lo = max(lo, row + diag - left - col_lane);
+        int hi = seqlen_k - col_lane;
+        if (BAND && right >= 0) hi = min(hi, row + diag + right + 1 - col_lane);
+        if (BAND && left >= 0) {  // (a uniform branch: a window's left edge costs a second compare per element)
+            const int lo = max(-col_lane, row + diag - left - col_lane);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = nt * 8 + e;  // column offset from the thread's first column
+                    if (c < lo || c >= hi) s[nt][2 * h + e] = NEG_INF;
+                }
+            return;
         }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int c = nt * 8 + e;  // column offset from the thread's first column
-                if (c < lo || c >= hi) s[nt][2 * h + e] = NEG_INF;
-            }
+            for (int e = 0; e < 2; ++e)
+                if (nt * 8 + e >= hi) s[nt][2 * h + e] = NEG_INF;
     }
 
     // The same mask on S^T (rows are keys, columns queries), as the backward computes it. Per key row j the
