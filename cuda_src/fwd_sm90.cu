@@ -51,6 +51,11 @@ struct FwdSm90Params {
     float mod_scale, softcap;  // score-mod kernels: see score_mod.cuh and plan.forward_scales
     int batch;             // sequences (the persistent kernel walks query blocks x heads x batch itself)
     int o_tma;             // warp-specialized kernels: O leaves through shared memory and TMA stores (epilogue)
+    // The persistent kernel's walk (tile_of; plan.sm90_walk_chunk): under a band, chunks of `chunk` (sequence, head)
+    // pairs (`chunk_last` in the last one); the divisions a tile index takes, by query blocks, heads, tiles per
+    // chunk, pairs per chunk and in the last chunk
+    int chunk, chunk_last;
+    FastDiv by_m_blocks, by_heads, by_chunk_tiles, by_chunk, by_chunk_last;
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is
 // asserted).
@@ -116,7 +121,6 @@ struct FwdSm90 {
     };
     int q_begin, k_begin, seqlen_q;  // this sequence (seqlen.cuh): where its rows start, how many queries
     Mask<BAND> mask;
-    FastDiv by_m_blocks{1}, by_heads{1};  // the persistent kernel's tile index to query block, head, sequence
     ScoreMod mod;  // softcap / ALiBi (SCORE_MOD kernels)
     OnlineSoftmax<1> softmax;
     // O's accumulators: per 64-column panel the 32 of one wgmma m64n64; viewed whole, the [rows][8-col tiles][4]
@@ -584,10 +588,25 @@ struct FwdSm90 {
         return round * gridDim.x + (BAND && (round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
     }
 
+    // Tile idx of the walk: its query block level m (0: the first; under a band the last query block, the longest
+    // tile) and its (sequence, head) pair. Without a band each pair's query blocks in turn. Under a band, chunks of
+    // p.chunk pairs, each walked level by level (every pair's longest tile, then every pair's next one ...): with
+    // p.chunk a divisor of the CTA count each round takes tiles of one length, where the pair-by-pair order left the
+    // busiest CTA a whole tile above the mean (plan.sm90_walk_chunk).
     __device__ __forceinline__ bool tile_of(int idx, int m_blocks, BlockRange& range) {
-        const int rest = by_m_blocks.div(idx), m = idx - rest * m_blocks;
-        const int batch = by_heads.div(rest);
-        return begin_tile(BAND ? m_blocks - 1 - m : m, rest - batch * p.nheads, batch, range);
+        int m, pair;
+        if constexpr (BAND) {
+            const int chunk = p.by_chunk_tiles.div(idx), within = idx - chunk * p.chunk * m_blocks;
+            const int first = chunk * p.chunk;
+            const bool last = first + p.chunk > p.nheads * p.batch;  // the last chunk may hold fewer pairs
+            m = (last ? p.by_chunk_last : p.by_chunk).div(within);
+            pair = first + within - m * (last ? p.chunk_last : p.chunk);
+        } else {
+            pair = p.by_m_blocks.div(idx);
+            m = idx - pair * m_blocks;
+        }
+        const int batch = p.by_heads.div(pair);
+        return begin_tile(BAND ? m_blocks - 1 - m : m, pair - batch * p.nheads, batch, range);
     }
 
     __device__ __forceinline__ TileRows rows() const { return {row0, b, h, q_begin, seqlen_q, qb}; }
@@ -691,8 +710,6 @@ struct FwdSm90 {
         start(smem);
         init_barriers();
         const int m_blocks = (p.seqlen_q + BM - 1) / BM, tiles = m_blocks * p.nheads * p.batch;
-        by_m_blocks = FastDiv(m_blocks);
-        by_heads = FastDiv(p.nheads);
         int it = 0, loaded = 0;  // ring position, tiles with key blocks so far
         if (is_producer()) {
             sm90::regs_dealloc<24>();

@@ -59,14 +59,10 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 
 // Division by a divisor fixed for the kernel, by a multiply: with p = ceil(log2 d) and m = floor(2^32 (2^p - d) / d)
-// + 1, x / d = (umulhi(x, m) + x) >> p for 0 <= x < 2^31 (Granlund and Montgomery's round-up method). The
-// constructor's 64-bit division runs once; each quotient then costs three instructions instead of about twenty.
+// + 1, x / d = (umulhi(x, m) + x) >> p for 0 <= x < 2^31 (Granlund and Montgomery's round-up method). The host
+// computes m and p (cuflash/hopper.py fast_div); each quotient then costs three instructions instead of about twenty.
 struct FastDiv {
-    u32 d, mul, shift;
-    __device__ __forceinline__ explicit FastDiv(int divisor) : d(divisor) {
-        shift = d > 1 ? 32 - __clz(d - 1) : 0;
-        mul = (u32)((((1ull << shift) - d) << 32) / d + 1);
-    }
+    u32 mul, shift;
     __device__ __forceinline__ int div(int x) const { return (int)((__umulhi((u32)x, mul) + (u32)x) >> shift); }
 };
 __device__ __forceinline__ int ceil_div(int a, int b) { return floor_div(a + b - 1, b); }

@@ -141,17 +141,40 @@ def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: 
 
 # FwdSm90Params (fwd_sm90.cu): four 64-byte-aligned tensor maps (q, k, v, o), the pointers o, lse, alibi,
 # cu_seqlens_q, cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales, batch,
-# o_tma; 704 bytes.
+# o_tma, the persistent walk's chunk sizes and divisions (multiplier, shift: fast_div); 704 bytes.
 _POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")
 _I64S = ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride", "lse_head_stride",
          "alibi_batch_stride")
 _INTS = ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "window_left", "window_right")
 _FLOATS = ("scale_log2", "mod_scale", "softcap")
+_DIVISIONS = tuple(f"by_{n}_{part}" for n in ("m_blocks", "heads", "chunk_tiles", "chunk", "chunk_last")
+                   for part in ("mul", "shift"))
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "v", "o_map", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, "batch", "o_tma"],
-    "formats": ["V128"] * 4 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3 + [np.int32] * 2,
-    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(11)] + [600 + 4 * i for i in range(11)],
+    "names": ["q", "k", "v", "o_map", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, "batch", "o_tma", "chunk",
+              "chunk_last", *_DIVISIONS],
+    "formats": (["V128"] * 4 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3 + [np.int32] * 4
+                + [np.uint32] * len(_DIVISIONS)),
+    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(11)] + [600 + 4 * i for i in range(15 + 10)],
     "itemsize": 704})
+
+
+def fast_div(d: int) -> tuple:
+    """(multiplier, shift) of types.cuh FastDiv for the divisor d (1 <= d < 2^31): x // d = (umulhi(x, m) + x) >> p."""
+    shift = (d - 1).bit_length()
+    return ((((1 << shift) - d) << 32) // d + 1) & 0xFFFFFFFF, shift
+
+
+def _set_walk(p, spec, m_blocks: int, ctas: int) -> None:
+    """The persistent walk's fields of FwdSm90Params (its ints already set): chunks of plan.sm90_walk_chunk pairs
+    under a band (unused without one), and the multiplier and shift of each division a tile index takes."""
+    heads, pairs = int(p["nheads"]), int(p["nheads"]) * int(p["batch"])
+    chunk = (plan.sm90_walk_chunk(ctas, int(p["seqlen_k"]), spec.headdim, int(p["heads_per_kv"])) if spec.band
+             else 1)
+    last = pairs - (math.ceil(pairs / chunk) - 1) * chunk
+    p["chunk"], p["chunk_last"] = chunk, last
+    for name, d in (("m_blocks", m_blocks), ("heads", heads), ("chunk_tiles", chunk * m_blocks), ("chunk", chunk),
+                    ("chunk_last", last)):
+        p[f"by_{name}_mul"], p[f"by_{name}_shift"] = fast_div(d)
 
 
 def all_specs() -> list:
@@ -225,6 +248,7 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     p["o_tma"] = plan.SM90_EPILOGUE["tma_store"][problem.headdim]
     tiles = (math.ceil(sq / spec.block_m), h, b)
     grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)
+    _set_walk(p, spec, tiles[0], grid[0])
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
     maps = (_encoder(q, spec.block_m), _encoder(k, spec.block_n), _encoder(v, spec.block_n), _encoder(out, 64))
     return ForwardCall(call, maps, spec)

@@ -587,13 +587,17 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # against 399.5; causal up to 2k it lost (198.7 / 258.5 / 357.7 against 234.1 / 310.8 / 364.3), and past 4k keys
 # (causal 8k / 16k: 418.0 / 414.6 against ws3_n128's 443.3 / 469.7). So d = 64 takes it from 1k to 4k keys without a
 # band, and at 4k with one.
+# Session 19 (docs/bench/fwd_session19.txt, call 5, after the persistent kernels' tile index lost its divisions;
+# three rounds): d = 128 non-causal 1k pingpong_n128_p_s2 587.2 against pingpong_n128_s2's 546.7, so the persistent
+# kernel reaches 1k keys there. pingpong_n128_p for d = 64 causal up to 1k tied ws_n128_p (243.3 / 322.7 against
+# 244.1 / 322.6).
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
 SM90_SHORT_SEQLEN = 4096
 SM90_SHORT_VARIANTS = {(64, False, 512): "ws_n128_p", (64, False, 4096): "ws3_n128_p",
                        (64, True, 2048): "ws_n128_p", (64, True, 4096): "ws3_n128_p",
-                       (128, False, 512): "pingpong_n128_p_s2", (128, False, 2048): "pingpong_n128_s2",
+                       (128, False, 1024): "pingpong_n128_p_s2", (128, False, 2048): "pingpong_n128_s2",
                        (128, True, 1024): "pingpong_n128_p_s2"}
 
 
@@ -625,6 +629,31 @@ def _short_variants(text: str | None, short_text: str | None = None) -> dict:
     CUFLASH_SM90_VARIANTS text names."""
     named = _variants_from_env(text, {})
     return {key: variant for key, variant in _short_table_from_env(short_text).items() if key[0] not in named}
+
+
+# The persistent Hopper forward's walk under a band (fwd_sm90.cu tile_of). The tiles of a causal head differ in length;
+# walked pair by pair (each (sequence, head) pair's query blocks, longest first) the static rounds left the busiest CTA
+# 3.1% above the mean at 512-4k keys on 132 SMs (a model of the walk in docs/perf-notes.md, session 19). Chunks of
+# `chunk` pairs walked level by level instead (every pair's longest tile, then every pair's next one ...), with chunk
+# a divisor of the CTA count, give each round tiles of one length: the model's busiest CTA is then 1.003-1.015x the
+# mean. A chunk's K and V are read once per level, so they should stay in L2 (50 MB on the H200) meanwhile: the
+# largest divisor whose K/V fits l2_bytes. Session 19 (docs/bench/fwd_session19.txt, call 5; three rounds, TFLOP/s):
+# d 64 causal 512 / 1k / 2k / 4k 241.8 / 318.8 / 375.0 / 418.6 -> 244.1 / 322.6 / 379.4 / 431.1; d 128 causal 512 /
+# 1k (pingpong_n128_p_s2, two slots) 345.8 / 451.7 -> 338.6 / 447.8, so head dims other than those listed keep the
+# pair-by-pair walk. CUFLASH_SM90_WALK_CHUNK=N forces N at every head dim (1: the pair-by-pair walk).
+SM90_WALK = {"l2_bytes": 24 << 20, "head_dims": (64,), "chunk": int(os.environ.get("CUFLASH_SM90_WALK_CHUNK", "0"))}
+
+
+def sm90_walk_chunk(ctas: int, seqlen_k: int, headdim: int, heads_per_kv: int) -> int:
+    """(sequence, head) pairs per chunk of the persistent walk under a band (SM90_WALK): the largest divisor of the
+    CTA count whose pairs' K and V (2-byte elements, shared by heads_per_kv heads) fit SM90_WALK["l2_bytes"]; 1 for
+    head dims not in SM90_WALK["head_dims"]."""
+    if SM90_WALK["chunk"] > 0:
+        return SM90_WALK["chunk"]
+    if headdim not in SM90_WALK["head_dims"]:
+        return 1
+    pair_bytes = 2 * seqlen_k * headdim * 2 / heads_per_kv
+    return next((c for c in range(ctas, 0, -1) if ctas % c == 0 and c * pair_bytes <= SM90_WALK["l2_bytes"]), 1)
 
 
 SM90_FORWARD = {

@@ -330,3 +330,26 @@ def test_deterministic_fixed_point_rule(monkeypatch):
     monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "fixed")
     assert plan.plan_backward(big, -1, -1, False, True, "sm_90a", 132).fixed_point
     assert not plan.plan_backward(big, -1, -1, False, False, "sm_90a", 132).fixed_point
+
+
+@given(d=st.integers(1, 2**31 - 1), x=st.integers(0, 2**31 - 1))
+def test_fast_div_is_exact(d, x):
+    from cuflash import hopper
+    mul, shift = hopper.fast_div(d)
+    assert 0 <= mul < 2**32 and (((x * mul) >> 32) + x) >> shift == x // d
+
+
+def test_sm90_walk_chunk_divides_the_ctas_and_fits_the_l2(monkeypatch):
+    monkeypatch.setitem(plan.SM90_WALK, "chunk", 0)
+    monkeypatch.setitem(plan.SM90_WALK, "head_dims", (64, 128))
+    budget = plan.SM90_WALK["l2_bytes"]
+    for ctas, sk, d, group in ((132, 512, 64, 1), (132, 2048, 64, 1), (132, 1024, 128, 1), (114, 900, 64, 4),
+                               (132, 1 << 20, 128, 1)):
+        c = plan.sm90_walk_chunk(ctas, sk, d, group)
+        fits = [n for n in range(1, ctas + 1) if ctas % n == 0 and n * 4 * sk * d / group <= budget]
+        assert c == max(fits, default=1)
+    assert plan.sm90_walk_chunk(132, 512, 64, 1) == 132  # d 64 causal 512: 16 MB of K/V in a chunk
+    monkeypatch.setitem(plan.SM90_WALK, "head_dims", (64,))
+    assert plan.sm90_walk_chunk(132, 512, 128, 1) == 1  # d 128 keeps the pair-by-pair walk
+    monkeypatch.setitem(plan.SM90_WALK, "chunk", 5)
+    assert plan.sm90_walk_chunk(132, 512, 128, 1) == 5

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cuflash import hopper
+from cuflash import hopper, plan
 from tests.gpu.helpers import DTYPES, randn
 from tests.sm90_selftest import PARAMS_DTYPE, SelftestSpec
 
@@ -177,13 +177,17 @@ PERSISTENT = [v for v in hopper.VARIANTS if hopper.variant_options(v, 64).get("p
 
 @pytest.mark.parametrize("variant", PERSISTENT)
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (200, 0))])
-def test_persistent_walks_several_tiles_per_cta(variant, d, causal, window):
+@pytest.mark.parametrize("causal,window,chunk", [(False, (-1, -1), 0), (True, (-1, -1), 0), (False, (200, 0), 0),
+                                                 (True, (-1, -1), 5), (False, (200, 0), 7)])
+def test_persistent_walks_several_tiles_per_cta(monkeypatch, variant, d, causal, window, chunk):
+    """The default walk (one chunk of all 72 pairs under a band here) and chunks forced smaller than the pairs, the
+    last one partial (5: 14 chunks and one of 2; 7: 10 and one of 2)."""
     import cupy
     from cuflash import reference
     from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
+    monkeypatch.setitem(plan.SM90_WALK, "chunk", chunk)
     rng = np.random.default_rng(d + 3 * causal)
     b, sq, sk, h, hk = 3, 700, 900, 24, 6  # 4-6 query blocks x 72 heads and sequences: 288-432 tiles
     q = cupy.asarray(randn(rng, (b, sq, h, d), DTYPES["bf16"]))
@@ -192,7 +196,7 @@ def test_persistent_walks_several_tiles_per_cta(variant, d, causal, window):
     out, lse = hopper.attention_sm90(q, k, v, causal=causal, window_size=window, return_lse=True, variant=variant)
     opts = dict(causal=causal, window_size=window)
     ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
-    ctx = f"{variant} d={d} {opts}"
+    ctx = f"{variant} d={d} {opts} chunk={chunk}"
     assert_close_to_reference(out.get(), ref, naive_lowp(q.get(), k.get(), v.get(), **opts), context=ctx)
     assert_lse_close(lse.get(), ref_lse, context=ctx)
 
