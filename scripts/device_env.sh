@@ -92,6 +92,22 @@ run_gpu_suite() {
     echo "suite_ok=$suite_ok"
 }
 
+# suite_sanitize_bench "OPS": the whole GPU suite (run_gpu_suite over FILES, default GPU_TEST_FILES), then if it passed
+# memcheck and racecheck over every case of scripts/sanitize_cases.py (SANITIZE_ONLY narrows them) and
+# bench_attention.py --op OP beside the peers for each OP (fwd, bwd)         -> all_memcheck.log, all_racecheck.log,
+#                                                                                                      bench_<op>.txt
+suite_sanitize_bench() {
+    local op
+    run_gpu_suite ${FILES:-$GPU_TEST_FILES}
+    [ $suite_ok = 1 ] || return 0
+    sanitize_both all "${SANITIZE_TIMEOUT:-200}" -- --only "${SANITIZE_ONLY:-}"
+    for op in $1; do
+        timeout -k 5 200 python3 benchmarks/bench_attention.py --op "$op" >"$OUT/bench_$op.txt" 2>&1
+        echo "bench $op: exit $? [$((SECONDS - t0))s]"
+        awk '/^===/{p=1} p' "$OUT/bench_$op.txt"
+    done
+}
+
 # precompile_hopper: every kernel compiled ahead (precompile.py --hopper: portable and Hopper)  -> $OUT/pre.log. With
 # FWD_SOURCE_AB=1 first makes the Hopper forward's kernel file a switch, CUFLASH_FWD_SM90_SOURCE (patched into
 # hopper.py here), so that a copy of main's fwd_sm90.cu (cuda_src/fwd_sm90_main.cu, untracked) can be an A/B set.

@@ -12,14 +12,5 @@
 # Logs in $OUT/logs.tgz.
 source scripts/device_env.sh
 precompile_hopper
-run_gpu_suite ${FILES:-$GPU_TEST_FILES}
-if [ $suite_ok = 1 ]; then
-    sanitize_both all "${SANITIZE_TIMEOUT:-200}" -- --only "${SANITIZE_ONLY:-}"
-    for op in fwd bwd; do
-        [ $op = bwd ] && [ "${SKIP_BWD_BENCH:-0}" = 1 ] && continue
-        timeout -k 5 200 python3 benchmarks/bench_attention.py --op $op >"$OUT/bench_$op.txt" 2>&1
-        echo "bench $op: exit $? [$((SECONDS - t0))s]"
-        awk '/^===/{p=1} p' "$OUT/bench_$op.txt"
-    done
-fi
+suite_sanitize_bench "fwd$([ "${SKIP_BWD_BENCH:-0}" = 1 ] || echo ' bwd')"
 cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null; rm -f ./*.log ./*.txt

@@ -25,7 +25,8 @@ for cell in ${NCU_CELLS:-64:0:512 64:1:512}; do
             python3 benchmarks/peer_kernels.py --cells "$cell" --impls "$impl" --plain --warmup 2 --iters 2 \
             >"$log" 2>&1
         echo "ncu $impl $cell: exit $? [$((SECONDS - t0))s]"
-        grep -E "^  [a-z_]|Duration|Executed Instructions |Issue Slots Busy|Issued Warp Per Scheduler|Registers Per|Block Size|Grid Size|Shared Memory Config|Dynamic Shared" "$log" | head -16
+        grep -E "^  [a-z_]|Duration|Executed Instructions |Issue Slots Busy|Issued Warp Per Scheduler" "$log"
+        grep -E "Registers Per|Block Size|Grid Size|Shared Memory Config|Dynamic Shared" "$log"
     done
 done
 cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null; rm -f ./*.log ./*.txt

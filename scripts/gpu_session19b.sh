@@ -13,13 +13,7 @@
 # Logs in $OUT/logs.tgz.
 source scripts/device_env.sh
 FWD_SOURCE_AB=1 precompile_hopper
-run_gpu_suite ${FILES:-$GPU_TEST_FILES}
-if [ $suite_ok = 1 ]; then
-    sanitize_both all "${SANITIZE_TIMEOUT:-200}" -- --only "${SANITIZE_ONLY:-}"
-    timeout -k 5 200 python3 benchmarks/bench_attention.py --op fwd >"$OUT/bench_fwd.txt" 2>&1
-    echo "bench fwd: exit $? [$((SECONDS - t0))s]"
-    awk '/^===/{p=1} p' "$OUT/bench_fwd.txt"
-fi
+suite_sanitize_bench fwd
 short128="128@512:pingpong_n128_p_s2,128@2048:pingpong_n128_s2,128c@1024:pingpong_n128_p_s2"
 AB="CUFLASH_FWD_SM90_SOURCE=base/fwd_sm90.cu;CUFLASH_FWD_SM90_SOURCE=fwd_sm90.cu;\
 CUFLASH_SM90_SHORT_VARIANTS=64:pingpong_n128_p,64c:pingpong_n128_p,$short128" ROUNDS=${ROUNDS:-3} \

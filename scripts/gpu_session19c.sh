@@ -12,19 +12,13 @@
 # Logs in $OUT/logs.tgz.
 source scripts/device_env.sh
 precompile_hopper
-run_gpu_suite ${FILES:-$GPU_TEST_FILES}
-if [ $suite_ok = 1 ]; then
-    sanitize_both all "${SANITIZE_TIMEOUT:-200}" -- --only "${SANITIZE_ONLY:-}"
-    timeout -k 5 200 python3 benchmarks/bench_attention.py --op fwd >"$OUT/bench_fwd.txt" 2>&1
-    echo "bench fwd: exit $? [$((SECONDS - t0))s]"
-    awk '/^===/{p=1} p' "$OUT/bench_fwd.txt"
-fi
+suite_sanitize_bench fwd
 table="64@512:ws_n128_p,64:ws3_n128_p,64c@1024:pingpong_n128_p,64c@2048:ws_n128_p,64c:ws3_n128_p"
 table="$table,128@512:pingpong_n128_p_s2,128@2048:pingpong_n128_s2,128c@1024:pingpong_n128_p_s2"
 AB="CUFLASH_SM90_WALK_CHUNK=1;CUFLASH_SM90_WALK_CHUNK=0;CUFLASH_SM90_SHORT_VARIANTS=$table" ROUNDS=${ROUNDS:-3} \
     BENCH="benchmarks/bench_attention.py --op fwd --impls cuflash --causal true" bash scripts/gpu_ab.sh
 python3 scripts/ab_table.py "$OUT"
-# 4. d 128 non-causal 512-2k: the table against pingpong_n128_p_s2 up to 1k keys                     -> ab_nc_<set>_<round>.txt
+# 4. d 128 non-causal 512-2k: the table against pingpong_n128_p_s2 up to 1k keys      -> ab_nc_<set>_<round>.txt
 table="64@512:ws_n128_p,64:ws3_n128_p,64c@2048:ws_n128_p,64c:ws3_n128_p"
 table="$table,128@1024:pingpong_n128_p_s2,128@2048:pingpong_n128_s2,128c@1024:pingpong_n128_p_s2"
 AB="CUFLASH_SM90_WALK_CHUNK=0;CUFLASH_SM90_SHORT_VARIANTS=$table" AB_TAG=_nc ROUNDS=${ROUNDS:-3} \

@@ -16,7 +16,7 @@ timeout -k 5 200 python3 benchmarks/bench_attention.py --op fwd >"$OUT/bench_fwd
 echo "bench fwd: exit $? [$((SECONDS - t0))s]"
 awk '/^===/{p=1} p' "$OUT/bench_fwd.txt"
 AB="CUFLASH_SM90_WALK_CHUNK=0;CUFLASH_SM90_WALK_CHUNK=132;CUFLASH_SM90_WALK_CHUNK=66" ROUNDS=${ROUNDS:-2} \
-    BENCH="benchmarks/bench_attention.py --op fwd --impls cuflash --causal true --dims 64 --seqlens 512,1024,2048,4096" \
-    bash scripts/gpu_ab.sh
+    BENCH="benchmarks/bench_attention.py --op fwd --impls cuflash --causal true --dims 64 --seqlens 512,1024,2048,4096"\
+        bash scripts/gpu_ab.sh
 python3 scripts/ab_table.py "$OUT"
 cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null; rm -f ./*.log ./*.txt
