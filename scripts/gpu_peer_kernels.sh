@@ -6,10 +6,10 @@
 #   1. benchmarks/peer_kernels.py: each kernel's name, grid, block, registers, shared memory, GPU time -> peers.txt
 #   2. Nsight Compute on both main kernels per NCU_CELLS cell (head dim:causal:seqlen): speed of light, compute
 #      workload (pipes), instruction statistics, scheduler, warp states, launch and occupancy  -> ncu_<impl>_<cell>.txt
-# Environment: OUT, NCU_CELLS ("64:0:512 64:1:512"), NCU_TIMEOUT (120).
+# Environment: OUT, NCU_CELLS ("64:0:512 64:1:512"), NCU_TIMEOUT (120), PEER_ARGS (peer_kernels.py's), PRECOMPILE (1:
+# every kernel compiled ahead; 0: each one when first used).
 source scripts/device_env.sh
-timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
-echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
+[ "${PRECOMPILE:-1}" = 1 ] && precompile_hopper
 timeout -k 5 200 python3 benchmarks/peer_kernels.py ${PEER_ARGS:-} 2>&1 | grep -v "Warning\|warn" >"$OUT/peers.txt"
 echo "peers: exit $? [$((SECONDS - t0))s]"
 cat "$OUT/peers.txt"
