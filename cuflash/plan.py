@@ -590,15 +590,17 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # Session 19 (docs/bench/fwd_session19.txt, call 5, after the persistent kernels' tile index lost its divisions;
 # three rounds): d = 128 non-causal 1k pingpong_n128_p_s2 587.2 against pingpong_n128_s2's 546.7, so the persistent
 # kernel reaches 1k keys there. pingpong_n128_p for d = 64 causal up to 1k tied ws_n128_p (243.3 / 322.7 against
-# 244.1 / 322.6).
+# 244.1 / 322.6). Calls 8-9 (two rounds each, table -> pingpong_n128_p_s2): d = 128 2k non-causal 638.3 / 635.2 ->
+# 661.9 / 664.6 (the grid kernel pingpong_n128_s2), causal 483.3 / 494.4 -> 542.9 / 524.5 (the grid pingpong_n128),
+# so the persistent kernel takes d = 128 up to 2k keys both ways; at 4k within noise (non-causal 643.5 against
+# 632.5, spreads 57 and 24; causal 552.3 against 565.0), not taken.
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
 SM90_SHORT_SEQLEN = 4096
 SM90_SHORT_VARIANTS = {(64, False, 512): "ws_n128_p", (64, False, 4096): "ws3_n128_p",
                        (64, True, 2048): "ws_n128_p", (64, True, 4096): "ws3_n128_p",
-                       (128, False, 1024): "pingpong_n128_p_s2", (128, False, 2048): "pingpong_n128_s2",
-                       (128, True, 1024): "pingpong_n128_p_s2"}
+                       (128, False, 2048): "pingpong_n128_p_s2", (128, True, 2048): "pingpong_n128_p_s2"}
 
 
 def _short_table_from_env(text: str | None) -> dict:
