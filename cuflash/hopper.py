@@ -165,11 +165,13 @@ def fast_div(d: int) -> tuple:
 
 
 def _set_walk(p, spec, m_blocks: int, ctas: int) -> None:
-    """The persistent walk's fields of FwdSm90Params (its ints already set): chunks of plan.sm90_walk_chunk pairs
-    under a band (unused without one), and the multiplier and shift of each division a tile index takes."""
+    """The persistent walk's fields of FwdSm90Params (its ints already set; the grid kernels never read them):
+    chunks of plan.sm90_walk_chunk pairs under a band (unused without one), and the multiplier and shift of each
+    division a tile index takes."""
     heads, pairs = int(p["nheads"]), int(p["nheads"]) * int(p["batch"])
-    chunk = (plan.sm90_walk_chunk(ctas, int(p["seqlen_k"]), spec.headdim, int(p["heads_per_kv"])) if spec.band
-             else 1)
+    chunk = 1
+    if spec.persistent and spec.band:
+        chunk = plan.sm90_walk_chunk(ctas, int(p["seqlen_k"]), spec.headdim, int(p["heads_per_kv"]))
     last = pairs - (math.ceil(pairs / chunk) - 1) * chunk
     p["chunk"], p["chunk_last"] = chunk, last
     for name, d in (("m_blocks", m_blocks), ("heads", heads), ("chunk_tiles", chunk * m_blocks), ("chunk", chunk),
