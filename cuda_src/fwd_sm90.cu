@@ -218,12 +218,17 @@ struct FwdSm90 {
         sm90::wgmma_commit();
     }
 
+    // Masked blocks where a band's right edge meets each warp's rows on a 16-column boundary take the mask's per-warp
+    // shapes (Mask::apply_diagonal), except with three consumer warpgroups, whose 160 registers the shapes overflow
+    // (4 bytes of spills at d 64).
+    static constexpr bool DIAGONAL = WGS == 2;
+
     // Block n's scores to probabilities, in place: mask (MASK), online softmax; alpha: the factor O must be
     // rescaled by before this block's P V is added.
     template <bool MASK, bool FIRST>
     __device__ __forceinline__ void probabilities(float (&s)[1][BN / 8][4], int n, float (&alpha)[1][2]) {
         if (SCORE_MOD) mod.apply(s, row0 + wg * 64 + warp * 16, n * BN, lane);
-        if (MASK) {
+        if (MASK && !(DIAGONAL && mask.apply_diagonal(s[0], row0 + wg * 64 + warp * 16, n * BN, lane))) {
             const int row = row0 + wg * 64 + warp * 16 + lane / 4, col_lane = n * BN + 2 * (lane % 4);
             mask.apply_row(s[0], 0, row, col_lane);
             mask.apply_row(s[0], 1, row + 8, col_lane);

@@ -48,6 +48,51 @@ struct Mask {
                 if (nt * 8 + e >= hi) s[nt][2 * h + e] = NEG_INF;
     }
 
+    // The band's right edge across a warp's 16 rows (first query warp_row0) in a block of 8 NT keys from col0, where
+    // that edge meets the rows on a 16-column boundary of the block (the causal diagonal of equal-length sequences in
+    // tiles a multiple of 16): the warp's mask is then one of NT / 2 shapes known at compile time, so the columns
+    // right of the rows' 16 x 16 square are set to -inf without a compare, those left of it are not touched, and
+    // only the square's 8 elements per thread are compared. Returns false, masking nothing, elsewhere (a left edge,
+    // another offset, keys past seqlen_k in the block): apply_row's general mask then. (A warp-uniform branch.)
+    template <int NT>
+    __device__ __forceinline__ bool apply_diagonal(float (&s)[NT][4], int warp_row0, int col0, int lane) const {
+        if (!BAND || left >= 0 || right < 0) return false;
+        const int offset = warp_row0 + diag + right - col0;  // the block column the edge meets the warp's first row at
+        if ((offset & 15) != 0 || offset < 0 || offset >= NT * 8 || col0 + NT * 8 > seqlen_k) return false;
+        diagonal_in<NT, 0, NT / 2>(s, offset / 16, lane);
+        return true;
+    }
+
+    // Bisection over the square's position POS (in 16-column steps) for apply_diagonal.
+    template <int NT, int LO, int HI>
+    __device__ __forceinline__ static void diagonal_in(float (&s)[NT][4], int pos, int lane) {
+        if constexpr (HI - LO == 1) {
+            diagonal_at<NT, LO>(s, lane);
+        } else {
+            constexpr int MID = (LO + HI) / 2;
+            if (pos < MID) diagonal_in<NT, LO, MID>(s, pos, lane);
+            else diagonal_in<NT, MID, HI>(s, pos, lane);
+        }
+    }
+
+    // The square at columns 16 POS .. 16 POS + 15: row lane / 4 + 8 h of the square sees its column 8 j + 2 (lane %
+    // 4) + e iff that is at most the row; 8-column groups past the square see nothing.
+    template <int NT, int POS>
+    __device__ __forceinline__ static void diagonal_at(float (&s)[NT][4], int lane) {
+        const int t = lane / 4 - 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (8 * j + e - 8 * h > t) s[2 * POS + j][2 * h + e] = NEG_INF;
+#pragma unroll
+        for (int nt = 2 * POS + 2; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] = NEG_INF;
+    }
+
     // The same mask on S^T (rows are keys, columns queries), as the backward computes it. Per key row j the
     // visible queries form [j - diag - right, j - diag + left]; keys past seqlen_k see nothing.
     template <int MT, int NT>

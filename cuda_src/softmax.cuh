@@ -43,9 +43,10 @@ struct OnlineSoftmax {
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float m = FIRST ? NEG_INF : row_max[mt][h];
+                float m = fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]);
+                if (!FIRST) m = fmaxf(row_max[mt][h], m);
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                for (int nt = 1; nt < NT; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
                 m = quad_max(m);
                 // A fully masked row keeps max -inf; exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
                 float m_safe = (CHECK_INF && m == NEG_INF) ? 0.f : m;

@@ -594,13 +594,16 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # 661.9 / 664.6 (the grid kernel pingpong_n128_s2), causal 483.3 / 494.4 -> 542.9 / 524.5 (the grid pingpong_n128),
 # so the persistent kernel takes d = 128 up to 2k keys both ways; at 4k within noise (non-causal 643.5 against
 # 632.5, spreads 57 and 24; causal 552.3 against 565.0), not taken.
+# Session 20 (docs/bench/fwd_session20.txt, call 1, three rounds): d = 128 causal 4k pingpong_n128_p_s2 586.5
+# (567.1-620.3) against the grid pingpong_n128's 537.7 (531.1-548.3), taken; non-causal 4k 658.0 against 662.5
+# (spreads 41 and 47), not taken.
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
 SM90_SHORT_SEQLEN = 4096
 SM90_SHORT_VARIANTS = {(64, False, 512): "ws_n128_p", (64, False, 4096): "ws3_n128_p",
                        (64, True, 2048): "ws_n128_p", (64, True, 4096): "ws3_n128_p",
-                       (128, False, 2048): "pingpong_n128_p_s2", (128, True, 2048): "pingpong_n128_p_s2"}
+                       (128, False, 2048): "pingpong_n128_p_s2", (128, True, 4096): "pingpong_n128_p_s2"}
 
 
 def _short_table_from_env(text: str | None) -> dict:

@@ -81,6 +81,31 @@ def test_fwd_sm90_matches_reference(d, dtype, sq, sk, causal, window, h, hk, var
     assert_lse_close(lse.get(), ref_lse, context=ctx)
 
 
+@pytest.mark.parametrize("variant", hopper.VARIANTS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk,window", [
+    (512, 512, (-1, 0)), (200, 328, (-1, 0)), (392, 264, (-1, 0)), (300, 300, (-1, 16)), (136, 392, (-1, 48)),
+    (256, 256, (-1, 8))])
+def test_fwd_sm90_band_edge_on_16_column_boundaries(d, sq, sk, window, variant):
+    """Bands with a right edge only, whose edge meets a warp's rows on a 16-column boundary of a key block (diag +
+    right a multiple of 16): Mask::apply_diagonal's per-warp shapes, beside blocks cut by seqlen_k and an edge off
+    the boundary (right = 8), which keep the general mask."""
+    import cupy
+    from cuflash import reference
+    from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma and TMA need compute capability 9.0")
+    rng = np.random.default_rng(sq * 11 + sk + window[1])
+    dt = DTYPES["bf16"]
+    q, k, v = (cupy.asarray(randn(rng, (2, s, 2, d), dt)) for s in (sq, sk, sk))
+    out, lse = hopper.attention_sm90(q, k, v, window_size=window, return_lse=True, variant=variant)
+    ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, window_size=window)
+    naive = naive_lowp(q.get(), k.get(), v.get(), window_size=window)
+    ctx = f"{variant} sq={sq} sk={sk} d={d} window={window}"
+    assert_close_to_reference(out.get(), ref, naive, context=ctx)
+    assert_lse_close(lse.get(), ref_lse, context=ctx)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # cuflash.attention with the planner sending eligible calls to the Hopper kernel (plan.SM90_FORWARD)
 # --------------------------------------------------------------------------------------------------------------
