@@ -181,11 +181,13 @@ struct FwdSm90 {
         const u32 k_tile = OFF_K + slot * KV_BYTES;  // (offsets from base: smem_desc(base) advanced)
         const u32 q_rows = q_tile() - base + wg * 64 * 128;  // this warpgroup's 64 rows of every Q panel
         float(&sf)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0][0]);
+        // the tiles' descriptors once, then advanced by constants (one add per wgmma and operand)
         const auto desc0 = sm90::smem_desc(base);
+        const auto q_desc = sm90::desc_advance(desc0, q_rows), k_desc = sm90::desc_advance(desc0, k_tile);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
-            const auto a = sm90::desc_advance(desc0, q_rows + (ks / 4) * Q_PANEL + (ks % 4) * 32);
-            const auto b = sm90::desc_advance(desc0, k_tile + (ks / 4) * KV_PANEL + (ks % 4) * 32);
+            const auto a = sm90::desc_advance(q_desc, (ks / 4) * Q_PANEL + (ks % 4) * 32);
+            const auto b = sm90::desc_advance(k_desc, (ks / 4) * KV_PANEL + (ks % 4) * 32);
             if constexpr (BN == 176) sm90::wgmma_m64n176k16_ss<T>(sf, a, b, ks > 0);
             else if constexpr (BN == 128) sm90::wgmma_m64n128k16_ss<T>(sf, a, b, ks > 0);
             else sm90::wgmma_m64n64k16_ss<T>(sf, a, b, ks > 0);
@@ -198,12 +200,11 @@ struct FwdSm90 {
     // read once for both), else one m64n64k16 per panel.
     static constexpr bool PV_N128 = PANELS % 2 == 0;
     __device__ __forceinline__ void issue_pv_k16(const u32 (&a)[4], int kk, int slot) {
-        const u32 v_tile = OFF_V + slot * KV_BYTES;
-        const auto desc0 = sm90::smem_desc_mn(base, KV_PANEL);
+        const auto v_desc = sm90::desc_advance(sm90::smem_desc_mn(base, KV_PANEL), OFF_V + slot * KV_BYTES);
         constexpr int STEP = PV_N128 ? 2 : 1;
 #pragma unroll
         for (int pn = 0; pn < PANELS; pn += STEP) {
-            const auto b = sm90::desc_advance(desc0, v_tile + pn * KV_PANEL + kk * 2048);
+            const auto b = sm90::desc_advance(v_desc, pn * KV_PANEL + kk * 2048);
             if constexpr (PV_N128)
                 sm90::wgmma_m64n128k16_rs<T>(*reinterpret_cast<float(*)[64]>(&acc_o[0][pn * 8][0]), a, b, true);
             else sm90::wgmma_m64n64k16_rs<T>(panel(pn), a, b, true);
