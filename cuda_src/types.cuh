@@ -57,6 +57,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+__device__ __forceinline__ int ceil_div(int a, int b) { return floor_div(a + b - 1, b); }
 
 // Division by a divisor fixed for the kernel, by a multiply: with p = ceil(log2 d) and m = floor(2^32 (2^p - d) / d)
 // + 1, x / d = (umulhi(x, m) + x) >> p for 0 <= x < 2^31 (Granlund and Montgomery's round-up method). The host
@@ -65,6 +66,5 @@ struct FastDiv {
     u32 mul, shift;
     __device__ __forceinline__ int div(int x) const { return (int)((__umulhi((u32)x, mul) + (u32)x) >> shift); }
 };
-__device__ __forceinline__ int ceil_div(int a, int b) { return floor_div(a + b - 1, b); }
 
 }  // namespace cuflash
