@@ -109,6 +109,11 @@ struct FwdSm90 {
     // position and the wgmma descriptors stay on the uniform datapath: +2 to +6% at d 128 up to 4k keys. Not in the
     // OVERLAP kernel, where the shuffles cost more than they saved (-1 to -10% at d 64 up to 4k keys; session 17).
     __device__ __forceinline__ static int uniform(int x) { return OVERLAP ? x : sm90::warp_uniform(x); }
+    // The OVERLAP kernel instead makes the warp's index and `wg` (once), and each tile's block range, whether there
+    // is one and whether its first block is masked (once per tile) values ptxas can see are warp-uniform: then the
+    // ring position, the branches of the step and every wgmma descriptor are uniform too (d 64 ws_n128_p: R2UR in
+    // the SASS 123 -> 25 under a band, 122 -> 18 without; 16% and 29% less code). Each part alone changes nothing.
+    static constexpr bool UNIFORM_TILES = OVERLAP;
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
@@ -242,7 +247,10 @@ struct FwdSm90 {
     __device__ __forceinline__ void probabilities_of(const BlockRange& range, int t, float (&s)[1][BN / 8][4],
                                                      float (&alpha)[1][2]) {
         const int n = range.n_max - 1 - t;
-        if (n > range.full_hi || n < range.full_lo) probabilities<true, FIRST>(s, n, alpha);
+        // Without a band only the walk's first block (the last key block, cut by seqlen_k) can need masking.
+        bool masked = (BAND || FIRST) && (n > range.full_hi || n < range.full_lo);
+        if (UNIFORM_TILES && FIRST) masked = sm90::warp_uniform(masked);  // (else the step leaves the uniform datapath)
+        if (masked) probabilities<true, FIRST>(s, n, alpha);
         else probabilities<false, FIRST>(s, n, alpha);
     }
 
@@ -525,8 +533,9 @@ struct FwdSm90 {
 
     __device__ __forceinline__ void start(char* smem) {
         tid = threadIdx.x;
-        wg = uniform((tid - CONSUMER0) / 128);  // consumers 0 .. WGS - 1 (producer threads never use it)
-        warp = (tid / 32) % 4;
+        // consumers 0 .. WGS - 1 (producer threads never use it)
+        wg = UNIFORM_TILES ? sm90::warp_uniform((tid - CONSUMER0) / 128) : uniform((tid - CONSUMER0) / 128);
+        warp = UNIFORM_TILES ? sm90::warp_uniform((tid / 32) % 4) : (tid / 32) % 4;
         lane = tid % 32;
         base = (smem_u32(smem) + 1023) & ~1023u;
     }
@@ -625,6 +634,16 @@ struct FwdSm90 {
         qb = t.qb;
     }
 
+    // UNIFORM_TILES: `have` and the tile's block range made warp-uniform.
+    __device__ __forceinline__ static bool uniform_tile(bool have, BlockRange& range) {
+        if constexpr (!UNIFORM_TILES) return have;
+        range.n_min = sm90::warp_uniform(range.n_min);
+        range.n_max = sm90::warp_uniform(range.n_max);
+        range.full_lo = sm90::warp_uniform(range.full_lo);
+        range.full_hi = sm90::warp_uniform(range.full_hi);
+        return sm90::warp_uniform(have);
+    }
+
     // The consumers' walk: the next tile with rows from round `round` on (begin_tile makes it this thread's).
     __device__ __forceinline__ bool next_tile(int& round, int m_blocks, int tiles, BlockRange& range) {
         for (int idx; (idx = walk(round)) < tiles;) {
@@ -659,13 +678,13 @@ struct FwdSm90 {
         int it = 0, loaded = 0, round = 0;
         bool started = false;  // the current tile's first block is done (by the tile before's end)
         BlockRange range;
-        bool have = next_tile(round, m_blocks, tiles, range);
+        bool have = uniform_tile(next_tile(round, m_blocks, tiles, range), range);
         while (have) {
             const int count = blocks(range);
             if (count == 0) {  // rows that see no key: O = 0, lse = -inf
                 reset_accumulators();
                 epilogue(false);
-                have = next_tile(round, m_blocks, tiles, range);
+                have = uniform_tile(next_tile(round, m_blocks, tiles, range), range);
                 continue;
             }
             if (!started) {
@@ -680,7 +699,7 @@ struct FwdSm90 {
             ++loaded;
             const TileRows done = rows();
             BlockRange next;
-            have = next_tile(round, m_blocks, tiles, next);
+            have = uniform_tile(next_tile(round, m_blocks, tiles, next), next);
             const int next_count = have ? blocks(next) : 0;
             started = next_count > 0;
             if (started) {
