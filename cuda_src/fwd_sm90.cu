@@ -534,7 +534,7 @@ struct FwdSm90 {
     __device__ __forceinline__ void start(char* smem) {
         tid = threadIdx.x;
         // consumers 0 .. WGS - 1 (producer threads never use it)
-        wg = UNIFORM_TILES ? sm90::warp_uniform((tid - CONSUMER0) / 128) : uniform((tid - CONSUMER0) / 128);
+        wg = sm90::warp_uniform((tid - CONSUMER0) / 128);  // (uniform() would skip it in the OVERLAP kernel)
         warp = UNIFORM_TILES ? sm90::warp_uniform((tid / 32) % 4) : (tid / 32) % 4;
         lane = tid % 32;
         base = (smem_u32(smem) + 1023) & ~1023u;
