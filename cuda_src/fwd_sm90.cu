@@ -230,9 +230,9 @@ struct FwdSm90 {
     static constexpr bool DIAGONAL = WGS == 2;
 
     // Block n's scores to probabilities, in place: mask (MASK), online softmax; alpha: the factor O must be
-    // rescaled by before this block's P V is added.
-    template <bool MASK, bool FIRST>
-    __device__ __forceinline__ void probabilities(float (&s)[1][BN / 8][4], int n, float (&alpha)[1][2]) {
+    // rescaled by before this block's P V is added. NT: the block's first NT 8-key columns (left_half).
+    template <bool MASK, bool FIRST, int NT>
+    __device__ __forceinline__ void probabilities(float (&s)[1][NT][4], int n, float (&alpha)[1][2]) {
         if (SCORE_MOD) mod.apply(s, row0 + wg * 64 + warp * 16, n * BN, lane);
         if (MASK && !(DIAGONAL && mask.apply_diagonal(s[0], row0 + wg * 64 + warp * 16, n * BN, lane))) {
             const int row = row0 + wg * 64 + warp * 16 + lane / 4, col_lane = n * BN + 2 * (lane % 4);
@@ -252,6 +252,36 @@ struct FwdSm90 {
         if (UNIFORM_TILES && FIRST) masked = sm90::warp_uniform(masked);  // (else the step leaves the uniform datapath)
         if (masked) probabilities<true, FIRST>(s, n, alpha);
         else probabilities<false, FIRST>(s, n, alpha);
+    }
+
+    // A tile's first block (the walk's last key block) whose right half no row of this warpgroup sees: the causal
+    // diagonal's upper warpgroup where the tile's rows start at a key-block boundary (equal lengths, BM = BN), or a
+    // sequence that ends in the block's left half. Its softmax then runs over the left half only and P's right half
+    // is zero, which is what the whole block's softmax makes of keys no row sees (the GEMMs stay whole). Session 22
+    // (three rounds): d 128 causal 512 / 1k 348.8 / 452.7 -> 357.2 / 462.4 (pingpong_n128_p_s2); in the OVERLAP
+    // kernel it lost 3-7% at d 64 causal 512 / 1k (255.5 / 332.9 -> 237.4 / 321.1), so that kernel keeps the whole
+    // block: its warpgroups then run different copies of the first block's step at once.
+    static constexpr bool LEFT_HALF = BN == 128 && !OVERLAP;
+    __device__ __forceinline__ bool left_half(const BlockRange& range) const {
+        if constexpr (!LEFT_HALF) return false;
+        int seen = mask.seqlen_k;  // no row of the warpgroup sees a key from `seen` on
+        if (BAND && mask.right >= 0) seen = min(seen, row0 + wg * 64 + 64 + mask.diag + mask.right);
+        return sm90::warp_uniform(seen <= (range.n_max - 1) * BN + BN / 2);
+    }
+
+    // probabilities_of the tile's first block; over the block's left half where left_half, the right half's
+    // probabilities then set to zero.
+    __device__ __forceinline__ void first_probabilities(const BlockRange& range, float (&s)[1][BN / 8][4],
+                                                        float (&alpha)[1][2]) {
+        if (LEFT_HALF && left_half(range)) {
+            probabilities<true, true>(*reinterpret_cast<float(*)[1][BN / 16][4]>(&s[0][0][0]), range.n_max - 1, alpha);
+#pragma unroll
+            for (int nt = BN / 16; nt < BN / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[0][nt][e] = 0.f;
+        } else {
+            probabilities_of<true>(range, 0, s, alpha);
+        }
     }
 
     // P of keys 16 kk .. 16 kk + 15 to 16 bits: the A fragment of O += P V (mma.sync layout of each warp's rows).
@@ -313,7 +343,7 @@ struct FwdSm90 {
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(empty_bar(slot_of(it0), 0));
         s_done(0, count);
-        probabilities_of<true>(range, 0, s, alpha);
+        first_probabilities(range, s, alpha);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
     }
@@ -716,7 +746,7 @@ struct FwdSm90 {
                 s_done(0, next_count);
                 const OnlineSoftmax<1> done_softmax = softmax;
                 softmax.reset();
-                probabilities_of<true>(next, 0, s, alpha);
+                first_probabilities(next, s, alpha);
                 sm90::wgmma_wait<0>();  // and this tile's last P V
                 sm90::mbar_arrive(empty_bar(slot_of(last), 1));
                 epilogue_of(done, done_softmax);

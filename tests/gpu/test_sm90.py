@@ -106,6 +106,33 @@ def test_fwd_sm90_band_edge_on_16_column_boundaries(d, sq, sk, window, variant):
     assert_lse_close(lse.get(), ref_lse, context=ctx)
 
 
+@pytest.mark.parametrize("variant", hopper.VARIANTS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk,causal,window", [
+    (512, 512, True, (-1, -1)), (448, 512, True, (-1, -1)), (130, 320, False, (-1, -1)), (300, 300, False, (100, 0)),
+    (1, 200, False, (-1, -1))])
+def test_fwd_sm90_first_block_left_half(d, sq, sk, causal, window, variant):
+    """Tiles whose first key block has a right half that no row of a warpgroup sees (fwd_sm90.cu left_half: the
+    softmax runs over the left half only): the upper warpgroup on the causal diagonal of equal lengths; both
+    warpgroups where the diagonal is 64 keys right (448 x 512); keys ending 64 into the last block (320, 200); a
+    window's left edge beside it (300 x 300). (Allocations are poisoned with NaN: tests/gpu/conftest.py.)"""
+    import cupy
+    from cuflash import reference
+    from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma and TMA need compute capability 9.0")
+    rng = np.random.default_rng(sq * 13 + sk + d)
+    dt = DTYPES["bf16"]
+    q = cupy.asarray(randn(rng, (2, sq, 4, d), dt))
+    k, v = (cupy.asarray(randn(rng, (2, sk, 2, d), dt)) for _ in range(2))
+    out, lse = hopper.attention_sm90(q, k, v, causal=causal, window_size=window, return_lse=True, variant=variant)
+    opts = dict(causal=causal, window_size=window)
+    ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
+    ctx = f"{variant} sq={sq} sk={sk} d={d} {opts}"
+    assert_close_to_reference(out.get(), ref, naive_lowp(q.get(), k.get(), v.get(), **opts), context=ctx)
+    assert_lse_close(lse.get(), ref_lse, context=ctx)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # cuflash.attention with the planner sending eligible calls to the Hopper kernel (plan.SM90_FORWARD)
 # --------------------------------------------------------------------------------------------------------------
