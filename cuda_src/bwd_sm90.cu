@@ -21,7 +21,9 @@
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
 // waited for first) at d = 64 (at 128 that kernel spills); head dims 64 and 128.
 // Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
-// with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order.
+// with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order:
+// only the FIXED kernels, which run only that mode (the others carry none of its code: with a run-time test the atomic
+// kernel was 3.5-5% slower at every cell of the benchmark, session 22).
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "mask.cuh"
@@ -46,7 +48,7 @@ __device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y) : "memory");
 }
 
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD>
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED>
 struct BwdSm90 {
     static constexpr int BN = 128, PANELS = D / 64, THREADS = 256;
     static constexpr int NT = BM / 8, KK = BM / 16, QH = BM / 64;  // S^T's n-tiles, k-steps over queries, halves
@@ -129,11 +131,11 @@ struct BwdSm90 {
     // Threads < BM: lse_log2 and D of row `tid` of step t, read from global memory into registers a step ahead (the
     // load's latency hides behind a step's work) and stored to the rows of buffer tt % 2 once that buffer is free.
     // Fixed point (deterministic mode 2), threads BM..2 BM - 1 too: the dQ scale of row `tid - BM` (fixed_dq.cuh).
-    __device__ __forceinline__ int row_threads() const { return p.deterministic == 2 ? 2 * BM : BM; }
+    __device__ __forceinline__ static constexpr int row_threads() { return FIXED ? 2 * BM : BM; }
     __device__ __forceinline__ float2 fetch_rows(int t, int m_min, int m_count, int seqlen_q) const {
         int h, m;
         step_of(t, m_min, m_count, h, m);
-        const bool scale = tid >= BM;
+        const bool scale = FIXED && tid >= BM;
         const int row = m * BM + tid - (scale ? BM : 0);
         if (row >= seqlen_q) return make_float2(scale ? 0.f : __int_as_float(0x7f800000), 0.f);  // lse +inf: P = 0
         const i64 i = SeqInfo::offset(q_begin, p.lse_batch_stride, 1, row) + (i64)h * p.lse_head_stride;
@@ -144,7 +146,7 @@ struct BwdSm90 {
     }
     __device__ __forceinline__ void store_rows(char* smem, int tt, float2 r) const {
         float* at = rows(smem, tt % 2);
-        if (tid < BM) {
+        if (!FIXED || tid < BM) {
             at[tid] = r.x;
             at[BM + tid] = r.y;
         } else {
@@ -380,16 +382,15 @@ struct BwdSm90 {
     __device__ __forceinline__ void add_dq_tma(const float (&dq)[8][4], int h, int row0, int panel, int tt,
                                                bool first, const float* scales) const {
         const u32 tile = base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + wg * DQ_TILE;
-        const bool fixed = p.deterministic == 2;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = warp * 16 + lane / 4 + 8 * hh;
-            const float scale = fixed ? scales[r] : 0.f;
+            const float scale = FIXED ? scales[r] : 0.f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 const int chunk = 2 * (j % 4) + (lane % 4) / 2;
                 const u32 addr = tile + (j / 4) * DQ_BOX + r * 128 + ((chunk ^ (r % 8)) * 16) + (lane % 2) * 8;
-                if (fixed)
+                if constexpr (FIXED)
                     st_shared_fixed2(addr, dq[j][2 * hh], dq[j][2 * hh + 1], scale);
                 else
                     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[j][2 * hh]),
@@ -399,11 +400,11 @@ struct BwdSm90 {
         sm90::fence_proxy_async();  // generic-proxy stores, read by TMA (async proxy) below
         asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
         if (tid % 128 != 0) return;
-        if (p.deterministic == 1 && first) sm90::bulk_wait<0>();
+        if (!FIXED && p.deterministic == 1 && first) sm90::bulk_wait<0>();
         // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b]. A box
         // past this sequence's rows adds zeros there (its dS is 0) or is clipped at the end of the tensor.
         const int row = (p.cu_seqlens_q != nullptr ? q_begin : q_begin * p.seqlen_q) + row0;
-        const int slice = p.deterministic == 1 ? blockIdx.x : 0;
+        const int slice = !FIXED && p.deterministic == 1 ? blockIdx.x : 0;
 #pragma unroll
         for (int box = 0; box < 2; ++box)
             sm90::tma_reduce_add_4d(&P.dq, panel * 64 + box * 32, h, row, slice, tile + box * DQ_BOX);
@@ -500,10 +501,10 @@ struct BwdSm90 {
     }
 };
 
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD>
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED>
 __global__ void __launch_bounds__(256, 1) bwd_sm90_kernel(const __grid_constant__ BwdSm90Params P) {
     extern __shared__ __align__(1024) char smem[];
-    BwdSm90<T, D, BM, BAND, SCORE_MOD> block(P);
+    BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED> block(P);
     block.run(smem);
 }
 

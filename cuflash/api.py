@@ -323,7 +323,8 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
         bp[name] = value
     bp["softmax_scale"] = scale
     if plan.bwd_sm90_applies(problem, score_mod, build.device_arch(device_id)):  # same interface, same workspace
-        spec = hopper.BwdSm90Spec(dtype, d, left >= 0 or right >= 0, score_mod, plan.bwd_sm90_block_m(d, score_mod))
+        spec = hopper.BwdSm90Spec(dtype, d, left >= 0 or right >= 0, score_mod, plan.bwd_sm90_block_m(d, score_mod),
+                                  fixed)
         main = hopper.backward_main(spec, bp, q, k, v, dout, launch.grid, device_id)  # plan_backward's grid
     else:
         main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),

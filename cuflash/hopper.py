@@ -292,6 +292,7 @@ class BwdSm90Spec:
     band: bool
     score_mod: bool = False
     block_m: int = BWD_BLOCK_M  # query rows per step: 64, or 128 at d = 64 without a score mod
+    fixed: bool = False  # deterministic mode 2 (int32 fixed-point dQ), which runs only on these kernels
 
     source = "bwd_sm90.cu"
     threads = 256
@@ -299,11 +300,13 @@ class BwdSm90Spec:
     @property
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}"
-                f"{'_mod' if self.score_mod else ''}{f'_m{self.block_m}' if self.block_m != BWD_BLOCK_M else ''}")
+                f"{'_mod' if self.score_mod else ''}{f'_m{self.block_m}' if self.block_m != BWD_BLOCK_M else ''}"
+                f"{'_fixed' if self.fixed else ''}")
 
     @property
     def template(self) -> str:
-        return plan._template("bwd_sm90_kernel", self.dtype, (self.headdim, self.block_m), (self.band, self.score_mod))
+        return plan._template("bwd_sm90_kernel", self.dtype, (self.headdim, self.block_m),
+                              (self.band, self.score_mod, self.fixed))
 
     @property
     def tma_dq(self) -> bool:  # BwdSm90::TMA_DQ: dQ added by TMA from staging buffers
@@ -318,9 +321,11 @@ class BwdSm90Spec:
 
 
 def all_backward_specs() -> list:
-    return [BwdSm90Spec(dtype, d, band, mod, block_m) for d in BWD_HEADDIMS for dtype in ("fp16", "bf16")
+    """Every specialization: the fixed-point ones where dQ is added by TMA (mode 2 needs it)."""
+    return [BwdSm90Spec(dtype, d, band, mod, block_m, fixed) for d in BWD_HEADDIMS for dtype in ("fp16", "bf16")
             for band in (False, True) for mod in ((False, True) if d in plan.BWD_SM90["score_mod"] else (False,))
-            for block_m in plan.BWD_SM90_BLOCK_M_CHOICES if plan.bwd_sm90_block_m_allowed(d, mod, block_m)]
+            for block_m in plan.BWD_SM90_BLOCK_M_CHOICES if plan.bwd_sm90_block_m_allowed(d, mod, block_m)
+            for fixed in ((False, True) if plan.bwd_sm90_tma_dq(d, block_m) else (False,))]
 
 
 def _bwd_params_dtype() -> np.dtype:

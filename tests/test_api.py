@@ -226,6 +226,8 @@ def test_backward_fixed_point_layout(no_gpu_kernels, monkeypatch, packed):
     assert kvb_off + hk * 2 * 4 <= total
     main = np.frombuffer(call.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
     assert main["deterministic"] == 2 and call.main.kernel_call.launches[0][1:4] == (4, hk, b)
+    assert call.main.spec.fixed and call.main.spec.name.endswith("_fixed")  # the kernel that runs mode 2 only
+    assert call.main.spec in hopper.all_backward_specs()
     dtype, dims, _, _ = hopper._dq_accum_layout(main, launch.grid)
     assert dtype == np.int32 and dims == (d, h, rows, 1)
     pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 11))
@@ -271,7 +273,8 @@ def test_sm90_backward_main_behind_the_same_call(no_gpu_kernels, monkeypatch, de
     main, capped = call(), call(softcap=5.0)
     block_m = plan.bwd_sm90_block_m(64, False)  # the table's rows per step at d = 64 (128 since session 6)
     assert isinstance(main.main, hopper.BackwardMain)
-    assert main.main.spec == hopper.BwdSm90Spec("fp16", 64, True, block_m=block_m)
+    fixed = np.frombuffer(main.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]["deterministic"] == 2
+    assert main.main.spec == hopper.BwdSm90Spec("fp16", 64, True, block_m=block_m, fixed=fixed)
     assert capped.main.spec == hopper.BwdSm90Spec("fp16", 64, True, score_mod=True)
     monkeypatch.setitem(plan.BWD_SM90, "score_mod", ())  # as at d = 128: score mods stay on the portable kernel
     portable = call(softcap=5.0)
@@ -318,7 +321,7 @@ def test_sm90_backward_128_query_rows_at_d64(no_gpu_kernels, monkeypatch):
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, packed=False)
     spec = call.main.spec
     assert spec == hopper.BwdSm90Spec("fp16", 64, False, False, 128) and spec.name.endswith("_m128")
-    assert spec.template == "cuflash::bwd_sm90_kernel<cuflash::half_t, 64, 128, false, false>"
+    assert spec.template == "cuflash::bwd_sm90_kernel<cuflash::half_t, 64, 128, false, false, false>"
     assert spec.smem_bytes > hopper.BwdSm90Spec("fp16", 64, False).smem_bytes and spec.smem_bytes <= 227 * 1024
     assert hopper._map_layout(q, spec.block_m)[3][2] == 128
     assert spec in hopper.all_backward_specs()
