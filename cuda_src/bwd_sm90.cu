@@ -23,7 +23,7 @@
 // Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
 // with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order:
 // only the FIXED kernels, which run only that mode (the others carry none of its code: with a run-time test the atomic
-// kernel was 3.5-5% slower at every cell of the benchmark, session 22).
+// kernel was 1.9-7.6% slower in every cell of the benchmark, session 22).
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "mask.cuh"
