@@ -106,6 +106,17 @@ def test_fwd_sm90_band_edge_on_16_column_boundaries(d, sq, sk, window, variant):
     assert_lse_close(lse.get(), ref_lse, context=ctx)
 
 
+def _check_variant(q, k, v, variant, context, **opts):
+    """hopper.attention_sm90 in `variant` against the float64 reference: out and lse under the suite's rules."""
+    from cuflash import reference
+    from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
+    out, lse = hopper.attention_sm90(q, k, v, return_lse=True, variant=variant, **opts)
+    ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
+    ctx = f"{variant} {context} {opts}"
+    assert_close_to_reference(out.get(), ref, naive_lowp(q.get(), k.get(), v.get(), **opts), context=ctx)
+    assert_lse_close(lse.get(), ref_lse, context=ctx)
+
+
 @pytest.mark.parametrize("variant", hopper.VARIANTS)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq,sk,causal,window", [
@@ -117,20 +128,13 @@ def test_fwd_sm90_first_block_left_half(d, sq, sk, causal, window, variant):
     warpgroups where the diagonal is 64 keys right (448 x 512); keys ending 64 into the last block (320, 200); a
     window's left edge beside it (300 x 300). (Allocations are poisoned with NaN: tests/gpu/conftest.py.)"""
     import cupy
-    from cuflash import reference
-    from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
     rng = np.random.default_rng(sq * 13 + sk + d)
     dt = DTYPES["bf16"]
     q = cupy.asarray(randn(rng, (2, sq, 4, d), dt))
     k, v = (cupy.asarray(randn(rng, (2, sk, 2, d), dt)) for _ in range(2))
-    out, lse = hopper.attention_sm90(q, k, v, causal=causal, window_size=window, return_lse=True, variant=variant)
-    opts = dict(causal=causal, window_size=window)
-    ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
-    ctx = f"{variant} sq={sq} sk={sk} d={d} {opts}"
-    assert_close_to_reference(out.get(), ref, naive_lowp(q.get(), k.get(), v.get(), **opts), context=ctx)
-    assert_lse_close(lse.get(), ref_lse, context=ctx)
+    _check_variant(q, k, v, variant, f"sq={sq} sk={sk} d={d}", causal=causal, window_size=window)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -235,8 +239,6 @@ def test_persistent_walks_several_tiles_per_cta(monkeypatch, variant, d, causal,
     """The default walk (one chunk of all 72 pairs under a band here) and chunks forced smaller than the pairs, the
     last one partial (5: 14 chunks and one of 2; 7: 10 and one of 2)."""
     import cupy
-    from cuflash import reference
-    from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
     monkeypatch.setitem(plan.SM90_WALK, "chunk", chunk)
@@ -245,12 +247,7 @@ def test_persistent_walks_several_tiles_per_cta(monkeypatch, variant, d, causal,
     q = cupy.asarray(randn(rng, (b, sq, h, d), DTYPES["bf16"]))
     k = cupy.asarray(randn(rng, (b, sk, hk, d), DTYPES["bf16"]))
     v = cupy.asarray(randn(rng, (b, sk, hk, d), DTYPES["bf16"]))
-    out, lse = hopper.attention_sm90(q, k, v, causal=causal, window_size=window, return_lse=True, variant=variant)
-    opts = dict(causal=causal, window_size=window)
-    ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
-    ctx = f"{variant} d={d} {opts} chunk={chunk}"
-    assert_close_to_reference(out.get(), ref, naive_lowp(q.get(), k.get(), v.get(), **opts), context=ctx)
-    assert_lse_close(lse.get(), ref_lse, context=ctx)
+    _check_variant(q, k, v, variant, f"d={d} chunk={chunk}", causal=causal, window_size=window)
 
 
 @pytest.mark.parametrize("variant", PERSISTENT)
