@@ -362,7 +362,10 @@ class BackwardMain:
 
 def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_id: int) -> BackwardMain:
     """The main launch for these layouts (arrays or TensorSpecs, padded or packed) with BwdParams already filled
-    (`inner_params`, a plan.BWD_PARAMS_DTYPE scalar)."""
+    (`inner_params`, a plan.BWD_PARAMS_DTYPE scalar). Mode 2 (the fixed point) runs on the `fixed` kernels only, and
+    they on nothing else."""
+    if spec.fixed != (int(inner_params["deterministic"]) == 2):
+        raise ValueError(f"{spec.name}: deterministic mode {int(inner_params['deterministic'])} on the wrong kernel")
     p = np.zeros((), dtype=BWD_PARAMS_DTYPE)
     for name in plan.BWD_PARAMS_DTYPE.names:
         p[name] = inner_params[name]

@@ -1,4 +1,6 @@
 """The public functions reject bad input before anything touches a GPU (runs without one)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -228,6 +230,9 @@ def test_backward_fixed_point_layout(no_gpu_kernels, monkeypatch, packed):
     assert main["deterministic"] == 2 and call.main.kernel_call.launches[0][1:4] == (4, hk, b)
     assert call.main.spec.fixed and call.main.spec.name.endswith("_fixed")  # the kernel that runs mode 2 only
     assert call.main.spec in hopper.all_backward_specs()
+    with pytest.raises(ValueError, match="wrong kernel"):  # mode 2 on a kernel without the fixed point's code
+        hopper.backward_main(dataclasses.replace(call.main.spec, fixed=False), main, None, None, None, None,
+                             launch.grid, 0)
     dtype, dims, _, _ = hopper._dq_accum_layout(main, launch.grid)
     assert dtype == np.int32 and dims == (d, h, rows, 1)
     pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 11))
