@@ -14,16 +14,25 @@
 
 namespace cuflash {
 
+// B_i from the softmax scale times max |K|, and max |V_j|, of the row's KV head.
+__device__ __forceinline__ float dq_row_bound(float scaled_kmax, float vmax, float dout_norm, float dsum) {
+    return scaled_kmax * (dout_norm * vmax + fabsf(dsum));
+}
+
 // B_i: kv_bound holds (max |K|, max |V_j|) of the row's KV head as float bits.
 __device__ __forceinline__ float dq_row_bound(float softmax_scale, const unsigned* kv_bound, float dout_norm,
                                               float dsum) {
-    return softmax_scale * __uint_as_float(kv_bound[0]) * (dout_norm * __uint_as_float(kv_bound[1]) + fabsf(dsum));
+    return dq_row_bound(softmax_scale * __uint_as_float(kv_bound[0]), __uint_as_float(kv_bound[1]), dout_norm, dsum);
 }
 
 // Integers per unit of dQ: 2^30 / B_i; 0 where the bound is infinite or NaN, or below 1e-30 (0 where dO_i = 0;
-// rows whose every |dQ| is below 1e-30 get 0, where 2^30 / B_i would overflow fp32).
+// rows whose every |dQ| is below 1e-30 get 0, where 2^30 / B_i would overflow fp32). The reciprocal is rcp.approx
+// (within an ulp or so, and the same bits every run): an IEEE division's slow path is a call, whose registers spilled
+// in the d 64 kernel; |dQ| x scale stays far below 2^31, and the convert's unit is B_i / 2^30 to 1e-7.
 __device__ __forceinline__ float dq_fixed_scale(float bound) {
-    return bound >= 1e-30f && bound < __int_as_float(0x7f800000) ? __fdiv_rn(1073741824.f, bound) : 0.f;
+    float r;
+    asm("rcp.approx.f32 %0, %1;\n" : "=f"(r) : "f"(bound));
+    return bound >= 1e-30f && bound < __int_as_float(0x7f800000) ? 1073741824.f * r : 0.f;
 }
 
 // dQ per integer: B_i / 2^30 (NaN stays NaN, so NaN inputs give NaN as in the fp32 modes).

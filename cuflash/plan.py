@@ -249,9 +249,14 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
 # as slots > 1 alone, A/B in one call, det TFLOP/s slices -> fixed): d 128 non-causal 4k / 8k / 16k 367.8 / 379.7 /
 # 386.4 -> 379.8 / 408.5 / 424.2, causal 8k / 16k 351.2 / 362.3 -> 367.5 / 413.4; slower at d 128 causal 4k (330.6
 # -> 320.2) and d 64 causal 8k (348.4 -> 334.0) with bwd_kv_bound's 210 us, since cut by a block reduction.
+# "fixed_min_blocks" per head dim, counting a causal mask's key blocks as half (each sees half the query blocks on
+# average): session 23's call 1 measured both forced on db11638's kernels (docs/bench/bwd_session23.txt), the fixed
+# point ahead at d 64 from 4k keys non-causal and 8k causal (2k: 338.8 / 292.4 slices against 329.5 / 273.0), at
+# d 128 from 1k non-causal and 2k causal (causal 1k: 232.5 against 224.5); 16 for both had d 64 causal 2k at 1.153x
+# the atomic time.
 BWD_SM90_DET = {"slots": int(os.environ.get("CUFLASH_BWD_SM90_DET_SLOTS", "0")),
                 "max_passes": int(os.environ.get("CUFLASH_BWD_SM90_DET_MAX_PASSES", "0")),
-                "mode": os.environ.get("CUFLASH_BWD_SM90_DET", "auto"), "fixed_min_blocks": 16}
+                "mode": os.environ.get("CUFLASH_BWD_SM90_DET", "auto"), "fixed_min_blocks": {64: 32, 128: 8}}
 if BWD_SM90_DET["mode"] not in ("auto", "slices", "fixed"):
     raise ValueError(f"CUFLASH_BWD_SM90_DET must be auto, slices or fixed, not {BWD_SM90_DET['mode']!r}")
 
@@ -422,7 +427,9 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
         else:
             slots = bwd_sm90_slots(n_blocks, groups, sm_count, BWD_SM90_DET["max_passes"])
             tma_dq = bwd_sm90_tma_dq(problem.headdim, bwd_sm90_block_m(problem.headdim, score_mod))
-            mode, auto = BWD_SM90_DET["mode"], slots > 1 or n_blocks >= BWD_SM90_DET["fixed_min_blocks"]
+            causal = left < 0 and right == 0  # each key block's steps: half the query blocks, on average
+            auto = slots > 1 or n_blocks // (2 if causal else 1) >= BWD_SM90_DET["fixed_min_blocks"][d]
+            mode = BWD_SM90_DET["mode"]
             if tma_dq and (mode == "fixed" or (mode == "auto" and auto)):
                 return BwdLaunch(spec, check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, True)
     else:

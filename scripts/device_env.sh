@@ -80,6 +80,13 @@ fwd_source_switch() {
         cuflash/hopper.py
 }
 
+# bwd_source_switch: the same for the Hopper backward's kernel file, CUFLASH_BWD_SM90_SOURCE (default bwd_sm90.cu).
+bwd_source_switch() {
+    sed -i 's/    source = "bwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_BWD_SM90_SOURCE", "bwd_sm90.cu")/' \
+        cuflash/hopper.py
+    grep -q CUFLASH_BWD_SM90_SOURCE cuflash/hopper.py || { echo "the backward's source switch did not patch in"; exit 2; }
+}
+
 # run_gpu_suite FILE...: run_gpu_tests_parallel in 8 shards (TESTS_TIMEOUT, 300 s) over those test files of tests/gpu
 # (GPU_TEST_FILES: all of them); sets suite_ok to 1 when every shard passed, else 0, and prints it.
 GPU_TEST_FILES="test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax"

@@ -312,7 +312,8 @@ def test_kv_bound_blocks():
 
 def test_deterministic_fixed_point_rule(monkeypatch):
     """plan.BWD_SM90_DET "auto": the fixed point where the slot rule gives several slots or from fixed_min_blocks key
-    blocks on, not with the d = 64 score-mod kernel (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
+    blocks on (per head dim; a causal mask's count as half), not with the d = 64 score-mod kernel (no TMA dQ);
+    "slices" never; a fixed slot count keeps slices."""
     from cuflash import checks
     monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
     monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "auto")
@@ -322,6 +323,14 @@ def test_deterministic_fixed_point_rule(monkeypatch):
     assert not plan.plan_backward(big, -1, -1, False, True, "sm_90a", 132).fixed_point
     fixed = plan.plan_backward(long, -1, -1, False, True, "sm_90a", 132)
     assert fixed.fixed_point and fixed.slices == 1 and fixed.grid == (16, 16, 8)
+    mid = checks.Problem(16, 1024, 1024, 16, 16, 128, np.dtype(np.float16))  # 8 blocks: d 128's threshold
+    assert plan.plan_backward(mid, -1, -1, False, True, "sm_90a", 132).fixed_point
+    assert not plan.plan_backward(mid, -1, 0, False, True, "sm_90a", 132).fixed_point  # causal: as 4
+    assert plan.plan_backward(long, -1, 0, False, True, "sm_90a", 132).fixed_point    # causal: as 8
+    for seqlen, causal, want in ((2048, False, False), (4096, False, True), (4096, True, False), (8192, True, True)):
+        d64 = checks.Problem(16384 // seqlen, seqlen, seqlen, 32, 32, 64, np.dtype(np.float16))  # d 64: 32 blocks
+        assert plan.bwd_sm90_slots(seqlen // 128, 16384 // seqlen * 32, 132) == (2 if seqlen == 8192 else 1)
+        assert plan.plan_backward(d64, -1, 0 if causal else -1, False, True, "sm_90a", 132).fixed_point == want
     capped = checks.Problem(1, 4096, 4096, 4, 4, 64, np.dtype(np.float16))
     assert plan.plan_backward(capped, -1, -1, False, True, "sm_90a", 132).fixed_point
     assert not plan.plan_backward(capped, -1, -1, True, True, "sm_90a", 132).fixed_point  # score mod: 64 rows
