@@ -1,7 +1,7 @@
 // Backward helpers: D = rowsum(dO * O) with lse moved to the log2 domain and the fp32 dQ accumulator zeroed before
 // the main kernel, and that accumulator summed over its slices (in a fixed order) and cast after it. Deterministic
 // mode 2 (fixed_dq.cuh) adds the bounds its scales come from: |dO| per row here, max |K| and max |V_j| per KV head
-// in bwd_kv_bound; the convert scales its int32 accumulator back.
+// in bwd_kv_bound, then each row's scale in bwd_fixed_scale; the convert scales its int32 accumulator back.
 #include "fixed_dq.cuh"
 #include "params.cuh"
 
@@ -43,7 +43,7 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
         const i64 i = ((i64)b * p.nheads + h) * p.seqlen_q + row;
         const float lse = p.lse[i];
         p.dsum[i] = acc;
-        if (p.fixed_point) p.dq_rownorm[i] = sqrtf(sq);
+        if (p.fixed_point) p.dq_scale[i] = sqrtf(sq);
         p.lse_log2[i] = lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse * LOG2E;
     }
 }
@@ -97,6 +97,17 @@ __global__ void bwd_kv_bound(const BwdPreParams p) {
     }
 }
 
+// Fixed point (after bwd_kv_bound): each row's dQ scale in place of its |dO|, read by the main kernel and the
+// convert. Grid (row blocks, heads, sequences), one row per thread.
+template <class T>
+__global__ void bwd_fixed_scale(const BwdPreParams p) {
+    const int row = blockIdx.x * blockDim.x + threadIdx.x, h = blockIdx.y, b = blockIdx.z;
+    if (row >= p.seqlen_q) return;
+    const i64 i = ((i64)b * p.nheads + h) * p.seqlen_q + row;
+    const unsigned* kv_bound = p.kv_bound + 2 * (h / (p.nheads / p.nheads_k));
+    p.dq_scale[i] = dq_fixed_scale(dq_row_bound(p.softmax_scale, kv_bound, p.dq_scale[i], p.dsum[i]));
+}
+
 // The fixed-point accumulator (one int32 slice) times each row's unit. Grid (groups of 4 elements of a row, rows):
 // rows of dq are (sequence, row) with (head, column) elements; the per-row arrays are (sequence, head, row), as
 // bwd_preprocess wrote them.
@@ -108,8 +119,7 @@ __device__ __forceinline__ void convert_fixed(const BwdConvertParams& p) {
         for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += gridDim.x * blockDim.x) {
             const int h = 4 * g / p.headdim;
             const i64 r = first + (i64)h * p.seqlen_q, i = (i64)token * 4 * groups + 4 * g;
-            const float unit = dq_fixed_unit(
-                dq_row_bound(p.softmax_scale, p.kv_bound + 2 * (h / p.heads_per_kv), p.dq_rownorm[r], p.dsum[r]));
+            const float unit = dq_fixed_unit(p.dq_scale[r]);
             const int4 x = *reinterpret_cast<const int4*>(p.dq_accum + i);
             *reinterpret_cast<uint2*>(p.dq + i) = make_uint2(pack2<T>((float)x.x * unit, (float)x.y * unit),
                                                              pack2<T>((float)x.z * unit, (float)x.w * unit));

@@ -56,7 +56,7 @@ struct BwdSm90 {
     static constexpr u32 DS_PANEL = BN * 128;                     // dS^T: all keys x 64 queries
     static constexpr u32 KV_BYTES = BN * D * 2, QD_BYTES = BM * D * 2;
     // shared memory (1024-aligned): K | V | Q[2] | dO[2] | dS^T | rows[2] (lse_log2, D, fixed-point scale) | dQ
-    // staging | barriers (kv, qd[2]) | fixed point: the KV head's bounds (softmax scale x max |K|, max |V_j|)
+    // staging | barriers (kv, qd[2])
     static constexpr u32 OFF_V = KV_BYTES, OFF_Q = 2 * KV_BYTES, OFF_DO = OFF_Q + 2 * QD_BYTES;
     static constexpr u32 OFF_DS = OFF_DO + 2 * QD_BYTES, OFF_ROWS = OFF_DS + QH * DS_PANEL;
     // dQ by TMA wherever each dQ element has one adding thread per step (all but d = 64 with 64 rows, where both
@@ -67,7 +67,7 @@ struct BwdSm90 {
     static constexpr u32 DQ_BOX = 64 * 128, DQ_TILE = 2 * DQ_BOX;
     static constexpr u32 OFF_DQ = (OFF_ROWS + 2 * 3 * BM * 4 + 1023) / 1024 * 1024;
     static constexpr u32 OFF_BAR = OFF_DQ + (TMA_DQ ? 2 * 2 * DQ_TILE : 0);
-    static constexpr u32 OFF_KV_BOUND = OFF_BAR + 3 * 8, SMEM_BYTES = OFF_KV_BOUND + 2 * 4 + 1024;
+    static constexpr u32 SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
@@ -130,27 +130,23 @@ struct BwdSm90 {
 
     // Threads < BM: lse_log2 and D of row `tid` of step t, read from global memory into registers a step ahead (the
     // load's latency hides behind a step's work) and stored to the rows of buffer tt % 2 once that buffer is free.
-    // Fixed point (deterministic mode 2), threads BM..2 BM - 1 too: |dO| and D of row `tid - BM`, from which
-    // store_rows makes the row's dQ scale (fixed_dq.cuh) a step later: computed here, it waited for the loads.
-    __device__ __forceinline__ static constexpr int row_threads() { return FIXED ? 2 * BM : BM; }
-    __device__ __forceinline__ float2 fetch_rows(int t, int m_min, int m_count, int seqlen_q) const {
+    // Fixed point (deterministic mode 2): the row's dQ scale too, which bwd_fixed_scale wrote (fixed_dq.cuh). Session
+    // 23 (docs/bench/bwd_session23.txt): made here from |dO|, D and the KV head's bounds by threads BM..2 BM - 1, the
+    // scale cost the d = 64 kernel 4-6% against these threads fetching nothing; copied by cp.async into a ring of
+    // its own, waited for after each step, it lost 10% more.
+    __device__ __forceinline__ float3 fetch_rows(int t, int m_min, int m_count, int seqlen_q) const {
         int h, m;
         step_of(t, m_min, m_count, h, m);
-        const bool scale = FIXED && tid >= BM;
-        const int row = m * BM + tid - (scale ? BM : 0);
-        if (row >= seqlen_q) return make_float2(scale ? 0.f : __int_as_float(0x7f800000), 0.f);  // lse +inf: P = 0
+        const int row = m * BM + tid;
+        if (row >= seqlen_q) return make_float3(__int_as_float(0x7f800000), 0.f, 0.f);  // lse +inf: P = 0
         const i64 i = SeqInfo::offset(q_begin, p.lse_batch_stride, 1, row) + (i64)h * p.lse_head_stride;
-        return make_float2(scale ? p.dq_rownorm[i] : p.lse_log2[i], p.dsum[i]);
+        return make_float3(p.lse_log2[i], p.dsum[i], FIXED ? p.dq_scale[i] : 0.f);
     }
-    __device__ __forceinline__ void store_rows(char* smem, int tt, float2 r) const {
+    __device__ __forceinline__ void store_rows(char* smem, int tt, float3 r) const {
         float* at = rows(smem, tt % 2);
-        if (!FIXED || tid < BM) {
-            at[tid] = r.x;
-            at[BM + tid] = r.y;
-        } else {  // the scales at 2 BM.. (a row past the sequence: |dO| = D = 0, scale 0)
-            const float* kv_bound = reinterpret_cast<const float*>(smem + (base - smem_u32(smem)) + OFF_KV_BOUND);
-            at[BM + tid] = dq_fixed_scale(dq_row_bound(kv_bound[0], kv_bound[1], r.x, r.y));
-        }
+        at[tid] = r.x;
+        at[BM + tid] = r.y;
+        if (FIXED) at[2 * BM + tid] = r.z;
     }
 
     // S^T or dP^T of this warpgroup's 64 keys against the BM queries of a buffer (A = keys tile, B = queries tile).
@@ -441,22 +437,17 @@ struct BwdSm90 {
         k_begin = seq.k_begin;
         const int diag = seq.seqlen_k - seq.seqlen_q;
         mask = Mask<BAND>{seq.seqlen_k, diag, p.window_left, p.window_right};
-        const int n_blocks = ceil_div(seq.seqlen_k, BN), m_blocks = ceil_div(seq.seqlen_q, BM);
+        const int m_blocks = ceil_div(seq.seqlen_q, BM);  // (key blocks: in the loop's test, or ptxas spills)
         if (tid == 0) {
             for (int i = 0; i < 3; ++i) sm90::mbar_init(base + OFF_BAR + 8 * i, 1);
             sm90::mbar_fence_init();
-            if (FIXED) {  // read once here: kept in registers, ptxas spilled at d = 64
-                float* kv_bound = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + OFF_KV_BOUND);
-                kv_bound[0] = p.softmax_scale * __uint_as_float(p.kv_bound[2 * h_kv]);
-                kv_bound[1] = __uint_as_float(p.kv_bound[2 * h_kv + 1]);
-            }
         }
         __syncthreads();
         int tt = 0, kv_loads = 0;  // steps and K/V loads so far (the barriers' phases)
         // Slot x takes key blocks x, 2 slots - 1 - x, 2 slots + x, ... (a snake: under a causal mask every two of
         // them make the same number of steps for every slot), walking every other one backwards (atomic mode: one)
         backwards = false;
-        for (int n = blockIdx.x; n < n_blocks;
+        for (int n = blockIdx.x; n < ceil_div(mask.seqlen_k, BN);
              n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
             n_key0 = n * BN;
             // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
@@ -481,20 +472,20 @@ struct BwdSm90 {
                 }
                 for (int t = 0; t < 2 && t < steps; ++t) {
                     load_step(t, tt + t, m_min, m_count);
-                    if (tid < row_threads()) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
+                    if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
                 }
                 __syncthreads();  // the rows of the first two steps
                 sm90::mbar_wait(base + OFF_BAR, kv_loads & 1);
                 ++kv_loads;
                 for (int t = 0; t < steps; ++t, ++tt) {
-                    float2 next_rows;  // step t + 2's, in flight during this step
-                    if (tid < row_threads() && t + 2 < steps)
+                    float3 next_rows;  // step t + 2's, in flight during this step
+                    if (tid < BM && t + 2 < steps)
                         next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
                     step(smem, t, tt, m_min, m_count, seq.seqlen_q);
                     __syncthreads();  // every read of this buffer (and of dS^T) is done
                     if (t + 2 < steps) {
                         load_step(t + 2, tt + 2, m_min, m_count);
-                        if (tid < row_threads()) store_rows(smem, tt + 2, next_rows);
+                        if (tid < BM) store_rows(smem, tt + 2, next_rows);
                     }
                 }
                 __syncthreads();  // the last rows stores are read; K and V may be replaced; the last additions made

@@ -49,8 +49,8 @@ struct BwdParams {
     const float* alibi;    // as in FwdParams
     const int* cu_seqlens_q;  // as in FwdParams
     const int* cu_seqlens_k;
-    const float* dq_rownorm;  // deterministic mode 2 (fixed point, fixed_dq.cuh): |dO| per row, like lse_log2
-    const unsigned* kv_bound; // mode 2: (nheads_k, 2) max |K| and max row norm of V, as float bits
+    const float* dq_scale;  // deterministic mode 2 (fixed point, fixed_dq.cuh): dQ scale per row, like lse_log2
+    const unsigned* kv_bound; // mode 2: (nheads_k, 2) max |K| and max row norm of V, as float bits (not read here)
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -77,7 +77,7 @@ struct BwdPreParams {
     float* dsum;           // (batch, nheads, seqlen_q)
     float* lse_log2;       // (batch, nheads, seqlen_q)
     float* dq_accum;       // (slices, batch, seqlen_q, nheads, headdim), zeroed here
-    float* dq_rownorm;     // fixed point: |dO| per row, like dsum
+    float* dq_scale;       // fixed point: |dO| per row, like dsum, then (bwd_fixed_scale) the row's dQ scale
     unsigned* kv_bound;    // fixed point: (nheads_k, 2), zeroed by bwd_preprocess, maxima taken by bwd_kv_bound
     const u16* k;          // fixed point: (kv_batch, seqlen_k, nheads_k, headdim), read by bwd_kv_bound
     const u16* v;
@@ -91,20 +91,18 @@ struct BwdPreParams {
     int slices;
     int fixed_point;       // 1: deterministic mode 2 (fixed_dq.cuh): row norms and K/V bounds too
     int kv_batch, seqlen_k, nheads_k;  // bwd_kv_bound's rows (packed: 1, total_k)
+    float softmax_scale;   // fixed point: bwd_fixed_scale's bounds
 };
 
 // dQ: sum of the fp32 slices, cast to the output dtype (contiguous (batch, seqlen_q, nheads, headdim)); in fixed
-// point, the one int32 slice times each row's unit (fixed_dq.cuh).
+// point, the one int32 slice divided by each row's scale (fixed_dq.cuh).
 struct BwdConvertParams {
     const float* dq_accum;
     u16* dq;
-    const float* dsum;        // fixed point: as in BwdParams
-    const float* dq_rownorm;
-    const unsigned* kv_bound;
+    const float* dq_scale;  // fixed point: as in BwdParams
     i64 slice_stride;      // elements per slice = number of dq elements
     int slices;
-    int fixed_point, seqlen_q, nheads, headdim, heads_per_kv;  // fixed point: rows as bwd_preprocess's
-    float softmax_scale;
+    int fixed_point, seqlen_q, nheads, headdim;  // fixed point: rows as bwd_preprocess's
 };
 
 }  // namespace cuflash

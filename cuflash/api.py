@@ -243,29 +243,30 @@ _bwd_launches: dict = {}  # call signature -> BackwardCall
 class BackwardCall(NamedTuple):
     """The backward's launches for one call signature, and where its workspace pieces lie: dsum at 0, lse_log2 at
     ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed by the preprocess) at ``dq_offset``, and in
-    deterministic mode's fixed point |dO| per row and the K/V bounds at ``fixed_offsets``
+    deterministic mode's fixed point the row scales and the K/V bounds at ``fixed_offsets``
     (:func:`cuflash.plan.backward_workspace`, :func:`cuflash.plan.fixed_point_offsets`)."""
-    # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed (fixed point: |dO| per row, then the K/V bounds):
-    # out, dout, lse, dsum, lse_log2, dq_accum, dq_rownorm, kv_bound, k, v
+    # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed (fixed point: |dO| per row, the K/V bounds, then each
+    # row's dQ scale over its |dO|):
+    # out, dout, lse, dsum, lse_log2, dq_accum, dq_scale, kv_bound, k, v
     preprocess: KernelCall
-    # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k, dq_rownorm,
-    # kv_bound
+    # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k, dq_scale,
+    # kv_bound (not read by the kernel)
     main: KernelCall
-    convert: KernelCall      # dQ = sum of the slices, cast: dq_accum, dq, dsum, dq_rownorm, kv_bound
+    convert: KernelCall      # dQ = sum of the slices (fixed point: over the row scales), cast: dq_accum, dq, dq_scale
     lse_log2_offset: int
     dq_offset: int
     dq_bytes: int
     workspace_bytes: int
-    fixed_offsets: tuple | None = None  # (dq_rownorm, kv_bound) byte offsets; None: not fixed point
+    fixed_offsets: tuple | None = None  # (dq_scale, kv_bound) byte offsets; None: not fixed point
 
     def __call__(self, stream, dout, q, k, v, out, lse, dq, dk, dv, alibi, cu_seqlens_q, cu_seqlens_k, workspace):
         """Launch on ``stream`` with these data pointers (0 where absent)."""
         dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
-        rownorm, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
-        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, rownorm, kv_bound, k, v)
+        row_scale, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
+        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v)
         self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
-                  rownorm, kv_bound)
-        self.convert(stream, dq_accum, dq, dsum, rownorm, kv_bound)
+                  row_scale, kv_bound)
+        self.convert(stream, dq_accum, dq, row_scale)
 
 
 def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, softmax_scale, causal, window_size,
@@ -306,6 +307,11 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
             pp["kv_batch"]), build.sm_count(device_id)), problem.nheads_k, int(pp["kv_batch"])))
         pre_launches.append((build.get_kernel(plan.AuxSpec("bwd_kv_bound", dtype), device_id), kv_grid,
                              (pre.threads,), 0))
+        # then each row's dQ scale over its |dO|: one row per thread, grid (row blocks, heads, sequences)
+        scale_spec = plan.AuxSpec("bwd_fixed_scale", dtype)
+        pp["softmax_scale"] = scale
+        pre_launches.append((build.get_kernel(scale_spec, device_id),
+                             plan.check_grid((-(-pre_sq // scale_spec.threads), h, pre_b)), (scale_spec.threads,), 0))
     preprocess = KernelCall(pre_launches, pp, plan.BWD_PRE_PARAMS_DTYPE.names[:10])
 
     # the main kernel; dsum and lse_log2 are (pre_b, h, pre_sq) contiguous, seen per sequence
@@ -338,10 +344,9 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, so
     conv_grid = (min(-(-(rows * h * d // 4) // conv.threads), 65535 * 16),)
     if fixed:
         cp["fixed_point"], cp["seqlen_q"], cp["nheads"], cp["headdim"] = 1, pre_sq, h, d
-        cp["heads_per_kv"], cp["softmax_scale"] = h // problem.nheads_k, scale
         conv_grid = (-(-(h * d // 4) // conv.threads), min(rows, 65535))
     convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
-                         plan.BWD_CONVERT_PARAMS_DTYPE.names[:5])
+                         plan.BWD_CONVERT_PARAMS_DTYPE.names[:3])
     return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
                         workspace_bytes, plan.fixed_point_offsets(rows, h, d) if fixed else None)
 

@@ -314,10 +314,10 @@ class BwdSm90Spec:
 
     @property
     def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, rows (lse, D, dQ scale), dQ staging,
-        d, n, m = self.headdim, BWD_BLOCK_N, self.block_m  # barriers, the KV head's two bounds (fixed point)
+        d, n, m = self.headdim, BWD_BLOCK_N, self.block_m  # barriers
         rows_end = 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 3 * m * 4
         staging = 2 * 2 * 64 * 64 * 4 if self.tma_dq else 0  # two buffers of a 64 x 64 fp32 tile per warpgroup
-        return -(-rows_end // 1024) * 1024 + staging + 3 * 8 + 2 * 4 + 1024
+        return -(-rows_end // 1024) * 1024 + staging + 3 * 8 + 1024
 
 
 def all_backward_specs() -> list:
@@ -344,7 +344,7 @@ _BWD_POINTERS = struct.Struct("14Q")  # BwdParams' leading pointers, right after
 
 class BackwardMain:
     """The Hopper backward's main launch behind the call interface of the portable one (``BackwardCall.main``):
-    ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k, dq_rownorm,
+    ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k, dq_scale,
     kv_bound)``."""
 
     __slots__ = ("kernel_call", "maps", "spec")

@@ -250,13 +250,13 @@ BWD_SM90 = {"enabled": os.environ.get("CUFLASH_BWD_SM90", "1") == "1", "headdims
 # 386.4 -> 379.8 / 408.5 / 424.2, causal 8k / 16k 351.2 / 362.3 -> 367.5 / 413.4; slower at d 128 causal 4k (330.6
 # -> 320.2) and d 64 causal 8k (348.4 -> 334.0) with bwd_kv_bound's 210 us, since cut by a block reduction.
 # "fixed_min_blocks" per head dim, counting a causal mask's key blocks as half (each sees half the query blocks on
-# average): session 23's call 1 measured both forced on db11638's kernels (docs/bench/bwd_session23.txt), the fixed
-# point ahead at d 64 from 4k keys non-causal and 8k causal (2k: 338.8 / 292.4 slices against 329.5 / 273.0), at
-# d 128 from 1k non-causal and 2k causal (causal 1k: 232.5 against 224.5); 16 for both had d 64 causal 2k at 1.153x
-# the atomic time.
+# average), from session 23 (docs/bench/bwd_session23.txt): the slices forced against the fixed point forced, at
+# d 128 the fixed point ahead from 1k keys non-causal and 2k causal (causal 1k: 232.5 against 224.5; call 1); at d 64,
+# once the row scale came from bwd_fixed_scale (call 6), from 2k non-causal (349.7 against the slices' 338.8) and 4k
+# causal (336.6 against 324.9; 2k causal 280.1 against 292.4, 1k non-causal 295.2 against 312.4).
 BWD_SM90_DET = {"slots": int(os.environ.get("CUFLASH_BWD_SM90_DET_SLOTS", "0")),
                 "max_passes": int(os.environ.get("CUFLASH_BWD_SM90_DET_MAX_PASSES", "0")),
-                "mode": os.environ.get("CUFLASH_BWD_SM90_DET", "auto"), "fixed_min_blocks": {64: 32, 128: 8}}
+                "mode": os.environ.get("CUFLASH_BWD_SM90_DET", "auto"), "fixed_min_blocks": {64: 16, 128: 8}}
 if BWD_SM90_DET["mode"] not in ("auto", "slices", "fixed"):
     raise ValueError(f"CUFLASH_BWD_SM90_DET must be auto, slices or fixed, not {BWD_SM90_DET['mode']!r}")
 
@@ -344,7 +344,7 @@ class BwdSpec:
 class AuxSpec:
     """A small helper kernel of the backward (cuda_src/bwd_aux.cu), templated on the dtype only."""
 
-    kernel: str   # "bwd_preprocess" | "bwd_kv_bound" | "bwd_convert_dq"
+    kernel: str   # "bwd_preprocess" | "bwd_kv_bound" | "bwd_fixed_scale" | "bwd_convert_dq"
     dtype: str
 
     source = "bwd_aux.cu"
@@ -379,8 +379,8 @@ def bwd_headdim(headdim: int, arch: str | None = None) -> int:
 
 
 def all_backward_specs(arch: str) -> list:
-    specs = [AuxSpec(kernel, dtype) for kernel in ("bwd_preprocess", "bwd_kv_bound", "bwd_convert_dq")
-             for dtype in ("fp16", "bf16")]
+    specs = [AuxSpec(kernel, dtype) for dtype in ("fp16", "bf16")
+             for kernel in ("bwd_preprocess", "bwd_kv_bound", "bwd_fixed_scale", "bwd_convert_dq")]
     for dtype in ("fp16", "bf16"):
         for d in BWD_HEADDIMS:
             for band in (False, True):
@@ -479,9 +479,9 @@ def kv_bound_blocks(rows: int, rows_per_block: int, groups: int, sm_count: int) 
 
 def fixed_point_offsets(rows: int, nheads: int, headdim: int) -> tuple[int, int]:
     """Byte offsets of fixed point's pieces in backward_workspace(rows, nheads, headdim, 1, nheads_k): |dO| per row
-    (like dsum), then the K/V bounds (nheads_k x 2 x 4 bytes)."""
-    rownorm = backward_workspace(rows, nheads, headdim, 1)[2]
-    return rownorm, rownorm + _aligned(rows * nheads * 4)
+    (like dsum; then each row's dQ scale, written over it), then the K/V bounds (nheads_k x 2 x 4 bytes)."""
+    row_scale = backward_workspace(rows, nheads, headdim, 1)[2]
+    return row_scale, row_scale + _aligned(rows * nheads * 4)
 
 
 def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
@@ -702,20 +702,19 @@ FWD_PARAMS_DTYPE = _struct(
     ("scale_log2", "mod_scale", "softcap"))
 BWD_PARAMS_DTYPE = _struct(
     ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi", "cu_seqlens_q", "cu_seqlens_k",
-     "dq_rownorm", "kv_bound"),
+     "dq_scale", "kv_bound"),
     _strides("q", "k", "v", "do", "dk", "dv")
     + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
     ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
      "deterministic"),
     ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
 BWD_PRE_PARAMS_DTYPE = _struct(
-    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_rownorm", "kv_bound", "k", "v"),
+    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v"),
     _strides("o", "do", "k", "v") + ["dq_slice_stride"],
     ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k"),
-    ())
+    ("softmax_scale",))
 BWD_CONVERT_PARAMS_DTYPE = _struct(
-    ("dq_accum", "dq", "dsum", "dq_rownorm", "kv_bound"), ("slice_stride",),
-    ("slices", "fixed_point", "seqlen_q", "nheads", "headdim", "heads_per_kv"), ("softmax_scale",))
+    ("dq_accum", "dq", "dq_scale"), ("slice_stride",), ("slices", "fixed_point", "seqlen_q", "nheads", "headdim"), ())
 
 
 def forward_scales(softmax_scale: float, softcap: float, score_mod: bool) -> dict:

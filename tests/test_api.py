@@ -195,12 +195,12 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
     assert (main["batch"], main["seqlen_q"], main["seqlen_k"], main["heads_per_kv"]) == (b, sq, sk, 2)
     assert (main["q_row_stride"], main["k_row_stride"], main["deterministic"]) == (h * d, hk * d, deterministic)
     pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 11))
-    assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_rownorm", "kv_bound",
+    assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound",
                                   "k", "v")] == list(range(1, 11))
     assert len(call.preprocess.launches) == 1 and pre["fixed_point"] == 0 and call.fixed_offsets is None
     assert (pre["batch"], pre["seqlen_q"], pre["nheads"]) == ((1, rows, h) if packed else (b, sq, h))
     assert (pre["dq_slice_stride"], pre["slices"]) == (rows * h * d, slices)  # it zeroes every slice
-    conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, 8, 9, 10, 11, 12)
+    conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, 8, 9, 10)
     assert (int(conv["dq_accum"]), int(conv["dq"]), conv["slice_stride"], conv["slices"]) == (
         8, 9, rows * h * d, slices)
     assert conv["fixed_point"] == 0
@@ -210,8 +210,9 @@ def test_backward_call_layout(no_gpu_kernels, monkeypatch, packed, deterministic
 def test_backward_fixed_point_layout(no_gpu_kernels, monkeypatch, packed):
     """Deterministic mode's fixed point (plan.BWD_SM90_DET "auto", where the slot rule gives a head several slots):
     the Hopper kernel on the atomic grid with deterministic = 2 and an int32 dq_accum map of one slice; the
-    preprocess then bwd_kv_bound over every K row (packed: one sequence of total_k rows) per KV head; the pieces
-    where plan.fixed_point_offsets puts them; the convert's rows as the preprocess's, grid (row groups, rows)."""
+    preprocess, bwd_kv_bound over every K row (packed: one sequence of total_k rows) per KV head, then
+    bwd_fixed_scale; the pieces where plan.fixed_point_offsets puts them; the convert's rows as the preprocess's,
+    grid (row groups, rows)."""
     from cuflash import build, hopper, plan
     monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
     monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "auto")
@@ -221,10 +222,10 @@ def test_backward_fixed_point_layout(no_gpu_kernels, monkeypatch, packed):
     assert launch.fixed_point and launch.slices == 1 and launch.grid == (4, hk, b)  # 400 keys: 4 blocks
     assert plan.bwd_sm90_slots(4, b * hk, 132) > 1
     lse_off, dq_off, total = plan.backward_workspace(rows, h, d, 1, hk)
-    rownorm_off, kvb_off = plan.fixed_point_offsets(rows, h, d)
+    scale_off, kvb_off = plan.fixed_point_offsets(rows, h, d)
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
-    assert call.fixed_offsets == (rownorm_off, kvb_off)
-    assert dq_off + call.dq_bytes <= rownorm_off and rownorm_off + rows * h * 4 <= kvb_off
+    assert call.fixed_offsets == (scale_off, kvb_off)
+    assert dq_off + call.dq_bytes <= scale_off and scale_off + rows * h * 4 <= kvb_off
     assert kvb_off + hk * 2 * 4 <= total
     main = np.frombuffer(call.main.kernel_call.params(), hopper.BWD_PARAMS_DTYPE)[0]
     assert main["deterministic"] == 2 and call.main.kernel_call.launches[0][1:4] == (4, hk, b)
@@ -236,16 +237,18 @@ def test_backward_fixed_point_layout(no_gpu_kernels, monkeypatch, packed):
     dtype, dims, _, _ = hopper._dq_accum_layout(main, launch.grid)
     assert dtype == np.int32 and dims == (d, h, rows, 1)
     pre = _struct(call.preprocess, plan.BWD_PRE_PARAMS_DTYPE, *range(1, 11))
-    assert pre["fixed_point"] == 1 and pre["nheads_k"] == hk and len(call.preprocess.launches) == 2
+    assert pre["fixed_point"] == 1 and pre["nheads_k"] == hk
     rows_k = (1, 555) if packed else (b, sk)
     assert (pre["kv_batch"], pre["seqlen_k"]) == rows_k and pre["k_row_stride"] == hk * d
     per_block = 256 // plan.bwd_pre_lanes(d)
     blocks = plan.kv_bound_blocks(rows_k[1], per_block, hk * rows_k[0], build.sm_count(0))
     assert call.preprocess.launches[1][1:4] == (blocks, hk, rows_k[0]) and blocks <= -(-rows_k[1] // per_block)
-    conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, *range(8, 13))
+    pre_b, pre_sq = (1, rows) if packed else (b, sq)  # then bwd_fixed_scale: a row per thread, over the preprocess's
+    assert call.preprocess.launches[2][1:4] == (-(-pre_sq // 256), h, pre_b) and len(call.preprocess.launches) == 3
+    assert pre["softmax_scale"] == np.float32(d ** -0.5)
+    conv = _struct(call.convert, plan.BWD_CONVERT_PARAMS_DTYPE, *range(8, 11))
     assert (conv["fixed_point"], conv["seqlen_q"], conv["nheads"], conv["headdim"]) == (
         1, rows if packed else sq, h, d)
-    assert conv["heads_per_kv"] == 2 and conv["softmax_scale"] == np.float32(d ** -0.5)
     assert call.convert.launches[0][1:3] == (1, rows)  # h d / 4 = 64 groups: one block per row
     monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "slices")
     assert not plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point
