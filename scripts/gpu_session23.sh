@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 23's second call (about 5 minutes), from the repository root, after the first (scripts/gpu_bwd_landing_ab.sh:
+# Session 23's third call (about 5 minutes), from the repository root, after the first (scripts/gpu_bwd_landing_ab.sh:
 # whole suite, sanitizers, bench on the tree's kernels) and plan.BWD_SM90_DET's per-head-dim threshold, with three
 # timing-only copies of the tree's FIXED kernel as untracked files (values wrong; made by the sed lines in
 # docs/bench/bwd_session23.txt): _nocvt (the int32 stores as fp32 bits: no cvt), _noscale (a constant scale: no
