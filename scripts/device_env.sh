@@ -87,6 +87,16 @@ bwd_source_switch() {
     grep -q CUFLASH_BWD_SM90_SOURCE cuflash/hopper.py || { echo "the backward's source switch did not patch in"; exit 2; }
 }
 
+# fixed_variants_ab FILE...: A/B, two rounds, d 64, the backward's fixed point forced, over these kernel files of
+# cuda_src/ (the first usually bwd_sm90.cu; needs bwd_source_switch)                            -> ab_<set>_<round>.txt
+fixed_variants_ab() {
+    local f sets=()
+    for f in "$@"; do sets+=("CUFLASH_BWD_SM90_SOURCE=$f CUFLASH_BWD_SM90_DET=fixed"); done
+    AB=$(IFS=';'; echo "${sets[*]}") ROUNDS=2 BENCH_TIMEOUT=200 \
+        BENCH="benchmarks/bench_attention.py --op bwd --impls cuflash_det --dims 64" bash scripts/gpu_ab.sh
+    python3 scripts/ab_table.py "$OUT" --column cuflash_det
+}
+
 # run_gpu_suite FILE...: run_gpu_tests_parallel in 8 shards (TESTS_TIMEOUT, 300 s) over those test files of tests/gpu
 # (GPU_TEST_FILES: all of them); sets suite_ok to 1 when every shard passed, else 0, and prints it.
 GPU_TEST_FILES="test_sm90 test_forward test_varlen test_backward test_kvcache test_torch test_jax"

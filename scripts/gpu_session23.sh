@@ -15,9 +15,5 @@ run_gpu_tests_parallel 300 4 test_backward
 timeout -k 5 200 python3 benchmarks/bench_attention.py --op bwd >"$OUT/bench_bwd.txt" 2>&1
 echo "bench bwd: exit $? [$((SECONDS - t0))s]"
 awk '/^===/{p=1} p' "$OUT/bench_bwd.txt"
-src=CUFLASH_BWD_SM90_SOURCE det=CUFLASH_BWD_SM90_DET=fixed
-AB="$src=bwd_sm90.cu $det;$src=bwd_sm90_nocvt.cu $det;$src=bwd_sm90_noscale.cu $det;$src=bwd_sm90_bare.cu $det" \
-    ROUNDS=2 BENCH_TIMEOUT=200 BENCH="benchmarks/bench_attention.py --op bwd --impls cuflash_det --dims 64" \
-    bash scripts/gpu_ab.sh
-python3 scripts/ab_table.py "$OUT" --column cuflash_det
+fixed_variants_ab bwd_sm90.cu bwd_sm90_nocvt.cu bwd_sm90_noscale.cu bwd_sm90_bare.cu
 cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null; rm -f ./*.log ./*.txt

@@ -6,9 +6,5 @@
 # nothing), _noscale (no scale fetched or read). A/B, two rounds, d 64, fixed point forced   -> ab_<set>_<round>.txt
 source scripts/device_env.sh
 bwd_source_switch
-src=CUFLASH_BWD_SM90_SOURCE det=CUFLASH_BWD_SM90_DET=fixed
-AB="$src=bwd_sm90.cu $det;$src=bwd_sm90_wg1pre.cu $det;$src=bwd_sm90_wg0.cu $det;$src=bwd_sm90_noscale.cu $det" \
-    ROUNDS=2 BENCH_TIMEOUT=200 BENCH="benchmarks/bench_attention.py --op bwd --impls cuflash_det --dims 64" \
-    bash scripts/gpu_ab.sh
-python3 scripts/ab_table.py "$OUT" --column cuflash_det
+fixed_variants_ab bwd_sm90.cu bwd_sm90_wg1pre.cu bwd_sm90_wg0.cu bwd_sm90_noscale.cu
 cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null; rm -f ./*.log ./*.txt
