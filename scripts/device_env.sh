@@ -73,22 +73,17 @@ run_gpu_tests_parallel() {
     done
 }
 
-# fwd_source_switch: the Hopper forward's kernel file becomes CUFLASH_FWD_SM90_SOURCE (default fwd_sm90.cu), patched
-# into cuflash/hopper.py here, so that copies of fwd_sm90.cu (untracked files of cuda_src/) can be A/B sets.
-fwd_source_switch() {
-    sed -i 's/    source = "fwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_FWD_SM90_SOURCE", "fwd_sm90.cu")/' \
-        cuflash/hopper.py
-}
-
-# bwd_source_switch: the same for the Hopper backward's kernel file, CUFLASH_BWD_SM90_SOURCE (default bwd_sm90.cu).
-bwd_source_switch() {
-    sed -i 's/    source = "bwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_BWD_SM90_SOURCE", "bwd_sm90.cu")/' \
-        cuflash/hopper.py
-    grep -q CUFLASH_BWD_SM90_SOURCE cuflash/hopper.py || { echo "the backward's source switch did not patch in"; exit 2; }
+# source_switch fwd|bwd: the Hopper forward's (backward's) kernel file becomes CUFLASH_FWD_SM90_SOURCE
+# (CUFLASH_BWD_SM90_SOURCE), default fwd_sm90.cu (bwd_sm90.cu), patched into cuflash/hopper.py here, so that copies of
+# that file (untracked files of cuda_src/) can be A/B sets.
+source_switch() {
+    local file="$1_sm90.cu" var="CUFLASH_${1^^}_SM90_SOURCE"
+    sed -i "s/    source = \"$file\"/    source = __import__(\"os\").environ.get(\"$var\", \"$file\")/" cuflash/hopper.py
+    grep -q "$var" cuflash/hopper.py || { echo "the source switch $var did not patch in"; exit 2; }
 }
 
 # fixed_variants_ab FILE...: A/B, two rounds, d 64, the backward's fixed point forced, over these kernel files of
-# cuda_src/ (the first usually bwd_sm90.cu; needs bwd_source_switch)                            -> ab_<set>_<round>.txt
+# cuda_src/ (the first usually bwd_sm90.cu; needs source_switch bwd)                            -> ab_<set>_<round>.txt
 fixed_variants_ab() {
     local f sets=()
     for f in "$@"; do sets+=("CUFLASH_BWD_SM90_SOURCE=$f CUFLASH_BWD_SM90_DET=fixed"); done
@@ -129,7 +124,7 @@ suite_sanitize_bench() {
 # FWD_SOURCE_AB=1 first makes the Hopper forward's kernel file a switch, CUFLASH_FWD_SM90_SOURCE (patched into
 # hopper.py here), so that a copy of main's fwd_sm90.cu (cuda_src/fwd_sm90_main.cu, untracked) can be an A/B set.
 precompile_hopper() {
-    if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then fwd_source_switch; fi
+    if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then source_switch fwd; fi
     timeout -k 5 200 python3 scripts/precompile.py --hopper --workers 16 >"$OUT/pre.log" 2>&1
     echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$OUT/pre.log")"
 }

@@ -12,7 +12,7 @@
 #   3. A/B, ROUNDS (2) rounds, bench_attention.py --op bwd --impls AB_IMPLS (cuflash; a table per impl) with AB_ENV
 #      set: the parent's kernel file (set 0) against the tree's (set 1)                       -> ab_<set>_<round>.txt
 source scripts/device_env.sh
-bwd_source_switch
+source_switch bwd
 precompile_hopper
 suite_sanitize_bench bwd
 src=CUFLASH_BWD_SM90_SOURCE

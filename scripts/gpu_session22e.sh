@@ -13,9 +13,7 @@
 #   2. A/B, two rounds of the whole grid, atomic mode: the tree's kernel (set 0), the parent's (set 1: mode 2 a run-time
 #      test), a9f0c6a's (set 2: before the fixed point)                                        -> ab_<set>_<round>.txt
 source scripts/device_env.sh
-sed -i 's/    source = "bwd_sm90.cu"/    source = __import__("os").environ.get("CUFLASH_BWD_SM90_SOURCE", \
-"bwd_sm90.cu")/' cuflash/hopper.py
-grep -q CUFLASH_BWD_SM90_SOURCE cuflash/hopper.py || { echo "the source switch did not patch in"; exit 2; }
+source_switch bwd
 precompile_hopper
 suite_sanitize_bench bwd
 src=CUFLASH_BWD_SM90_SOURCE

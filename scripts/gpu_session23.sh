@@ -9,7 +9,7 @@
 #   2. bench_attention.py --op bwd beside SDPA's flash and cuDNN backends ("auto" with the new threshold) -> bench_bwd.txt
 #   3. A/B, two rounds, d 64, fixed point forced: the tree's kernel file and the three copies -> ab_<set>_<round>.txt
 source scripts/device_env.sh
-bwd_source_switch
+source_switch bwd
 precompile_hopper
 run_gpu_tests_parallel 300 4 test_backward
 timeout -k 5 200 python3 benchmarks/bench_attention.py --op bwd >"$OUT/bench_bwd.txt" 2>&1

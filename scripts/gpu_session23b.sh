@@ -5,6 +5,6 @@
 # precomputed by an earlier pass), _wg0 (threads < BM load lse, D and that value; the second warpgroup fetches
 # nothing), _noscale (no scale fetched or read). A/B, two rounds, d 64, fixed point forced   -> ab_<set>_<round>.txt
 source scripts/device_env.sh
-bwd_source_switch
+source_switch bwd
 fixed_variants_ab bwd_sm90.cu bwd_sm90_wg1pre.cu bwd_sm90_wg0.cu bwd_sm90_noscale.cu
 cd "$OUT" && tar czf logs.tgz ./*.log ./*.txt 2>/dev/null; rm -f ./*.log ./*.txt

@@ -11,7 +11,7 @@
 #      short cells, cuflash alone); FWD_SOURCE_AB=1 makes the kernel file a switch (CUFLASH_FWD_SM90_SOURCE)
 # Logs in $OUT/logs.tgz.
 source scripts/device_env.sh
-if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then fwd_source_switch; fi
+if [ "${FWD_SOURCE_AB:-0}" = 1 ]; then source_switch fwd; fi
 NCU_BIN=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
 IFS=';' read -r -a cases <<<"${PROFILE_CASES:-\
 d64_512|--op fwd --headdim 64 --heads 32 --batch 32 --seqlen 512;\
