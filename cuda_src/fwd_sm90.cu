@@ -62,7 +62,7 @@ struct FwdSm90Params {
 static_assert(sizeof(FwdSm90Params) == 704, "FwdSm90Params no longer matches cuflash/hopper.py");
 
 template <class T, int D, int BN, bool BAND, int STAGES, int WGS, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT>
+          bool PERSISTENT, bool SPLIT_TILES = false>
 struct FwdSm90 {
     static constexpr int BM = 64 * WGS, PANELS = D / 64;  // WGS consumer warpgroups of 64 query rows each
     static constexpr int THREADS = 128 * (WGS + (WS ? 1 : 0)), CONSUMER0 = WS ? 128 : 0;  // consumers: CONSUMER0 ..
@@ -86,7 +86,18 @@ struct FwdSm90 {
                                                                                                          : 1;
     static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES;
     static constexpr u32 OFF_Q2 = OFF_O + (O_TILE ? Q_BYTES : 0), OFF_BAR = OFF_Q2 + (Q_BUFS - 1) * Q_BYTES;
-    static constexpr u32 SMEM_BYTES = OFF_BAR + BARRIERS * 8 + 1024;  // + room to align to 1024
+    // SPLIT (consume_split): a tile whose rows all lie in its first 64 is worked by all three consumer warpgroups,
+    // each on every third key block, and merged by warpgroup 0: one tile in six at 1k keys (1024 = 5 x 192 + 64),
+    // which otherwise takes a whole tile's time with two of three warpgroups idle. The merge passes warpgroups 1 and
+    // 2's O through their rows of the O staging tile and the split tile's unused Q rows, and each row's max and sum
+    // through OFF_MERGE (8 bytes per row and warpgroup), after the barriers. A kernel of its own (SPLIT_TILES, the
+    // variant ws3_n128_p_split): in ws3_n128_p itself the split's code cost 2-4% at 2k and 4k keys, where no tile is
+    // split (ptxas schedules the common loop differently), while it gained 4% at 1k.
+    static constexpr bool SPLIT = SPLIT_TILES;
+    static_assert(!SPLIT || (PERSISTENT && WGS == 3 && O_TILE && D == 64 && STAGES > WGS),
+                  "split tiles: the persistent kernel with three consumer warpgroups, d 64, its own O tile");
+    static constexpr u32 OFF_MERGE = OFF_BAR + BARRIERS * 8, MERGE_BYTES = SPLIT ? (WGS - 1) * 64 * 8 : 0;
+    static constexpr u32 SMEM_BYTES = OFF_MERGE + MERGE_BYTES + 1024;  // + room to align to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
     static_assert(BN == 64 || BN == 128 || BN == 176, "S = Q K^T is one wgmma m64n64, n128 or n176 per k16 step");
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
@@ -95,6 +106,7 @@ struct FwdSm90 {
     static_assert(128 * 24 + 128 * WGS * CONSUMER_REGS <= 65536, "the register split exceeds the SM's file");
     static_assert(WS || !PERSISTENT, "the persistent kernel is the warp-specialized one");
     static_assert(Q_BUFS == 1 || O_TILE, "O is staged in Q's tile only with one Q tile");
+    static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     // The persistent kernel with more than one Q tile at d 64 starts each tile (its first S and softmax) while the
     // last P V of the tile before computes (consume_overlapped), and hands a tile's Q back once the tile's last
     // S = Q K^T is done (Q_EARLY), not after its epilogue, so that the producer loads a later tile's Q sooner: the
@@ -182,9 +194,11 @@ struct FwdSm90 {
     }
 
     // S = Q K^T for the block in ring slot `slot`, issued as one wgmma group (the caller fences and waits).
+    // FIRST_ROWS: the Q tile's first 64 rows, whichever the warpgroup (a split tile's, SPLIT).
+    template <bool FIRST_ROWS = false>
     __device__ __forceinline__ void issue_s(float (&s)[1][BN / 8][4], int slot) const {
         const u32 k_tile = OFF_K + slot * KV_BYTES;  // (offsets from base: smem_desc(base) advanced)
-        const u32 q_rows = q_tile() - base + wg * 64 * 128;  // this warpgroup's 64 rows of every Q panel
+        const u32 q_rows = q_tile() - base + (FIRST_ROWS ? 0 : wg * 64 * 128);  // this warpgroup's 64 rows of Q
         float(&sf)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0][0]);
         // the tiles' descriptors once, then advanced by constants (one add per wgmma and operand)
         const auto desc0 = sm90::smem_desc(base);
@@ -402,6 +416,138 @@ struct FwdSm90 {
         first_block(range, count, it0, s, alpha, pa);
         middle_blocks(range, count, it0, s, alpha, pa);
         last_pv(pa, it0 + count - 1);
+    }
+
+    // SPLIT: a tile whose rows all lie in its first 64, which every warpgroup takes (row0 moved back by 64 wg, and
+    // issue_s<true>). Block t of its walk
+    // is warpgroup t % WGS's; the others hand its K and V back once they are in (pass_block: an arrival before that
+    // could count toward the slot's previous fill, which another warpgroup may still be reading). Each warpgroup's
+    // blocks are software-pipelined as in consume_pipelined (S of one and O += P V of the one before in flight
+    // together); a V it still holds does not stall the ring, since its next block is WGS < STAGES positions on.
+    // Then split_leave and split_merge bring warpgroups 1 and 2's O, max and sum to warpgroup 0.
+    // Not with O by TMA stores (p.o_tma, off at d 64 unless forced): warpgroups 1 and 2 would first wait for their
+    // last copies out of the staging tile, and with that wait compute-sanitizer's racecheck flagged the merge's
+    // accesses (partly; without it, none), which we could not explain.
+    __device__ __forceinline__ bool split_tile(int count) const {
+        return SPLIT && !p.o_tma && count > 0 && uniform(row0 + 64 >= seqlen_q);
+    }
+
+    __device__ __forceinline__ void pass_block(int it) {
+        const int slot = uniform(slot_of(it));
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            sm90::mbar_wait(full_bar(slot, half), pass_of(it));
+            sm90::mbar_arrive(empty_bar(slot, half));
+        }
+    }
+
+    __device__ __forceinline__ void consume_split(const BlockRange& range, int count, int it0) {
+        for (int t = 0; t < wg && t < count; ++t) pass_block(it0 + t);
+        if (wg >= count) return;  // fewer blocks than warpgroups: none of its own
+        float s[1][BN / 8][4], alpha[1][2];
+        u32 pa[BN / 16][4];
+        int last = it0 + wg;  // the ring position whose O += P V is still to come
+        sm90::mbar_wait(full_bar(slot_of(last), 0), pass_of(last));
+        sm90::wgmma_fence();
+        issue_s<true>(s, slot_of(last));
+        sm90::wgmma_wait<0>();
+        sm90::mbar_arrive(empty_bar(slot_of(last), 0));
+        probabilities_of<true>(range, wg, s, alpha);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
+        for (int t = wg + 1; t < count; ++t) {
+            const int it = it0 + t;
+            if (t % WGS != wg) {
+                pass_block(it);
+                continue;
+            }
+            const int slot = uniform(slot_of(it)), prev = uniform(slot_of(last));
+            sm90::mbar_wait(full_bar(slot, 0), pass_of(it));
+            sm90::mbar_wait(full_bar(prev, 1), pass_of(last));
+            sm90::wgmma_fence();
+            issue_s<true>(s, slot);
+            issue_pv(pa, prev);
+            sm90::wgmma_wait<1>();  // S is in
+            sm90::mbar_arrive(empty_bar(slot, 0));
+            probabilities_of<false>(range, t, s, alpha);
+            sm90::wgmma_wait<0>();  // and O += P V of the block before
+            sm90::mbar_arrive(empty_bar(prev, 1));
+            OnlineSoftmax<1>::rescale(acc_o, alpha);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
+            last = it;
+        }
+        last_pv(pa, last);
+    }
+
+    // Where warpgroup w (1, 2) leaves the 16 floats `part` (0, 1) of its O per thread, 16 bytes per thread and
+    // quarter: its rows of the O staging tile (part 0), Q's rows 64 w .. 64 w + 63, which no warpgroup of a split
+    // tile reads (part 1). And where it leaves the max and sum of its row `row`.
+    __device__ __forceinline__ u32 merge_o(int w, int part, int quarter) const {
+        return (part ? q_tile() : base + OFF_O) + w * 64 * 128 + (quarter * 128 + warp * 32 + lane) * 16;
+    }
+    __device__ __forceinline__ u32 merge_row(int w, int row) const {
+        return base + OFF_MERGE + ((w - 1) * 64 + row) * 8;
+    }
+
+    // Warpgroups 1 and 2 after a split tile: O (not normalized), max and sum to shared memory for warpgroup 0 (named
+    // barrier 6), Q's tile handed back, and a wait until warpgroup 0 has read them (barrier 7). Every side syncs on
+    // both barriers: each waits for the other at one of them anyway, and compute-sanitizer's racecheck does not take
+    // bar.arrive as ordering the accesses before it (with arrivals it flagged every access of the merge).
+    __device__ __forceinline__ void split_leave() {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) st_shared_f4(merge_o(wg, j / 4, j % 4), acc_o[0][j]);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const float sum = quad_sum(softmax.row_sum[0][hh]);
+            if (lane % 4 == 0) st_shared_f2(merge_row(wg, warp * 16 + lane / 4 + 8 * hh), softmax.row_max[0][hh], sum);
+        }
+        sm90::fence_proxy_async();  // (Q's tile is the TMA's again once q_empty completes)
+        sm90::named_sync(6, 128 * WGS);
+        sm90::mbar_arrive(q_empty_bar());
+        sm90::named_sync(7, 128 * WGS);
+    }
+
+    // Warpgroup 0 after a split tile: the others' O, max and sum merged into its own, as the online softmax would
+    // have had them (each part scaled by 2^(its max - the joint max)); lane 0 of each quad adds their sums, which
+    // split_leave reduced over the quad.
+    __device__ __forceinline__ void split_merge() {
+        float c[WGS][2];
+        sm90::named_sync(6, 128 * WGS);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = warp * 16 + lane / 4 + 8 * hh;
+            float m[WGS], l[WGS];
+            m[0] = softmax.row_max[0][hh];
+            float joint = m[0];
+#pragma unroll
+            for (int w = 1; w < WGS; ++w) {
+                ld_shared_f2(m[w], l[w], merge_row(w, row));
+                joint = fmaxf(joint, m[w]);
+            }
+            const float neg = -(joint == NEG_INF ? 0.f : joint) * p.scale_log2;
+            float sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < WGS; ++w) {
+                c[w][hh] = exp2f(fmaf(m[w], p.scale_log2, neg));
+                if (w > 0) sum += l[w] * c[w][hh];
+            }
+            softmax.row_sum[0][hh] = softmax.row_sum[0][hh] * c[0][hh] + (lane % 4 == 0 ? sum : 0.f);
+            softmax.row_max[0][hh] = joint;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[0][j][e] *= c[0][e / 2];
+#pragma unroll
+            for (int w = 1; w < WGS; ++w) {
+                float o[4];
+                ld_shared_f4(o, merge_o(w, j / 4, j % 4));
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_o[0][j][e] = fmaf(o[e], c[w][e / 2], acc_o[0][j][e]);
+            }
+        }
+        sm90::named_sync(7, 128 * WGS);
     }
 
     __device__ __forceinline__ float (&panel(int pn))[32] {
@@ -649,6 +795,15 @@ struct FwdSm90 {
         } else {
             pair = p.by_m_blocks.div(idx);
             m = idx - pair * m_blocks;
+            if (SPLIT && (u32)(p.seqlen_q % BM - 1) < 64u) {
+                // Where the last query block is a split tile: the pair's query blocks rotated by the round of its
+                // first tile. Where m_blocks divides the CTA count, CTA x would otherwise take query block
+                // x % m_blocks in every round (all the split tiles to a few CTAs: 22 of 132 at 1k keys); rotated,
+                // each CTA takes every query block in turn.
+                const int rot = (int)((u32)(pair * m_blocks) / gridDim.x);
+                m += rot - p.by_m_blocks.div(rot) * m_blocks;
+                if (m >= m_blocks) m -= m_blocks;
+            }
         }
         const int batch = p.by_heads.div(pair);
         return begin_tile(BAND ? m_blocks - 1 - m : m, pair - batch * p.nheads, batch, range);
@@ -788,13 +943,21 @@ struct FwdSm90 {
                 BlockRange range;
                 if (!uniform(tile_of(idx, m_blocks, range))) continue;
                 const int count = uniform(blocks(range));
+                const bool split = split_tile(count);
+                if (split) row0 -= wg * 64;  // every warpgroup takes the tile's first 64 rows (row0 + wg * 64)
                 reset_accumulators();
                 if (count > 0) {
                     wait_q(loaded);
-                    consume_pipelined(range, count, it);
+                    if (split) consume_split(range, count, it);
+                    else consume_pipelined(range, count, it);
                     it += count;
                     ++loaded;
                 }
+                if (split && wg > 0) {
+                    split_leave();
+                    continue;
+                }
+                if (split) split_merge();
                 epilogue(count > 0);
             }
         }
@@ -803,11 +966,11 @@ struct FwdSm90 {
 };
 
 template <class T, int D, int BN, int STAGES, int WGS, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT>
+          bool PERSISTENT, bool SPLIT_TILES>
 __global__ void __launch_bounds__(128 * (WGS + (WS ? 1 : 0)), 1)
     fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT> block(p);
+    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES> block(p);
     if constexpr (PERSISTENT) block.run_persistent(smem);
     else block.run(smem);
 }

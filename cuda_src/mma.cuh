@@ -25,6 +25,22 @@ __device__ __forceinline__ void st_shared(u32 addr, u32 value) {
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value));
 }
 
+// 16 and 8 bytes of floats to and from shared memory.
+__device__ __forceinline__ void st_shared_f4(u32 addr, const float (&x)[4]) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])
+                 : "memory");
+}
+__device__ __forceinline__ void ld_shared_f4(float (&x)[4], u32 addr) {
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void st_shared_f2(u32 addr, float x, float y) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+__device__ __forceinline__ void ld_shared_f2(float& x, float& y, u32 addr) {
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
+}
+
 // Four 8x8 16-bit matrices; lane l gives the address of row (l % 8) of matrix (l / 8).
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -31,6 +31,7 @@ class FwdSm90Spec:
     stages: int = 2                 # K/V ring slots (2 without warp specialization)
     score_mod: bool = False         # softcap / ALiBi
     pingpong: bool = False          # the consumer warpgroups take turns issuing GEMMs (warp-specialized only)
+    split: bool = False             # tiles whose rows fit in 64 worked by all three consumer warpgroups (SPLIT)
 
     source = "fwd_sm90.cu"
 
@@ -48,13 +49,15 @@ class FwdSm90Spec:
         ws += f"_n{self.block_n}" if self.block_n != BLOCK_N else ""
         ws += f"_m{self.block_m}" if self.block_m != BLOCK_M else ""
         ws += "_persistent" if self.persistent else ""
+        ws += "_split" if self.split else ""
         return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
                 f"{'_mod' if self.score_mod else ''}")
 
     @property
     def template(self) -> str:
         return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
-                              (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent))
+                              (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent,
+                               self.split))
 
     def _smem_bytes(self, o_tile: bool, q_bufs: int = 1) -> int:
         """FwdSm90::SMEM_BYTES: Q tiles, K and V slots[, O], mbarriers (Q full[, empty] per Q tile, K and V full
@@ -73,8 +76,8 @@ class FwdSm90Spec:
         return 2 if self.o_tile and self._smem_bytes(True, 2) <= 227 * 1024 else 1
 
     @property
-    def smem_bytes(self) -> int:
-        return self._smem_bytes(self.o_tile, self.q_bufs)
+    def smem_bytes(self) -> int:  # (+ the split's max and sum per row of warpgroups 1 and 2)
+        return self._smem_bytes(self.o_tile, self.q_bufs) + (2 * 64 * 8 if self.split else 0)
 
 
 # The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,
@@ -89,6 +92,9 @@ class FwdSm90Spec:
 # keys while the consumers finish the last one (short sequences: prologue and epilogue overlap). (ws3_n128 made
 # persistent with the overlapped tile start spills 200-336 bytes: the next tile's S does not fit in 160 registers
 # beside P and O.)
+# ws3_n128_p_split: ws3_n128_p where a tile whose rows fit in 64 (1024 = 5 x 192 + 64 queries) is worked by all
+# three consumer warpgroups, each on every third key block, and merged in warpgroup 0 (fwd_sm90.cu SPLIT); d 64
+# without a score mod only, elsewhere that head dim's ws3_n128_p.
 # ws3_n128_p: ws3_n128 made persistent, without the overlapped tile start (fwd_sm90.cu OVERLAP is the two-warpgroup
 # kernel's) but with three Q tiles, so the producer loads the next tiles' Q during this one (d 64 only; elsewhere
 # ws_n128_p).
@@ -103,7 +109,8 @@ class FwdSm90Spec:
 # Measured against pingpong_n128 at d = 128 from 2k keys and not taken (docs/perf-notes.md, session 14); tests run it
 # as every variant.
 VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128",
-            "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2", "pingpong_n176", "ws3_n128_p")
+            "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2", "pingpong_n176", "ws3_n128_p",
+            "ws3_n128_p_split")
 
 
 def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
@@ -117,6 +124,9 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
         return dict(warp_specialized=False, stages=2, block_n=128 if headdim <= 128 else 64)
     if variant in ("ws", "pingpong"):
         return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
+    if variant == "ws3_n128_p_split":
+        options = variant_options("ws3_n128_p", headdim, score_mod)
+        return dict(options, split=True) if options.get("consumers") == 3 else options
     if variant in ("ws_n128_p", "pingpong_n128_p", "ws3_n128_p"):  # the persistent kernel of that variant
         return dict(variant_options(variant[:-len("_p")], headdim, score_mod), persistent=True)
     if variant == "ws3_n128":

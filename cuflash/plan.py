@@ -604,12 +604,16 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # Session 20 (docs/bench/fwd_session20.txt, call 1, three rounds): d = 128 causal 4k pingpong_n128_p_s2 586.5
 # (567.1-620.3) against the grid pingpong_n128's 537.7 (531.1-548.3), taken; non-causal 4k 658.0 against 662.5
 # (spreads 41 and 47), not taken.
+# Session 24 (docs/bench/fwd_session24.txt, calls 1-4, three rounds each against the parent): ws3_n128_p with split
+# tiles (the last query block's 64 rows worked by all three warpgroups) at d = 64 non-causal 1k 411.5-414.7 ->
+# 430.1-430.6; the same code in ws3_n128_p itself cost 2-4% at 2k / 4k (473.1 / 487.5 -> 455.8 / 479.3), where no
+# tile splits, so the split is a variant of its own, up to 1k keys.
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
 SM90_SHORT_SEQLEN = 4096
-SM90_SHORT_VARIANTS = {(64, False, 512): "ws_n128_p", (64, False, 4096): "ws3_n128_p",
-                       (64, True, 2048): "ws_n128_p", (64, True, 4096): "ws3_n128_p",
+SM90_SHORT_VARIANTS = {(64, False, 512): "ws_n128_p", (64, False, 1024): "ws3_n128_p_split",
+                       (64, False, 4096): "ws3_n128_p", (64, True, 2048): "ws_n128_p", (64, True, 4096): "ws3_n128_p",
                        (128, False, 2048): "pingpong_n128_p_s2", (128, True, 4096): "pingpong_n128_p_s2"}
 
 

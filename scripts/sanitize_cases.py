@@ -193,6 +193,11 @@ def _sm90_cases() -> list[dict]:
                                                              alibi=True)))
         cases.append(dict(name=f"sm90_{variant}_bf16_d128_many_tiles", fn="attention_sm90", dtype="bf16",
                           shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=128), opts=dict(variant=variant)))
+        if hopper.variant_spec(variant, "bf16", 64, False, False).split:  # split tail tiles (1000 = 5 x 192 + 40),
+            for o_tma in (0, 1):                                          # several per CTA; unsplit with o_tma
+                cases.append(dict(name=f"sm90_{variant}_bf16_d64_split_tiles_o_tma{o_tma}", fn="attention_sm90",
+                                  dtype="bf16", shape=dict(b=2, sq=1000, sk=700, h=24, hk=6, d=64),
+                                  opts=dict(variant=variant, o_tma=o_tma)))
     # the Hopper backward's deterministic fixed point (plan.BWD_SM90_DET "fixed": bwd_kv_bound, the int32 dQ
     # reductions, the scaled convert), d 64 (128 query rows) and 128, causal
     for d in (64, 128):
@@ -316,13 +321,20 @@ def run_attention_varlen_backward(rng, case, stream):
 
 
 def run_attention_sm90(rng, case, stream):
-    from cuflash import hopper
+    from cuflash import hopper, plan
     q, k, v = _qkv(rng, case)
     kw = _kwargs(rng, case, stream)
     stream = kw.pop("stream")
+    o_tma = kw.pop("o_tma", None)  # plan.SM90_EPILOGUE's choice for every head dim, for this case
+    saved = dict(plan.SM90_EPILOGUE["tma_store"])
+    if o_tma is not None:
+        plan.SM90_EPILOGUE["tma_store"] = dict.fromkeys(saved, o_tma)
     _ready()
-    with (stream or cupy.cuda.get_current_stream()):
-        return hopper.attention_sm90(q, k, v, **kw)
+    try:
+        with (stream or cupy.cuda.get_current_stream()):
+            return hopper.attention_sm90(q, k, v, **kw)
+    finally:
+        plan.SM90_EPILOGUE["tma_store"] = saved
 
 
 def _available(fn: str) -> bool:

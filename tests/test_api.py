@@ -454,7 +454,12 @@ def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
     from cuflash import api, hopper, plan
     spec = hopper.variant_spec("ws3_n128", "bf16", 64, False, False)
     assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
-    assert ", 4, 3, false, true, false, false, false>" in spec.template
+    assert ", 4, 3, false, true, false, false, false, false>" in spec.template
+    split = hopper.variant_spec("ws3_n128_p_split", "bf16", 64, False, False)  # the persistent kernel, split tiles
+    assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true>")
+    assert split.smem_bytes == hopper.variant_spec("ws3_n128_p", "bf16", 64, False, False).smem_bytes + 2 * 64 * 8
+    assert hopper.variant_spec("ws3_n128_p_split", "bf16", 64, False, True) == hopper.variant_spec(
+        "ws_n128_p", "bf16", 64, False, True)  # a score mod: two warpgroups, no split
     assert hopper.variant_spec("ws3_n128", "bf16", 64, False, True) == hopper.variant_spec("ws_n128", "bf16", 64,
                                                                                            False, True)
     assert hopper.variant_spec("ws3_n128", "bf16", 128, True, False) == hopper.variant_spec("ws_n128", "bf16", 128,

@@ -105,7 +105,7 @@ def test_hopper_forward_shared_memory_is_the_kernels():
     asserts = [
         f"static_assert(cuflash::FwdSm90<{dict(DTYPES.values())[s.dtype]}, {s.headdim}, {s.block_n}, {flag(s.band)}, "
         f"{s.stages}, {s.consumers}, {flag(s.warp_specialized)}, {flag(s.score_mod)}, {flag(s.pingpong)}, "
-        f"{flag(s.persistent)}>::SMEM_BYTES == {s.smem_bytes}, \"{s.name}\");" for s in specs]
+        f"{flag(s.persistent)}, {flag(s.split)}>::SMEM_BYTES == {s.smem_bytes}, \"{s.name}\");" for s in specs]
     source = f'#include "{specs[0].source}"\n' + "\n".join(asserts) + "\n"
     nvrtc = build._nvrtc()
     prog = nvrtc.createProgram(source, "fwd_sm90_smem.cu", [], [])

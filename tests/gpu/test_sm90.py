@@ -266,6 +266,34 @@ def test_persistent_varlen_with_empty_tiles(sm90_planned, variant, causal):
     assert _routed_to_sm90()
 
 
+SPLIT = [v for v in PERSISTENT if hopper.variant_spec(v, "bf16", 64, False, False).split]
+
+
+@pytest.mark.parametrize("o_tma", [0, 1])
+@pytest.mark.parametrize("sq,sk,causal,window", [
+    (1024, 1024, False, (-1, -1)), (1000, 1000, True, (-1, -1)), (577, 900, False, (-1, -1)),
+    (1024, 200, False, (-1, -1)), (1016, 100, True, (-1, -1)), (1000, 1000, False, (300, 0)),
+    (1024, 1024, False, (20, 20))])
+@pytest.mark.parametrize("variant", SPLIT)
+def test_split_tail_tiles(monkeypatch, variant, sq, sk, causal, window, o_tma):
+    """Tiles whose rows all lie in their first 64 (1024 = 5 x 192 + 64, 1000, 577 = 3 x 192 + 1 queries), which the
+    three-warpgroup persistent kernel splits by key blocks among its warpgroups and merges in warpgroup 0
+    (fwd_sm90.cu SPLIT), several per CTA (72 pairs x 4-6 query blocks, the walk rotated): with 1 and 2 key blocks
+    (100, 200 keys: warpgroups without a block of their own), under a window where a warpgroup's blocks can all be
+    masked for some rows. O by TMA stores (o_tma=1) turns the split off (fwd_sm90.cu split_tile): the same shapes
+    unsplit."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma and TMA need compute capability 9.0")
+    monkeypatch.setitem(plan.SM90_EPILOGUE, "tma_store", dict.fromkeys((64, 128, 256), o_tma))
+    rng = np.random.default_rng(sq + sk + o_tma)
+    b, h, hk = 3, 24, 6
+    q = cupy.asarray(randn(rng, (b, sq, h, 64), DTYPES["bf16"]))
+    k = cupy.asarray(randn(rng, (b, sk, hk, 64), DTYPES["bf16"]))
+    v = cupy.asarray(randn(rng, (b, sk, hk, 64), DTYPES["bf16"]))
+    _check_variant(q, k, v, variant, f"o_tma={o_tma}", causal=causal, window_size=window)
+
+
 @pytest.mark.parametrize("o_tma", [0, 1])
 @pytest.mark.parametrize("variant", ["pingpong_n128", "ws3_n128"] + PERSISTENT)
 def test_epilogue_through_shared_memory_or_registers(sm90_planned, monkeypatch, variant, o_tma):
