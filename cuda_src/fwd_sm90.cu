@@ -419,12 +419,12 @@ struct FwdSm90 {
     }
 
     // SPLIT: a tile whose rows all lie in its first 64, which every warpgroup takes (row0 moved back by 64 wg, and
-    // issue_s<true>). Block t of its walk
-    // is warpgroup t % WGS's; the others hand its K and V back once they are in (pass_block: an arrival before that
-    // could count toward the slot's previous fill, which another warpgroup may still be reading). Each warpgroup's
-    // blocks are software-pipelined as in consume_pipelined (S of one and O += P V of the one before in flight
-    // together); a V it still holds does not stall the ring, since its next block is WGS < STAGES positions on.
-    // Then split_leave and split_merge bring warpgroups 1 and 2's O, max and sum to warpgroup 0.
+    // issue_s<true>). Block t of its walk is warpgroup t % WGS's; the others hand its K and V back once they are in
+    // (pass_block: an arrival before that could count toward the slot's previous fill, which another warpgroup may
+    // still be reading). Each warpgroup's blocks are software-pipelined as in consume_pipelined (S of one and
+    // O += P V of the one before in flight together); a V it still holds does not stall the ring, since its next
+    // block is WGS < STAGES positions on. Then split_leave and split_merge bring warpgroups 1 and 2's O, max and sum
+    // to warpgroup 0.
     // Not with O by TMA stores (p.o_tma, off at d 64 unless forced): warpgroups 1 and 2 would first wait for their
     // last copies out of the staging tile, and with that wait compute-sanitizer's racecheck flagged the merge's
     // accesses (partly; without it, none), which we could not explain.
@@ -492,8 +492,7 @@ struct FwdSm90 {
 
     // Warpgroups 1 and 2 after a split tile: O (not normalized), max and sum to shared memory for warpgroup 0 (named
     // barrier 6), Q's tile handed back, and a wait until warpgroup 0 has read them (barrier 7). Every side syncs on
-    // both barriers: each waits for the other at one of them anyway, and compute-sanitizer's racecheck does not take
-    // bar.arrive as ordering the accesses before it (with arrivals it flagged every access of the merge).
+    // both barriers (an arrival would gain nothing: each side waits for the other at one of them anyway).
     __device__ __forceinline__ void split_leave() {
 #pragma unroll
         for (int j = 0; j < 8; ++j) st_shared_f4(merge_o(wg, j / 4, j % 4), acc_o[0][j]);
