@@ -388,8 +388,7 @@ struct BwdSm90 {
                 if constexpr (FIXED)
                     st_shared_fixed2(addr, dq[j][2 * hh], dq[j][2 * hh + 1], scale);
                 else
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[j][2 * hh]),
-                                 "f"(dq[j][2 * hh + 1]) : "memory");
+                    st_shared_f2(addr, dq[j][2 * hh], dq[j][2 * hh + 1]);
             }
         }
         sm90::fence_proxy_async();  // generic-proxy stores, read by TMA (async proxy) below
