@@ -8,6 +8,8 @@ bf16; K/V shared as in bench_decode.py) after four kinds of flush, with CUDA eve
     memset+read  the same, then the buffer read (a sum): the L2 ends full of clean lines
     read         the buffer read only
     none         nothing: K/V partly in L2 from the last call
+    memset+sleep the memset, then a 100 us spin kernel (torch.cuda._sleep): the L2 as after memset, and the host
+                 surely ahead of the GPU, so the events time the call's GPU work and not its host path
 and prints the median microseconds per call.
 
     python3 benchmarks/decode_flush.py [--cells 1x8192,1x1024,8x1024] [--iters 200]
@@ -34,7 +36,8 @@ def main(argv=None):
 
     buf = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     flushes = {"memset": lambda: buf.zero_(), "memset+read": lambda: (buf.zero_(), buf.sum(dtype=torch.int32)),
-               "read": lambda: buf.sum(dtype=torch.int32), "none": lambda: None}
+               "read": lambda: buf.sum(dtype=torch.int32), "none": lambda: None,
+               "memset+sleep": lambda: (buf.zero_(), torch.cuda._sleep(200_000))}
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     print(f"{'cell':>8} {'impl':>8} " + " ".join(f"{m:>12}" for m in flushes) + "   (median us per call)")
     for cell in args.cells.split(","):

@@ -608,13 +608,16 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # tiles (the last query block's 64 rows worked by all three warpgroups) at d = 64 non-causal 1k 411.5-414.7 ->
 # 430.1-430.6; the same code in ws3_n128_p itself cost 2-4% at 2k / 4k (473.1 / 487.5 -> 455.8 / 479.3), where no
 # tile splits, so the split is a variant of its own, up to 1k keys.
+# Session 24 (calls 7-8, docs/bench/fwd_session24.txt): d = 128 causal 8k pingpong_n128_p_s2 585.1-647.2 / 603.5
+# against the grid pingpong_n128's 564.7-570.8 / 593.7 (three rounds, then two, in two calls); at 16k it lost (465.5
+# / 476.0 against 607.9 / 621.1), so the table reaches 8192 keys for that entry only.
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
-SM90_SHORT_SEQLEN = 4096
+SM90_SHORT_SEQLEN = 8192
 SM90_SHORT_VARIANTS = {(64, False, 512): "ws_n128_p", (64, False, 1024): "ws3_n128_p_split",
                        (64, False, 4096): "ws3_n128_p", (64, True, 2048): "ws_n128_p", (64, True, 4096): "ws3_n128_p",
-                       (128, False, 2048): "pingpong_n128_p_s2", (128, True, 4096): "pingpong_n128_p_s2"}
+                       (128, False, 2048): "pingpong_n128_p_s2", (128, True, 8192): "pingpong_n128_p_s2"}
 
 
 def _short_table_from_env(text: str | None) -> dict:

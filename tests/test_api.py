@@ -338,7 +338,7 @@ def test_sm90_backward_128_query_rows_at_d64(no_gpu_kernels, monkeypatch):
 
 def test_sm90_forward_is_chosen_only_where_it_applies(monkeypatch):
     from cuflash import plan
-    problem = checks.Problem(2, 300, 8192, 8, 2, 128, np.dtype(np.float16))  # past SM90_SHORT_SEQLEN keys
+    problem = checks.Problem(2, 300, 16384, 8, 2, 128, np.dtype(np.float16))  # past SM90_SHORT_SEQLEN keys
     monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
     assert plan.sm90_forward_variant(problem, "sm_90a") == plan.SM90_FORWARD["variants"][128]
     assert plan.sm90_forward_variant(problem, "sm_80") is None       # not Hopper
