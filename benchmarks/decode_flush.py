@@ -10,7 +10,8 @@ bf16; K/V shared as in bench_decode.py) after four kinds of flush, with CUDA eve
     none         nothing: K/V partly in L2 from the last call
     memset+sleep the memset, then a 100 us spin kernel (torch.cuda._sleep): the L2 as after memset, and the host
                  surely ahead of the GPU, so the events time the call's GPU work and not its host path
-and prints the median microseconds per call.
+and prints the median microseconds per call; "read K/V" is a torch sum over the same K/V bytes (one reduction
+kernel), a floor for what reading them costs after each flush.
 
     python3 benchmarks/decode_flush.py [--cells 1x8192,1x1024,8x1024] [--iters 200]
 """
@@ -42,8 +43,8 @@ def main(argv=None):
     print(f"{'cell':>8} {'impl':>8} " + " ".join(f"{m:>12}" for m in flushes) + "   (median us per call)")
     for cell in args.cells.split(","):
         b, n = map(int, cell.split("x"))
-        k = torch.randn(b, HK, n, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn_like(k)
+        kv = torch.randn(2, b, HK, n, D, device="cuda", dtype=torch.bfloat16)
+        k, v = kv[0], kv[1]
         q = torch.randn(b, H, 1, D, device="cuda", dtype=torch.bfloat16)
         kc, vc, qc = (cupy.from_dlpack(x.transpose(1, 2)) for x in (k, v, q))
 
@@ -55,7 +56,10 @@ def main(argv=None):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-        for name, fn in (("cuflash", cf), ("cudnn", cudnn)):
+        def read():  # one reduction kernel over the K/V bytes: what reading them alone takes after each flush
+            return kv.sum(dtype=torch.float32)
+
+        for name, fn in (("cuflash", cf), ("cudnn", cudnn), ("read K/V", read)):
             fn()
             medians = []
             for flush in flushes.values():

@@ -56,13 +56,18 @@ struct FwdSm90Params {
     // chunk, pairs per chunk and in the last chunk
     int chunk, chunk_last;
     FastDiv by_m_blocks, by_heads, by_chunk_tiles, by_chunk, by_chunk_last;
+    // TAIL: the walk's last tail_tiles tiles (all in its last round) each split into tail_splits parts by key
+    // blocks, one per CTA (plan.sm90_tail_split); 0: none
+    int tail_tiles, tail_splits;
+    float4* tail_part;     // the split tiles' partial O, max and sum (tail_merge), or nullptr
+    int* tail_count;       // per split tile, its parts done so far (zero between calls: the last resets it)
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is
 // asserted).
-static_assert(sizeof(FwdSm90Params) == 704, "FwdSm90Params no longer matches cuflash/hopper.py");
+static_assert(sizeof(FwdSm90Params) == 768, "FwdSm90Params no longer matches cuflash/hopper.py");
 
 template <class T, int D, int BN, bool BAND, int STAGES, int WGS, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES = false>
+          bool PERSISTENT, bool SPLIT_TILES = false, bool TAIL = false>
 struct FwdSm90 {
     static constexpr int BM = 64 * WGS, PANELS = D / 64;  // WGS consumer warpgroups of 64 query rows each
     static constexpr int THREADS = 128 * (WGS + (WS ? 1 : 0)), CONSUMER0 = WS ? 128 : 0;  // consumers: CONSUMER0 ..
@@ -126,15 +131,23 @@ struct FwdSm90 {
     // ring position, the branches of the step and every wgmma descriptor are uniform too (d 64 ws_n128_p: R2UR in
     // the SASS 123 -> 25 under a band, 122 -> 18 without; 16% and 29% less code). Each part alone changes nothing.
     static constexpr bool UNIFORM_TILES = OVERLAP;
+    // TAIL: where the tiles leave the walk's last round mostly idle (d 64 at 512 keys: 4096 tiles on 132 CTAs, 4 in
+    // a 32nd round), those last tiles are split by key blocks into parts, one per CTA of that round; each part
+    // leaves its O, max and sum in global memory and the last part of a tile to finish merges the others' into its
+    // own (tail_merge) before the epilogue. A kernel of its own (the variant ws_n128_p_tail), as SPLIT is.
+    static_assert(!TAIL || (OVERLAP && !BAND), "tail parts: the OVERLAP kernel without a band");
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
     u32 base;
     int qb = 0;  // the Q tile this tile uses (0; 1, 2 from OFF_Q2)
     int row0, b, h, h_kv;
+    // TAIL: this tile's part (-1: a whole tile), and which split tile it is a part of; set by tile_of (initializers
+    // here made ptxas spill 72 bytes in ws3_n128_p under a band, which never reads them)
+    int part, tail_slot;
     // What the epilogue reads of a tile, kept for the last tile while begin_tile has moved on to the next one.
     struct TileRows {
-        int row0, b, h, q_begin, seqlen_q, qb;
+        int row0, b, h, q_begin, seqlen_q, qb, part, tail_slot;
     };
     int q_begin, k_begin, seqlen_q;  // this sequence (seqlen.cuh): where its rows start, how many queries
     Mask<BAND> mask;
@@ -549,6 +562,72 @@ struct FwdSm90 {
         sm90::named_sync(7, 128 * WGS);
     }
 
+    // TAIL, a part's end: its O (not normalized), max and sum per thread into part `part` of the split tile's slots
+    // in p.tail_part (each thread's 16-byte words PANELS * 8 + 1 apart by 128 WGS: the warps' stores coalesce), then
+    // the tile's count taken. The part that completes it reads every other part's (past L1) and merges them with its
+    // own as split_merge does (each scaled by 2^(its max - the joint max); the sums here the thread's own shares, as
+    // finalize expects them), in the parts' order, and returns true; the others return false and leave the tile's
+    // epilogue to it. The counter goes back to zero for the next call.
+    static constexpr int TAIL_WORDS = PANELS * 8 + 1;
+    __device__ __forceinline__ float4* tail_words(int q) const {
+        return p.tail_part + (i64)(tail_slot * p.tail_splits + q) * TAIL_WORDS * (128 * WGS) + (tid - CONSUMER0);
+    }
+    __device__ __forceinline__ bool tail_merge() {
+        float4* mine = tail_words(part);
+#pragma unroll
+        for (int j = 0; j < PANELS * 8; ++j)
+            mine[j * 128 * WGS] = make_float4(acc_o[0][j][0], acc_o[0][j][1], acc_o[0][j][2], acc_o[0][j][3]);
+        mine[PANELS * 8 * 128 * WGS] = make_float4(softmax.row_max[0][0], softmax.row_max[0][1],
+                                                   softmax.row_sum[0][0], softmax.row_sum[0][1]);
+        __threadfence();
+        sm90::named_sync(5, 128 * WGS);  // every consumer's words are out (named barriers 1-4, 6, 7: see above)
+        bool last = false;
+        if (tid == CONSUMER0) {
+            last = atomicAdd(p.tail_count + tail_slot, 1) == p.tail_splits - 1;
+            if (last) p.tail_count[tail_slot] = 0;
+        }
+        if (!sm90::named_sync_or(5, 128 * WGS, last)) return false;
+        __threadfence();
+        const float4 own = make_float4(softmax.row_max[0][0], softmax.row_max[0][1], softmax.row_sum[0][0],
+                                       softmax.row_sum[0][1]);
+        float joint[2] = {own.x, own.y};
+        for (int q = 0; q < p.tail_splits; ++q) {
+            if (q == part) continue;
+            const float4 st = __ldcg(tail_words(q) + PANELS * 8 * 128 * WGS);
+            joint[0] = fmaxf(joint[0], st.x);
+            joint[1] = fmaxf(joint[1], st.y);
+        }
+        float neg[2], merged[PANELS * 8][4] = {}, sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) neg[hh] = -(joint[hh] == NEG_INF ? 0.f : joint[hh]) * p.scale_log2;
+        for (int q = 0; q < p.tail_splits; ++q) {  // in the parts' order, whichever merges: the same bits every call
+            const float4* words = tail_words(q);
+            const float4 st = q == part ? own : __ldcg(words + PANELS * 8 * 128 * WGS);
+            const float c[2] = {exp2f(fmaf(st.x, p.scale_log2, neg[0])), exp2f(fmaf(st.y, p.scale_log2, neg[1]))};
+            sum[0] = fmaf(st.z, c[0], sum[0]);
+            sum[1] = fmaf(st.w, c[1], sum[1]);
+#pragma unroll
+            for (int j = 0; j < PANELS * 8; ++j) {
+                const float4 o = q == part ? make_float4(acc_o[0][j][0], acc_o[0][j][1], acc_o[0][j][2], acc_o[0][j][3])
+                                           : __ldcg(words + j * 128 * WGS);
+                merged[j][0] = fmaf(o.x, c[0], merged[j][0]);
+                merged[j][1] = fmaf(o.y, c[0], merged[j][1]);
+                merged[j][2] = fmaf(o.z, c[1], merged[j][2]);
+                merged[j][3] = fmaf(o.w, c[1], merged[j][3]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < PANELS * 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[0][j][e] = merged[j][e];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            softmax.row_max[0][hh] = joint[hh];
+            softmax.row_sum[0][hh] = sum[hh];
+        }
+        return true;
+    }
+
     __device__ __forceinline__ float (&panel(int pn))[32] {
         return *reinterpret_cast<float(*)[32]>(&acc_o[0][pn * 8][0]);
     }
@@ -564,6 +643,7 @@ struct FwdSm90 {
     // In the persistent kernel every consumer thread arrives on q_empty once the tile's Q may be overwritten.
     // q_loaded: the tile had key blocks, so its Q was loaded (else Q's tile may be the next tile's).
     __device__ __forceinline__ void epilogue(bool q_loaded) {
+        if (TAIL && part >= 0 && !tail_merge()) return;  // a part whose tile another CTA finishes
         float lse[1][2];
         softmax.finalize(acc_o, p.scale_log2, lse);
         const int wg_row0 = row0 + wg * 64;
@@ -785,6 +865,15 @@ struct FwdSm90 {
     // busiest CTA a whole tile above the mean (plan.sm90_walk_chunk).
     __device__ __forceinline__ bool tile_of(int idx, int m_blocks, BlockRange& range) {
         int m, pair;
+        if constexpr (TAIL) {  // the tail's parts: part `part` of split tile `tail_slot`, which is tile first + slot
+            const int first = m_blocks * p.nheads * p.batch - p.tail_tiles;
+            part = -1;
+            if (idx >= first) {
+                tail_slot = (idx - first) / p.tail_splits;
+                part = idx - first - tail_slot * p.tail_splits;
+                idx = first + tail_slot;
+            }
+        }
         if constexpr (BAND) {
             const int chunk = p.by_chunk_tiles.div(idx), within = idx - chunk * p.chunk * m_blocks;
             const int first = chunk * p.chunk;
@@ -805,10 +894,16 @@ struct FwdSm90 {
             }
         }
         const int batch = p.by_heads.div(pair);
-        return begin_tile(BAND ? m_blocks - 1 - m : m, pair - batch * p.nheads, batch, range);
+        const bool has_rows = begin_tile(BAND ? m_blocks - 1 - m : m, pair - batch * p.nheads, batch, range);
+        if (TAIL && part >= 0) {  // its share of the key blocks (none where a packed sequence has fewer than parts)
+            const int n = range.n_max - range.n_min, lo = range.n_min;
+            range.n_min = lo + part * n / p.tail_splits;
+            range.n_max = lo + (part + 1) * n / p.tail_splits;
+        }
+        return has_rows;
     }
 
-    __device__ __forceinline__ TileRows rows() const { return {row0, b, h, q_begin, seqlen_q, qb}; }
+    __device__ __forceinline__ TileRows rows() const { return {row0, b, h, q_begin, seqlen_q, qb, part, tail_slot}; }
     __device__ __forceinline__ void set_rows(const TileRows& t) {
         row0 = t.row0;
         b = t.b;
@@ -816,6 +911,8 @@ struct FwdSm90 {
         q_begin = t.q_begin;
         seqlen_q = t.seqlen_q;
         qb = t.qb;
+        part = t.part;
+        tail_slot = t.tail_slot;
     }
 
     // UNIFORM_TILES: `have` and the tile's block range made warp-uniform.
@@ -918,7 +1015,9 @@ struct FwdSm90 {
     __device__ __forceinline__ void run_persistent(char* smem) {
         start(smem);
         init_barriers();
-        const int m_blocks = (p.seqlen_q + BM - 1) / BM, tiles = m_blocks * p.nheads * p.batch;
+        // (tiles: the walk's entries, the tail's parts each one)
+        const int m_blocks = (p.seqlen_q + BM - 1) / BM,
+                  tiles = m_blocks * p.nheads * p.batch + (TAIL ? p.tail_tiles * (p.tail_splits - 1) : 0);
         int it = 0, loaded = 0;  // ring position, tiles with key blocks so far
         if (is_producer()) {
             sm90::regs_dealloc<24>();
@@ -965,11 +1064,11 @@ struct FwdSm90 {
 };
 
 template <class T, int D, int BN, int STAGES, int WGS, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES>
+          bool PERSISTENT, bool SPLIT_TILES, bool TAIL>
 __global__ void __launch_bounds__(128 * (WGS + (WS ? 1 : 0)), 1)
     fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES> block(p);
+    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, TAIL> block(p);
     if constexpr (PERSISTENT) block.run_persistent(smem);
     else block.run(smem);
 }
