@@ -562,18 +562,19 @@ struct FwdSm90 {
         sm90::named_sync(7, 128 * WGS);
     }
 
-    // TAIL, a part's end: its O (not normalized), max and sum per thread into part `part` of the split tile's slots
-    // in p.tail_part (each thread's 16-byte words PANELS * 8 + 1 apart by 128 WGS: the warps' stores coalesce), then
-    // the tile's count taken. The part that completes it reads every other part's (past L1) and merges them with its
-    // own as split_merge does (each scaled by 2^(its max - the joint max); the sums here the thread's own shares, as
-    // finalize expects them), in the parts' order, and returns true; the others return false and leave the tile's
-    // epilogue to it. The counter goes back to zero for the next call.
+    // TAIL, a part's end (in place of the epilogue): its O (not normalized), max and sum per thread into part `part`
+    // of the split tile's slots in p.tail_part (each thread's 16-byte words PANELS * 8 + 1 apart by 128 WGS: the
+    // warps' stores coalesce), then the tile's count taken. The part that completes it reads every part's words back
+    // (past L1; its own too, so that the sums go in the parts' order whichever part merges: the same bits every
+    // call), merges them as split_merge does (each scaled by 2^(its max - the joint max); the sums the threads' own
+    // shares, as finalize expects them) and writes O and lse; it resets the counter for the next call. The merge
+    // works on registers of its own: rewriting acc_o here made ptxas copy it around every P V (C7514).
     static constexpr int TAIL_WORDS = PANELS * 8 + 1;
-    __device__ __forceinline__ float4* tail_words(int q) const {
+    __device__ __forceinline__ const float4* tail_words(int q) const {
         return p.tail_part + (i64)(tail_slot * p.tail_splits + q) * TAIL_WORDS * (128 * WGS) + (tid - CONSUMER0);
     }
-    __device__ __forceinline__ bool tail_merge() {
-        float4* mine = tail_words(part);
+    __device__ __forceinline__ void tail_epilogue() {
+        float4* mine = const_cast<float4*>(tail_words(part));
 #pragma unroll
         for (int j = 0; j < PANELS * 8; ++j)
             mine[j * 128 * WGS] = make_float4(acc_o[0][j][0], acc_o[0][j][1], acc_o[0][j][2], acc_o[0][j][3]);
@@ -586,46 +587,37 @@ struct FwdSm90 {
             last = atomicAdd(p.tail_count + tail_slot, 1) == p.tail_splits - 1;
             if (last) p.tail_count[tail_slot] = 0;
         }
-        if (!sm90::named_sync_or(5, 128 * WGS, last)) return false;
+        if (!sm90::warp_uniform(sm90::named_sync_or(5, 128 * WGS, last))) return;
         __threadfence();
-        const float4 own = make_float4(softmax.row_max[0][0], softmax.row_max[0][1], softmax.row_sum[0][0],
-                                       softmax.row_sum[0][1]);
-        float joint[2] = {own.x, own.y};
+        OnlineSoftmax<1> merged;
+        merged.reset();
         for (int q = 0; q < p.tail_splits; ++q) {
-            if (q == part) continue;
             const float4 st = __ldcg(tail_words(q) + PANELS * 8 * 128 * WGS);
-            joint[0] = fmaxf(joint[0], st.x);
-            joint[1] = fmaxf(joint[1], st.y);
+            merged.row_max[0][0] = fmaxf(merged.row_max[0][0], st.x);
+            merged.row_max[0][1] = fmaxf(merged.row_max[0][1], st.y);
         }
-        float neg[2], merged[PANELS * 8][4] = {}, sum[2] = {0.f, 0.f};
+        float neg[2], o[1][PANELS * 8][4] = {}, lse[1][2];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) neg[hh] = -(joint[hh] == NEG_INF ? 0.f : joint[hh]) * p.scale_log2;
-        for (int q = 0; q < p.tail_splits; ++q) {  // in the parts' order, whichever merges: the same bits every call
+        for (int hh = 0; hh < 2; ++hh)
+            neg[hh] = -(merged.row_max[0][hh] == NEG_INF ? 0.f : merged.row_max[0][hh]) * p.scale_log2;
+        for (int q = 0; q < p.tail_splits; ++q) {
             const float4* words = tail_words(q);
-            const float4 st = q == part ? own : __ldcg(words + PANELS * 8 * 128 * WGS);
+            const float4 st = __ldcg(words + PANELS * 8 * 128 * WGS);
             const float c[2] = {exp2f(fmaf(st.x, p.scale_log2, neg[0])), exp2f(fmaf(st.y, p.scale_log2, neg[1]))};
-            sum[0] = fmaf(st.z, c[0], sum[0]);
-            sum[1] = fmaf(st.w, c[1], sum[1]);
+            merged.row_sum[0][0] = fmaf(st.z, c[0], merged.row_sum[0][0]);
+            merged.row_sum[0][1] = fmaf(st.w, c[1], merged.row_sum[0][1]);
 #pragma unroll
             for (int j = 0; j < PANELS * 8; ++j) {
-                const float4 o = q == part ? make_float4(acc_o[0][j][0], acc_o[0][j][1], acc_o[0][j][2], acc_o[0][j][3])
-                                           : __ldcg(words + j * 128 * WGS);
-                merged[j][0] = fmaf(o.x, c[0], merged[j][0]);
-                merged[j][1] = fmaf(o.y, c[0], merged[j][1]);
-                merged[j][2] = fmaf(o.z, c[1], merged[j][2]);
-                merged[j][3] = fmaf(o.w, c[1], merged[j][3]);
+                const float4 w = __ldcg(words + j * 128 * WGS);
+                o[0][j][0] = fmaf(w.x, c[0], o[0][j][0]);
+                o[0][j][1] = fmaf(w.y, c[0], o[0][j][1]);
+                o[0][j][2] = fmaf(w.z, c[1], o[0][j][2]);
+                o[0][j][3] = fmaf(w.w, c[1], o[0][j][3]);
             }
         }
-#pragma unroll
-        for (int j = 0; j < PANELS * 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[0][j][e] = merged[j][e];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            softmax.row_max[0][hh] = joint[hh];
-            softmax.row_sum[0][hh] = sum[hh];
-        }
-        return true;
+        merged.finalize(o, p.scale_log2, lse);
+        store_lse(lse, row0 + wg * 64);
+        store_o(o, row0 + wg * 64);
     }
 
     __device__ __forceinline__ float (&panel(int pn))[32] {
@@ -643,7 +635,10 @@ struct FwdSm90 {
     // In the persistent kernel every consumer thread arrives on q_empty once the tile's Q may be overwritten.
     // q_loaded: the tile had key blocks, so its Q was loaded (else Q's tile may be the next tile's).
     __device__ __forceinline__ void epilogue(bool q_loaded) {
-        if (TAIL && part >= 0 && !tail_merge()) return;  // a part whose tile another CTA finishes
+        if (TAIL && part >= 0) {
+            tail_epilogue();
+            return;
+        }
         float lse[1][2];
         softmax.finalize(acc_o, p.scale_log2, lse);
         const int wg_row0 = row0 + wg * 64;
@@ -652,17 +647,26 @@ struct FwdSm90 {
                             (p.cu_seqlens_q == nullptr || wg_row0 + 64 <= seqlen_q);
         const bool q_free_now = arrive_q && (O_TILE || !staged);  // else after the copies have read Q's tile
         if (q_free_now) sm90::mbar_arrive(q_empty_bar());
+        store_lse(lse, wg_row0);
+        if (staged) {
+            store_o_staged(wg_row0);
+            if (arrive_q && !q_free_now) sm90::mbar_arrive(q_empty_bar());
+            return;
+        }
+        store_o(acc_o, wg_row0);
+    }
+
+    // The epilogue's writes from registers: this thread's rows' lse (if asked for) and O (normalized), rows past the
+    // sequence's end skipped.
+    __device__ __forceinline__ void store_lse(const float (&lse)[1][2], int wg_row0) const {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = wg_row0 + warp * 16 + lane / 4 + 8 * hh;
             if (p.lse != nullptr && lane % 4 == 0 && r < seqlen_q)
                 p.lse[SeqInfo::offset(q_begin, p.lse_batch_stride, 1, r) + (i64)h * p.lse_head_stride] = lse[0][hh];
         }
-        if (staged) {
-            store_o_staged(wg_row0);
-            if (arrive_q && !q_free_now) sm90::mbar_arrive(q_empty_bar());
-            return;
-        }
+    }
+    __device__ __forceinline__ void store_o(const float (&o)[1][PANELS * 8][4], int wg_row0) const {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = wg_row0 + warp * 16 + lane / 4 + 8 * hh;
@@ -673,7 +677,7 @@ struct FwdSm90 {
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
                     *reinterpret_cast<u32*>(o_row + pn * 64 + 8 * j + 2 * (lane % 4)) =
-                        pack2<T>(acc_o[0][pn * 8 + j][2 * hh], acc_o[0][pn * 8 + j][2 * hh + 1]);
+                        pack2<T>(o[0][pn * 8 + j][2 * hh], o[0][pn * 8 + j][2 * hh + 1]);
         }
     }
 
@@ -915,9 +919,10 @@ struct FwdSm90 {
         tail_slot = t.tail_slot;
     }
 
-    // UNIFORM_TILES: `have` and the tile's block range made warp-uniform.
-    __device__ __forceinline__ static bool uniform_tile(bool have, BlockRange& range) {
+    // UNIFORM_TILES: `have` and the tile's block range (and TAIL's part) made warp-uniform.
+    __device__ __forceinline__ bool uniform_tile(bool have, BlockRange& range) {
         if constexpr (!UNIFORM_TILES) return have;
+        if (TAIL) part = sm90::warp_uniform(part);  // (else ptxas serializes every wgmma: C7520)
         range.n_min = sm90::warp_uniform(range.n_min);
         range.n_max = sm90::warp_uniform(range.n_max);
         range.full_lo = sm90::warp_uniform(range.full_lo);
