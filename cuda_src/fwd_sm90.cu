@@ -56,18 +56,13 @@ struct FwdSm90Params {
     // chunk, pairs per chunk and in the last chunk
     int chunk, chunk_last;
     FastDiv by_m_blocks, by_heads, by_chunk_tiles, by_chunk, by_chunk_last;
-    // TAIL: the walk's last tail_tiles tiles (all in its last round) each split into tail_splits parts by key
-    // blocks, one per CTA (plan.sm90_tail_split); 0: none
-    int tail_tiles, tail_splits;
-    float4* tail_part;     // the split tiles' partial O, max and sum (tail_merge), or nullptr
-    int* tail_count;       // per split tile, its parts done so far (zero between calls: the last resets it)
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is
 // asserted).
-static_assert(sizeof(FwdSm90Params) == 768, "FwdSm90Params no longer matches cuflash/hopper.py");
+static_assert(sizeof(FwdSm90Params) == 704, "FwdSm90Params no longer matches cuflash/hopper.py");
 
 template <class T, int D, int BN, bool BAND, int STAGES, int WGS, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES = false, bool TAIL = false>
+          bool PERSISTENT, bool SPLIT_TILES = false>
 struct FwdSm90 {
     static constexpr int BM = 64 * WGS, PANELS = D / 64;  // WGS consumer warpgroups of 64 query rows each
     static constexpr int THREADS = 128 * (WGS + (WS ? 1 : 0)), CONSUMER0 = WS ? 128 : 0;  // consumers: CONSUMER0 ..
@@ -131,23 +126,12 @@ struct FwdSm90 {
     // ring position, the branches of the step and every wgmma descriptor are uniform too (d 64 ws_n128_p: R2UR in
     // the SASS 123 -> 25 under a band, 122 -> 18 without; 16% and 29% less code). Each part alone changes nothing.
     static constexpr bool UNIFORM_TILES = OVERLAP;
-    // TAIL: where the persistent walk's last round would leave most CTAs idle (d 64 at 512 keys: 4096 tiles on 132
-    // CTAs, 4 in a 32nd round), or there are fewer tiles than SMs, the last p.tail_tiles tiles are split by key
-    // blocks into p.tail_splits parts each and worked by a second kernel, launched as a programmatic dependent (PDL)
-    // of the persistent one, which lets it start at once (its CTAs take SMs as the persistent CTAs leave them):
-    //  - PERSISTENT: the walk stops before those tiles (the only change to the persistent kernel: each line of its
-    //    main loop costs there, a tail worked inside its walk made it 5-10% slower, docs/perf-notes.md session 25);
-    //  - not PERSISTENT: the tail's kernel, CTA u part u % p.tail_splits of tile u / p.tail_splits of the tail. Each
-    //    part leaves its O, max and sum in global memory; the last part of a tile to finish merges them and writes O
-    //    and lse (tail_epilogue).
-    static_assert(!TAIL || (!BAND && WS), "tail parts: warp-specialized kernels without a band");
 
     const FwdSm90Params& p;
     int tid, wg, warp, lane;  // wg: consumer warpgroup (0, 1); warp: within the warpgroup
     u32 base;
     int qb = 0;  // the Q tile this tile uses (0; 1, 2 from OFF_Q2)
     int row0, b, h, h_kv;
-    int part, tail_slot;  // TAIL, the tail's kernel: this CTA's part, and which tile of the tail it is a part of
     // What the epilogue reads of a tile, kept for the last tile while begin_tile has moved on to the next one.
     struct TileRows {
         int row0, b, h, q_begin, seqlen_q, qb;
@@ -565,64 +549,6 @@ struct FwdSm90 {
         sm90::named_sync(7, 128 * WGS);
     }
 
-    // TAIL, a part's end (in place of the epilogue): its O (not normalized), max and sum per thread into part `part`
-    // of the split tile's slots in p.tail_part (each thread's 16-byte words PANELS * 8 + 1 apart by 128 WGS: the
-    // warps' stores coalesce), then the tile's count taken. The part that completes it reads every part's words back
-    // (past L1; its own too, so that the sums go in the parts' order whichever part merges: the same bits every
-    // call), merges them as split_merge does (each scaled by 2^(its max - the joint max); the sums the threads' own
-    // shares, as finalize expects them) and writes O and lse; it resets the counter for the next call. The merge
-    // works on registers of its own: rewriting acc_o here made ptxas copy it around every P V (C7514).
-    static constexpr int TAIL_WORDS = PANELS * 8 + 1;
-    __device__ __forceinline__ const float4* tail_words(int q) const {
-        return p.tail_part + (i64)(tail_slot * p.tail_splits + q) * TAIL_WORDS * (128 * WGS) + (tid - CONSUMER0);
-    }
-    __device__ __forceinline__ void tail_epilogue() {
-        float4* mine = const_cast<float4*>(tail_words(part));
-#pragma unroll
-        for (int j = 0; j < PANELS * 8; ++j)
-            mine[j * 128 * WGS] = make_float4(acc_o[0][j][0], acc_o[0][j][1], acc_o[0][j][2], acc_o[0][j][3]);
-        mine[PANELS * 8 * 128 * WGS] = make_float4(softmax.row_max[0][0], softmax.row_max[0][1],
-                                                   softmax.row_sum[0][0], softmax.row_sum[0][1]);
-        __threadfence();
-        sm90::named_sync(5, 128 * WGS);  // every consumer's words are out (named barriers 1-4, 6, 7: see above)
-        bool last = false;
-        if (tid == CONSUMER0) {
-            last = atomicAdd(p.tail_count + tail_slot, 1) == p.tail_splits - 1;
-            if (last) p.tail_count[tail_slot] = 0;
-        }
-        if (!sm90::warp_uniform(sm90::named_sync_or(5, 128 * WGS, last))) return;
-        __threadfence();
-        OnlineSoftmax<1> merged;
-        merged.reset();
-        for (int q = 0; q < p.tail_splits; ++q) {
-            const float4 st = __ldcg(tail_words(q) + PANELS * 8 * 128 * WGS);
-            merged.row_max[0][0] = fmaxf(merged.row_max[0][0], st.x);
-            merged.row_max[0][1] = fmaxf(merged.row_max[0][1], st.y);
-        }
-        float neg[2], o[1][PANELS * 8][4] = {}, lse[1][2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-            neg[hh] = -(merged.row_max[0][hh] == NEG_INF ? 0.f : merged.row_max[0][hh]) * p.scale_log2;
-        for (int q = 0; q < p.tail_splits; ++q) {
-            const float4* words = tail_words(q);
-            const float4 st = __ldcg(words + PANELS * 8 * 128 * WGS);
-            const float c[2] = {exp2f(fmaf(st.x, p.scale_log2, neg[0])), exp2f(fmaf(st.y, p.scale_log2, neg[1]))};
-            merged.row_sum[0][0] = fmaf(st.z, c[0], merged.row_sum[0][0]);
-            merged.row_sum[0][1] = fmaf(st.w, c[1], merged.row_sum[0][1]);
-#pragma unroll
-            for (int j = 0; j < PANELS * 8; ++j) {
-                const float4 w = __ldcg(words + j * 128 * WGS);
-                o[0][j][0] = fmaf(w.x, c[0], o[0][j][0]);
-                o[0][j][1] = fmaf(w.y, c[0], o[0][j][1]);
-                o[0][j][2] = fmaf(w.z, c[1], o[0][j][2]);
-                o[0][j][3] = fmaf(w.w, c[1], o[0][j][3]);
-            }
-        }
-        merged.finalize(o, p.scale_log2, lse);
-        store_lse(lse, row0 + wg * 64);
-        store_o(o, row0 + wg * 64);
-    }
-
     __device__ __forceinline__ float (&panel(int pn))[32] {
         return *reinterpret_cast<float(*)[32]>(&acc_o[0][pn * 8][0]);
     }
@@ -638,10 +564,6 @@ struct FwdSm90 {
     // In the persistent kernel every consumer thread arrives on q_empty once the tile's Q may be overwritten.
     // q_loaded: the tile had key blocks, so its Q was loaded (else Q's tile may be the next tile's).
     __device__ __forceinline__ void epilogue(bool q_loaded) {
-        if (TAIL && !PERSISTENT) {
-            tail_epilogue();
-            return;
-        }
         float lse[1][2];
         softmax.finalize(acc_o, p.scale_log2, lse);
         const int wg_row0 = row0 + wg * 64;
@@ -650,26 +572,17 @@ struct FwdSm90 {
                             (p.cu_seqlens_q == nullptr || wg_row0 + 64 <= seqlen_q);
         const bool q_free_now = arrive_q && (O_TILE || !staged);  // else after the copies have read Q's tile
         if (q_free_now) sm90::mbar_arrive(q_empty_bar());
-        store_lse(lse, wg_row0);
-        if (staged) {
-            store_o_staged(wg_row0);
-            if (arrive_q && !q_free_now) sm90::mbar_arrive(q_empty_bar());
-            return;
-        }
-        store_o(acc_o, wg_row0);
-    }
-
-    // The epilogue's writes from registers: this thread's rows' lse (if asked for) and O (normalized), rows past the
-    // sequence's end skipped.
-    __device__ __forceinline__ void store_lse(const float (&lse)[1][2], int wg_row0) const {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = wg_row0 + warp * 16 + lane / 4 + 8 * hh;
             if (p.lse != nullptr && lane % 4 == 0 && r < seqlen_q)
                 p.lse[SeqInfo::offset(q_begin, p.lse_batch_stride, 1, r) + (i64)h * p.lse_head_stride] = lse[0][hh];
         }
-    }
-    __device__ __forceinline__ void store_o(const float (&o)[1][PANELS * 8][4], int wg_row0) const {
+        if (staged) {
+            store_o_staged(wg_row0);
+            if (arrive_q && !q_free_now) sm90::mbar_arrive(q_empty_bar());
+            return;
+        }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = wg_row0 + warp * 16 + lane / 4 + 8 * hh;
@@ -680,7 +593,7 @@ struct FwdSm90 {
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
                     *reinterpret_cast<u32*>(o_row + pn * 64 + 8 * j + 2 * (lane % 4)) =
-                        pack2<T>(o[0][pn * 8 + j][2 * hh], o[0][pn * 8 + j][2 * hh + 1]);
+                        pack2<T>(acc_o[0][pn * 8 + j][2 * hh], acc_o[0][pn * 8 + j][2 * hh + 1]);
         }
     }
 
@@ -806,28 +719,11 @@ struct FwdSm90 {
     // diagonal): none. Producer and consumers must agree, or the producer's ring position runs ahead of theirs.
     __device__ __forceinline__ static int blocks(const BlockRange& range) { return max(range.n_max - range.n_min, 0); }
 
-    // TAIL, the tail's kernel: this CTA's part of its tile (the walk's tile first + tail_slot), whose rows and key
-    // blocks begin_tile makes this thread's; its share of the key blocks (none where a packed sequence has fewer
-    // blocks than parts: the part then leaves an empty one).
-    __device__ __forceinline__ bool begin_part(BlockRange& range) {
-        const int m_blocks = (p.seqlen_q + BM - 1) / BM, pairs = p.nheads * p.batch;
-        tail_slot = blockIdx.x / p.tail_splits;
-        part = blockIdx.x - tail_slot * p.tail_splits;
-        const int idx = m_blocks * pairs - p.tail_tiles + tail_slot, pair = idx / m_blocks, batch = pair / p.nheads;
-        const bool has_rows = begin_tile(idx - pair * m_blocks, pair - batch * p.nheads, batch, range);
-        const int n = range.n_max - range.n_min, lo = range.n_min;
-        range.n_min = lo + part * n / p.tail_splits;
-        range.n_max = lo + (part + 1) * n / p.tail_splits;
-        return has_rows;
-    }
-
-    // One tile per CTA: grid (query blocks, heads, batch); the tail's kernel (TAIL): (parts).
+    // One tile per CTA: grid (query blocks, heads, batch).
     __device__ __forceinline__ void run(char* smem) {
         start(smem);
         BlockRange range;
-        bool has_rows = TAIL ? begin_part(range)
-                             : begin_tile(BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z,
-                                          range);
+        bool has_rows = begin_tile(BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x, blockIdx.y, blockIdx.z, range);
         if (WS) has_rows = uniform(has_rows);  // (in the lockstep kernel the shuffle made ptxas serialize wgmma: C7520)
         if (!has_rows) return;
         reset_accumulators();
@@ -1022,9 +918,7 @@ struct FwdSm90 {
     __device__ __forceinline__ void run_persistent(char* smem) {
         start(smem);
         init_barriers();
-        const int m_blocks = (p.seqlen_q + BM - 1) / BM;
-        const int tiles = m_blocks * p.nheads * p.batch - (TAIL ? p.tail_tiles : 0);  // (the tail's: the next kernel's)
-        if (TAIL) pdl_launch_dependents();  // the tail's kernel (it reads nothing of this one's)
+        const int m_blocks = (p.seqlen_q + BM - 1) / BM, tiles = m_blocks * p.nheads * p.batch;
         int it = 0, loaded = 0;  // ring position, tiles with key blocks so far
         if (is_producer()) {
             sm90::regs_dealloc<24>();
@@ -1071,18 +965,13 @@ struct FwdSm90 {
 };
 
 template <class T, int D, int BN, int STAGES, int WGS, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES, bool TAIL>
+          bool PERSISTENT, bool SPLIT_TILES>
 __global__ void __launch_bounds__(128 * (WGS + (WS ? 1 : 0)), 1)
     fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, TAIL> block(p);
-    if constexpr (PERSISTENT) {
-        block.run_persistent(smem);
-    } else {
-        block.run(smem);
-        // the tail's kernel ends after the persistent one it may overlap: what follows in the stream waits for it only
-        if (TAIL) pdl_wait();
-    }
+    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES> block(p);
+    if constexpr (PERSISTENT) block.run_persistent(smem);
+    else block.run(smem);
 }
 
 }  // namespace cuflash

@@ -166,14 +166,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// named_sync that also tells every thread whether any of them passed `pred` true (barrier.red.or)
-__device__ __forceinline__ bool named_sync_or(int id, int threads, bool pred) {
-    u32 any;
-    asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.red.or.pred q, %2, %3, p;\n"
-                 " selp.u32 %0, 1, 0, q;\n}\n"
-                 : "=r"(any) : "r"((u32)pred), "r"(id), "r"(threads) : "memory");
-    return any != 0;
-}
 
 // Per-thread register budget of the executing warpgroup (all its threads, converged): a producer that only issues
 // copies gives registers back, consumers take them (setmaxnreg; the kernel starts at the launch-bounds budget).

@@ -6,7 +6,6 @@ compares each variant with the reference, directly and through ``cuflash.attenti
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ class FwdSm90Spec:
     score_mod: bool = False         # softcap / ALiBi
     pingpong: bool = False          # the consumer warpgroups take turns issuing GEMMs (warp-specialized only)
     split: bool = False             # tiles whose rows fit in 64 worked by all three consumer warpgroups (SPLIT)
-    tail: bool = False              # the walk's last, mostly idle round's tiles split by key blocks over CTAs (TAIL)
 
     source = "fwd_sm90.cu"
 
@@ -52,7 +50,6 @@ class FwdSm90Spec:
         ws += f"_m{self.block_m}" if self.block_m != BLOCK_M else ""
         ws += "_persistent" if self.persistent else ""
         ws += "_split" if self.split else ""
-        ws += "_tail" if self.tail else ""
         return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
                 f"{'_mod' if self.score_mod else ''}")
 
@@ -60,7 +57,7 @@ class FwdSm90Spec:
     def template(self) -> str:
         return plan._template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
                               (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent,
-                               self.split, self.tail))
+                               self.split))
 
     def _smem_bytes(self, o_tile: bool, q_bufs: int = 1) -> int:
         """FwdSm90::SMEM_BYTES: Q tiles, K and V slots[, O], mbarriers (Q full[, empty] per Q tile, K and V full
@@ -98,11 +95,6 @@ class FwdSm90Spec:
 # ws3_n128_p_split: ws3_n128_p where a tile whose rows fit in 64 (1024 = 5 x 192 + 64 queries) is worked by all
 # three consumer warpgroups, each on every third key block, and merged in warpgroup 0 (fwd_sm90.cu SPLIT); d 64
 # without a score mod only, elsewhere that head dim's ws3_n128_p.
-# ws_n128_p_tail: ws_n128_p where the walk's last round would leave most CTAs idle (4096 tiles on 132 SMs: 4 in a
-# 32nd round), or where there are fewer tiles than SMs: those tiles split by key blocks into parts, worked by a
-# second kernel (ws_n128's grid kernel with TAIL: a CTA per part, merged by the last part of each tile to finish)
-# launched as a programmatic dependent of the persistent one, whose walk stops before them (fwd_sm90.cu TAIL,
-# plan.sm90_tail_split); d 64 without a band only, elsewhere ws_n128_p.
 # ws3_n128_p: ws3_n128 made persistent, without the overlapped tile start (fwd_sm90.cu OVERLAP is the two-warpgroup
 # kernel's) but with three Q tiles, so the producer loads the next tiles' Q during this one (d 64 only; elsewhere
 # ws_n128_p).
@@ -118,7 +110,7 @@ class FwdSm90Spec:
 # as every variant.
 VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128",
             "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2", "pingpong_n176", "ws3_n128_p",
-            "ws3_n128_p_split", "ws_n128_p_tail")
+            "ws3_n128_p_split")
 
 
 def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
@@ -132,9 +124,6 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
         return dict(warp_specialized=False, stages=2, block_n=128 if headdim <= 128 else 64)
     if variant in ("ws", "pingpong"):
         return dict(warp_specialized=True, stages=4 if headdim <= 128 else 2, pingpong=variant == "pingpong")
-    if variant == "ws_n128_p_tail":
-        options = variant_options("ws_n128_p", headdim, score_mod)
-        return dict(options, tail=True) if headdim == 64 else options
     if variant == "ws3_n128_p_split":
         options = variant_options("ws3_n128_p", headdim, score_mod)
         return dict(options, split=True) if options.get("consumers") == 3 else options
@@ -156,22 +145,13 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
 
 
 def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: bool) -> FwdSm90Spec:
-    """The specialization a variant of VARIANTS compiles for these options (no tail parts under a band)."""
-    options = variant_options(variant, headdim, score_mod)
-    if band:
-        options.pop("tail", None)
-    return FwdSm90Spec(dtype, headdim, band, score_mod=score_mod, **options)
-
-
-def tail_spec(spec: FwdSm90Spec) -> FwdSm90Spec:
-    """The kernel that works a tail variant's tail: its grid (not persistent) kernel with TAIL."""
-    return dataclasses.replace(spec, persistent=False)
+    """The specialization a variant of VARIANTS compiles for these options."""
+    return FwdSm90Spec(dtype, headdim, band, score_mod=score_mod, **variant_options(variant, headdim, score_mod))
 
 
 # FwdSm90Params (fwd_sm90.cu): four 64-byte-aligned tensor maps (q, k, v, o), the pointers o, lse, alibi,
-# cu_seqlens_q, cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales, batch, o_tma,
-# the persistent walk's chunk sizes and divisions (multiplier, shift: fast_div), the tail's split tiles and parts per
-# tile and its two scratch pointers (written by a call that splits the tail); 768 bytes.
+# cu_seqlens_q, cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales, batch,
+# o_tma, the persistent walk's chunk sizes and divisions (multiplier, shift: fast_div); 704 bytes.
 _POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")
 _I64S = ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride", "lse_head_stride",
          "alibi_batch_stride")
@@ -179,15 +159,13 @@ _INTS = ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "window_left", "windo
 _FLOATS = ("scale_log2", "mod_scale", "softcap")
 _DIVISIONS = tuple(f"by_{n}_{part}" for n in ("m_blocks", "heads", "chunk_tiles", "chunk", "chunk_last")
                    for part in ("mul", "shift"))
-_WORDS = (*_INTS, *_FLOATS, "batch", "o_tma", "chunk", "chunk_last", *_DIVISIONS, "tail_tiles", "tail_splits")
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "v", "o_map", *_POINTER_NAMES, *_I64S, *_WORDS, "tail_part", "tail_count"],
+    "names": ["q", "k", "v", "o_map", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, "batch", "o_tma", "chunk",
+              "chunk_last", *_DIVISIONS],
     "formats": (["V128"] * 4 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3 + [np.int32] * 4
-                + [np.uint32] * len(_DIVISIONS) + [np.int32] * 2 + [np.uint64] * 2),
-    "offsets": ([0, 128, 256, 384] + [512 + 8 * i for i in range(11)] + [600 + 4 * i for i in range(len(_WORDS))]
-                + [704, 712]),
-    "itemsize": 768})
-_TAIL_POINTERS = struct.Struct("2Q")  # tail_part, tail_count at PARAMS_DTYPE's offset 704
+                + [np.uint32] * len(_DIVISIONS)),
+    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(11)] + [600 + 4 * i for i in range(15 + 10)],
+    "itemsize": 704})
 
 
 def fast_div(d: int) -> tuple:
@@ -214,34 +192,13 @@ def _set_walk(p, spec, m_blocks: int, ctas: int) -> None:
 def all_specs() -> list:
     """Every Hopper forward specialization (each variant, head dim, dtype, band, score mod): what the compile test
     checks and scripts/precompile.py --hopper compiles ahead of the GPU tests."""
-    specs = [variant_spec(variant, dtype, d, band, mod)
-             for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
-             for band in (False, True) for mod in (False, True)]
-    specs += [tail_spec(spec) for spec in specs if spec.tail]  # the tails' kernels
-    return list(dict.fromkeys(specs))  # in order, without repeats (the _n128 variants at d = 256 are the 64-key ones)
+    return list(dict.fromkeys(  # in order, without repeats (the _n128 variants at d = 256 are the 64-key ones)
+        variant_spec(variant, dtype, d, band, mod)
+        for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
+        for band in (False, True) for mod in (False, True)))
 
 
 _POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the four maps (offset 512)
-TAIL_COUNTER_BYTES = 4096  # one int32 counter per split tile (fewer than the SMs), then the parts' words
-_tail_buffers: dict = {}  # (device id, stream pointer) -> the tail's counters (zeros) and parts, for calls on it
-_tail_retired: list = []  # outgrown buffers, kept: a kernel still queued may use one
-
-
-def _tail_scratch(device_id: int, stream: int, nbytes: int) -> int:
-    """The tail's scratch for a call on this stream (TAIL_COUNTER_BYTES of int32 counters, then the parts' words):
-    zeroed once where allocated, on the stream; the kernel leaves its counters at zero for the next call. Calls on
-    other streams, which may run at the same time, get their own."""
-    import cupy
-    buf = _tail_buffers.get((device_id, stream))
-    if buf is None or buf.size < nbytes:
-        if buf is not None:
-            _tail_retired.append(buf)
-        with cupy.cuda.Device(device_id):
-            buf = cupy.empty(max(nbytes, 2 * (buf.size if buf is not None else 0)), dtype=np.uint8)
-            cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, TAIL_COUNTER_BYTES, stream)
-        _tail_buffers[device_id, stream] = buf
-    return buf.data.ptr
-
 
 
 class ForwardCall:
@@ -250,21 +207,17 @@ class ForwardCall:
     tensor maps embed q, k, v and o's addresses, so a call encodes them (cached per pointer by cuflash.tma) into the
     head of the struct."""
 
-    __slots__ = ("kernel_call", "maps", "spec", "tail")
+    __slots__ = ("kernel_call", "maps", "spec")
 
-    def __init__(self, kernel_call: KernelCall, maps: tuple, spec: FwdSm90Spec, tail: tuple = None):
+    def __init__(self, kernel_call: KernelCall, maps: tuple, spec: FwdSm90Spec):
         self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
-        self.tail = tail  # (device id, scratch bytes) where the tail is split (TAIL), else None
 
     def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
                  cu_seqlens_k: int = 0) -> None:
         q_map, k_map, v_map, o_map = self.maps
-        head = q_map(q) + k_map(k) + v_map(v) + o_map(o) + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k)
-        if self.tail:  # the scratch of calls on this stream
-            count = _tail_scratch(self.tail[0], stream, self.tail[1])
-            self.kernel_call.launch_head(stream, head, (704, _TAIL_POINTERS.pack(count + TAIL_COUNTER_BYTES, count)))
-        else:
-            self.kernel_call.launch_head(stream, head)
+        self.kernel_call.launch_head(
+            stream,
+            q_map(q) + k_map(k) + v_map(v) + o_map(o) + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k))
 
 
 def _map_layout(x, rows_box: int) -> tuple:
@@ -306,26 +259,11 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     p["batch"] = b
     p["o_tma"] = plan.SM90_EPILOGUE["tma_store"][problem.headdim]
     tiles = (math.ceil(sq / spec.block_m), h, b)
-    sms = build.sm_count(device_id)
-    if spec.tail:
-        p["tail_tiles"], p["tail_splits"] = plan.sm90_tail_split(math.prod(tiles), sms,
-                                                                 math.ceil(problem.seqlen_k / spec.block_n))
-    split, parts = int(p["tail_tiles"]), int(p["tail_splits"])
-    walk = math.prod(tiles) - split  # the persistent kernel's tiles
-    grid = plan.check_grid((min(walk, sms), 1, 1) if spec.persistent else tiles) if walk else None
-    _set_walk(p, spec, tiles[0], grid[0] if grid else sms)
-    launches = [(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)] if grid else []
-    tail = None
-    if split:  # the tail's kernel, a CTA per part, free to start beside the persistent one (PDL)
-        t_spec = tail_spec(spec)
-        launches.append((build.get_kernel(t_spec, device_id), plan.check_grid((split * parts, 1, 1)),
-                         (t_spec.threads,), t_spec.smem_bytes,
-                         bool(launches) and plan.pdl_applies(build.device_arch(device_id))))
-        words = (spec.headdim // 64 * 8 + 1) * 128 * spec.consumers * 16  # FwdSm90::TAIL_WORDS per part
-        tail = (device_id, TAIL_COUNTER_BYTES + split * parts * words)
-    call = KernelCall(launches, p, ())
+    grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)
+    _set_walk(p, spec, tiles[0], grid[0])
+    call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
     maps = (_encoder(q, spec.block_m), _encoder(k, spec.block_n), _encoder(v, spec.block_n), _encoder(out, 64))
-    return ForwardCall(call, maps, spec, tail)
+    return ForwardCall(call, maps, spec)
 
 
 def attention_sm90(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

@@ -75,14 +75,11 @@ class KernelCall:
             for launch in self.launches:
                 launch(stream)
 
-    def launch_head(self, stream: int, head: bytes, *patches: tuple) -> None:
+    def launch_head(self, stream: int, head: bytes) -> None:
         """Launch with the struct's first ``len(head)`` bytes replaced by ``head`` (for structs that do not start
-        with plain pointers, e.g. TMA descriptors, which embed them), and for each (offset, data) of ``patches``
-        the bytes from offset on by data."""
+        with plain pointers, e.g. TMA descriptors, which embed them)."""
         with self._lock:
             ctypes.memmove(self._buffer, head, len(head))
-            for offset, data in patches:
-                ctypes.memmove(ctypes.addressof(self._buffer) + offset, data, len(data))
             for launch in self.launches:
                 launch(stream)
 

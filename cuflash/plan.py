@@ -610,17 +610,12 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # tile splits, so the split is a variant of its own, up to 1k keys.
 # Session 24 (calls 7-8, docs/bench/fwd_session24.txt): d = 128 causal 8k pingpong_n128_p_s2 585.1-647.2 / 603.5
 # against the grid pingpong_n128's 564.7-570.8 / 593.7 (three rounds, then two, in two calls); at 16k it lost (465.5
-# / 476.0 against 607.9 / 621.1), so the table reaches 8192 keys for that entry only. Session 25 (call 1,
-# docs/bench/fwd_session25.txt; three rounds, the entry against the grid kernel at every length): causal 4k / 8k /
-# 16k 634.0 / 596.2 / 613.8 against 590.5 / 582.5 / 620.5.
-# Session 25 (call 7): ws_n128_p_tail at d = 64 non-causal up to 512 keys (the last round's 4 tiles of 4096 in 4
-# parts each, worked by the tail's kernel beside the persistent one, fwd_sm90.cu TAIL) against ws_n128_p: see
-# docs/bench/fwd_session25.txt.
+# / 476.0 against 607.9 / 621.1), so the table reaches 8192 keys for that entry only.
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
 SM90_SHORT_SEQLEN = 8192
-SM90_SHORT_VARIANTS = {(64, False, 512): "ws_n128_p_tail", (64, False, 1024): "ws3_n128_p_split",
+SM90_SHORT_VARIANTS = {(64, False, 512): "ws_n128_p", (64, False, 1024): "ws3_n128_p_split",
                        (64, False, 4096): "ws3_n128_p", (64, True, 2048): "ws_n128_p", (64, True, 4096): "ws3_n128_p",
                        (128, False, 2048): "pingpong_n128_p_s2", (128, True, 8192): "pingpong_n128_p_s2"}
 
@@ -678,20 +673,6 @@ def sm90_walk_chunk(ctas: int, seqlen_k: int, headdim: int, heads_per_kv: int) -
         return 1
     pair_bytes = 2 * seqlen_k * headdim * 2 / heads_per_kv
     return next((c for c in range(ctas, 0, -1) if ctas % c == 0 and c * pair_bytes <= SM90_WALK["l2_bytes"]), 1)
-
-
-# CUFLASH_SM90_TAIL=0: the tail variants split nothing (their persistent kernel walks every tile), for measuring.
-SM90_TAIL = {"enabled": os.environ.get("CUFLASH_SM90_TAIL", "1") == "1"}
-
-
-def sm90_tail_split(tiles: int, sms: int, key_blocks: int) -> tuple:
-    """(split tiles, parts per tile) of the persistent forward's tail (fwd_sm90.cu TAIL; the variant ws_n128_p_tail):
-    the tiles of the walk's last round, which fill fewer than all `sms` CTAs (all the tiles where there are fewer
-    than the SMs), each split by key blocks into as many parts as the idle CTAs allow; (0, 0) where no tile would get
-    two parts. 4096 tiles of 512 keys (4 key blocks) on 132 SMs: 4 tiles in 4 parts each."""
-    tail = tiles % sms if SM90_TAIL["enabled"] else 0
-    parts = min(key_blocks, sms // tail) if tail else 0
-    return (tail, parts) if parts >= 2 else (0, 0)
 
 
 SM90_FORWARD = {

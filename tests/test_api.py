@@ -412,8 +412,6 @@ def test_sm90_forward_call_params_and_maps(no_gpu_kernels, monkeypatch, variant)
     assert np.isclose(p["scale_log2"], plan.LOG2E) and np.isclose(p["mod_scale"], 0.5 / 20.0)
     assert p["softcap"] == 20.0 and p["alibi_batch_stride"] == 8
     assert hopper.PARAMS_DTYPE.fields["cu_seqlens_k"][1] + 8 == 4 * 128 + hopper._POINTERS.size  # the call's head
-    assert hopper.PARAMS_DTYPE.fields["tail_part"][1] == 704 and hopper.PARAMS_DTYPE.fields["tail_count"][1] == 712
-    assert call.tail is None and p["tail_tiles"] == p["tail_splits"] == 0
     assert p["o_tma"] == plan.SM90_EPILOGUE["tma_store"][128]
     # packed sequences: 3-D maps over the tokens, row strides as batch strides, lse (nheads, total_q)
     qp = _FakeDeviceArray(np.zeros((500, 8, 128), np.float16), 0)
@@ -442,7 +440,6 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
     every = {hopper.variant_spec(variant, dtype, d, band, mod)
              for variant in hopper.VARIANTS for d in hopper.HEADDIMS for dtype in ("fp16", "bf16")
              for band in (False, True) for mod in (False, True)}
-    every |= {hopper.tail_spec(s) for s in every if s.tail}  # the tails' kernels
     assert set(specs) == every and len(specs) == len(every)
     assert {s.block_n for s in specs} == {64, 128, 176} and all(s.block_n == 64 for s in specs if s.headdim == 256)
     assert all(s.headdim == 128 for s in specs if s.block_n == 176)
@@ -457,9 +454,9 @@ def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
     from cuflash import api, hopper, plan
     spec = hopper.variant_spec("ws3_n128", "bf16", 64, False, False)
     assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
-    assert ", 4, 3, false, true, false, false, false, false, false>" in spec.template
+    assert ", 4, 3, false, true, false, false, false, false>" in spec.template
     split = hopper.variant_spec("ws3_n128_p_split", "bf16", 64, False, False)  # the persistent kernel, split tiles
-    assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true, false>")
+    assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true>")
     assert split.smem_bytes == hopper.variant_spec("ws3_n128_p", "bf16", 64, False, False).smem_bytes + 2 * 64 * 8
     assert hopper.variant_spec("ws3_n128_p_split", "bf16", 64, False, True) == hopper.variant_spec(
         "ws_n128_p", "bf16", 64, False, True)  # a score mod: two warpgroups, no split
@@ -493,52 +490,6 @@ def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
     assert (p["seqlen_q"], p["nheads"], p["batch"]) == (40000, 4, 2)
 
 
-def test_sm90_tail_split(no_gpu_kernels, monkeypatch):
-    """ws_n128_p_tail (d 64, no band): where the walk's last round holds fewer tiles than the SMs (or all tiles are
-    fewer), those tiles are split by key blocks: the struct counts the split tiles and parts, the persistent kernel
-    walks the others (no launch where none are left) and the tail's kernel (ws_n128's grid kernel with TAIL) takes a
-    CTA per part, launched as a programmatic dependent of the persistent one; the call carries the scratch
-    (counters, then 9 x 256 16-byte words per part). Elsewhere the persistent kernel alone, without a tail."""
-    from types import SimpleNamespace
-    from cuflash import api, build, hopper, plan
-    assert plan.sm90_tail_split(4096, 132, 4) == (4, 4)      # d 64 at 512 keys, 32 x 32 heads: 4 in a 32nd round
-    assert plan.sm90_tail_split(4096, 132, 2) == (4, 2)      # no more parts than key blocks
-    assert plan.sm90_tail_split(64, 132, 8) == (64, 2)       # fewer tiles than SMs: two parts each
-    assert plan.sm90_tail_split(200, 132, 8) == (0, 0)       # 68 in the last round: one part each, no split
-    assert plan.sm90_tail_split(264, 132, 8) == (0, 0) and plan.sm90_tail_split(133, 132, 1) == (0, 0)
-    spec = hopper.variant_spec("ws_n128_p_tail", "bf16", 64, False, False)
-    assert spec.tail and spec.persistent and spec.consumers == 2 and spec.template.endswith(", false, true>")
-    assert spec.smem_bytes == hopper.variant_spec("ws_n128_p", "bf16", 64, False, False).smem_bytes
-    tail = hopper.tail_spec(spec)
-    assert tail.tail and not tail.persistent and tail.smem_bytes == hopper.variant_spec(
-        "ws_n128", "bf16", 64, False, False).smem_bytes and tail in hopper.all_specs()
-    for band, d in ((True, 64), (False, 128)):  # the ws_n128_p kernel
-        assert hopper.variant_spec("ws_n128_p_tail", "bf16", d, band, False) == hopper.variant_spec(
-            "ws_n128_p", "bf16", d, band, False)
-    loaded = []
-    monkeypatch.setattr(build, "get_kernel",
-                        lambda spec, device_id: loaded.append(spec) or SimpleNamespace(kernel=SimpleNamespace(ptr=7)))
-    monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
-    monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: "ws_n128_p_tail"})
-    monkeypatch.setitem(plan.SM90_FORWARD, "short", {})
-    for (b, s, h), causal, want in (((32, 512, 32), False, (4, 4)), ((1, 512, 8), False, (32, 4)),
-                                    ((1, 100, 132), False, (0, 0)), ((32, 512, 32), True, (0, 0))):
-        loaded.clear()
-        problem = checks.Problem(b, s, s, h, h, 64, np.dtype(np.float16))
-        q = _FakeDeviceArray(np.zeros((b, s, h, 64), np.float16), 0)
-        call = api.forward_call(problem, q, q, q, api._contiguous("out", q.shape, np.float16), None, device_id=0,
-                                softmax_scale=None, causal=causal, window_size=(-1, -1), softcap=0.0,
-                                alibi_slopes=None)
-        p = np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]
-        assert (int(p["tail_tiles"]), int(p["tail_splits"])) == want, (b, s, h, causal)
-        walk, parts = -(-s // 128) * h * b - want[0], want[0] * want[1]
-        grids = ([(min(132, walk), 1, 1)] if walk else []) + ([(parts, 1, 1)] if parts else [])
-        assert [launch.grid for launch in call.kernel_call.launches] == grids
-        assert [launch.overlap for launch in call.kernel_call.launches] == [False] + [True] * (len(grids) - 1)
-        assert [x.persistent for x in loaded] == [True] * bool(walk) + [False] * bool(parts)
-        assert call.tail == ((0, hopper.TAIL_COUNTER_BYTES + parts * 9 * 256 * 16) if parts else None)
-
-
 def test_kernel_call_head_write_keeps_the_rest():
     """launch_head replaces the struct's first bytes (the Hopper kernel's tensor maps and pointers) and nothing else."""
     from cuflash import hopper
@@ -547,12 +498,11 @@ def test_kernel_call_head_write_keeps_the_rest():
     p["seqlen_q"], p["softcap"] = 123, 2.5
     call = KernelCall((), p, ())
     head = bytes(range(256)) * 1 + bytes(128) + bytes(range(128)) + hopper._POINTERS.pack(1, 2, 3, 4, 5)
-    call.launch_head(0, head, (704, hopper._TAIL_POINTERS.pack(6, 7)))  # no launches: only the struct is written
+    call.launch_head(0, head)  # no launches: only the struct is written
     got = np.frombuffer(call.params(), hopper.PARAMS_DTYPE)[0]
     assert bytes(got["q"]) + bytes(got["k"]) == bytes(range(256)) and bytes(got["v"]) == bytes(128)
     assert bytes(got["o_map"]) == bytes(range(128))
-    names = hopper._POINTER_NAMES + ("tail_part", "tail_count")
-    assert [int(got[n]) for n in names] == [1, 2, 3, 4, 5, 6, 7]
+    assert [int(got[n]) for n in ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")] == [1, 2, 3, 4, 5]
     assert got["seqlen_q"] == 123 and got["softcap"] == 2.5
 
 

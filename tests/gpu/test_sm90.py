@@ -294,44 +294,6 @@ def test_split_tail_tiles(monkeypatch, variant, sq, sk, causal, window, o_tma):
     _check_variant(q, k, v, variant, f"o_tma={o_tma}", causal=causal, window_size=window)
 
 
-TAIL = [v for v in PERSISTENT if hopper.variant_spec(v, "bf16", 64, False, False).tail]
-
-
-@pytest.mark.parametrize("o_tma", [0, 1])
-@pytest.mark.parametrize("b,sq,sk,h,hk,softcap", [
-    (2, 512, 512, 67, 67, 0.0), (1, 300, 1000, 8, 2, 0.0), (3, 700, 900, 24, 6, 0.0), (2, 600, 700, 14, 2, 5.0),
-    (1, 64, 77, 3, 1, 0.0)])
-@pytest.mark.parametrize("variant", TAIL)
-def test_tail_parts_across_ctas(monkeypatch, variant, b, sq, sk, h, hk, softcap, o_tma):
-    """The walk's last round split by key blocks, worked by the tail's kernel beside the persistent one and merged by
-    the last part of each tile to finish (fwd_sm90.cu TAIL): 536 tiles (8 in the last round, 4 parts each), 24 tiles
-    of 8 blocks in 5 uneven parts (fewer tiles than SMs: the tail's kernel alone), 432 tiles (36 in 3 parts), with
-    softcap (the score-mod kernels), 3 tiles of one block (no split). Each shape twice: the merge goes in the parts'
-    order whichever CTA is last, so the results repeat bitwise, and the counters the first call left must be zero
-    again for the second."""
-    import cupy
-    from cuflash import build
-    if cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("wgmma and TMA need compute capability 9.0")
-    monkeypatch.setitem(plan.SM90_EPILOGUE, "tma_store", dict.fromkeys((64, 128, 256), o_tma))
-    tiles, blocks = -(-sq // 128) * h * b, -(-sk // 128)
-    split = plan.sm90_tail_split(tiles, build.sm_count(cupy.cuda.Device().id), blocks)
-    assert (split[1] >= 2) == (blocks > 1), split  # the shapes above split, but for the one-block one
-    rng = np.random.default_rng(sq + sk + h)
-    q = cupy.asarray(randn(rng, (b, sq, h, 64), DTYPES["bf16"]))
-    k = cupy.asarray(randn(rng, (b, sk, hk, 64), DTYPES["bf16"]))
-    v = cupy.asarray(randn(rng, (b, sk, hk, 64), DTYPES["bf16"]))
-    _check_variant(q, k, v, variant, f"o_tma={o_tma} split={split}", softcap=softcap)
-    first = hopper.attention_sm90(q, k, v, return_lse=True, variant=variant, softcap=softcap)
-    again = hopper.attention_sm90(q, k, v, return_lse=True, variant=variant, softcap=softcap)
-    for x, y in zip(first, again):
-        assert x.get().tobytes() == y.get().tobytes(), split
-    counters = hopper._tail_buffers.get((cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr))
-    if split[0]:
-        cupy.cuda.Device().synchronize()
-        assert int(cupy.abs(counters[:hopper.TAIL_COUNTER_BYTES].view(np.int32)).max()) == 0
-
-
 @pytest.mark.parametrize("o_tma", [0, 1])
 @pytest.mark.parametrize("variant", ["pingpong_n128", "ws3_n128"] + PERSISTENT)
 def test_epilogue_through_shared_memory_or_registers(sm90_planned, monkeypatch, variant, o_tma):
