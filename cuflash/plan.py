@@ -544,8 +544,12 @@ def _variants_from_env(text: str | None, default: dict) -> dict:
 # device call (bench_attention.py --op fwd, 512-4k, two rounds, TFLOP/s): d = 128 TMA stores, 512 / 1k / 2k keys:
 # non-causal 407 / 474 / 517 -> 427 / 493 / 560, causal 226 / 344 / 454 -> 261 / 381 / 478; d = 64 mixed: non-causal
 # 373 / 407 at 1k / 2k -> 359 / 397, causal 191 / 262 at 512 / 1k -> 195 / 269. CUFLASH_SM90_O_TMA=0 or 1 sets
-# every head dim.
-SM90_O_TMA_DEFAULT = {64: 0, 128: 1, 256: 1}
+# every head dim. Session 25 (call 8, docs/bench/fwd_session25.txt; today's kernels, two rounds): d = 64 TMA stores,
+# non-causal 512 / 2k / 4k / 8k 378.6 / 473.0 / 491.0 / 512.0 -> 392.4 / 497.6 / 508.1 / 519.8, causal 8k 461.5 ->
+# 475.5, the other cells within 1%, but non-causal 1k 439.2 -> 417.1: there the split tiles run (ws3_n128_p_split),
+# which O by TMA stores turns off. So d = 64 takes TMA stores, except in the split variant, which writes O from
+# registers whatever the table says (hopper.forward_call; fwd_sm90.cu split_tile).
+SM90_O_TMA_DEFAULT = {64: 1, 128: 1, 256: 1}
 
 
 def _o_tma_from_env(text: str | None) -> dict:

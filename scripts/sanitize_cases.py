@@ -194,10 +194,9 @@ def _sm90_cases() -> list[dict]:
         cases.append(dict(name=f"sm90_{variant}_bf16_d128_many_tiles", fn="attention_sm90", dtype="bf16",
                           shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=128), opts=dict(variant=variant)))
         if hopper.variant_spec(variant, "bf16", 64, False, False).split:  # split tail tiles (1000 = 5 x 192 + 40),
-            for o_tma in (0, 1):                                          # several per CTA; unsplit with o_tma
-                cases.append(dict(name=f"sm90_{variant}_bf16_d64_split_tiles_o_tma{o_tma}", fn="attention_sm90",
-                                  dtype="bf16", shape=dict(b=2, sq=1000, sk=700, h=24, hk=6, d=64),
-                                  opts=dict(variant=variant, o_tma=o_tma)))
+            cases.append(dict(name=f"sm90_{variant}_bf16_d64_split_tiles", fn="attention_sm90",  # several per CTA
+                              dtype="bf16", shape=dict(b=2, sq=1000, sk=700, h=24, hk=6, d=64),
+                              opts=dict(variant=variant)))
     # the Hopper backward's deterministic fixed point (plan.BWD_SM90_DET "fixed": bwd_kv_bound, the int32 dQ
     # reductions, the scaled convert), d 64 (128 query rows) and 128, causal
     for d in (64, 128):

@@ -490,6 +490,25 @@ def test_sm90_three_consumer_tile(no_gpu_kernels, monkeypatch):
     assert (p["seqlen_q"], p["nheads"], p["batch"]) == (40000, 4, 2)
 
 
+def test_sm90_o_tma_per_variant(no_gpu_kernels, monkeypatch):
+    """O leaves by TMA stores where plan.SM90_EPILOGUE says so (d 64 too since session 25), except in the split
+    variant (ws3_n128_p_split), which writes it from registers: O by TMA stores would turn its split tiles off."""
+    from cuflash import api, hopper, plan
+    monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
+    monkeypatch.setitem(plan.SM90_FORWARD, "short", {})
+    problem = checks.Problem(2, 1024, 1024, 4, 4, 64, np.dtype(np.float16))
+    q = _FakeDeviceArray(np.zeros((2, 1024, 4, 64), np.float16), 0)
+    for table in (1, 0):
+        monkeypatch.setitem(plan.SM90_EPILOGUE, "tma_store", dict.fromkeys((64, 128, 256), table))
+        for variant, want in (("ws3_n128_p_split", 0), ("ws3_n128_p", table), ("ws_n128_p", table)):
+            monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant})
+            call = api.forward_call(problem, q, q, q, api._contiguous("out", q.shape, np.float16), None,
+                                    device_id=0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                    softcap=0.0, alibi_slopes=None)
+            assert call.spec.split == (variant == "ws3_n128_p_split")
+            assert np.frombuffer(call.kernel_call.params(), hopper.PARAMS_DTYPE)[0]["o_tma"] == want, variant
+
+
 def test_kernel_call_head_write_keeps_the_rest():
     """launch_head replaces the struct's first bytes (the Hopper kernel's tensor maps and pointers) and nothing else."""
     from cuflash import hopper

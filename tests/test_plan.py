@@ -295,7 +295,7 @@ def test_decode_evicts_first_only_small_reads(monkeypatch):
 
 def test_sm90_o_tma_switch():
     """CUFLASH_SM90_O_TMA sets how every head dim's Hopper forward writes O; unset, the measured table holds."""
-    assert plan._o_tma_from_env(None) == plan.SM90_O_TMA_DEFAULT == {64: 0, 128: 1, 256: 1}
+    assert plan._o_tma_from_env(None) == plan.SM90_O_TMA_DEFAULT == {64: 1, 128: 1, 256: 1}
     assert plan._o_tma_from_env("1") == {64: 1, 128: 1, 256: 1}
     assert plan._o_tma_from_env("0") == {64: 0, 128: 0, 256: 0}
     with pytest.raises(ValueError, match="CUFLASH_SM90_O_TMA"):

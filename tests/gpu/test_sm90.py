@@ -280,8 +280,8 @@ def test_split_tail_tiles(monkeypatch, variant, sq, sk, causal, window, o_tma):
     three-warpgroup persistent kernel splits by key blocks among its warpgroups and merges in warpgroup 0
     (fwd_sm90.cu SPLIT), several per CTA (72 pairs x 4-6 query blocks, the walk rotated): with 1 and 2 key blocks
     (100, 200 keys: warpgroups without a block of their own), under a window where a warpgroup's blocks can all be
-    masked for some rows. O by TMA stores (o_tma=1) turns the split off (fwd_sm90.cu split_tile): the same shapes
-    unsplit."""
+    masked for some rows. With O by TMA stores in the table (o_tma=1) too: the split variant writes O from
+    registers whatever it says (hopper.forward_call; by TMA stores fwd_sm90.cu split_tile would not split)."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
