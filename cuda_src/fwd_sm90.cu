@@ -425,9 +425,9 @@ struct FwdSm90 {
     // O += P V of the one before in flight together); a V it still holds does not stall the ring, since its next
     // block is WGS < STAGES positions on. Then split_leave and split_merge bring warpgroups 1 and 2's O, max and sum
     // to warpgroup 0.
-    // Not with O by TMA stores (p.o_tma, off at d 64 unless forced): warpgroups 1 and 2 would first wait for their
-    // last copies out of the staging tile, and with that wait compute-sanitizer's racecheck flagged the merge's
-    // accesses (partly; without it, none), which we could not explain.
+    // Not with O by TMA stores (p.o_tma, which hopper.forward_call never sets for this variant): warpgroups 1 and 2
+    // would first wait for their last copies out of the staging tile, and with that wait compute-sanitizer's
+    // racecheck flagged the merge's accesses (partly; without it, none), which we could not explain.
     __device__ __forceinline__ bool split_tile(int count) const {
         return SPLIT && !p.o_tma && count > 0 && uniform(row0 + 64 >= seqlen_q);
     }

@@ -4,7 +4,7 @@ walk ends in a mostly idle round (or has fewer tiles than SMs), as ws_n128_p, ws
 (plan.SM90_TAIL: its persistent kernel alone walks every tile) and ws_n128_p_tail. Each launch object is built
 once and launched 20 times between two CUDA events (the GPU's time, not the host's); the median of 15 such.
 
-    python3 scripts/time_tail.py
+    python3 scripts/time_tail.py       # with drafts/session25-tail-kernel.patch applied (plan.SM90_TAIL, the variant)
 """
 import cupy
 import numpy as np
