@@ -614,7 +614,9 @@ SM90_EPILOGUE = {"tma_store": _o_tma_from_env(os.environ.get("CUFLASH_SM90_O_TMA
 # tile splits, so the split is a variant of its own, up to 1k keys.
 # Session 24 (calls 7-8, docs/bench/fwd_session24.txt): d = 128 causal 8k pingpong_n128_p_s2 585.1-647.2 / 603.5
 # against the grid pingpong_n128's 564.7-570.8 / 593.7 (three rounds, then two, in two calls); at 16k it lost (465.5
-# / 476.0 against 607.9 / 621.1), so the table reaches 8192 keys for that entry only.
+# / 476.0 against 607.9 / 621.1), so the table reaches 8192 keys for that entry only. Session 25 (call 1,
+# docs/bench/fwd_session25.txt; three rounds, the entry against the grid kernel at every length): causal 4k / 8k /
+# 16k 634.0 / 596.2 / 613.8 against 590.5 / 582.5 / 620.5.
 # A head dim named in CUFLASH_SM90_VARIANTS takes that variant at every length; CUFLASH_SM90_SHORT_VARIANTS (e.g.
 # "64c:ws_n128_p,128@512:pingpong_n128_p_s2", c: causal or local, @N: up to N keys) replaces this table, for
 # measuring.
