@@ -36,6 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--headdim", type=int, default=128, help="fwd, bwd")
     p.add_argument("--causal", action="store_true", help="fwd, bwd")
     p.add_argument("--deterministic", action="store_true", help="bwd")
+    p.add_argument("--peer", action="store_true", help="fwd: SDPA's cuDNN backend too, on the same tensors")
     p.add_argument("--warmup", type=int, default=5, help="calls before profiling (the first compiles)")
     p.add_argument("--iters", type=int, default=20, help="profiled calls")
     p.add_argument("--sync-each", action="store_true", help="synchronize after every profiled call")
@@ -49,6 +50,17 @@ def _plan(describe) -> list:
         return [describe()]
     except Exception as e:  # noqa: BLE001
         return [f"plan: unavailable ({type(e).__name__}: {e})"]
+
+
+def _sdpa_cudnn(q, k, v, **kwargs):
+    """A call of SDPA's cuDNN backend on these (b, h, s, d) tensors."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return cudnn
 
 
 def setup(args):
@@ -65,13 +77,7 @@ def setup(args):
         seqlens = ba.cupy.full((b,), n, dtype=ba.cupy.int32)  # a device array: the planner bounds by capacity
         fns = {"cuflash": lambda: cf.attention_with_kvcache(qc, kc, vc, cache_seqlens=seqlens,
                                                            num_splits=args.num_splits, stream=stream)}
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        import torch.nn.functional as F
-
-        def cudnn():
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        fns["sdpa_cudnn"] = cudnn
+        fns["sdpa_cudnn"] = _sdpa_cudnn(q, k, v, enable_gqa=True)
 
         def describe():  # as api._prepare_decode: a seqlens array bounds the splits by the capacity
             pb = checks.check_kvcache(qc, kc, vc, cache_seqlens=seqlens, num_splits=args.num_splits)
@@ -94,7 +100,10 @@ def setup(args):
         return (f"plan_backward: grid {launch.grid}, slices {launch.slices}, Hopper "
                 f"kernel {plan.bwd_sm90_applies(pb, False, arch)}, portable spec {launch.spec}")
     if args.op == "fwd":
-        return _plan(describe), {"cuflash": lambda: cf.attention(qc, kc, vc, causal=args.causal, stream=stream)}
+        fns = {"cuflash": lambda: cf.attention(qc, kc, vc, causal=args.causal, stream=stream)}
+        if args.peer:  # SDPA's (b, h, s, d) view of the same storage
+            fns["sdpa_cudnn"] = _sdpa_cudnn(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=args.causal)
+        return _plan(describe), fns
     out, lse = cf.attention(qc, kc, vc, causal=args.causal, return_lse=True, stream=stream)
     return _plan(describe), {"cuflash": lambda: cf.attention_backward(
         doc, qc, kc, vc, out, lse, causal=args.causal, deterministic=args.deterministic, stream=stream)}

@@ -5,7 +5,8 @@
 #     OUT=... bash scripts/gpu_source_profile.sh
 #
 #   1. Nsight Compute's warp-state sampling per instruction (SourceCounters) on the main kernel of each case of
-#      PROFILE_CASES ("name|profile_kernels.py arguments;..."), exported as the source page's CSV (SASS)
+#      PROFILE_CASES ("name|profile_kernels.py arguments[|kernel regex, default fwd_sm90];..."; a peer's kernel with
+#      profile_kernels.py --peer and its regex), exported as the source page's CSV (SASS)
 #                                                                            -> src_<name>.csv, ncu_<name>.txt
 #   2. if AB is set: gpu_ab.sh over AB's sets, ROUNDS (3) rounds, bench_attention.py --op fwd AB_BENCH_ARGS (the
 #      short cells, cuflash alone); FWD_SOURCE_AB=1 makes the kernel file a switch (CUFLASH_FWD_SM90_SOURCE)
@@ -17,9 +18,9 @@ IFS=';' read -r -a cases <<<"${PROFILE_CASES:-\
 d64_512|--op fwd --headdim 64 --heads 32 --batch 32 --seqlen 512;\
 d128_512|--op fwd --headdim 128 --heads 16 --batch 32 --seqlen 512}"
 for case in "${cases[@]}"; do
-    IFS='|' read -r name args <<<"$case"
+    IFS='|' read -r name args regex <<<"$case"
     [ -n "$NCU_BIN" ] || { echo "no ncu"; break; }
-    timeout -k 5 "${NCU_TIMEOUT:-120}" "$NCU_BIN" -k "regex:fwd_sm90" --launch-skip 2 -c 1 \
+    timeout -k 5 "${NCU_TIMEOUT:-120}" "$NCU_BIN" -k "regex:${regex:-fwd_sm90}" --launch-skip 2 -c 1 \
         --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$OUT/rep_$name" \
         python3 benchmarks/profile_kernels.py $args --warmup 3 --iters 1 >"$OUT/ncu_$name.txt" 2>&1
     echo "ncu $name: exit $? [$((SECONDS - t0))s]"
