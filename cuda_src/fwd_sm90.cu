@@ -346,17 +346,14 @@ struct FwdSm90 {
     }
 
     // Block 0 of a tile (ring position it0): S, then its softmax, with nothing of the tile to overlap; P packed.
-    // while_s: work of the caller's (the walk's next tile) done while S computes.
-    template <class WhileS>
     __device__ __forceinline__ void first_block(const BlockRange& range, int count, int it0,
                                                 float (&s)[1][BN / 8][4], float (&alpha)[1][2],
-                                                u32 (&pa)[BN / 16][4], WhileS&& while_s) {
+                                                u32 (&pa)[BN / 16][4]) {
         sm90::mbar_wait(full_bar(slot_of(it0), 0), pass_of(it0));
         my_turn();
         sm90::wgmma_fence();
         issue_s(s, slot_of(it0));
         your_turn();
-        while_s();
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(empty_bar(slot_of(it0), 0));
         s_done(0, count);
@@ -412,12 +409,11 @@ struct FwdSm90 {
         sm90::mbar_arrive(empty_bar(slot_of(it), 1));
     }
 
-    template <class WhileS>
-    __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, int it0, WhileS&& while_s) {
+    __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, int it0) {
         float s[1][BN / 8][4], alpha[1][2];
         u32 pa[BN / 16][4];
         if (PINGPONG && wg == 1) sm90::named_arrive(1, 256);  // warpgroup 0 goes first
-        first_block(range, count, it0, s, alpha, pa, while_s);
+        first_block(range, count, it0, s, alpha, pa);
         middle_blocks(range, count, it0, s, alpha, pa);
         last_pv(pa, it0 + count - 1);
     }
@@ -638,54 +634,25 @@ struct FwdSm90 {
         }
     }
 
-    // A tile's state: its rows, sequence, mask, score mod and key-block range (locate), which adopt makes this
-    // thread's. rows: false where a packed sequence shorter than the longest has no rows in the query block.
-    struct Tile {
-        int row0, b, h, q_begin, k_begin, seqlen_q;
-        Mask<BAND> mask;
-        ScoreMod mod;
-        BlockRange range;
-        bool rows;
-    };
-
-    // Query block m_block of head `head` in sequence `batch`.
-    __device__ __forceinline__ Tile locate(int m_block, int head, int batch) const {
-        Tile t;
-        t.h = head;
-        t.b = batch;
-        t.row0 = m_block * BM;
-        const SeqInfo seq(p, batch);
-        t.rows = t.row0 < seq.seqlen_q;
-        t.q_begin = seq.q_begin;
-        t.k_begin = seq.k_begin;
-        t.seqlen_q = seq.seqlen_q;
-        t.mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
-        if (SCORE_MOD)
-            t.mod = ScoreMod{p.mod_scale, p.softcap,
-                             p.alibi != nullptr ? p.alibi[(i64)batch * p.alibi_batch_stride + head] : 0.f,
-                             seq.seqlen_k - seq.seqlen_q};
-        t.range = block_range<BM, BN, BAND>(t.mask, t.row0);
-        return t;
-    }
-
-    __device__ __forceinline__ void adopt(const Tile& t) {
-        h = t.h;
-        b = t.b;
-        h_kv = h / p.heads_per_kv;
-        row0 = t.row0;
-        q_begin = t.q_begin;
-        k_begin = t.k_begin;
-        seqlen_q = t.seqlen_q;
-        mask = t.mask;
-        if (SCORE_MOD) mod = t.mod;
-    }
-
-    // Query block m_block of head `head` in sequence `batch` as this thread's tile; false when it has no rows.
+    // Query block m_block of head `head` in sequence `batch` as this thread's tile: its rows, sequence, mask, score
+    // mod and key-block range. False when a packed sequence shorter than the longest has no rows there.
     __device__ __forceinline__ bool begin_tile(int m_block, int head, int batch, BlockRange& range) {
-        const Tile t = locate(m_block, head, batch);
-        adopt(t);
-        range = t.range;
-        return t.rows;
+        h = head;
+        b = batch;
+        h_kv = h / p.heads_per_kv;
+        row0 = m_block * BM;
+        const SeqInfo seq(p, b);
+        if (row0 >= seq.seqlen_q) return false;
+        q_begin = seq.q_begin;
+        k_begin = seq.k_begin;
+        seqlen_q = seq.seqlen_q;
+        mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
+        if (SCORE_MOD)
+            mod = ScoreMod{p.mod_scale, p.softcap,
+                           p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f,
+                           seq.seqlen_k - seq.seqlen_q};
+        range = block_range<BM, BN, BAND>(mask, row0);
+        return true;
     }
 
     __device__ __forceinline__ void zero_o() {
@@ -771,7 +738,7 @@ struct FwdSm90 {
             sm90::regs_alloc<CONSUMER_REGS>();
             if (count > 0) {
                 sm90::mbar_wait(q_full_bar(), 0);
-                consume_pipelined(range, count, 0, [] {});
+                consume_pipelined(range, count, 0);
             }
         } else if (count > 0) {
             if (tid == 0) {
@@ -816,7 +783,7 @@ struct FwdSm90 {
     // p.chunk pairs, each walked level by level (every pair's longest tile, then every pair's next one ...): with
     // p.chunk a divisor of the CTA count each round takes tiles of one length, where the pair-by-pair order left the
     // busiest CTA a whole tile above the mean (plan.sm90_walk_chunk).
-    __device__ __forceinline__ Tile tile_at(int idx, int m_blocks) const {
+    __device__ __forceinline__ bool tile_of(int idx, int m_blocks, BlockRange& range) {
         int m, pair;
         if constexpr (BAND) {
             const int chunk = p.by_chunk_tiles.div(idx), within = idx - chunk * p.chunk * m_blocks;
@@ -838,15 +805,7 @@ struct FwdSm90 {
             }
         }
         const int batch = p.by_heads.div(pair);
-        return locate(BAND ? m_blocks - 1 - m : m, pair - batch * p.nheads, batch);
-    }
-
-    // tile_at as this thread's tile; false when it has no rows.
-    __device__ __forceinline__ bool tile_of(int idx, int m_blocks, BlockRange& range) {
-        const Tile t = tile_at(idx, m_blocks);
-        adopt(t);
-        range = t.range;
-        return t.rows;
+        return begin_tile(BAND ? m_blocks - 1 - m : m, pair - batch * p.nheads, batch, range);
     }
 
     __device__ __forceinline__ TileRows rows() const { return {row0, b, h, q_begin, seqlen_q, qb}; }
@@ -859,31 +818,27 @@ struct FwdSm90 {
         qb = t.qb;
     }
 
-    // The consumers' walk of the persistent kernel: the next tile with rows from round `round` on (rows false: none
-    // left), `rows` made warp-uniform (a branch on it guards the wgmma) and, with UNIFORM_TILES, its block range.
-    // The consumers look a tile ahead: they find the next tile (its sequence, mask and key blocks: 150 instructions a
-    // warp, 7% of the consumers' warp samples at d 64 causal 512 when it ran between tiles) while a GEMM of the
-    // current one computes: in first_block, or with OVERLAP at the junction of two tiles.
-    __device__ __forceinline__ Tile next_tile(int& round, int m_blocks, int tiles) const {
-        Tile t;
-        t.rows = false;
+    // UNIFORM_TILES: `have` and the tile's block range made warp-uniform.
+    __device__ __forceinline__ static bool uniform_tile(bool have, BlockRange& range) {
+        if constexpr (!UNIFORM_TILES) return have;
+        range.n_min = sm90::warp_uniform(range.n_min);
+        range.n_max = sm90::warp_uniform(range.n_max);
+        range.full_lo = sm90::warp_uniform(range.full_lo);
+        range.full_hi = sm90::warp_uniform(range.full_hi);
+        return sm90::warp_uniform(have);
+    }
+
+    // The consumers' walk: the next tile with rows from round `round` on (begin_tile makes it this thread's).
+    __device__ __forceinline__ bool next_tile(int& round, int m_blocks, int tiles, BlockRange& range) {
         for (int idx; (idx = walk(round)) < tiles;) {
             ++round;
-            t = tile_at(idx, m_blocks);
-            if (t.rows) break;
+            if (tile_of(idx, m_blocks, range)) return true;
         }
-        if constexpr (UNIFORM_TILES) {
-            t.range.n_min = sm90::warp_uniform(t.range.n_min);
-            t.range.n_max = sm90::warp_uniform(t.range.n_max);
-            t.range.full_lo = sm90::warp_uniform(t.range.full_lo);
-            t.range.full_hi = sm90::warp_uniform(t.range.full_hi);
-        }
-        t.rows = sm90::warp_uniform(t.rows);
-        return t;
+        return false;
     }
 
     // The tile that was current (rows `done`, row statistics `done_softmax`, O in acc_o) out through the epilogue
-    // while the thread's tile state (adopt) is the next tile's.
+    // while begin_tile's state is the next tile's.
     __device__ __forceinline__ void epilogue_of(const TileRows& done, const OnlineSoftmax<1>& done_softmax) {
         const TileRows next = rows();
         const OnlineSoftmax<1> next_softmax = softmax;
@@ -898,7 +853,6 @@ struct FwdSm90 {
     // this tile's last O += P V (its Q is in the other Q tile), and its softmax runs while that P V computes; then
     // this tile's epilogue, and the next tile goes on from its second block. Without it every tile begins with an S
     // and a softmax that nothing overlaps and ends with a P V that nothing overlaps.
-    // The tile after the next is found (next_tile) while those two GEMMs compute.
     // PINGPONG: the joined issue is one turn of each warpgroup, in place of the last P V's turn and the next tile's
     // first S's; each side gives up one wait and one hand-over, so the turns stay balanced. A tile that starts on
     // its own (the first, or one after a tile that ended on its own) starts as consume_pipelined does.
@@ -906,31 +860,33 @@ struct FwdSm90 {
         float s[1][BN / 8][4], alpha[1][2];
         u32 pa[BN / 16][4];
         int it = 0, loaded = 0, round = 0;
-        bool started = false;  // the current tile's first block is done (by the tile before's end), `next` found
-        Tile tile = next_tile(round, m_blocks, tiles), next;
-        while (tile.rows) {
-            adopt(tile);
-            const int count = blocks(tile.range);
+        bool started = false;  // the current tile's first block is done (by the tile before's end)
+        BlockRange range;
+        bool have = uniform_tile(next_tile(round, m_blocks, tiles, range), range);
+        while (have) {
+            const int count = blocks(range);
             if (count == 0) {  // rows that see no key: O = 0, lse = -inf
                 reset_accumulators();
                 epilogue(false);
-                tile = next_tile(round, m_blocks, tiles);
+                have = uniform_tile(next_tile(round, m_blocks, tiles, range), range);
                 continue;
             }
             if (!started) {
                 wait_q(loaded);
                 reset_accumulators();
                 if (PINGPONG && wg == 1) sm90::named_arrive(1, 256);  // warpgroup 0 goes first
-                first_block(tile.range, count, it, s, alpha, pa, [&] { next = next_tile(round, m_blocks, tiles); });
+                first_block(range, count, it, s, alpha, pa);
             }
-            middle_blocks(tile.range, count, it, s, alpha, pa);
+            middle_blocks(range, count, it, s, alpha, pa);
             const int last = it + count - 1;
             it += count;
             ++loaded;
-            const int next_count = next.rows ? blocks(next.range) : 0;
+            const TileRows done = rows();
+            BlockRange next;
+            have = uniform_tile(next_tile(round, m_blocks, tiles, next), next);
+            const int next_count = have ? blocks(next) : 0;
             started = next_count > 0;
             if (started) {
-                const TileRows done = rows();
                 wait_q(loaded);
                 sm90::mbar_wait(full_bar(slot_of(it), 0), pass_of(it));
                 sm90::mbar_wait(full_bar(slot_of(last), 1), pass_of(last));
@@ -939,27 +895,23 @@ struct FwdSm90 {
                 issue_s(s, slot_of(it));
                 issue_pv(pa, slot_of(last));
                 your_turn();
-                const Tile after = next_tile(round, m_blocks, tiles);
                 sm90::wgmma_wait<1>();  // the next tile's S is in
                 sm90::mbar_arrive(empty_bar(slot_of(it), 0));
                 s_done(0, next_count);
                 const OnlineSoftmax<1> done_softmax = softmax;
                 softmax.reset();
-                adopt(next);
-                first_probabilities(next.range, s, alpha);
+                first_probabilities(next, s, alpha);
                 sm90::wgmma_wait<0>();  // and this tile's last P V
                 sm90::mbar_arrive(empty_bar(slot_of(last), 1));
                 epilogue_of(done, done_softmax);
                 zero_o();
 #pragma unroll
                 for (int kk = 0; kk < BN / 16; ++kk) p_fragment(s, kk, pa[kk]);
-                tile = next;
-                next = after;
             } else {
                 last_pv(pa, last);
-                epilogue(true);
-                tile = next;
+                epilogue_of(done, softmax);
             }
+            range = next;
         }
     }
 
@@ -986,27 +938,19 @@ struct FwdSm90 {
         if constexpr (OVERLAP) {
             consume_overlapped(m_blocks, tiles);
         } else {
-            int round = 0;
-            Tile next = next_tile(round, m_blocks, tiles);
-            while (next.rows) {
-                const Tile tile = next;
-                adopt(tile);
-                const int count = uniform(blocks(tile.range));
+            for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
+                BlockRange range;
+                if (!uniform(tile_of(idx, m_blocks, range))) continue;
+                const int count = uniform(blocks(range));
                 const bool split = split_tile(count);
                 if (split) row0 -= wg * 64;  // every warpgroup takes the tile's first 64 rows (row0 + wg * 64)
                 reset_accumulators();
                 if (count > 0) {
                     wait_q(loaded);
-                    if (split) {
-                        next = next_tile(round, m_blocks, tiles);
-                        consume_split(tile.range, count, it);
-                    } else {
-                        consume_pipelined(tile.range, count, it, [&] { next = next_tile(round, m_blocks, tiles); });
-                    }
+                    if (split) consume_split(range, count, it);
+                    else consume_pipelined(range, count, it);
                     it += count;
                     ++loaded;
-                } else {
-                    next = next_tile(round, m_blocks, tiles);
                 }
                 if (split && wg > 0) {
                     split_leave();
