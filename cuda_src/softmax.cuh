@@ -18,17 +18,6 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// v[0] = the max of v's N elements, by a tree of depth log2 N (a chain of fmaxf is N deep, and the softmax waits on
-// it: the row max is the first thing it needs). v is overwritten.
-template <int N>
-__device__ __forceinline__ float tree_max(float (&v)[N]) {
-#pragma unroll
-    for (int w = 1; w < N; w *= 2)
-#pragma unroll
-        for (int i = 0; i + w < N; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
-    return v[0];
-}
-
 template <int MT>
 struct OnlineSoftmax {
     float row_max[MT][2];  // running max of the scores, in the units that scale_log2 converts to log2
@@ -54,14 +43,10 @@ struct OnlineSoftmax {
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float v[2 * NT];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    v[2 * nt] = s[mt][nt][2 * h];
-                    v[2 * nt + 1] = s[mt][nt][2 * h + 1];
-                }
-                float m = tree_max(v);
+                float m = fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]);
                 if (!FIRST) m = fmaxf(row_max[mt][h], m);
+#pragma unroll
+                for (int nt = 1; nt < NT; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
                 m = quad_max(m);
                 // A fully masked row keeps max -inf; exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
                 float m_safe = (CHECK_INF && m == NEG_INF) ? 0.f : m;
