@@ -84,7 +84,15 @@ struct FwdSm90 {
     static constexpr int Q_BUFS = O_TILE && D == 64 && OFF_O + 3 * Q_BYTES + (6 + 4 * STAGES) * 8 <= LIMIT ? 3
                                   : O_TILE && OFF_O + 2 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT        ? 2
                                                                                                          : 1;
-    static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES;
+    // HANDED_TILES: the tile ring's barriers (tile_full, tile_empty per entry) after the others.
+    // HANDED_TILES (the OVERLAP kernels, below): the producer, which walks the tiles anyway, hands each tile with
+    // rows to the consumers through a ring of TILE_SLOTS entries of TILE_BYTES in shared memory at OFF_TILES (its
+    // rows, sequence, lengths and key blocks), and one entry that ends the walk, so that the consumers read four
+    // 16-byte words where they ran the walk's arithmetic themselves (about 150 instructions a warp between a tile's
+    // last block and the next tile's first GEMMs: 7% of the consumers' warp samples at d 64 causal 512).
+    static constexpr bool HANDED_TILES = PERSISTENT && Q_BUFS >= 2 && D == 64 && WGS == 2;  // = OVERLAP
+    static constexpr int TILE_SLOTS = HANDED_TILES ? 8 : 0;
+    static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES + 2 * TILE_SLOTS;
     static constexpr u32 OFF_Q2 = OFF_O + (O_TILE ? Q_BYTES : 0), OFF_BAR = OFF_Q2 + (Q_BUFS - 1) * Q_BYTES;
     // SPLIT (consume_split): a tile whose rows all lie in its first 64 is worked by all three consumer warpgroups,
     // each on every third key block, and merged by warpgroup 0: one tile in six at 1k keys (1024 = 5 x 192 + 64),
@@ -97,7 +105,10 @@ struct FwdSm90 {
     static_assert(!SPLIT || (PERSISTENT && WGS == 3 && O_TILE && D == 64 && STAGES > WGS),
                   "split tiles: the persistent kernel with three consumer warpgroups, d 64, its own O tile");
     static constexpr u32 OFF_MERGE = OFF_BAR + BARRIERS * 8, MERGE_BYTES = SPLIT ? (WGS - 1) * 64 * 8 : 0;
-    static constexpr u32 SMEM_BYTES = OFF_MERGE + MERGE_BYTES + 1024;  // + room to align to 1024
+    // HANDED_TILES' ring after the barriers (16-aligned: an even number of barriers, no merge area)
+    static constexpr u32 TILE_BYTES = 64, OFF_TILES = OFF_MERGE + MERGE_BYTES;
+    static_assert(TILE_SLOTS == 0 || OFF_TILES % 16 == 0, "the tile ring's 16-byte words are aligned");
+    static constexpr u32 SMEM_BYTES = OFF_TILES + TILE_SLOTS * TILE_BYTES + 1024;  // + room to align to 1024
     static_assert(D % 64 == 0, "whole 64-column panels");
     static_assert(BN == 64 || BN == 128 || BN == 176, "S = Q K^T is one wgmma m64n64, n128 or n176 per k16 step");
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
@@ -116,6 +127,7 @@ struct FwdSm90 {
     // session 14). Two consumer warpgroups only: with three, the next tile's S does not fit in 160 registers beside
     // P and O (200-336 bytes of spills).
     static constexpr bool OVERLAP = PERSISTENT && Q_BUFS >= 2 && D == 64 && WGS == 2;
+    static_assert(HANDED_TILES == OVERLAP, "the OVERLAP kernels take their tiles from the producer");
     static constexpr bool Q_EARLY = OVERLAP;
     // A value every lane of the warp holds, made one ptxas can see as such (sm90::warp_uniform), so that the ring
     // position and the wgmma descriptors stay on the uniform datapath: +2 to +6% at d 128 up to 4k keys. Not in the
@@ -162,6 +174,11 @@ struct FwdSm90 {
     __device__ __forceinline__ static u32 pass_of(int i) { return ((u32)i / STAGES) & 1; }
     // persistent kernel: the consumers are done with Q tile qb (all their wgmma of a tile have completed)
     __device__ __forceinline__ u32 q_empty_bar() const { return base + OFF_BAR + 8 * (Q_BUFS + 4 * STAGES + qb); }
+    // HANDED_TILES: entry `slot` of the tile ring is written (tile_full) or read by every consumer (tile_empty)
+    __device__ __forceinline__ u32 tile_full_bar(int slot) const {
+        return base + OFF_BAR + 8 * (2 * Q_BUFS + 4 * STAGES + slot);
+    }
+    __device__ __forceinline__ u32 tile_empty_bar(int slot) const { return tile_full_bar(slot) + 8 * TILE_SLOTS; }
 
     // The TMA box of 64 columns from `col`, rows `row` .. of this sequence, head `head`: a 4-D map (d, heads, seqlen,
     // batch) of a padded batch, or a 3-D one (d, heads, total) of packed sequences whose rows start at `begin`. Rows
@@ -677,6 +694,10 @@ struct FwdSm90 {
                 if (PERSISTENT) sm90::mbar_init(q_empty_bar(), THREADS - CONSUMER0);
             }
             qb = 0;
+            for (int i = 0; i < TILE_SLOTS; ++i) {
+                sm90::mbar_init(tile_full_bar(i), 1);
+                sm90::mbar_init(tile_empty_bar(i), THREADS - CONSUMER0);
+            }
             sm90::mbar_fence_init();
         }
         __syncthreads();  // the last CTA-wide barrier of the warp-specialized kernel
@@ -828,13 +849,44 @@ struct FwdSm90 {
         return sm90::warp_uniform(have);
     }
 
-    // The consumers' walk: the next tile with rows from round `round` on (begin_tile makes it this thread's).
-    __device__ __forceinline__ bool next_tile(int& round, int m_blocks, int tiles, BlockRange& range) {
-        for (int idx; (idx = walk(round)) < tiles;) {
-            ++round;
-            if (tile_of(idx, m_blocks, range)) return true;
+    // HANDED_TILES, the producer: the handed-th tile with rows of its walk (this thread's tile, begin_tile's state),
+    // or with have false the walk's end, into the tile ring once every consumer has read what that entry held last.
+    // Entry: have, row0, b, h | q_begin, k_begin, seqlen_q, seqlen_k | the block range | the ALiBi slope (SCORE_MOD).
+    __device__ __forceinline__ void hand_tile(int handed, bool have, const BlockRange& range) {
+        const int slot = handed % TILE_SLOTS;
+        if (handed >= TILE_SLOTS) sm90::mbar_wait(tile_empty_bar(slot), (handed / TILE_SLOTS - 1) & 1);
+        const u32 entry = base + OFF_TILES + slot * TILE_BYTES;
+        st_shared_i4(entry, have, row0, b, h);
+        if (have) {
+            st_shared_i4(entry + 16, q_begin, k_begin, seqlen_q, mask.seqlen_k);
+            st_shared_i4(entry + 32, range.n_min, range.n_max, range.full_lo, range.full_hi);
+            if (SCORE_MOD) st_shared(entry + 48, __float_as_uint(mod.slope));
         }
-        return false;
+        sm90::mbar_arrive(tile_full_bar(slot));  // (a release: the entry's stores are seen by whoever waits on it)
+    }
+
+    // HANDED_TILES, the consumers: the taken-th entry of the tile ring as this thread's tile (begin_tile's state);
+    // false at the walk's end.
+    __device__ __forceinline__ bool take_tile(int taken, BlockRange& range) {
+        const int slot = taken % TILE_SLOTS;
+        sm90::mbar_wait(tile_full_bar(slot), (taken / TILE_SLOTS) & 1);
+        const u32 entry = base + OFF_TILES + slot * TILE_BYTES;
+        int head[4], seq[4], blocks[4];
+        ld_shared_i4(head, entry);
+        ld_shared_i4(seq, entry + 16);
+        ld_shared_i4(blocks, entry + 32);
+        const float slope = SCORE_MOD ? __uint_as_float(ld_shared_u32(entry + 48)) : 0.f;
+        sm90::mbar_arrive(tile_empty_bar(slot));  // (a release: the loads above are done with the entry)
+        row0 = head[1];
+        b = head[2];
+        h = head[3];
+        q_begin = seq[0];
+        k_begin = seq[1];
+        seqlen_q = seq[2];
+        mask = Mask<BAND>{seq[3], seq[3] - seq[2], p.window_left, p.window_right};
+        if (SCORE_MOD) mod = ScoreMod{p.mod_scale, p.softcap, slope, seq[3] - seq[2]};
+        range = {blocks[0], blocks[1], blocks[2], blocks[3]};
+        return head[0] != 0;
     }
 
     // The tile that was current (rows `done`, row statistics `done_softmax`, O in acc_o) out through the epilogue
@@ -856,19 +908,19 @@ struct FwdSm90 {
     // PINGPONG: the joined issue is one turn of each warpgroup, in place of the last P V's turn and the next tile's
     // first S's; each side gives up one wait and one hand-over, so the turns stay balanced. A tile that starts on
     // its own (the first, or one after a tile that ended on its own) starts as consume_pipelined does.
-    __device__ __forceinline__ void consume_overlapped(int m_blocks, int tiles) {
+    __device__ __forceinline__ void consume_overlapped() {
         float s[1][BN / 8][4], alpha[1][2];
         u32 pa[BN / 16][4];
-        int it = 0, loaded = 0, round = 0;
+        int it = 0, loaded = 0, taken = 0;
         bool started = false;  // the current tile's first block is done (by the tile before's end)
         BlockRange range;
-        bool have = uniform_tile(next_tile(round, m_blocks, tiles, range), range);
+        bool have = uniform_tile(take_tile(taken++, range), range);
         while (have) {
             const int count = blocks(range);
             if (count == 0) {  // rows that see no key: O = 0, lse = -inf
                 reset_accumulators();
                 epilogue(false);
-                have = uniform_tile(next_tile(round, m_blocks, tiles, range), range);
+                have = uniform_tile(take_tile(taken++, range), range);
                 continue;
             }
             if (!started) {
@@ -883,7 +935,7 @@ struct FwdSm90 {
             ++loaded;
             const TileRows done = rows();
             BlockRange next;
-            have = uniform_tile(next_tile(round, m_blocks, tiles, next), next);
+            have = uniform_tile(take_tile(taken++, next), next);
             const int next_count = have ? blocks(next) : 0;
             started = next_count > 0;
             if (started) {
@@ -923,20 +975,23 @@ struct FwdSm90 {
         if (is_producer()) {
             sm90::regs_dealloc<24>();
             if (tid != 0) return;
+            int handed = 0;
             for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
                 BlockRange range;
                 if (!tile_of(idx, m_blocks, range)) continue;
+                if (HANDED_TILES) hand_tile(handed++, true, range);
                 const int count = blocks(range);
                 if (count == 0) continue;
                 produce(range, count, it, loaded);
                 it += count;
                 ++loaded;
             }
+            if (HANDED_TILES) hand_tile(handed, false, BlockRange{});
             return;
         }
         sm90::regs_alloc<CONSUMER_REGS>();
         if constexpr (OVERLAP) {
-            consume_overlapped(m_blocks, tiles);
+            consume_overlapped();
         } else {
             for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
                 BlockRange range;

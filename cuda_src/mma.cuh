@@ -25,6 +25,20 @@ __device__ __forceinline__ void st_shared(u32 addr, u32 value) {
     asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value));
 }
 
+// 16 bytes of ints, 4 of a word, to and from shared memory.
+__device__ __forceinline__ void st_shared_i4(u32 addr, int x, int y, int z, int w) {
+    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+__device__ __forceinline__ void ld_shared_i4(int (&x)[4], u32 addr) {
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ u32 ld_shared_u32(u32 addr) {
+    u32 x;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(x) : "r"(addr) : "memory");
+    return x;
+}
+
 // 16 and 8 bytes of floats to and from shared memory.
 __device__ __forceinline__ void st_shared_f4(u32 addr, const float (&x)[4]) {
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])

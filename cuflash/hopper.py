@@ -76,8 +76,15 @@ class FwdSm90Spec:
         return 2 if self.o_tile and self._smem_bytes(True, 2) <= 227 * 1024 else 1
 
     @property
-    def smem_bytes(self) -> int:  # (+ the split's max and sum per row of warpgroups 1 and 2)
-        return self._smem_bytes(self.o_tile, self.q_bufs) + (2 * 64 * 8 if self.split else 0)
+    def tile_slots(self) -> int:  # FwdSm90::TILE_SLOTS: the tile ring of the OVERLAP kernels (HANDED_TILES)
+        overlap = self.persistent and self.q_bufs >= 2 and self.headdim == 64 and self.consumers == 2
+        return 8 if overlap else 0
+
+    @property
+    def smem_bytes(self) -> int:  # (+ the split's max and sum per row of warpgroups 1 and 2; + the tile ring: 64
+        # bytes and two mbarriers per entry)
+        return (self._smem_bytes(self.o_tile, self.q_bufs) + (2 * 64 * 8 if self.split else 0)
+                + self.tile_slots * (64 + 2 * 8))
 
 
 # The variants: the lockstep first version; the warp-specialized one with a deeper ring (4 slots; 2 at d = 256,

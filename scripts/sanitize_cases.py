@@ -193,6 +193,11 @@ def _sm90_cases() -> list[dict]:
                                                              alibi=True)))
         cases.append(dict(name=f"sm90_{variant}_bf16_d128_many_tiles", fn="attention_sm90", dtype="bf16",
                           shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=128), opts=dict(variant=variant)))
+        if hopper.variant_spec(variant, "bf16", 64, True, False).tile_slots:
+            # the tile ring wraps (9-10 tiles a CTA); bottom-right causal leaves the first 400 rows without keys
+            cases.append(dict(name=f"sm90_{variant}_bf16_d64_causal_many_tiles", fn="attention_sm90", dtype="bf16",
+                              shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=64),
+                              opts=dict(variant=variant, causal=True)))
         if hopper.variant_spec(variant, "bf16", 64, False, False).split:  # split tail tiles (1000 = 5 x 192 + 40),
             cases.append(dict(name=f"sm90_{variant}_bf16_d64_split_tiles", fn="attention_sm90",  # several per CTA
                               dtype="bf16", shape=dict(b=2, sq=1000, sk=700, h=24, hk=6, d=64),
