@@ -85,13 +85,12 @@ struct FwdSm90 {
                                   : O_TILE && OFF_O + 2 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT        ? 2
                                                                                                          : 1;
     // HANDED_TILES: the tile ring's barriers (tile_full, tile_empty per entry) after the others.
-    // HANDED_TILES (the persistent kernels with two consumer warpgroups): the producer, which walks the tiles anyway, hands each tile with rows
-    // to the consumers through a ring of TILE_SLOTS entries of TILE_BYTES in shared memory at OFF_TILES (its rows,
-    // sequence, lengths and key blocks), and one entry that ends the walk, so that the consumers read three 16-byte
-    // words where they ran the walk's arithmetic themselves (about 150 instructions a warp between a tile's last
-    // block and the next tile's first GEMMs: 7% of the consumers' warp samples at d 64 causal 512). Not with three
-    // consumer warpgroups, whose 160 registers then spill (36-236 bytes).
-    static constexpr bool HANDED_TILES = PERSISTENT && WGS == 2;
+    // HANDED_TILES (the OVERLAP kernels, below): the producer, which walks the tiles anyway, hands each tile with
+    // rows to the consumers through a ring of TILE_SLOTS entries of TILE_BYTES in shared memory at OFF_TILES (its
+    // rows, sequence, lengths and key blocks), and one entry that ends the walk, so that the consumers read four
+    // 16-byte words where they ran the walk's arithmetic themselves (about 150 instructions a warp between a tile's
+    // last block and the next tile's first GEMMs: 7% of the consumers' warp samples at d 64 causal 512).
+    static constexpr bool HANDED_TILES = PERSISTENT && Q_BUFS >= 2 && D == 64 && WGS == 2;  // = OVERLAP
     static constexpr int TILE_SLOTS = HANDED_TILES ? 8 : 0;
     static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES + 2 * TILE_SLOTS;
     static constexpr u32 OFF_Q2 = OFF_O + (O_TILE ? Q_BYTES : 0), OFF_BAR = OFF_Q2 + (Q_BUFS - 1) * Q_BYTES;
@@ -128,6 +127,7 @@ struct FwdSm90 {
     // session 14). Two consumer warpgroups only: with three, the next tile's S does not fit in 160 registers beside
     // P and O (200-336 bytes of spills).
     static constexpr bool OVERLAP = PERSISTENT && Q_BUFS >= 2 && D == 64 && WGS == 2;
+    static_assert(HANDED_TILES == OVERLAP, "the OVERLAP kernels take their tiles from the producer");
     static constexpr bool Q_EARLY = OVERLAP;
     // A value every lane of the warp holds, made one ptxas can see as such (sm90::warp_uniform), so that the ring
     // position and the wgmma descriptors stay on the uniform datapath: +2 to +6% at d 128 up to 4k keys. Not in the
@@ -967,28 +967,6 @@ struct FwdSm90 {
         }
     }
 
-    // The persistent consumers without OVERLAP: the tile that is this thread's (its key blocks `range`) from ring
-    // position `it`, the loaded-th with key blocks, then its epilogue.
-    __device__ __forceinline__ void consume_tile(const BlockRange& range, int& it, int& loaded) {
-        const int count = uniform(blocks(range));
-        const bool split = split_tile(count);
-        if (split) row0 -= wg * 64;  // every warpgroup takes the tile's first 64 rows (row0 + wg * 64)
-        reset_accumulators();
-        if (count > 0) {
-            wait_q(loaded);
-            if (split) consume_split(range, count, it);
-            else consume_pipelined(range, count, it);
-            it += count;
-            ++loaded;
-        }
-        if (split && wg > 0) {
-            split_leave();
-            return;
-        }
-        if (split) split_merge();
-        epilogue(count > 0);
-    }
-
     __device__ __forceinline__ void run_persistent(char* smem) {
         start(smem);
         init_barriers();
@@ -1014,13 +992,27 @@ struct FwdSm90 {
         sm90::regs_alloc<CONSUMER_REGS>();
         if constexpr (OVERLAP) {
             consume_overlapped();
-        } else if constexpr (HANDED_TILES) {
-            int taken = 0;
-            for (BlockRange range; uniform(take_tile(taken++, range));) consume_tile(range, it, loaded);
         } else {
             for (int round = 0, idx; (idx = walk(round)) < tiles; ++round) {
                 BlockRange range;
-                if (uniform(tile_of(idx, m_blocks, range))) consume_tile(range, it, loaded);
+                if (!uniform(tile_of(idx, m_blocks, range))) continue;
+                const int count = uniform(blocks(range));
+                const bool split = split_tile(count);
+                if (split) row0 -= wg * 64;  // every warpgroup takes the tile's first 64 rows (row0 + wg * 64)
+                reset_accumulators();
+                if (count > 0) {
+                    wait_q(loaded);
+                    if (split) consume_split(range, count, it);
+                    else consume_pipelined(range, count, it);
+                    it += count;
+                    ++loaded;
+                }
+                if (split && wg > 0) {
+                    split_leave();
+                    continue;
+                }
+                if (split) split_merge();
+                epilogue(count > 0);
             }
         }
         if (O_TILE && o_issuer()) sm90::bulk_wait_read<0>();  // the last copies out of the staging tile

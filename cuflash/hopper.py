@@ -76,8 +76,9 @@ class FwdSm90Spec:
         return 2 if self.o_tile and self._smem_bytes(True, 2) <= 227 * 1024 else 1
 
     @property
-    def tile_slots(self) -> int:  # FwdSm90::TILE_SLOTS: the tile ring of the persistent kernels with two consumer
-        return 8 if self.persistent and self.consumers == 2 else 0  # warpgroups (HANDED_TILES)
+    def tile_slots(self) -> int:  # FwdSm90::TILE_SLOTS: the tile ring of the OVERLAP kernels (HANDED_TILES)
+        overlap = self.persistent and self.q_bufs >= 2 and self.headdim == 64 and self.consumers == 2
+        return 8 if overlap else 0
 
     @property
     def smem_bytes(self) -> int:  # (+ the split's max and sum per row of warpgroups 1 and 2; + the tile ring: 64
