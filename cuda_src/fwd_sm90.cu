@@ -84,12 +84,15 @@ struct FwdSm90 {
     static constexpr int Q_BUFS = O_TILE && D == 64 && OFF_O + 3 * Q_BYTES + (6 + 4 * STAGES) * 8 <= LIMIT ? 3
                                   : O_TILE && OFF_O + 2 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT        ? 2
                                                                                                          : 1;
-    // HANDED_TILES: the tile ring's barriers (tile_full, tile_empty per entry) after the others.
     // HANDED_TILES (the OVERLAP kernels, below): the producer, which walks the tiles anyway, hands each tile with
     // rows to the consumers through a ring of TILE_SLOTS entries of TILE_BYTES in shared memory at OFF_TILES (its
-    // rows, sequence, lengths and key blocks), and one entry that ends the walk, so that the consumers read four
+    // rows, sequence, lengths and key blocks), and one entry that ends the walk, so that the consumers read three
     // 16-byte words where they ran the walk's arithmetic themselves (about 150 instructions a warp between a tile's
-    // last block and the next tile's first GEMMs: 7% of the consumers' warp samples at d 64 causal 512).
+    // last block and the next tile's first GEMMs: 7% of the consumers' warp samples at d 64 causal 512). Session 26
+    // (three rounds): d 64 causal 512 / 1k / 2k 258.3 / 336.2 / 389.0 -> 272.0 / 349.0 / 397.4, non-causal 512
+    // unchanged; in the other persistent kernels with two consumer warpgroups (d 128) it lost 1-3%, and with three
+    // the ring's registers spill (drafts/session26-handed-tiles-all.patch). The ring's barriers (tile_full,
+    // tile_empty per entry) come after the others.
     static constexpr bool HANDED_TILES = PERSISTENT && Q_BUFS >= 2 && D == 64 && WGS == 2;  // = OVERLAP
     static constexpr int TILE_SLOTS = HANDED_TILES ? 8 : 0;
     static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES + 2 * TILE_SLOTS;
