@@ -3,7 +3,8 @@
 # (softmax.cuh tree_max) landed with the whole suite, every sanitizer case and the forward bench beside the peers, then
 # an A/B of the Hopper forward against HEAD's kernel files, two rounds:
 #
-#     mkdir -p cuda_src/base && git archive HEAD cuda_src | tar -x --strip-components=1 -C cuda_src/base
+#     mkdir -p cuda_src/base && git archive BASE cuda_src | tar -x --strip-components=1 -C cuda_src/base
+#     (BASE: the commit before the change, 6c2310b for this call; the untracked folder travels)
 #     OUT=... bash scripts/gpu_session26c.sh                                                     -> logs.tgz
 source scripts/device_env.sh
 FWD_SOURCE_AB=1 precompile_hopper

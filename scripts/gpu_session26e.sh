@@ -4,7 +4,8 @@
 # the peers, then an A/B of the Hopper forward against HEAD's kernel files, three rounds (ROUNDS; AB_BENCH_ARGS, the
 # A/B's cells: d 64 up to 2k keys):
 #
-#     mkdir -p cuda_src/base && git archive HEAD cuda_src | tar -x --strip-components=1 -C cuda_src/base
+#     mkdir -p cuda_src/base && git archive BASE cuda_src | tar -x --strip-components=1 -C cuda_src/base
+#     (BASE: the commit before the change, 34e94fa for this call; the untracked folder travels)
 #     OUT=... bash scripts/gpu_session26e.sh                                                     -> logs.tgz
 source scripts/device_env.sh
 FWD_SOURCE_AB=1 precompile_hopper
