@@ -852,12 +852,15 @@ struct FwdSm90 {
         return sm90::warp_uniform(have);
     }
 
+    // The tile ring's length as a divisor (1 in the kernels without one, which never call what follows).
+    static constexpr int RING = TILE_SLOTS > 0 ? TILE_SLOTS : 1;
+
     // HANDED_TILES, the producer: the handed-th tile with rows of its walk (this thread's tile, begin_tile's state),
     // or with have false the walk's end, into the tile ring once every consumer has read what that entry held last.
     // Entry: have, row0, b, h | q_begin, k_begin, seqlen_q, seqlen_k | the block range | the ALiBi slope (SCORE_MOD).
     __device__ __forceinline__ void hand_tile(int handed, bool have, const BlockRange& range) {
-        const int slot = handed % TILE_SLOTS;
-        if (handed >= TILE_SLOTS) sm90::mbar_wait(tile_empty_bar(slot), (handed / TILE_SLOTS - 1) & 1);
+        const int slot = handed % RING;
+        if (handed >= RING) sm90::mbar_wait(tile_empty_bar(slot), (handed / RING - 1) & 1);
         const u32 entry = base + OFF_TILES + slot * TILE_BYTES;
         st_shared_i4(entry, have, row0, b, h);
         if (have) {
@@ -871,8 +874,8 @@ struct FwdSm90 {
     // HANDED_TILES, the consumers: the taken-th entry of the tile ring as this thread's tile (begin_tile's state);
     // false at the walk's end.
     __device__ __forceinline__ bool take_tile(int taken, BlockRange& range) {
-        const int slot = taken % TILE_SLOTS;
-        sm90::mbar_wait(tile_full_bar(slot), (taken / TILE_SLOTS) & 1);
+        const int slot = taken % RING;
+        sm90::mbar_wait(tile_full_bar(slot), (taken / RING) & 1);
         const u32 entry = base + OFF_TILES + slot * TILE_BYTES;
         int head[4], seq[4], blocks[4];
         ld_shared_i4(head, entry);
