@@ -84,7 +84,16 @@ struct FwdSm90 {
     static constexpr int Q_BUFS = O_TILE && D == 64 && OFF_O + 3 * Q_BYTES + (6 + 4 * STAGES) * 8 <= LIMIT ? 3
                                   : O_TILE && OFF_O + 2 * Q_BYTES + (4 + 4 * STAGES) * 8 <= LIMIT        ? 2
                                                                                                          : 1;
-    // HANDED_TILES (the OVERLAP kernels, below): the producer, which walks the tiles anyway, hands each tile with
+    // The persistent kernel with more than one Q tile at d 64 starts each tile (its first S and softmax) while the
+    // last P V of the tile before computes (consume_overlapped), and hands a tile's Q back once the tile's last
+    // S = Q K^T is done (Q_EARLY), not after its epilogue, so that the producer loads a later tile's Q sooner: the
+    // overlapped step needs the next tile's Q and first K about a key block earlier. Measured at d 64 with the
+    // four-slot ring (ws_n128_p): +2 to +7% up to 2k keys; with two slots the step waited for them, -6 to -14%. At
+    // d 128 (two slots, the most that fit beside two Q tiles and the O tile) it lost 2-4% (docs/perf-notes.md,
+    // session 14). Two consumer warpgroups only: with three, the next tile's S does not fit in 160 registers beside
+    // P and O (200-336 bytes of spills).
+    static constexpr bool OVERLAP = PERSISTENT && Q_BUFS >= 2 && D == 64 && WGS == 2;
+    // HANDED_TILES (the OVERLAP kernels): the producer, which walks the tiles anyway, hands each tile with
     // rows to the consumers through a ring of TILE_SLOTS entries of TILE_BYTES in shared memory at OFF_TILES (its
     // rows, sequence, lengths and key blocks), and one entry that ends the walk, so that the consumers read three
     // 16-byte words where they ran the walk's arithmetic themselves (about 150 instructions a warp between a tile's
@@ -93,7 +102,7 @@ struct FwdSm90 {
     // unchanged; in the other persistent kernels with two consumer warpgroups (d 128) it lost 1-3%, and with three
     // the ring's registers spill (drafts/session26-handed-tiles-all.patch). The ring's barriers (tile_full,
     // tile_empty per entry) come after the others.
-    static constexpr bool HANDED_TILES = PERSISTENT && Q_BUFS >= 2 && D == 64 && WGS == 2;  // = OVERLAP
+    static constexpr bool HANDED_TILES = OVERLAP;
     static constexpr int TILE_SLOTS = HANDED_TILES ? 8 : 0;
     static constexpr int BARRIERS = Q_BUFS * (PERSISTENT ? 2 : 1) + 4 * STAGES + 2 * TILE_SLOTS;
     static constexpr u32 OFF_Q2 = OFF_O + (O_TILE ? Q_BYTES : 0), OFF_BAR = OFF_Q2 + (Q_BUFS - 1) * Q_BYTES;
@@ -121,16 +130,6 @@ struct FwdSm90 {
     static_assert(WS || !PERSISTENT, "the persistent kernel is the warp-specialized one");
     static_assert(Q_BUFS == 1 || O_TILE, "O is staged in Q's tile only with one Q tile");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
-    // The persistent kernel with more than one Q tile at d 64 starts each tile (its first S and softmax) while the
-    // last P V of the tile before computes (consume_overlapped), and hands a tile's Q back once the tile's last
-    // S = Q K^T is done (Q_EARLY), not after its epilogue, so that the producer loads a later tile's Q sooner: the
-    // overlapped step needs the next tile's Q and first K about a key block earlier. Measured at d 64 with the
-    // four-slot ring (ws_n128_p): +2 to +7% up to 2k keys; with two slots the step waited for them, -6 to -14%. At
-    // d 128 (two slots, the most that fit beside two Q tiles and the O tile) it lost 2-4% (docs/perf-notes.md,
-    // session 14). Two consumer warpgroups only: with three, the next tile's S does not fit in 160 registers beside
-    // P and O (200-336 bytes of spills).
-    static constexpr bool OVERLAP = PERSISTENT && Q_BUFS >= 2 && D == 64 && WGS == 2;
-    static_assert(HANDED_TILES == OVERLAP, "the OVERLAP kernels take their tiles from the producer");
     static constexpr bool Q_EARLY = OVERLAP;
     // A value every lane of the warp holds, made one ptxas can see as such (sm90::warp_uniform), so that the ring
     // position and the wgmma descriptors stay on the uniform datapath: +2 to +6% at d 128 up to 4k keys. Not in the
