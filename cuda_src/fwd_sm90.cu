@@ -37,7 +37,7 @@ struct FwdSm90Params {
     sm90::TmaMap q;        // (d, heads, seqlen_q, batch) padded or (d, heads, total_q) packed, box (64, 1, BM[, 1])
     sm90::TmaMap k;        // (d, heads_k, seqlen_k, batch) or (d, heads_k, total_k), box (64, 1, BN[, 1])
     sm90::TmaMap v;
-    sm90::TmaMap o_map;    // O's map as q's, box (64, 1, 64[, 1]): one warpgroup's rows of a 64-column panel
+    sm90::TmaMap o_map;    // O's map as q's, box (64, 1, 16[, 1]): one warp's rows of a 64-column panel
     u16* o;                // (batch, seqlen_q, nheads, headdim) or (total_q, nheads, headdim)
     float* lse;            // (batch, nheads, seqlen_q) or (nheads, total_q), contiguous; or nullptr
     const float* alibi;    // ALiBi slopes (nheads,) or (batch, nheads), or nullptr
@@ -444,11 +444,11 @@ struct FwdSm90 {
     // O += P V of the one before in flight together); a V it still holds does not stall the ring, since its next
     // block is WGS < STAGES positions on. Then split_leave and split_merge bring warpgroups 1 and 2's O, max and sum
     // to warpgroup 0.
-    // Not with O by TMA stores (p.o_tma, which hopper.forward_call never sets for this variant): warpgroups 1 and 2
-    // would first wait for their last copies out of the staging tile, and with that wait compute-sanitizer's
+    // The SPLIT kernel writes O from registers, whatever p.o_tma says (epilogue): with O by TMA stores warpgroups 1
+    // and 2 would first wait for their last copies out of the staging tile, and with that wait compute-sanitizer's
     // racecheck flagged the merge's accesses (partly; without it, none), which we could not explain.
     __device__ __forceinline__ bool split_tile(int count) const {
-        return SPLIT && !p.o_tma && count > 0 && uniform(row0 + 64 >= seqlen_q);
+        return SPLIT && count > 0 && uniform(row0 + 64 >= seqlen_q);
     }
 
     __device__ __forceinline__ void pass_block(int it) {
@@ -576,9 +576,9 @@ struct FwdSm90 {
     //  - from registers, a 4-byte store per pair of columns (the lockstep kernel; rows of a packed sequence's last
     //    tile, where a box would run into the next sequence; a persistent tile without key blocks when O is staged
     //    in Q's tile, which the producer may be refilling then);
-    //  - p.o_tma (warp-specialized kernels): each warpgroup writes its rows into its rows of a staging tile (the 128-
-    //    byte swizzle of the TMA boxes) and one thread stores them by TMA, one box per 64-column panel. Rows past a
-    //    padded sequence's end fall outside the map. The staging tile is the persistent kernel's own where it fits
+    //  - p.o_tma (warp-specialized kernels but SPLIT): each warp writes its 16 rows into its rows of a staging tile
+    //    (the 128-byte swizzle of the TMA boxes) and its lane 0 stores them by TMA, a box per 64-column panel. Rows
+    //    past a padded sequence's end fall outside the map. The staging tile is the persistent kernel's own where it fits
     //    (O_TILE), else Q's (this warpgroup's last S = Q K^T has completed), free again once the copies have read it.
     // In the persistent kernel every consumer thread arrives on q_empty once the tile's Q may be overwritten.
     // q_loaded: the tile had key blocks, so its Q was loaded (else Q's tile may be the next tile's).
@@ -587,7 +587,7 @@ struct FwdSm90 {
         softmax.finalize(acc_o, p.scale_log2, lse);
         const int wg_row0 = row0 + wg * 64;
         const bool arrive_q = PERSISTENT && q_loaded && !Q_EARLY;  // (Q_EARLY: handed back by s_done)
-        const bool staged = WS && p.o_tma && (q_loaded || !PERSISTENT || O_TILE) &&
+        const bool staged = WS && !SPLIT && p.o_tma && (q_loaded || !PERSISTENT || O_TILE) &&
                             (p.cu_seqlens_q == nullptr || wg_row0 + 64 <= seqlen_q);
         const bool q_free_now = arrive_q && (O_TILE || !staged);  // else after the copies have read Q's tile
         if (q_free_now) sm90::mbar_arrive(q_empty_bar());
@@ -616,21 +616,23 @@ struct FwdSm90 {
         }
     }
 
-    // The thread of each consumer warpgroup that issues its O copies (store_o_staged).
-    __device__ __forceinline__ bool o_issuer() const { return warp == 0 && lane == 0; }
+    // The thread of each consumer warp that issues its O copies (store_o_staged).
+    __device__ __forceinline__ bool o_issuer() const { return lane == 0; }
 
-    // This warpgroup's 64 rows of O into its rows of the staging tile, then out by TMA (see epilogue). Row r of a
-    // panel holds its 16-byte chunk c at chunk c ^ (r % 8) (the 128-byte swizzle): a store's 32 lanes hit 32 banks.
-    // With O_TILE the issuing thread waits for its copies to read the tile only before the next tile's rows go in
-    // (and before the kernel ends, run_persistent), so the reads overlap the next tile's work.
+    // This warp's 16 rows of O into its rows of the staging tile, then out by TMA (see epilogue), a box of 16 rows
+    // per 64-column panel issued by the warp's lane 0: no barrier across the warpgroup, whose warps reach their
+    // epilogue at different times. Row r of a panel holds its 16-byte chunk c at chunk c ^ (r % 8) (the 128-byte
+    // swizzle; a warp's rows start at a multiple of 8 rows, 1024 bytes): a store's 32 lanes hit 32 banks. With
+    // O_TILE the issuing lane waits for its copies to read the tile only before the next tile's rows go in (and
+    // before the kernel ends, run_persistent), so the reads overlap the next tile's work.
     __device__ __forceinline__ void store_o_staged(int wg_row0) {
-        const u32 tile = base + (O_TILE ? OFF_O : 0) + wg * 64 * 128;  // this warpgroup's rows of panel 0
+        const u32 rows = base + (O_TILE ? OFF_O : 0) + (wg * 64 + warp * 16) * 128;  // this warp's rows of panel 0
         if (O_TILE) {
             if (o_issuer()) sm90::bulk_wait_read<0>();
-            sm90::named_sync(3 + wg, 128);  // (named barriers 1 and 2 are the ping-pong turns)
+            __syncwarp();
         }
         // rows r and r + 8 of this thread: r % 8 = lane / 4 picks the chunk swizzle
-        const u32 row = tile + (warp * 16 + lane / 4) * 128 + 4 * (lane % 4), swz = (lane / 4) * 16;
+        const u32 row = rows + (lane / 4) * 128 + 4 * (lane % 4), swz = (lane / 4) * 16;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -640,13 +642,14 @@ struct FwdSm90 {
                     st_shared(row + hh * 1024 + pn * Q_PANEL + ((j * 16) ^ swz),
                               pack2<T>(acc_o[0][pn * 8 + j][2 * hh], acc_o[0][pn * 8 + j][2 * hh + 1]));
         sm90::fence_proxy_async();
-        sm90::named_sync(3 + wg, 128);  // the warpgroup's rows are written
+        __syncwarp();  // the warp's rows are written
         if (o_issuer()) {
+            const int row0_w = wg_row0 + warp * 16;
 #pragma unroll
             for (int pn = 0; pn < PANELS; ++pn) {
-                const u32 src = tile + pn * Q_PANEL;
-                if (p.cu_seqlens_q != nullptr) sm90::tma_store_3d(&p.o_map, pn * 64, h, q_begin + wg_row0, src);
-                else sm90::tma_store_4d(&p.o_map, pn * 64, h, wg_row0, b, src);
+                const u32 src = rows + pn * Q_PANEL;
+                if (p.cu_seqlens_q != nullptr) sm90::tma_store_3d(&p.o_map, pn * 64, h, q_begin + row0_w, src);
+                else sm90::tma_store_4d(&p.o_map, pn * 64, h, row0_w, b, src);
             }
             sm90::bulk_commit();
             if (!O_TILE) sm90::bulk_wait_read<0>();

@@ -265,12 +265,12 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
         p[name] = value
     p["batch"] = b
     # (the split variant from registers: its merge uses the staging tile, and O by TMA stores turns the split off)
-    p["o_tma"] = plan.SM90_EPILOGUE["tma_store"][problem.headdim] and not spec.split
+    p["o_tma"] = plan.SM90_EPILOGUE["tma_store"][problem.headdim]  # (the SPLIT kernel ignores it: epilogue)
     tiles = (math.ceil(sq / spec.block_m), h, b)
     grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)
     _set_walk(p, spec, tiles[0], grid[0])
     call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
-    maps = (_encoder(q, spec.block_m), _encoder(k, spec.block_n), _encoder(v, spec.block_n), _encoder(out, 64))
+    maps = (_encoder(q, spec.block_m), _encoder(k, spec.block_n), _encoder(v, spec.block_n), _encoder(out, 16))
     return ForwardCall(call, maps, spec)
 
 

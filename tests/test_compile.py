@@ -95,6 +95,23 @@ def test_hopper_forward_compiles_with_async_wgmma(d, band, variant, score_mod):
         assert notes <= (set() if spec.warp_specialized else {"C7519"}), log
 
 
+@pytest.mark.parametrize("variant", ["ws3_n128_p_split", "ws3_n128_p"])
+def test_hopper_split_kernel_writes_o_from_registers(variant):
+    """The split variant has no TMA store of O (its merge uses the staging tile: fwd_sm90.cu split_tile), whatever
+    p.o_tma says; its unsplit sibling has them (the control)."""
+    spec = hopper.variant_spec(variant, "bf16", 64, False, False)
+    nvrtc = build._nvrtc()
+    prog = nvrtc.createProgram(build.kernel_source(spec), spec.name + ".cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, spec.template)
+        nvrtc.compileProgram(prog, list(build.nvrtc_options("sm_90a")))
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert ("global.shared::cta.bulk_group" in ptx) == (not spec.split), variant
+
+
 def test_hopper_forward_shared_memory_is_the_kernels():
     """FwdSm90Spec.smem_bytes (what the launcher allocates) is FwdSm90::SMEM_BYTES (what the kernel lays out) for every
     Hopper forward specialization, so that no ring slot, staging tile, second Q tile or barrier lies past the
