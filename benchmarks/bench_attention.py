@@ -16,7 +16,13 @@ dQ as "cuflash" and deterministic=True as "cuflash_det"; the peers through autog
 timed as (fwd+bwd) - fwd), all (fwd then bwd).
 
 Timing: ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")``
-(CUDA events, L2 flushed before every timed call). TFLOP/s forward = 4*b*h*sq*sk*d,
+(CUDA events, L2 flushed before every timed call). A cell's speed depends on where its
+tensors lie in GPU memory, and the implementations do not move together, so each cell
+runs on --placements (default 3) fresh allocations of its tensors: the first as they
+come, each later one behind a pad of random size (seeded by the cell and the placement,
+so a run is reproducible) that moves every tensor's address. The reported time of every
+implementation is its median over the placements, and the ratios are those of the
+medians; --placements 1 is one allocation per cell. TFLOP/s forward = 4*b*h*sq*sk*d,
 halved when causal; backward = 2.5 x forward.
 
 Usage (from the repository root, on a GPU machine):
@@ -25,6 +31,7 @@ Usage (from the repository root, on a GPU machine):
     python3 benchmarks/bench_attention.py --op all --json out/bench.json --png out/bench.png
                                           # both; plots out/bench.png and out/bench_bwd.png
     python3 benchmarks/bench_attention.py --quick            # seqlens 1024 and 4096
+    python3 benchmarks/bench_attention.py --placements 1     # one allocation per cell, a third of the time
     python3 benchmarks/bench_attention.py --dims 128 --seqlens 2048,8192 --causal true
 
 Exit status: 0 all good; 1 some cuflash cell failed to run or failed the spot
@@ -45,6 +52,8 @@ import json
 import math
 import os
 import platform
+import random
+import statistics
 import sys
 import time
 import traceback
@@ -67,6 +76,11 @@ CHECK_TOL = 2e-2  # max |cuflash - reference| in the output, bf16/fp16
 # the error is judged relative to the reference: max|cf - ref| / max|ref| and
 # ||cf - ref||_2 / ||ref||_2, per gradient (dq, dk, dv). bf16 rounding gives ~0.5%.
 BWD_CHECK_TOL = 5e-2
+# Fresh allocations per cell; the reported time is the median over them. CUFLASH_BENCH_PLACEMENTS sets the default
+# (scripts/gpu_ab.sh: 1, its rounds being separate processes).
+PLACEMENTS = int(os.environ.get("CUFLASH_BENCH_PLACEMENTS", "3"))
+PLACEMENT_SEED = 0
+PAD_MAX_BYTES = 64 << 20  # a later placement's pad: 0 .. 64 MiB, as scripts/placement_probe.py
 
 IMPLS = ("cuflash", "flash", "cudnn", "efficient")  # the forward's table and plot order
 BWD_IMPLS = ("cuflash", "cuflash_det", "flash", "cudnn", "efficient")
@@ -114,6 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bwd-tol", type=float, default=BWD_CHECK_TOL,
                    help="backward spot-check tolerance on the relative errors "
                         f"max|cf-ref|/max|ref| and ||cf-ref||/||ref|| (default {BWD_CHECK_TOL:g})")
+    p.add_argument("--placements", type=int, default=PLACEMENTS,
+                   help=f"fresh allocations of each cell's tensors, each later one behind a pad of "
+                        f"random size; times are medians over them (default {PLACEMENTS}; 1: one "
+                        "allocation per cell)")
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     p.add_argument("--png", metavar="PATH", help="write a TFLOP/s-vs-seqlen plot")
     args = p.parse_args(argv)
@@ -121,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.seqlens = list(QUICK_SEQLENS if args.quick else DEFAULT_SEQLENS)
     if args.dims is None:
         args.dims = list(DEFAULT_DIMS)
+    if args.placements < 1:
+        p.error(f"--placements: {args.placements}, at least 1")
     args.impls = list(ALL_IMPLS) if args.impls is None else args.impls
     bad = [i for i in args.impls if i not in ALL_IMPLS]
     if bad:
@@ -245,6 +265,24 @@ def max_abs_diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max().item())
 
 
+def worst_of(values):
+    """The largest of values, None left out and nan winning (so a NaN is never hidden); None when none is left."""
+    xs = [x for x in values if x is not None]
+    return max(xs, key=lambda x: (math.isnan(x), x)) if xs else None
+
+
+def derive_ratios(row: dict) -> dict:
+    """cuflash's TFLOP/s over each peer's and, in the backward, deterministic time over atomic: from the row's
+    times, so the same after a cell and after merging its placements."""
+    for name in ("flash", "cudnn"):
+        a, p = row.get("tflops_cuflash"), row.get(f"tflops_{name}")
+        row[f"ratio_{name}"] = (a / p) if (a and p) else None
+    if row["op"] == "bwd":
+        atomic, det = row.get("ms_cuflash"), row.get("ms_cuflash_det")
+        row["ratio_det_atomic"] = (det / atomic) if (atomic and det) else None
+    return row
+
+
 # --------------------------------------------------------------------------- #
 # Operations
 # --------------------------------------------------------------------------- #
@@ -298,8 +336,8 @@ def forward_cell(cell: dict, args) -> dict:
     row = dict(op="fwd", dtype=args.dtype, d=d, causal=causal, seqlen=s, batch=b, nheads=h,
                flops=flops)
 
-    # Inputs: created once per cell, (b, s, h, d), random (never zeros: zeros flatter
-    # the matmul units and hide masking bugs).
+    # Inputs: created once per call (one placement of the cell), (b, s, h, d), random
+    # (never zeros: zeros flatter the matmul units and hide masking bugs).
     q = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
     k = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
     v = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
@@ -371,10 +409,8 @@ def forward_cell(cell: dict, args) -> dict:
         row["max_abs_diff"] = diff
         row["check_ok"] = bool(math.isfinite(diff) and diff <= args.tol)
 
-    for name in ("flash", "cudnn"):
-        a, p = row.get("tflops_cuflash"), row.get(f"tflops_{name}")
-        row[f"ratio_{name}"] = (a / p) if (a and p) else None
-    del q, k, v, qt, kt, vt, outs
+    derive_ratios(row)
+    del q, k, v, outs  # (qt, kt, vt: run_sdpa's, they go with the frame)
     return row
 
 
@@ -410,7 +446,7 @@ def backward_cell(cell: dict, args) -> dict:
     row = dict(op="bwd", dtype=args.dtype, d=d, causal=causal, seqlen=s, batch=b, nheads=h,
                flops=flops)
 
-    # Inputs and the incoming gradient: random, (b, s, h, d), created once per cell.
+    # Inputs and the incoming gradient: random, (b, s, h, d), created once per call (placement).
     q = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
     k = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
     v = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
@@ -560,13 +596,9 @@ def backward_cell(cell: dict, args) -> dict:
                     failures.append(f"{name} {g} vs SDPA {ref}: max abs {e['abs']:.3g}, "
                                     f"max abs / max|ref| {e['rel_max']:.3g}, "
                                     f"rel L2 {e['rel_l2']:.3g} (tol {args.bwd_tol:g})")
-            worst = lambda key: max(  # noqa: E731  -- nan wins, so a NaN is never hidden
-                (x[key] for x in errs.values()), key=lambda x: math.inf if math.isnan(x) else x)
             for key, field in (("abs", "max_abs_diff"), ("rel_max", "max_rel_err"),
                                ("rel_l2", "max_rel_l2_err")):
-                w = worst(key)
-                if row[field] is None or math.isnan(w) or w > row[field]:
-                    row[field] = w
+                row[field] = worst_of([row[field], *(x[key] for x in errs.values())])
         if any(n in grads for n in ("cuflash", "cuflash_det")) and row["check_ok"] is None:
             row["check_ok"] = True
     if row.get("det_repeat_identical") is False:
@@ -575,12 +607,8 @@ def backward_cell(cell: dict, args) -> dict:
         row["check_ok"] = False
         row["check_msg"] = "; ".join(failures)
 
-    for name in ("flash", "cudnn"):
-        a, p = row.get("tflops_cuflash"), row.get(f"tflops_{name}")
-        row[f"ratio_{name}"] = (a / p) if (a and p) else None
-    atomic, det = row.get("ms_cuflash"), row.get("ms_cuflash_det")
-    row["ratio_det_atomic"] = (det / atomic) if (atomic and det) else None
-    del q, k, v, dout, leaves, qt, kt, vt, dout_t, grads, ref_grads
+    derive_ratios(row)
+    del q, k, v, dout, grads, ref_grads  # (leaves, qt, kt, vt, dout_t: the closures', they go with the frame)
     return row
 
 
@@ -601,6 +629,71 @@ OPS = {
               fail_text="failing the gradient check (relative error > {bwd_tol:g}, "
                         "non-finite, or deterministic not repeatable)"),
 }
+
+
+# --------------------------------------------------------------------------- #
+# Placements: one cell on several fresh allocations of its tensors
+# --------------------------------------------------------------------------- #
+def allocate_pad(nbytes: int):
+    """nbytes of GPU memory, allocated before a placement's tensors so that their addresses move."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+
+def pad_bytes(cell: dict, placement: int) -> int:
+    """The pad's size before a cell's placement: random in 0 .. PAD_MAX_BYTES, the same in every run."""
+    return random.Random(f"{PLACEMENT_SEED} {sorted(cell.items())} {placement}").randrange(0, PAD_MAX_BYTES)
+
+
+def placed_cell(op: Op, cell: dict, args) -> dict:
+    """op.run_cell on args.placements fresh allocations: the first as they come, each later one behind a pad that
+    stays allocated while it runs. Their rows merged (merge_placements); placements 1 is one plain run_cell."""
+    rows = []
+    for i in range(args.placements):
+        if i:
+            if not context_alive():
+                break  # the placement before broke the context: keep its row and its error
+            free_memory()  # the last placement's tensors go back, so this one's are fresh
+        pad = allocate_pad(pad_bytes(cell, i)) if i else None
+        rows.append(op.run_cell(cell, args))
+        del pad
+    return merge_placements(rows, op.impls)
+
+
+def merge_placements(rows: list[dict], impls) -> dict:
+    """One row from a cell's placements: the first's, with each implementation's time the median over them (null
+    with the error of a placement where it failed), TFLOP/s and ratios from the medians, the spot check failed when
+    any placement failed it, the worst of each error over them. One placement: its row unchanged."""
+    if len(rows) == 1:
+        return rows[0]
+    row = dict(rows[0])
+    for impl in impls:
+        if not any(f"ms_{impl}" in r for r in rows):
+            continue  # not selected by --impls
+        ms = [r.get(f"ms_{impl}") for r in rows]
+        failed = next((r for r, t in zip(rows, ms) if not t), None)
+        if failed:
+            row.update({f"ms_{impl}": None, f"tflops_{impl}": None, f"error_{impl}": failed.get(f"error_{impl}")})
+        else:
+            row[f"ms_{impl}"] = statistics.median(ms)
+            row[f"tflops_{impl}"] = row["flops"] / (row[f"ms_{impl}"] * 1e-3) / 1e12
+            row[f"tflops_{impl}_placements"] = [r[f"tflops_{impl}"] for r in rows]
+    failed = next((r for r in rows if r.get("check_ok") is False), None)
+    if failed:
+        row["check_ok"] = False
+        row.update({k: failed[k] for k in ("check_msg", "check_error") if k in failed})
+    for key in ("max_abs_diff", "max_rel_err", "max_rel_l2_err"):
+        if key in row:
+            row[key] = worst_of(r.get(key) for r in rows)
+    if any(r.get("det_repeat_identical") is False for r in rows):
+        row["det_repeat_identical"] = False
+    return derive_ratios(row)
+
+
+def placements_note(args) -> str:
+    """The line that says what a reported time is."""
+    if args.placements == 1:
+        return "times: one placement (the tensors allocated once per cell)"
+    return f"times: medians over {args.placements} placements (fresh tensors behind a pad of random size)"
 
 
 # --------------------------------------------------------------------------- #
@@ -640,6 +733,7 @@ def print_table(op: Op, rows: list[dict], args) -> None:
     print(table_header(op, impls))
     for r in rows:
         print(format_row(r, op, impls))
+    print(placements_note(args))
     ratios = [(r["ratio_flash"], r) for r in rows if r.get("ratio_flash")]
     if ratios:
         worst, wr = min(ratios, key=lambda t: t[0])
@@ -747,9 +841,10 @@ def run_op(op_name: str, args) -> tuple[list[dict], bool, int]:
     rows, broken = [], False
     cells = op.grid(args)
     print(f"\n### {op.title} ({op_name}): {len(cells)} cells, impls {','.join(impls)}", flush=True)
+    print(placements_note(args), flush=True)
     for n, cell in enumerate(cells, 1):
         try:
-            row = op.run_cell(cell, args)
+            row = placed_cell(op, cell, args)
         except Exception as e:  # noqa: BLE001  -- setup failure (e.g. out of memory)
             traceback.print_exc()
             row = dict(op=op_name, dtype=args.dtype, **cell, error_cell=short_error(e))
@@ -794,7 +889,7 @@ def main(argv=None) -> int:
     if reason:
         print(f"bench_attention: skipped: {reason}", file=sys.stderr)
         return 2
-    meta = run_meta()
+    meta = dict(run_meta(), placements=args.placements)
     print(f"device {meta['device']}  torch {meta['torch_version']}  triton "
           f"{meta['triton_version']}  cupy {meta['cupy_version']}  cudnn {meta['cudnn_version']}")
     if CUFLASH_IMPORT_ERROR:

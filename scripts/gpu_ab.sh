@@ -8,7 +8,10 @@
 # per round (ROUNDS, 2), in the order A B A B ..., so that a drift of the GPU's clocks or of the host shows as a
 # difference between rounds, not between the sets                                   -> ab<AB_TAG>_<set>_<round>.txt
 # Environment: OUT, AB, BENCH, ROUNDS (2), BENCH_TIMEOUT (120), AB_TAG ("": a second A/B in the same $OUT).
+# bench_attention.py measures each cell on one allocation here (CUFLASH_BENCH_PLACEMENTS, default 1 in an A/B: every
+# round is a fresh process, whose tensors lie elsewhere anyway).
 source scripts/device_env.sh
+export CUFLASH_BENCH_PLACEMENTS=${CUFLASH_BENCH_PLACEMENTS:-1}
 IFS=';' read -r -a ab_sets <<<"${AB:?AB: switch sets, e.g. CUFLASH_X=0;CUFLASH_X=1}"
 for round in $(seq 1 "${ROUNDS:-2}"); do
     for i in "${!ab_sets[@]}"; do
