@@ -578,8 +578,9 @@ struct FwdSm90 {
     //    in Q's tile, which the producer may be refilling then);
     //  - p.o_tma (warp-specialized kernels but SPLIT): each warp writes its 16 rows into its rows of a staging tile
     //    (the 128-byte swizzle of the TMA boxes) and its lane 0 stores them by TMA, a box per 64-column panel. Rows
-    //    past a padded sequence's end fall outside the map. The staging tile is the persistent kernel's own where it fits
-    //    (O_TILE), else Q's (this warpgroup's last S = Q K^T has completed), free again once the copies have read it.
+    //    past a padded sequence's end fall outside the map. The staging tile is the persistent kernel's own where it
+    //    fits (O_TILE), else Q's (this warpgroup's last S = Q K^T has completed), free again once the copies have
+    //    read it.
     // In the persistent kernel every consumer thread arrives on q_empty once the tile's Q may be overwritten.
     // q_loaded: the tile had key blocks, so its Q was loaded (else Q's tile may be the next tile's).
     __device__ __forceinline__ void epilogue(bool q_loaded) {

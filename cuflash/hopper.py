@@ -264,7 +264,6 @@ def forward_call(problem, q, k, v, out, lse, *, device_id: int, scale: float, le
     for name, value in plan.forward_scales(scale, softcap, score_mod).items():
         p[name] = value
     p["batch"] = b
-    # (the split variant from registers: its merge uses the staging tile, and O by TMA stores turns the split off)
     p["o_tma"] = plan.SM90_EPILOGUE["tma_store"][problem.headdim]  # (the SPLIT kernel ignores it: epilogue)
     tiles = (math.ceil(sq / spec.block_m), h, b)
     grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)

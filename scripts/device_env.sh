@@ -114,7 +114,8 @@ suite_sanitize_bench() {
     [ $suite_ok = 1 ] || return 0
     sanitize_both all "${SANITIZE_TIMEOUT:-200}" -- --only "${SANITIZE_ONLY:-}"
     for op in $1; do
-        timeout -k 5 "${LANDING_BENCH_TIMEOUT:-450}" python3 benchmarks/bench_attention.py --op "$op" >"$OUT/bench_$op.txt" 2>&1
+        timeout -k 5 "${LANDING_BENCH_TIMEOUT:-450}" python3 benchmarks/bench_attention.py --op "$op" \
+            >"$OUT/bench_$op.txt" 2>&1
         echo "bench $op: exit $? [$((SECONDS - t0))s]"
         awk '/^===/{p=1} p' "$OUT/bench_$op.txt"
     done
