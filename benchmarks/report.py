@@ -15,8 +15,8 @@ one decode cell each). --save writes both into one file ({"meta", "bench", "deco
 Outputs:
 - --docs: the full table of each operation, written between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` for
   NAME in run, forward, backward, varlen, decode (a marker pair that is absent is reported and skipped);
-- --readme: the compact tables (per head dim and mask: cuflash's range and its ratios to SDPA flash and cuDNN)
-  between the same markers;
+- --readme: the compact tables between the same markers: per head dim and mask (decode: per batch) each
+  implementation's range over the sequence lengths, and cuflash's ratios to SDPA flash and cuDNN;
 - --plots DIR: forward.png, backward.png (TFLOP/s against seqlen per head dim and mask) and decode.png (TB/s of
   K/V read against the cache length per batch), with matplotlib (Agg).
 Ratios are cuflash over the peer in throughput (TFLOP/s, or the peer's time over cuflash's in decode); bold marks
@@ -180,32 +180,38 @@ def decode_table(dec: dict) -> str:
 
 
 # --------------------------------------------------------------------------- compact tables (README)
-def compact_training(rows: list[dict], unit: str, det: bool = False) -> str:
+def compact_training(rows: list[dict], det: bool = False) -> str:
+    """Per (head dim, mask): each implementation's TFLOP/s over the seqlens (lo-hi) and cuflash's ratios."""
     body = []
     for d, causal in sorted({(r["d"], bool(r["causal"])) for r in rows}):
         sub = [r for r in rows if r["d"] == d and bool(r["causal"]) == causal]
-        cells = [str(d), yes_no(causal), span(r.get("tflops_cuflash") for r in sub),
-                 span((r.get("ratio_flash") for r in sub), ".3f", bold=True),
-                 span((r.get("ratio_cudnn") for r in sub), ".3f", bold=True)]
+        cells = [str(d), yes_no(causal), span(r.get("tflops_cuflash") for r in sub)]
+        if det:
+            cells.append(span(r.get("tflops_cuflash_det") for r in sub))
+        cells += [span(r.get("tflops_flash") for r in sub), span(r.get("tflops_cudnn") for r in sub),
+                  span((r.get("ratio_flash") for r in sub), ".3f", bold=True),
+                  span((r.get("ratio_cudnn") for r in sub), ".3f", bold=True)]
         if det:
             cells.append(span((r.get("ratio_det_atomic") for r in sub), ".3f"))
         body.append(cells)
-    seqlens = sorted({r["seqlen"] for r in rows})
-    header = ["d", "causal", f"cuflash {unit} (seqlen {seqlens[0]}-{seqlens[-1]})", "x SDPA flash", "x cuDNN"]
-    return table(header + (["det/atomic time"] if det else []), "rl" + "r" * (len(header) - 2 + det), body)
+    header = ["d", "causal", "cuflash"] + (["cuflash det"] if det else []) + ["SDPA flash", "cuDNN", "x SDPA flash",
+                                                                          "x cuDNN"]
+    header += ["det/atomic time"] if det else []
+    return table(header, "rl" + "r" * (len(header) - 2), body)
 
 
 def compact_decode(dec: dict) -> str:
+    """Per batch: each implementation's microseconds over the cache lengths (lo-hi) and cuflash's ratios."""
     body = []
     rows = dec["rows"]
     for b in sorted({r["batch"] for r in rows}):
         sub = [r for r in rows if r["batch"] == b]
-        body.append([str(b), span((r.get("cuflash_us") for r in sub)), span((r.get("cuflash_tbs") for r in sub), ".2f"),
+        body.append([str(b), span(r.get("cuflash_us") for r in sub), span((r.get("cuflash_tbs") for r in sub), ".2f"),
+                     span(r.get("flash_us") for r in sub), span(r.get("cudnn_us") for r in sub),
                      span((decode_ratio(r, "flash") for r in sub), ".3f", bold=True),
                      span((decode_ratio(r, "cudnn") for r in sub), ".3f", bold=True)])
-    lengths = sorted({r["len"] for r in rows})
-    return table(["batch", f"cuflash us ({keys_text(lengths[0])}-{keys_text(lengths[-1])} keys)", "TB/s",
-                  "x SDPA flash", "x cuDNN"], "rrrrr", body)
+    return table(["batch", "cuflash us", "TB/s", "SDPA flash us", "cuDNN us", "x SDPA flash", "x cuDNN"], "rrrrrrr",
+                 body)
 
 
 # --------------------------------------------------------------------------- assembling
@@ -214,9 +220,9 @@ def sections(data: dict, compact: bool) -> dict:
     out = {"run": run_text(data)}
     fwd, bwd, var = rows_of(data, "fwd"), rows_of(data, "bwd"), rows_of(data, "varlen")
     if fwd:
-        out["forward"] = compact_training(fwd, "TFLOP/s") if compact else forward_table(fwd)
+        out["forward"] = compact_training(fwd) if compact else forward_table(fwd)
     if bwd:
-        out["backward"] = compact_training(bwd, "TFLOP/s", det=True) if compact else backward_table(bwd)
+        out["backward"] = compact_training(bwd, det=True) if compact else backward_table(bwd)
     if var and not compact:
         out["varlen"] = varlen_table(var)
     if data.get("decode") and data["decode"].get("rows"):

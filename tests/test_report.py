@@ -63,7 +63,7 @@ def test_tables_between_markers(run_files):
     assert "boom" not in doc  # a cell that failed to run has no row
     readme = (t / "README.md").read_text()
     assert readme.startswith("intro\n<!-- bench:forward -->\n| d | causal |") and readme.endswith("end\n")
-    assert "| 64 | no | 400.0-450.0 | 1.538-1.607 | **0.978-1.026** |" in readme
+    assert "| 64 | no | 400.0-450.0 | 260.0-280.0 | 390.0-460.0 | 1.538-1.607 | **0.978-1.026** |" in readme
 
     # the saved run gives the same tables; a second rewrite replaces the first in place
     assert report.main(["--results", str(t / "results.json"), "--docs", str(t / "docs.md")]) == 0
