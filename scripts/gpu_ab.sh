@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# An A/B of environment switches on one benchmark, rounds interleaved, in one device call from the repository root:
+# An A/B of two or more switch sets (environment variables, or whole packages through PYTHONPATH) on one benchmark,
+# rounds interleaved, in one device run from the repository root:
 #
-#     OUT=... AB="CUFLASH_X=0;CUFLASH_X=1 CUFLASH_Y=64:a,128:b" BENCH="benchmarks/bench_attention.py --op fwd" \
+#     OUT=out AB="CUFLASH_X=0;CUFLASH_X=1" BENCH="benchmarks/bench_attention.py --op fwd" bash scripts/gpu_ab.sh
+#     OUT=out AB="PYTHONPATH=$PWD/base;PYTHONPATH=$PWD" BENCH="benchmarks/bench_attention.py --op bwd --dims 64" \
 #         bash scripts/gpu_ab.sh
+#     python3 scripts/ab_table.py out [--column cuflash_det]          # the sets side by side
 #
-# AB: switch sets split by ';', variables inside a set by spaces (a value may hold commas); each set runs BENCH once
-# per round (ROUNDS, 2), in the order A B A B ..., so that a drift of the GPU's clocks or of the host shows as a
-# difference between rounds, not between the sets                                   -> ab<AB_TAG>_<set>_<round>.txt
-# Environment: OUT, AB, BENCH, ROUNDS (2), BENCH_TIMEOUT (120), AB_TAG ("": a second A/B in the same $OUT).
+# AB: switch sets split by ';', variables inside a set by spaces (a value may hold commas). Each set runs BENCH once
+# per round (ROUNDS, 2) in the order A B A B ..., so that a drift of the GPU's clocks or of the host shows as a
+# difference between rounds, not between the sets                                   -> $OUT/ab<AB_TAG>_<set>_<round>.txt
+# A second package (a checkout of the base commit, e.g. `git worktree add base <rev>` made before the run) is one set
+# with PYTHONPATH pointing at it.
+# Environment: OUT (./out), AB, BENCH, ROUNDS (2), BENCH_TIMEOUT (120), AB_TAG ("": a second A/B in the same $OUT).
 # bench_attention.py measures each cell on one allocation here (CUFLASH_BENCH_PLACEMENTS, default 1 in an A/B: every
 # round is a fresh process, whose tensors lie elsewhere anyway).
-source scripts/device_env.sh
+set -u
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export CUFLASH_BENCH_PLACEMENTS=${CUFLASH_BENCH_PLACEMENTS:-1}
+t0=$SECONDS
 IFS=';' read -r -a ab_sets <<<"${AB:?AB: switch sets, e.g. CUFLASH_X=0;CUFLASH_X=1}"
 for round in $(seq 1 "${ROUNDS:-2}"); do
     for i in "${!ab_sets[@]}"; do

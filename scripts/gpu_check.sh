@@ -4,28 +4,31 @@
 #     bash scripts/gpu_check.sh
 #
 # Steps (each timed; each can be skipped):
-#   env        nvidia-smi and versions                         -> $OUT/env.txt
-#   tests      pytest -m gpu                  (SKIP_TESTS=1)    -> $OUT/pytest_gpu.log
+#   env        nvidia-smi and versions                                      -> $OUT/env.txt
+#   tests      the GPU suite (SKIP_TESTS=1): every kernel compiled ahead (scripts/precompile.py --hopper), then
+#              tests/gpu dealt round-robin to SHARDS pytest processes at once (default 8; the CPU reference is
+#              what takes the time); SHARDS=1 runs one `pytest -m gpu`, PER_FILE=1 one process per test file
+#              (scripts/pytest_per_file.sh)                                  -> $OUT/pytest_gpu.log
 #   sanitize   compute-sanitizer memcheck, racecheck over scripts/sanitize_cases.py
-#                                             (SKIP_SANITIZE=1) -> $OUT/memcheck.log, racecheck.log
-#   bench      benchmarks/bench_attention.py --op all: forward then backward (SKIP_BENCH=1)
-#                  -> $OUT/bench.txt (both tables), bench.json (both ops' rows, field "op"),
-#                     bench.png (forward plot), bench_bwd.png (backward plot)
-#              then benchmarks/bench_varlen.py --bwd (SKIP_VARLEN=1): its tables appended to bench.txt,
-#                  its rows (op "varlen") appended to bench.json
-# then a short summary on stdout (with both benchmark tables). Exit status 1 if any step
-# that ran failed.
+#                                                        (SKIP_SANITIZE=1)   -> $OUT/memcheck.log, racecheck.log
+#   bench      benchmarks/bench_attention.py --op all: forward then backward (SKIP_BENCH=1), then
+#              benchmarks/bench_varlen.py --bwd (SKIP_VARLEN=1, rows appended with op "varlen"), then
+#              benchmarks/bench_decode.py (SKIP_DECODE=1)
+#                                         -> $OUT/bench.txt (every table), bench.json, decode.json
+# then a short summary on stdout with the tables benchmarks/report.py makes of the two JSON files. Exit status 1
+# if any step that ran failed. The plots and the docs' tables come from those files, on any machine:
+#
+#     python3 benchmarks/report.py --bench out/bench.json --decode out/decode.json \
+#         --save docs/bench/results.json --plots docs/bench --readme README.md --docs docs/benchmarks.md
 #
 # Environment:
-#   OUT            output folder (default ./out). At most 8 files come back from the
-#                  device; this script writes 8: env.txt, pytest_gpu.log, memcheck.log,
-#                  racecheck.log, bench.txt, bench.json, bench.png, bench_bwd.png.
-#   PER_FILE=1     one pytest process per tests/gpu file (scripts/pytest_per_file.sh), totals summed
-#   PYTEST_ARGS    appended to the pytest call, e.g. PYTEST_ARGS='-k forward --hypothesis-seed=0'
+#   OUT            output folder (default ./out); the device returns at most 8 files, this script writes 7.
+#   SHARDS, PER_FILE   how the suite runs (above)
+#   PYTEST_ARGS    appended to the pytest call(s), e.g. PYTEST_ARGS='-k forward --hypothesis-seed=0'
 #   SANITIZE_ARGS  appended to sanitize_cases.py, e.g. SANITIZE_ARGS='--only fwd_'
-#   BENCH_ARGS     appended to the benchmark, e.g. BENCH_ARGS='--quick', or '--op fwd' for the
+#   BENCH_ARGS     appended to bench_attention.py, e.g. BENCH_ARGS='--quick', or '--op fwd' for the
 #                  forward alone (the last --op wins)
-#   TESTS_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT   seconds per step (default: none);
+#   TESTS_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT   seconds per step (default: none; a shard gets TESTS_TIMEOUT);
 #                  the device kills a whole command after 600 s, so budget the steps.
 # The repository is not pip-installed there: it is imported through PYTHONPATH.
 
@@ -36,6 +39,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export PYTHONDONTWRITEBYTECODE=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX shares the GPU with torch and CuPy
 
 # Extra arguments, split like a shell line (quotes honoured): PYTEST_ARGS="-k 'fwd and not d256'".
 eval "PYTEST_EXTRA=(${PYTEST_ARGS:-})"
@@ -64,6 +68,41 @@ run_step() {
     [ "$rc" = 124 ] && echo "### $name: timed out after ${limit}s" | tee -a "$log"
     echo "### $name: exit $rc after ${dt}s"
     LAST_DT=$dt
+    return "$rc"
+}
+
+# run_sharded N: every kernel compiled ahead (16 processes), then every GPU test dealt round-robin to N pytest
+# processes that run at once, each under TESTS_TIMEOUT and compiling with one worker (a worker is a CUDA context;
+# 8 processes of 16 workers ran out of memory). Prints each shard's log, then one summary line of the counts summed.
+run_sharded() {
+    local n=$1 i ids=() tmp=${TMPDIR:-/tmp}/gpu_check_shards rc=0
+    mkdir -p "$tmp"
+    timeout -k 5 300 python3 scripts/precompile.py --hopper --workers 16 2>&1 | tail -1
+    python3 -m pytest tests -m gpu -q --collect-only -p no:cacheprovider 2>/dev/null | grep '::' >"$tmp/ids.txt"
+    echo "collected $(wc -l <"$tmp/ids.txt") GPU tests"
+    for i in $(seq 0 $((n - 1))); do
+        mapfile -t ids < <(awk -v n="$n" -v i="$i" '(NR - 1) % n == i' "$tmp/ids.txt")
+        CUFLASH_TEST_COMPILE_WORKERS=1 OMP_NUM_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 )) \
+            ${TESTS_TIMEOUT:+timeout -k 5 "$TESTS_TIMEOUT"} python3 -m pytest -q --tb=short -p no:cacheprovider \
+            ${PYTEST_EXTRA[@]+"${PYTEST_EXTRA[@]}"} "${ids[@]}" >"$tmp/shard_$i.log" 2>&1 &
+    done
+    wait
+    for i in $(seq 0 $((n - 1))); do
+        echo "### shard $i"
+        cat "$tmp/shard_$i.log"
+        grep -qE "[0-9]+ passed" "$tmp/shard_$i.log" || rc=1
+        grep -qE "[0-9]+ (failed|errors?)\b" "$tmp/shard_$i.log" && rc=1
+    done
+    python3 - "$tmp"/shard_*.log <<'PY'
+import re, sys
+total = {}
+for path in sys.argv[1:]:
+    lines = [l for l in open(path) if re.search(r"\d+ (passed|failed|errors?|skipped)", l)]
+    for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)", lines[-1] if lines else ""):
+        word = "errors" if word == "error" else word
+        total[word] = total.get(word, 0) + int(n)
+print("all shards: " + ", ".join(f"{v} {k}" for k, v in total.items()) + f" ({len(sys.argv) - 1} shards)")
+PY
     return "$rc"
 }
 
@@ -122,12 +161,14 @@ else
         # one process per test file: an illegal address kills the CUDA context of its process only
         run_step tests "${TESTS_TIMEOUT:-}" "$OUT/pytest_gpu.log" bash scripts/pytest_per_file.sh \
             ${PYTEST_EXTRA[@]+"${PYTEST_EXTRA[@]}"}
+    elif [ "${SHARDS:-8}" -gt 1 ]; then
+        run_step tests "" "$OUT/pytest_gpu.log" run_sharded "${SHARDS:-8}"
     else
         run_step tests "${TESTS_TIMEOUT:-}" "$OUT/pytest_gpu.log" \
             python3 -m pytest tests -m gpu -q -x -p no:cacheprovider ${PYTEST_EXTRA[@]+"${PYTEST_EXTRA[@]}"}
     fi
     rc=$?
-    PYTEST_SUMMARY=$(grep -E '([0-9]+ (passed|failed|error|errors|skipped|deselected|xfailed|xpassed))|no tests ran' \
+    PYTEST_SUMMARY=$(grep -E '^all (shards|files):|([0-9]+ (passed|failed|error|errors|skipped|deselected|xfailed|xpassed))|no tests ran' \
         "$OUT/pytest_gpu.log" | tail -1)
     if [ "$rc" = 0 ]; then
         record tests ok "$LAST_DT"
@@ -177,18 +218,15 @@ fi
 if [ "${SKIP_BENCH:-0}" = 1 ]; then
     record bench skipped 0
 else
-    # One process, forward then backward: one bench.txt, one bench.json; the plots are
-    # bench.png (forward) and bench_bwd.png (the benchmark adds _bwd for the second op).
+    # One process, forward then backward: one bench.txt, one bench.json (rows with field "op").
     run_step bench "${BENCH_TIMEOUT:-}" "$OUT/bench.txt" \
-        python3 benchmarks/bench_attention.py --op all \
-        --json "$OUT/bench.json" --png "$OUT/bench.png" \
+        python3 benchmarks/bench_attention.py --op all --json "$OUT/bench.json" \
         ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}
     rc=$?
     if [ "$rc" = 0 ]; then record bench ok "$LAST_DT"
     else record bench "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
 
-    # Packed variable-length sequences: no files of its own (the device returns at most 8), its log goes to the
-    # end of bench.txt and its rows into bench.json.
+    # Packed variable-length sequences: its log goes to the end of bench.txt and its rows into bench.json.
     if [ "${SKIP_VARLEN:-0}" != 1 ]; then
         run_step varlen "${BENCH_TIMEOUT:-}" "${TMPDIR:-/tmp}/bench_varlen.txt" \
             python3 benchmarks/bench_varlen.py --bwd --json "$OUT/bench.json" --append
@@ -196,6 +234,17 @@ else
         cat "${TMPDIR:-/tmp}/bench_varlen.txt" >>"$OUT/bench.txt"
         if [ "$rc" = 0 ]; then record varlen ok "$LAST_DT"
         else record varlen "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
+    fi
+
+    # Decode (attention_with_kvcache) beside SDPA flash and cuDNN: its log to bench.txt, its rows to decode.json.
+    if [ "${SKIP_DECODE:-0}" != 1 ]; then
+        run_step decode "${BENCH_TIMEOUT:-}" "${TMPDIR:-/tmp}/bench_decode.txt" \
+            python3 -W ignore::DeprecationWarning benchmarks/bench_decode.py --json "$OUT/decode.json"
+        rc=$?
+        { echo; echo "=== cuflash Decode (bf16, one new row, 32 query heads, 8 KV heads, d 128; us per call) ==="
+          cat "${TMPDIR:-/tmp}/bench_decode.txt"; } >>"$OUT/bench.txt"
+        if [ "$rc" = 0 ]; then record decode ok "$LAST_DT"
+        else record decode "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
     fi
 fi
 
@@ -211,22 +260,15 @@ for tool in memcheck racecheck; do
     echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sed 's/^=* *//' | tr '\n' ' ')"
     echo "           $(grep -E 'sanitize cases (ok|FAILED)|^skipped [0-9]+ case' "$log" | tr '\n' ' ')"
 done
-if [ -f "$OUT/bench.txt" ]; then
+if [ -f "$OUT/bench.json" ] || [ -f "$OUT/decode.json" ]; then
     echo
-    # the benchmark's tables (forward, backward): each from its '=== ' heading to the next
-    # blank line; then its per-cell FAIL lines and notes
-    if grep -q '^=== ' "$OUT/bench.txt"; then
-        awk '/^=== /{p=1} /^$/{if (p) print ""; p=0} p' "$OUT/bench.txt"
-        grep -E '^!!! FAIL|^CUDA context is broken|^cuflash: (import failed|no attention_backward)' \
-            "$OUT/bench.txt" | head -20
-        if grep -q '^### Backward' "$OUT/bench.txt" && ! grep -q '^=== cuflash Backward' "$OUT/bench.txt"; then
-            echo "bench: the backward did not finish (last lines):"
-            tail -3 "$OUT/bench.txt"
-        fi
-    else
-        echo "bench (no table; last lines):"
-        tail -5 "$OUT/bench.txt"
-    fi
+    # the tables the docs carry, from the JSON files (benchmarks/report.py prints them without --readme/--docs)
+    python3 benchmarks/report.py --bench "$OUT/bench.json" --decode "$OUT/decode.json" 2>&1 | head -120
+    grep -E '^!!! FAIL|^CUDA context is broken|^cuflash: (import failed|no attention_backward)' \
+        "$OUT/bench.txt" 2>/dev/null | head -20
+elif [ -f "$OUT/bench.txt" ]; then
+    echo "bench (no JSON; last lines):"
+    tail -5 "$OUT/bench.txt"
 fi
 echo
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 
 
-SHORT_SEQLEN = 2048  # the head dim's own variant: from cells past it (plan.SM90_SHORT_SEQLEN to session 14)
+SHORT_SEQLEN = 2048  # the head dim's own variant: from cells past it (plan.SM90_SHORT_SEQLEN's first value)
 
 
 def geomeans(variants: dict, keep) -> tuple[dict, int]:

@@ -1,0 +1,394 @@
+#!/usr/bin/env python3
+"""The benchmark tables and plots of the docs, from the JSON files of one benchmark run.
+
+    python3 benchmarks/report.py --bench out/bench.json --decode out/decode.json \\
+        --save docs/bench/results.json --plots docs/bench --readme README.md --docs docs/benchmarks.md \\
+        [--date 2026-12-01 --commit abc1234]
+    python3 benchmarks/report.py --results docs/bench/results.json --plots docs/bench --readme README.md \\
+        --docs docs/benchmarks.md                                       # again, from the saved run
+    python3 benchmarks/report.py --bench out/bench.json --decode out/decode.json     # the tables on stdout
+
+Inputs: `benchmarks/bench_attention.py --op all --json` (a list of rows, field "op" = fwd / bwd, and "varlen" rows
+that `benchmarks/bench_varlen.py --append` adds) and `benchmarks/bench_decode.py --json` (a dict whose "rows" hold
+one decode cell each). --save writes both into one file ({"meta", "bench", "decode"}) that --results reads back.
+
+Outputs:
+- --docs: the full table of each operation, written between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` for
+  NAME in run, forward, backward, varlen, decode (a marker pair that is absent is reported and skipped);
+- --readme: the compact tables between the same markers: per head dim and mask (decode: per batch) each
+  implementation's range over the sequence lengths, and cuflash's ratios to SDPA flash and cuDNN;
+- --plots DIR: forward.png, backward.png (TFLOP/s against seqlen per head dim and mask) and decode.png (TB/s of
+  K/V read against the cache length per batch), with matplotlib (Agg).
+Ratios are cuflash over the peer in throughput (TFLOP/s, or the peer's time over cuflash's in decode); bold marks
+those below 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+OPS = ("run", "forward", "backward", "varlen", "decode")
+PEERS = ("flash", "cudnn")
+
+
+# --------------------------------------------------------------------------- loading
+def load(bench: str | None, decode: str | None, results: str | None) -> dict:
+    """{"meta": {...}, "bench": [rows], "decode": {...} or None} from the saved results or the two run files;
+    a file that is not there is left out with a note on stderr."""
+    if results:
+        data = json.loads(Path(results).read_text())
+        return dict(meta=data.get("meta", {}), bench=data.get("bench", []), decode=data.get("decode"))
+    data = dict(meta={}, bench=[], decode=None)
+    for path, key in ((bench, "bench"), (decode, "decode")):
+        if not path:
+            continue
+        if not Path(path).exists():
+            print(f"report: {path} not found; no {key} tables", file=sys.stderr)
+            continue
+        data[key] = json.loads(Path(path).read_text())
+    rows = data["bench"]
+    if rows:
+        first = rows[0]
+        for key in ("device", "dtype", "timestamp", "torch_version", "cudnn_version", "triton_version", "cupy_version",
+                    "placements"):
+            if first.get(key) is not None:
+                data["meta"][key] = first[key]
+    return data
+
+
+def rows_of(data: dict, op: str) -> list[dict]:
+    rows = [r for r in data["bench"] if r.get("op") == op and not r.get("error_cell")]
+    return sorted(rows, key=lambda r: (r.get("part", ""), r["d"], bool(r["causal"]), r.get("seqlen") or 0))
+
+
+# --------------------------------------------------------------------------- formatting
+def num(x, spec=".1f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "n/a"
+
+
+def ratio(x, spec=".3f") -> str:
+    if not isinstance(x, (int, float)):
+        return "n/a"
+    text = format(x, spec)
+    return f"**{text}**" if x < 1.0 else text
+
+
+def span(values, spec=".1f", bold=False) -> str:
+    """'lo-hi' over the values that are numbers (one value alone; n/a if none); bold lo below 1 when `bold`."""
+    xs = [x for x in values if isinstance(x, (int, float))]
+    if not xs:
+        return "n/a"
+    lo, hi = min(xs), max(xs)
+    text = format(lo, spec) if format(lo, spec) == format(hi, spec) else f"{format(lo, spec)}-{format(hi, spec)}"
+    return f"**{text}**" if bold and lo < 1.0 else text
+
+
+def yes_no(causal) -> str:
+    return "yes" if causal else "no"
+
+
+def table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
+    sep = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(sep) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def keys_text(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def decode_ratio(row: dict, peer: str):
+    us, cf = row.get(f"{peer}_us"), row.get("cuflash_us")
+    return us / cf if (us and cf) else None
+
+
+# --------------------------------------------------------------------------- full tables (docs)
+def run_text(data: dict) -> str:
+    m = data["meta"]
+    parts = [m.get("device", "GPU"), m.get("dtype", "bf16")]
+    if m.get("date") or m.get("timestamp"):
+        parts.append(str(m.get("date") or m["timestamp"][:10]))
+    if m.get("commit"):
+        parts.append(f"commit {m['commit']}")
+    versions = []
+    if m.get("torch_version"):
+        versions.append(f"torch {m['torch_version']}")
+    if m.get("cudnn_version"):
+        c = int(m["cudnn_version"])
+        versions.append(f"cuDNN {c // 10000}.{c // 100 % 100}.{c % 100}")
+    if m.get("cupy_version"):
+        versions.append(f"CuPy {m['cupy_version']}")
+    text = "Run: " + ", ".join(parts) + (f" ({', '.join(versions)})" if versions else "") + "."
+    if m.get("placements"):
+        text += f" Forward and backward times: medians over {m['placements']} placements of each cell's tensors."
+    if m.get("decode_date") or m.get("decode_commit"):  # a decode table measured in another run than the rest
+        text += " Decode: " + ", ".join(str(m[k]) if k == "decode_date" else f"commit {m[k]}"
+                                        for k in ("decode_date", "decode_commit") if m.get(k)) + "."
+    return text
+
+
+def forward_table(rows: list[dict]) -> str:
+    body = [[str(r["d"]), yes_no(r["causal"]), str(r["seqlen"]), num(r.get("tflops_cuflash")),
+             num(r.get("tflops_flash")), num(r.get("tflops_cudnn")), ratio(r.get("ratio_flash")),
+             ratio(r.get("ratio_cudnn"))] for r in rows]
+    return table(["d", "causal", "seqlen", "cuflash", "SDPA flash", "cuDNN", "cf/flash", "cf/cudnn"],
+                 "rlrrrrrr", body)
+
+
+def backward_table(rows: list[dict]) -> str:
+    body = [[str(r["d"]), yes_no(r["causal"]), str(r["seqlen"]), num(r.get("tflops_cuflash")),
+             num(r.get("tflops_cuflash_det")), num(r.get("tflops_flash")), num(r.get("tflops_cudnn")),
+             ratio(r.get("ratio_flash")), ratio(r.get("ratio_cudnn")), num(r.get("ratio_det_atomic"), ".3f")]
+            for r in rows]
+    return table(["d", "causal", "seqlen", "cuflash", "cuflash det", "SDPA flash", "cuDNN", "cf/flash", "cf/cudnn",
+                  "det/atomic time"], "rlrrrrrrrr", body)
+
+
+def varlen_table(rows: list[dict]) -> str:
+    parts = []
+    equal = [r for r in rows if r.get("part") == "equal"]
+    if equal:
+        body = [[str(r["d"]), yes_no(r["causal"]), str(r["seqlen"]), str(r.get("batch", "")),
+                 num(r.get("tflops_varlen")), num(r.get("tflops_padded")), num(r.get("ratio_padded"), ".3f")]
+                for r in equal]
+        parts.append("Equal lengths (varlen against the padded call on the same tokens), TFLOP/s:\n\n"
+                     + table(["d", "causal", "seqlen", "sequences", "varlen", "padded", "varlen/padded"],
+                             "rlrrrrr", body))
+    mixed = [r for r in rows if r.get("part") == "mixed"]
+    if mixed:
+        body = [[str(r["d"]), yes_no(r["causal"]), str(r.get("tokens", "")), num(r.get("tflops_varlen")),
+                 num(r.get("tflops_padded")), num(r.get("tflops_flash")), num(r.get("tflops_cudnn")),
+                 ratio(r.get("ratio_flash"), ".2f"), ratio(r.get("ratio_cudnn"), ".2f"),
+                 num(r.get("tflops_varlen_bwd")), num(r.get("tflops_padded_bwd"))] for r in mixed]
+        parts.append("Mixed lengths (peers on the padded batch), effective TFLOP/s counting real tokens only:\n\n"
+                     + table(["d", "causal", "tokens", "varlen", "padded cuflash", "SDPA flash", "cuDNN",
+                              "/flash", "/cudnn", "varlen bwd", "padded bwd"], "rlrrrrrrrrr", body))
+    return "\n\n".join(parts)
+
+
+def decode_table(dec: dict) -> str:
+    body = [[str(r["batch"]), keys_text(r["len"]), num(r.get("kv_mb"), ".0f"), num(r.get("cuflash_us")),
+             num(r.get("cuflash_tbs"), ".2f"), num(r.get("paged_us")), num(r.get("flash_us")),
+             num(r.get("cudnn_us")), ratio(decode_ratio(r, "flash")), ratio(decode_ratio(r, "cudnn"))]
+            for r in dec["rows"]]
+    return table(["batch", "keys", "K/V MB", "cuflash us", "TB/s", "paged us", "SDPA flash us", "cuDNN us",
+                  "cf/flash", "cf/cudnn"], "rrrrrrrrrr", body)
+
+
+# --------------------------------------------------------------------------- compact tables (README)
+def compact_training(rows: list[dict], det: bool = False) -> str:
+    """Per (head dim, mask): each implementation's TFLOP/s over the seqlens (lo-hi) and cuflash's ratios."""
+    body = []
+    for d, causal in sorted({(r["d"], bool(r["causal"])) for r in rows}):
+        sub = [r for r in rows if r["d"] == d and bool(r["causal"]) == causal]
+        cells = [str(d), yes_no(causal), span(r.get("tflops_cuflash") for r in sub)]
+        if det:
+            cells.append(span(r.get("tflops_cuflash_det") for r in sub))
+        cells += [span(r.get("tflops_flash") for r in sub), span(r.get("tflops_cudnn") for r in sub),
+                  span((r.get("ratio_flash") for r in sub), ".3f", bold=True),
+                  span((r.get("ratio_cudnn") for r in sub), ".3f", bold=True)]
+        if det:
+            cells.append(span((r.get("ratio_det_atomic") for r in sub), ".3f"))
+        body.append(cells)
+    header = ["d", "causal", "cuflash"] + (["cuflash det"] if det else []) + ["SDPA flash", "cuDNN", "x SDPA flash",
+                                                                          "x cuDNN"]
+    header += ["det/atomic time"] if det else []
+    return table(header, "rl" + "r" * (len(header) - 2), body)
+
+
+def compact_decode(dec: dict) -> str:
+    """Per batch: each implementation's microseconds over the cache lengths (lo-hi) and cuflash's ratios."""
+    body = []
+    rows = dec["rows"]
+    for b in sorted({r["batch"] for r in rows}):
+        sub = [r for r in rows if r["batch"] == b]
+        body.append([str(b), span(r.get("cuflash_us") for r in sub), span((r.get("cuflash_tbs") for r in sub), ".2f"),
+                     span(r.get("flash_us") for r in sub), span(r.get("cudnn_us") for r in sub),
+                     span((decode_ratio(r, "flash") for r in sub), ".3f", bold=True),
+                     span((decode_ratio(r, "cudnn") for r in sub), ".3f", bold=True)])
+    return table(["batch", "cuflash us", "TB/s", "SDPA flash us", "cuDNN us", "x SDPA flash", "x cuDNN"], "rrrrrrr",
+                 body)
+
+
+# --------------------------------------------------------------------------- assembling
+def sections(data: dict, compact: bool) -> dict:
+    """{marker name: markdown} for the operations the run has."""
+    out = {"run": run_text(data)}
+    fwd, bwd, var = rows_of(data, "fwd"), rows_of(data, "bwd"), rows_of(data, "varlen")
+    if fwd:
+        out["forward"] = compact_training(fwd) if compact else forward_table(fwd)
+    if bwd:
+        out["backward"] = compact_training(bwd, det=True) if compact else backward_table(bwd)
+    if var and not compact:
+        out["varlen"] = varlen_table(var)
+    if data.get("decode") and data["decode"].get("rows"):
+        out["decode"] = compact_decode(data["decode"]) if compact else decode_table(data["decode"])
+    return out
+
+
+def rewrite(path: Path, parts: dict) -> list[str]:
+    """Replaces the text between each `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` of the file by parts[NAME];
+    returns the names whose markers the file lacks."""
+    text = path.read_text()
+    missing = []
+    for name, body in parts.items():
+        pattern = re.compile(rf"(<!-- bench:{name} -->\n).*?(<!-- /bench:{name} -->)", re.S)
+        if not pattern.search(text):
+            missing.append(name)
+            continue
+        text = pattern.sub(lambda m: m[1] + body.rstrip("\n") + "\n" + m[2], text)
+    path.write_text(text)
+    return missing
+
+
+# --------------------------------------------------------------------------- plots
+def plot_training(path: Path, rows: list[dict], title: str, impls: tuple, meta: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(r["d"], bool(r["causal"])) for r in rows})
+    ncols = 2 if len(panels) > 1 else 1
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4 * nrows), squeeze=False)
+    for ax, (d, causal) in zip(axes.flat, panels):
+        sub = sorted((r for r in rows if r["d"] == d and bool(r["causal"]) == causal), key=lambda r: r["seqlen"])
+        xs = [r["seqlen"] for r in sub]
+        for impl in impls:
+            ys = [r.get(f"tflops_{impl}") for r in sub]
+            if not any(isinstance(y, (int, float)) for y in ys):
+                continue
+            ax.plot(xs, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker="o",
+                    label=LABELS.get(impl, impl), linestyle="--" if impl == "cuflash_det" else "-",
+                    linewidth=2.5 if impl.startswith("cuflash") else 1.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_title(f"{title}, d={d}, {'causal' if causal else 'non-causal'}")
+        ax.set_xlabel("seqlen (batch = 16384 / seqlen, heads = 2048 / d)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(plot_title(meta), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_decode(path: Path, dec: dict, meta: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = dec["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    ncols = 2 if len(batches) > 1 else 1
+    nrows = (len(batches) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.6 * nrows), squeeze=False)
+    for ax, b in zip(axes.flat, batches):
+        sub = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["len"])
+        xs = [r["len"] for r in sub]
+        for impl in ("cuflash", "paged", "flash", "cudnn"):
+            ys = [r["kv_mb"] * 2**20 / r[f"{impl}_us"] / 1e6 if r.get(f"{impl}_us") else float("nan") for r in sub]
+            if all(y != y for y in ys):
+                continue
+            ax.plot(xs, ys, marker="o", label=LABELS.get(impl, impl), linestyle="--" if impl == "paged" else "-",
+                    linewidth=2.5 if impl in ("cuflash", "paged") else 1.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([keys_text(x) for x in xs])
+        ax.set_title(f"decode, batch {b}, {dec.get('h', 32)} query / {dec.get('hk', 8)} KV heads, d {dec.get('d', 128)}")
+        ax.set_xlabel("keys in the cache")
+        ax.set_ylabel("TB/s of K/V read")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(batches):]:
+        ax.axis("off")
+    fig.suptitle(plot_title(meta, decode=True), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_title(meta: dict, decode: bool = False) -> str:
+    """Device, dtype, date and commit of the run (of the decode run where it has its own)."""
+    date = (decode and meta.get("decode_date")) or meta.get("date") or (meta.get("timestamp") or "")[:10]
+    commit = (decode and meta.get("decode_commit")) or meta.get("commit")
+    return ", ".join(x for x in (meta.get("device", ""), meta.get("dtype", "bf16"), date,
+                                 f"commit {commit}" if commit else "") if x)
+
+
+LABELS = {"cuflash": "cuflash", "cuflash_det": "cuflash deterministic", "paged": "cuflash paged",
+          "flash": "SDPA flash", "cudnn": "SDPA cuDNN", "efficient": "SDPA efficient"}
+
+
+def plots(data: dict, directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    fwd, bwd = rows_of(data, "fwd"), rows_of(data, "bwd")
+    if fwd:
+        plot_training(directory / "forward.png", fwd, "forward", ("cuflash", "flash", "cudnn"), data["meta"])
+        written.append(directory / "forward.png")
+    if bwd:
+        plot_training(directory / "backward.png", bwd, "backward", ("cuflash", "cuflash_det", "flash", "cudnn"),
+                      data["meta"])
+        written.append(directory / "backward.png")
+    if data.get("decode") and data["decode"].get("rows"):
+        plot_decode(directory / "decode.png", data["decode"], data["meta"])
+        written.append(directory / "decode.png")
+    return written
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bench", help="bench_attention.py --op all --json output (fwd, bwd and varlen rows)")
+    p.add_argument("--decode", help="bench_decode.py --json output")
+    p.add_argument("--results", help="a file written by --save (in place of --bench and --decode)")
+    p.add_argument("--save", help="write the run (meta, bench rows, decode rows) as one JSON file here")
+    p.add_argument("--date", help="the run's date, for the tables' run line (default: the bench JSON's timestamp)")
+    p.add_argument("--commit", help="the commit the run measured, for the run line")
+    p.add_argument("--readme", type=Path, help="rewrite the compact tables between the markers of this file")
+    p.add_argument("--docs", type=Path, help="rewrite the full tables between the markers of this file")
+    p.add_argument("--plots", type=Path, help="write forward.png, backward.png, decode.png into this folder")
+    args = p.parse_args(argv)
+    if not (args.results or args.bench or args.decode):
+        p.error("give --results, or --bench and/or --decode")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    data = load(args.bench, args.decode, args.results)
+    if args.date:
+        data["meta"]["date"] = args.date
+    if args.commit:
+        data["meta"]["commit"] = args.commit
+    if not data["bench"] and not data.get("decode"):
+        print("report: no benchmark rows", file=sys.stderr)
+        return 1
+    if args.save:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(json.dumps(data, indent=1) + "\n")
+    for path, compact in ((args.docs, False), (args.readme, True)):
+        if path:
+            for name in rewrite(path, sections(data, compact)):
+                print(f"report: {path} has no <!-- bench:{name} --> ... <!-- /bench:{name} --> pair; left out",
+                      file=sys.stderr)
+    if args.plots:
+        for path in plots(data, args.plots):
+            print(f"wrote {path}")
+    if not (args.docs or args.readme or args.plots or args.save):
+        for name, body in sections(data, compact=False).items():
+            print(f"### {name}\n\n{body}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""benchmarks/report.py on a tiny synthetic run: the tables land between their markers (and again in place on a
+second run), the compact README tables give ranges and bold ratios below 1, the saved run reads back, the plots
+are written."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SPEC = importlib.util.spec_from_file_location(
+    "report", Path(__file__).resolve().parent.parent / "benchmarks" / "report.py")
+report = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(report)
+
+
+def _row(op, d, causal, seqlen, cf, flash, cudnn, det=None):
+    row = dict(device="Test GPU", timestamp="2026-01-02T03:04:05+00:00", placements=3, op=op, dtype="bf16", d=d,
+               causal=causal, seqlen=seqlen, batch=16384 // seqlen, nheads=2048 // d,
+               tflops_cuflash=cf, tflops_flash=flash, tflops_cudnn=cudnn,
+               ratio_flash=cf / flash, ratio_cudnn=cf / cudnn)
+    if det is not None:
+        row.update(tflops_cuflash_det=det, ratio_det_atomic=cf / det)
+    return row
+
+
+@pytest.fixture
+def run_files(tmp_path):
+    bench = [_row("fwd", 64, False, 512, 400.0, 260.0, 390.0), _row("fwd", 64, False, 1024, 450.0, 280.0, 460.0),
+             _row("bwd", 64, True, 512, 160.0, 140.0, 170.0, det=150.0),
+             _row("bwd", 64, True, 1024, 240.0, 180.0, 230.0, det=220.0),
+             dict(op="varlen", part="mixed", dtype="bf16", d=64, causal=False, tokens=1000, tflops_varlen=300.0,
+                  tflops_padded=110.0, tflops_flash=100.0, tflops_cudnn=150.0, ratio_flash=3.0, ratio_cudnn=2.0,
+                  tflops_varlen_bwd=90.0, tflops_padded_bwd=30.0),
+             dict(op="fwd", dtype="bf16", d=128, causal=False, seqlen=512, error_cell="boom")]
+    decode = dict(h=32, hk=8, d=128, dtype="bf16", rows=[
+        dict(batch=1, len=1024, kv_mb=4.0, cuflash_us=10.0, cuflash_tbs=0.42, paged_us=11.0, flash_us=15.0,
+             cudnn_us=9.0),
+        dict(batch=1, len=8192, kv_mb=32.0, cuflash_us=20.0, cuflash_tbs=1.68, flash_us=30.0, cudnn_us=22.0)])
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
+    names = ("run", "forward", "backward", "varlen", "decode")
+    doc = "# Doc\n\n" + "".join(f"<!-- bench:{n} -->\nold {n}\n<!-- /bench:{n} -->\n\ntext after {n}\n\n"
+                                for n in names)
+    (tmp_path / "docs.md").write_text(doc)
+    (tmp_path / "README.md").write_text("intro\n<!-- bench:forward -->\n<!-- /bench:forward -->\nend\n")
+    return tmp_path
+
+
+def test_tables_between_markers(run_files):
+    t = run_files
+    args = ["--bench", str(t / "bench.json"), "--decode", str(t / "decode.json"), "--commit", "abc1234",
+            "--docs", str(t / "docs.md"), "--readme", str(t / "README.md"), "--save", str(t / "results.json")]
+    assert report.main(args) == 0
+    doc = (t / "docs.md").read_text()
+    assert "old " not in doc and all(f"text after {n}" in doc for n in ("run", "forward", "decode"))
+    assert "Run: Test GPU, bf16, 2026-01-02, commit abc1234" in doc
+    assert "| 64 | no | 512 | 400.0 | 260.0 | 390.0 | 1.538 | 1.026 |" in doc
+    assert "| 64 | no | 1024 | 450.0 | 280.0 | 460.0 | 1.607 | **0.978** |" in doc
+    assert "| 64 | yes | 512 | 160.0 | 150.0 | 140.0 | 170.0 | 1.143 | **0.941** | 1.067 |" in doc
+    assert "| 64 | no | 1000 | 300.0 | 110.0 | 100.0 | 150.0 | 3.00 | 2.00 | 90.0 | 30.0 |" in doc
+    assert "| 1 | 8k | 32 | 20.0 | 1.68 | n/a | 30.0 | 22.0 | 1.500 | 1.100 |" in doc
+    assert "| 1 | 1k | 4 | 10.0 | 0.42 | 11.0 | 15.0 | 9.0 | 1.500 | **0.900** |" in doc
+    assert "boom" not in doc  # a cell that failed to run has no row
+    readme = (t / "README.md").read_text()
+    assert readme.startswith("intro\n<!-- bench:forward -->\n| d | causal |") and readme.endswith("end\n")
+    assert "| 64 | no | 400.0-450.0 | 260.0-280.0 | 390.0-460.0 | 1.538-1.607 | **0.978-1.026** |" in readme
+
+    # the saved run gives the same tables; a second rewrite replaces the first in place
+    assert report.main(["--results", str(t / "results.json"), "--docs", str(t / "docs.md")]) == 0
+    assert (t / "docs.md").read_text() == doc
+
+
+def test_missing_marker_and_missing_file(run_files, capsys):
+    t = run_files
+    (t / "other.md").write_text("no markers here\n")
+    assert report.main(["--bench", str(t / "bench.json"), "--decode", str(t / "absent.json"),
+                        "--docs", str(t / "other.md")]) == 0
+    err = capsys.readouterr().err
+    assert "absent.json not found" in err and "<!-- bench:forward -->" in err
+    assert (t / "other.md").read_text() == "no markers here\n"
+
+
+def test_plots(run_files):
+    pytest.importorskip("matplotlib")
+    t = run_files
+    assert report.main(["--bench", str(t / "bench.json"), "--decode", str(t / "decode.json"),
+                        "--plots", str(t / "plots")]) == 0
+    for name in ("forward", "backward", "decode"):
+        assert (t / "plots" / f"{name}.png").stat().st_size > 1000
