@@ -6,7 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cuflash import reference
+from cuflash.ops import backward, backward_sm90
 from tests.gpu.helpers import DTYPES, assert_close_to_reference, naive_lowp_backward, randn
+from tests.fixtures import configure  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -148,12 +150,13 @@ def test_finite_difference_spot_check(compiled):
         assert abs(analytic - numeric) <= 1e-2 * max(1.0, abs(numeric)), (which, analytic, numeric)
 
 
-def test_large_head_dims_are_refused_before_launch(compiled, monkeypatch):
+def test_large_head_dims_are_refused_before_launch(configure, compiled, monkeypatch):
     """Without the wide backward (plan.BWD_WIDE: off, or not sm_90a) head dims above 128 are refused."""
     import cuflash
-    from cuflash import api, plan
-    monkeypatch.setitem(plan.BWD_WIDE, "enabled", False)
-    api._bwd_launches.clear()
+    from cuflash import plan
+    from cuflash.ops import backward
+    configure(bwd_wide=False)
+    backward._launches.clear()
     rng = np.random.default_rng(7)
     q, k, v, dout, _ = make_case(rng, b=1, sq=8, sk=8, h=1, hk=1, d=192, dtype="bf16")
     out, lse = cuflash.attention(q, k, v, return_lse=True)
@@ -170,21 +173,22 @@ def test_large_head_dims_are_refused_before_launch(compiled, monkeypatch):
 def planner_entry_on(monkeypatch, table: dict, on: bool = True):
     """`table["enabled"]` set to `on` (a plan switch) with the backward's launch cache emptied before and after, so
     no other test inherits a launch planned under it."""
-    from cuflash import api
+    from cuflash.ops import backward
     monkeypatch.setitem(table, "enabled", on)
-    api._bwd_launches.clear()
+    backward._launches.clear()
     try:
         yield
     finally:
-        api._bwd_launches.clear()
+        backward._launches.clear()
 
 
 @pytest.fixture
 def double_buffered(monkeypatch):
     """The planner picks two Q/dO buffers where the table has them (on the portable kernel: the Hopper one off)."""
     from cuflash import plan
+    from cuflash.ops import backward
     with planner_entry_on(monkeypatch, plan.BWD_DOUBLE_BUFFER), planner_entry_on(monkeypatch, plan.BWD_SM90, False):
-        assert plan.bwd_config(64).q_buffers == 2 and plan.bwd_config(128).q_buffers == 1
+        assert backward.bwd_config(64).q_buffers == 2 and backward.bwd_config(128).q_buffers == 1
         yield
 
 
@@ -246,14 +250,14 @@ def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backwa
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(params=[64, 128], ids=["m64", "m128"])
-def sm90_backward(monkeypatch, request):
+def sm90_backward(configure, monkeypatch, request):
     """The Hopper backward with 64 query rows per step, or 128 at d = 64 (plan.BWD_SM90_BLOCK_M; score mods and
     d = 128 keep 64)."""
     import cupy
     from cuflash import plan
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the Hopper backward needs compute capability 9.0")
-    monkeypatch.setitem(plan.BWD_SM90_BLOCK_M, 64, request.param)
+    configure(bwd_sm90_block_m={64: request.param})
     with planner_entry_on(monkeypatch, plan.BWD_SM90):
         yield
 
@@ -279,17 +283,18 @@ def test_sm90_backward_several_blocks_and_repeatable(compiled, sm90_backward, hk
 
 @pytest.mark.parametrize("slots", [2, 3])
 @pytest.mark.parametrize("d", [64, 128])
-def test_sm90_deterministic_over_several_passes(compiled, sm90_backward, monkeypatch, slots, d):
+def test_sm90_deterministic_over_several_passes(configure, compiled, sm90_backward, monkeypatch, slots, d):
     """plan.BWD_SM90_DET with a fixed slot count, so that each slot takes several key blocks in its snake order (7
     here: with 3 slots the last, odd pass leaves slots 0 and 1 without one), under causal, local and no masks, GQA
     and packed sequences: against the reference, and bitwise equal over repeated calls."""
-    from cuflash import api, plan
-    monkeypatch.setitem(plan.BWD_SM90_DET, "slots", slots)
-    api._bwd_launches.clear()
+    from cuflash import plan
+    from cuflash.ops import backward
+    configure(bwd_sm90_det_slots=slots)
+    backward._launches.clear()
     try:
         run_deterministic_mix(d, (31, 32, 33, 34, 35), dict(b=1, sq=129, sk=850, h=2, hk=2))
     finally:
-        api._bwd_launches.clear()
+        backward._launches.clear()
 
 
 def run_deterministic_mix(d, seeds, plain):
@@ -306,7 +311,7 @@ def run_deterministic_mix(d, seeds, plain):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_sm90_fixed_point_deterministic(compiled, sm90_backward, monkeypatch, d):
+def test_sm90_fixed_point_deterministic(configure, compiled, sm90_backward, monkeypatch, d):
     """plan.BWD_SM90_DET "fixed": dQ as int32 fixed point on the atomic grid (cuda_src/fixed_dq.cuh; not with the
     d = 64 kernel of 64 query rows, which keeps the slices), under causal, local and no masks, GQA, lengths off the
     tiles and packed sequences: against the reference and bitwise equal over repeated calls. Then rows of dO over
@@ -314,12 +319,13 @@ def test_sm90_fixed_point_deterministic(compiled, sm90_backward, monkeypatch, d)
     every row)."""
     import cupy
     import cuflash
-    from cuflash import api, checks, plan
-    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "fixed")
+    from cuflash import checks, plan
+    from cuflash.ops import backward, backward_sm90
+    configure(bwd_sm90_det="fixed")
     problem = checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16))
-    tma_dq = plan.bwd_sm90_tma_dq(d, plan.bwd_sm90_block_m(d, False))
-    assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point == tma_dq
-    api._bwd_launches.clear()
+    tma_dq = backward_sm90.tma_dq(d, backward_sm90.block_m(d, False))
+    assert backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point == tma_dq
+    backward._launches.clear()
     try:
         run_deterministic_mix(d, (41, 42, 43, 45, 46), dict(b=3, sq=129, sk=333, h=3, hk=1))
         run_case(np.random.default_rng(44), b=1, sq=17, sk=1, h=2, hk=2, d=d, dtype="bf16", deterministic=True)
@@ -337,7 +343,7 @@ def test_sm90_fixed_point_deterministic(compiled, sm90_backward, monkeypatch, d)
         again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)[0]
         assert bool(cupy.array_equal(dq.view(np.uint16), again.view(np.uint16)))
     finally:
-        api._bwd_launches.clear()
+        backward._launches.clear()
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
