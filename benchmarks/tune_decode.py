@@ -1,6 +1,6 @@
 """Decode tile/ring/split tuning: times attention_with_kvcache (bf16, d 128, 32 query heads, 8 KV heads, one new
 row) for several (block_n, stages) configs and split counts on a few cells, same run, SDPA cuDNN beside it. The
-winner goes into plan.DECODE_TABLE (and the split heuristic) with this output as its record (docs/bench/).
+winner goes into decode.DECODE_TABLE (and the split heuristic) with this output as its record (docs/bench/).
 
     python benchmarks/tune_decode.py                                   # the table's cells, heuristic splits
     python benchmarks/tune_decode.py --cells 1x8192,8x1024 --configs 64x3,64x2 --splits 0,16,32,64
@@ -37,9 +37,9 @@ def main(argv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
     import cuflash
-    from cuflash import api, plan
+    from cuflash.ops import decode
 
-    original = plan.decode_config
+    original = decode.decode_config
     splits = [int(s) for s in args.splits.split(",")]
     configs = _pairs(args.configs)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
@@ -57,10 +57,10 @@ def main(argv=None):
         ref = cudnn()
         row = [1e3 * do_bench(cudnn, warmup=10, rep=args.rep, return_mode="median")]
         for bn, st in configs:
-            plan.decode_config = lambda d, rows, c=(bn, st): plan.DecodeConfig(1 if rows <= 16 else 4, *c)
+            decode.decode_config = lambda d, rows, c=(bn, st): decode.DecodeConfig(1 if rows <= 16 else 4, *c)
             for s in splits:
-                plan.plan_decode.cache_clear()
-                api._decode_calls.clear()
+                decode.plan_decode.cache_clear()
+                decode._calls.clear()
 
                 def fn(s=s):
                     with stream:
@@ -75,7 +75,7 @@ def main(argv=None):
         del k, v, q, kc, vc, ref
         torch.cuda.empty_cache()
         cupy.get_default_memory_pool().free_all_blocks()
-    plan.decode_config = original
+    decode.decode_config = original
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Measures forward tile configs on this GPU, to choose the planner's table (cuflash/plan.py).
+"""Measures forward tile configs on this GPU, to choose the planner's table (cuflash/ops/forward.py).
 
 For each (head dim, causal) it times every candidate config on the ANCHORS shapes (16k tokens,
 hidden 2048) and prints TFLOP/s, with PyTorch SDPA's flash backend beside it when torch is there.
@@ -17,8 +17,9 @@ import cupy  # noqa: E402
 import ml_dtypes  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import build, plan  # noqa: E402
-from cuflash.plan import FwdConfig  # noqa: E402
+from cuflash import build  # noqa: E402
+from cuflash.ops import forward  # noqa: E402
+from cuflash.ops.forward import FwdConfig  # noqa: E402
 
 CANDIDATES = {  # spill-free ones (tests/test_compile.py would reject the others from the table)
     64: [FwdConfig(128, 64, 4, False), FwdConfig(64, 64, 4, True), FwdConfig(64, 128, 4, True)],
@@ -84,9 +85,9 @@ def main():
                     label = f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}{'q' if cfg.q_in_regs else ''}"
                     if args.configs and label not in args.configs:
                         continue
-                    plan.FWD_TABLE_SM90[("sm90", d, causal)] = ((None, cfg),)
-                    plan.FWD_TABLE[("sm80", d, causal)] = ((None, cfg),)
-                    plan.plan_forward.cache_clear()
+                    forward.FWD_TABLE_SM90[("sm90", d, causal)] = ((None, cfg),)
+                    forward.FWD_TABLE[("sm80", d, causal)] = ((None, cfg),)
+                    forward.plan_forward.cache_clear()
                     try:
                         ms = time_ms(lambda: cuflash.attention(q, k, v, causal=causal))
                         tflops = flops / ms / 1e9

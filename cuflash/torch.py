@@ -36,7 +36,7 @@ except ImportError as err:
 cupy = import_cupy()
 import ml_dtypes  # noqa: E402  (a dependency of cupy's bfloat16 support and of cuflash)
 
-from . import api, checks  # noqa: E402
+from . import api, checks, settings  # noqa: E402
 from .ops import backward, forward  # noqa: E402
 from .options import resolve  # noqa: E402
 
@@ -523,6 +523,7 @@ def _check_kvcache(tensors: dict, cache_len: int, options: dict) -> checks.Probl
 
 
 _problems: dict = {}  # signature of a call -> (Problem, launch or None): checks and planning once per signature
+settings.on_change(_problems.clear)  # launches planned under other settings are dropped
 
 
 def _checked_problem(values: tuple, tensors: dict, check) -> checks.Problem:

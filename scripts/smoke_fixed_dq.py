@@ -1,4 +1,4 @@
-"""A first look at the Hopper backward's deterministic fixed point (plan.BWD_SM90_DET "fixed", cuda_src/fixed_dq.cuh):
+"""A first look at the Hopper backward's deterministic fixed point (the bwd_sm90_det setting "fixed", cuda_src/fixed_dq.cuh):
 against atomic mode and against a second deterministic call, at d 64 and 128, with and without a causal mask, and
 the GPU time of both modes. Exits nonzero on a mismatch."""
 import sys
@@ -9,9 +9,9 @@ sys.path.insert(0, ".")
 import cupy  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import plan  # noqa: E402
+from cuflash import settings  # noqa: E402
 
-plan.BWD_SM90_DET["mode"] = "fixed"
+settings.override(bwd_sm90_det="fixed").__enter__()  # for the whole script
 rng = np.random.default_rng(0)
 bad = 0
 for d in (64, 128):

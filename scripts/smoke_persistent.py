@@ -1,6 +1,6 @@
 """Each persistent Hopper forward variant once per head dim (64, 128) with and without a causal mask, on more tiles
 than SMs, checked against the float64 reference on a few rows: a first step for a device call that changes the
-persistent walk, run under a short timeout so that a hang costs a minute rather than the call (session 21's dynamic
+persistent walk, run under a short timeout so that a hang costs a minute rather than the whole run (the dynamic
 walk hung every persistent call and spent the whole device budget in the suite's timeouts)."""
 import sys
 
@@ -11,8 +11,9 @@ sys.path.insert(0, ".")
 
 def main() -> int:
     import cupy
-    from cuflash import hopper, reference
-    variants = [v for v in hopper.VARIANTS if hopper.variant_options(v, 64).get("persistent")]
+    from cuflash import reference
+    from cuflash.ops import forward_sm90
+    variants = [v for v in forward_sm90.VARIANTS if forward_sm90.variant_options(v, 64).get("persistent")]
     rng = np.random.default_rng(0)
     worst = 0.0
     for d in (64, 128):
@@ -20,7 +21,7 @@ def main() -> int:
         q, k, v = (cupy.asarray(rng.standard_normal((b, s, h, d)), dtype=cupy.float16) for _ in range(3))
         for variant in variants:
             for causal in (False, True):
-                out = hopper.attention_sm90(q, k, v, causal=causal, variant=variant)
+                out = forward_sm90.attention_sm90(q, k, v, causal=causal, variant=variant)
                 cupy.cuda.get_current_stream().synchronize()
                 # the last 64 rows of the first sequence (the longest under the mask): with the mask aligned to the
                 # bottom right, 64 queries against all keys are exactly those rows

@@ -12,7 +12,7 @@ import argparse
 import cupy
 import numpy as np
 
-from cuflash import hopper
+from cuflash.ops import forward_sm90
 
 
 def time_call(fn, warmup: int = 10, reps: int = 50) -> float:
@@ -43,7 +43,7 @@ def main():
         v = cupy.asarray(rng.standard_normal((b, sk, h, 64), dtype=np.float32)).astype(cupy.float16)
         flops = 4 * b * h * sq * sk * 64
         for variant in args.variants.split(","):
-            us = time_call(lambda: hopper.attention_sm90(q, k, v, variant=variant))
+            us = time_call(lambda: forward_sm90.attention_sm90(q, k, v, variant=variant))
             print(f"b={b:4d} sq={sq:5d} sk={sk:5d} h={h} {variant:18s} {us:9.1f} us {flops / us / 1e6:7.1f} TFLOP/s",
                   flush=True)
 

@@ -4,12 +4,13 @@ walk ends in a mostly idle round (or has fewer tiles than SMs), as ws_n128_p, ws
 (plan.SM90_TAIL: its persistent kernel alone walks every tile) and ws_n128_p_tail. Each launch object is built
 once and launched 20 times between two CUDA events (the GPU's time, not the host's); the median of 15 such.
 
-    python3 scripts/time_tail.py       # with drafts/session25-tail-kernel.patch applied (plan.SM90_TAIL, the variant)
+    python3 scripts/time_tail.py       # with the tail-kernel patch of drafts/ applied (plan.SM90_TAIL, the variant)
 """
 import cupy
 import numpy as np
 
-from cuflash import checks, hopper, plan
+from cuflash import checks, options, plan
+from cuflash.ops import forward_sm90
 
 
 def gpu_us(fn, calls: int = 20, reps: int = 15) -> float:
@@ -44,8 +45,8 @@ def main():
         for name, variant, on in (("base", "ws_n128_p", True), ("tail off", "ws_n128_p_tail", False),
                                   ("tail", "ws_n128_p_tail", True)):
             plan.SM90_TAIL["enabled"] = on
-            call = hopper.forward_call(problem, q, k, v, out, None, device_id=dev.id, scale=0.125, left=-1,
-                                       right=-1, variant=variant)
+            opts = options.AttentionOptions(0.125, -1, -1, 0.0, False, False)
+            call = forward_sm90.forward_call(problem, q, k, v, out, None, opts, device_id=dev.id, variant=variant)
             us = gpu_us(lambda: call(stream, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0))
             print(f"b={b:3d} s={s:5d} h={h:3d} tiles={tiles:5d} split={split} {name:9s} {us:9.1f} us "
                   f"{flops / us / 1e6:7.1f} TFLOP/s", flush=True)

@@ -127,7 +127,7 @@ def no_gpu_kernels(configure, monkeypatch):
     """build's device queries and kernel loading replaced: the launch objects are built, never launched. The device
     is an sm_90a one; the Hopper forward is off unless a test switches it on (the portable kernel's launches)."""
     from types import SimpleNamespace
-    from cuflash import build, plan
+    from cuflash import build
     configure(sm90=False)
     monkeypatch.setattr(build, "get_kernel", lambda spec, device_id: SimpleNamespace(kernel=SimpleNamespace(ptr=7)))
     monkeypatch.setattr(build, "device_arch", lambda device_id: "sm_90a")
@@ -176,7 +176,6 @@ def _fake_backward_call(b, sq, sk, h, hk, d, rows_k_packed, packed, deterministi
     """backward.backward_call on fake device arrays (causal): the call, the query rows (total_q when packed), the
     problem."""
     from cuflash import checks
-    from cuflash.ops import backward
     rows = rows_packed if packed else b * sq
     lead_q, lead_k = ((rows,), (rows_k_packed,)) if packed else ((b, sq), (b, sk))
     q = _FakeDeviceArray(np.zeros(lead_q + (h, d), np.float16), 0)
@@ -191,12 +190,11 @@ def _fake_backward_call(b, sq, sk, h, hk, d, rows_k_packed, packed, deterministi
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_call_layout(configure, no_gpu_kernels, monkeypatch, packed, deterministic):
+def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
     """The backward's three structs: every pointer in its field, the workspace pieces where
     backward.workspace puts them, lse/dsum strides of (b, h, sq) or packed (h, total_q), dq strides.
     (The portable main kernel; the Hopper one, chosen on sm_90a by default, is
     test_sm90_backward_main_behind_the_same_call's.)"""
-    from cuflash import plan
     from cuflash.ops import backward
     configure(bwd_sm90=False)
     b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64  # several KV blocks: deterministic mode gets several slices
@@ -226,13 +224,13 @@ def test_backward_call_layout(configure, no_gpu_kernels, monkeypatch, packed, de
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_backward_fixed_point_layout(configure, no_gpu_kernels, monkeypatch, packed):
-    """Deterministic mode's fixed point (plan.BWD_SM90_DET "auto", where the slot rule gives a head several slots):
+def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
+    """Deterministic mode's fixed point (the bwd_sm90_det setting "auto", where the slot rule gives a head several slots):
     the Hopper kernel on the atomic grid with deterministic = 2 and an int32 dq_accum map of one slice; the
     preprocess, bwd_kv_bound over every K row (packed: one sequence of total_k rows) per KV head, then
     bwd_fixed_scale; the pieces where backward.fixed_point_offsets puts them; the convert's rows as the preprocess's,
     grid (row groups, rows)."""
-    from cuflash import build, plan
+    from cuflash import build
     from cuflash.ops import backward, backward_sm90
     configure(bwd_sm90=True)
     configure(bwd_sm90_det="auto")
@@ -279,10 +277,10 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, monkeypatch, pac
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monkeypatch, deterministic):
-    """plan.BWD_SM90 on (the default): the backward's main launch is the Hopper kernel (d 64/128, no score mod) with
+    """The bwd_sm90 setting on (the default): the backward's main launch is the Hopper kernel (d 64/128, no score mod) with
     BwdParams after its four tensor maps, 128 keys per CTA (atomic) or backward.slots_sm90 (deterministic); off, or
     with a score mod, the portable one."""
-    from cuflash import checks, plan, tma
+    from cuflash import checks, tma
     from cuflash.ops import backward, backward_sm90
     b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64
     q = _FakeDeviceArray(np.zeros((b, sq, h, d), np.float16), 0)
@@ -300,7 +298,7 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     assert not isinstance(call().main, backward_sm90.BackwardMain)
     configure(bwd_sm90=True)
     main, capped = call(), call(softcap=5.0)
-    block_m = backward_sm90.block_m(64, False)  # the table's rows per step at d = 64 (128 since session 6)
+    block_m = backward_sm90.block_m(64, False)  # the table's rows per step at d = 64
     assert isinstance(main.main, backward_sm90.BackwardMain)
     fixed = np.frombuffer(main.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]["deterministic"] == 2
     assert main.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=block_m, fixed=fixed)
@@ -333,11 +331,11 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     assert smem[128] <= 227 * 1024 and smem[64] < smem[128]
 
 
-def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels, monkeypatch):
-    """plan.BWD_SM90_BLOCK_M {64: 128}: d = 64 without a score mod steps over 128 query rows (the spec, its shared
+def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels):
+    """bwd_sm90_block_m {64: 128}: d = 64 without a score mod steps over 128 query rows (the spec, its shared
     memory, the Q/dO tensor maps' box); with a score mod, and at d = 128, 64."""
-    from cuflash import checks, plan, tma
-    from cuflash.ops import backward, backward_sm90
+    from cuflash import checks, tma
+    from cuflash.ops import backward_sm90
     configure(bwd_sm90=True)
     configure(bwd_sm90_block_m={64: 128})
     assert backward_sm90.block_m(64, False) == 128
@@ -358,8 +356,8 @@ def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels, monkeypa
     assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128) not in backward_sm90.all_specs()
 
 
-def test_sm90_forward_is_chosen_only_where_it_applies(configure, monkeypatch):
-    from cuflash import checks, plan
+def test_sm90_forward_is_chosen_only_where_it_applies(configure):
+    from cuflash import checks
     from cuflash.ops import forward
     problem = checks.Problem(2, 300, 16384, 8, 2, 128, np.dtype(np.float16))  # past SM90_SHORT_SEQLEN keys
     configure(sm90=True)
@@ -375,7 +373,7 @@ def test_sm90_forward_short_sequences_take_their_own_variant(configure, monkeypa
     """forward.SM90_SHORT_VARIANTS: up to SM90_SHORT_SEQLEN keys, per (head dim, band, most keys), the entry with the
     fewest keys that covers the call; longer, the head dim's variant; the short table drops the head dims
     CUFLASH_SM90_VARIANTS names."""
-    from cuflash import checks, plan
+    from cuflash import checks
     from cuflash.ops import forward, forward_sm90
     configure(sm90=True)
     monkeypatch.setattr(forward, "SM90_DEFAULT_VARIANTS", {64: "ws3_n128", 128: "pingpong_n128"})
@@ -426,7 +424,7 @@ def test_sm90_forward_call_params_and_maps(configure, no_gpu_kernels, monkeypatc
     """forward.forward_call routes an eligible call to the Hopper kernel: its struct holds out's strides, the sizes,
     the window and the scale; the tensor maps' layouts pass TMA's rules, also for extent-1 axes with odd
     strides (a sliced view), which are replaced by contiguous ones."""
-    from cuflash import checks, options, plan, tma
+    from cuflash import checks, options, tma
     from cuflash.ops import forward, forward_sm90
     configure(sm90=True)
     monkeypatch.setattr(forward, "SM90_DEFAULT_VARIANTS", {64: variant, 128: variant, 256: variant})
@@ -490,7 +488,7 @@ def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
     """ws3_n128 at d = 64: 192 query rows per CTA (grid and Q's tensor-map box follow), 512 threads; with a score mod,
     or at d = 128, the two-warpgroup ws_n128 kernel. The persistent ws_n128_p launches one CTA per tile, at most
     one per SM, and passes the batch."""
-    from cuflash import checks, plan, tma
+    from cuflash import checks, tma
     from cuflash.ops import forward, forward_sm90
     spec = forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, False)
     assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
@@ -531,9 +529,9 @@ def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
 
 
 def test_sm90_o_tma_per_variant(configure, no_gpu_kernels, monkeypatch):
-    """p.o_tma is plan.SM90_EPILOGUE's entry for the head dim (d 64 too since session 25) whatever the variant: the
+    """p.o_tma is forward_sm90.o_tma's entry for the head dim whatever the variant: the
     split variant (ws3_n128_p_split) writes O from registers by itself (test_compile.py checks its PTX)."""
-    from cuflash import checks, plan
+    from cuflash import checks
     from cuflash.ops import forward, forward_sm90
     configure(sm90=True)
     monkeypatch.setattr(forward, "SM90_SHORT_VARIANTS", {})
@@ -597,10 +595,9 @@ def test_kernel_call_overlaps_only_the_launches_that_ask():
     assert call.launches[1][1:4] == (3, 1, 1) and call.launches[1][7] == 64
 
 
-def test_decode_combine_overlaps_only_on_hopper(configure, monkeypatch):
+def test_decode_combine_overlaps_only_on_hopper(configure):
     """decode.pdl_applies: decode_combine is launched as a programmatic dependent on sm_90 only, and CUFLASH_PDL=0
     (PDL["enabled"] False) turns it off."""
-    from cuflash import plan
     from cuflash.ops import decode
     assert decode.pdl_applies("sm_90a") and not decode.pdl_applies("sm_80") and not decode.pdl_applies("sm_86")
     configure(pdl=False)
@@ -619,7 +616,7 @@ def test_decode_tma_params_extend_decode_params():
     assert (ext.fields["k_map"][1], ext.fields["v_map"][1], ext.itemsize) == (offset, offset + 128, offset + 256)
 
 
-def test_decode_tma_applies_only_where_it_can(configure, monkeypatch):
+def test_decode_tma_applies_only_where_it_can(configure):
     from cuflash import plan
     from cuflash.ops import decode
     configure(decode_tma=True)
@@ -640,7 +637,7 @@ def test_decode_tma_applies_only_where_it_can(configure, monkeypatch):
 def test_decode_tma_maps_cover_the_cache(configure, monkeypatch):
     """The TMA kernel's maps: the cache as (d, KV heads, rows, cache rows or pages) with its own strides, boxes of
     one 64 x 64 panel; None where the planner's switch is off or the call is not covered."""
-    from cuflash import checks, plan, tma
+    from cuflash import checks, tma
     from cuflash.ops import decode
     seen = []
     monkeypatch.setattr(tma, "encoder", lambda *layout, swizzle: seen.append((layout, swizzle)) or len(seen))

@@ -195,7 +195,7 @@ def test_backward_workspace_layout():
     assert total == dq_accum + 3 * 300 * 4 * 128 * 4 and total % backward.WORKSPACE_ALIGN == 0
 
 
-def test_backward_double_buffering_switch_and_spill_free_dims_only(configure, monkeypatch):
+def test_backward_double_buffering_switch_and_spill_free_dims_only(configure):
     problem = checks.Problem(2, 300, 300, 4, 2, 64, np.dtype(np.float16))
     configure(bwd_qbuf=False)
     assert backward.plan_backward(problem, -1, -1, False, False, "sm_90a", 132).spec.config.q_buffers == 1
@@ -210,7 +210,7 @@ def test_backward_double_buffering_switch_and_spill_free_dims_only(configure, mo
     assert spec in backward.all_specs("sm_90a")
 
 
-def test_wide_backward_switch_and_hopper_only(configure, monkeypatch):
+def test_wide_backward_switch_and_hopper_only(configure):
     problem = checks.Problem(1, 100, 100, 2, 1, 192, np.dtype(np.float16))
     configure(bwd_wide=False)
     with pytest.raises(NotImplementedError, match="head dim 192"):
@@ -237,7 +237,7 @@ def test_sm90_backward_slots_end_soonest_with_fewest_slices():
 
 
 def test_sm90_backward_slot_ties_broken_by_passes():
-    """bwd_sm90_slots' max_passes (plan.BWD_SM90_DET, off by default): among the slot counts that finish as soon,
+    """bwd_sm90_slots' max_passes (the bwd_sm90_det_max_passes setting, off by default): among the slot counts that finish as soon,
     the fewest with at most that many key blocks per slot; none such: the fewest slots as without it."""
     assert backward.slots_sm90(32, 128, 132) == 1                 # d 64 4k: 1, 2, 4, ... slots tie
     assert backward.slots_sm90(32, 128, 132, max_passes=16) == 2
@@ -251,8 +251,8 @@ def test_sm90_backward_slot_ties_broken_by_passes():
         assert backward.slots_sm90(n, groups, 132, max_passes=bound) == (short or soonest)[0]
 
 
-def test_sm90_backward_slot_count_fixed_by_the_table(configure, monkeypatch):
-    """plan.BWD_SM90_DET["slots"] (CUFLASH_BWD_SM90_DET_SLOTS) fixes deterministic mode's slot count, at most one
+def test_sm90_backward_slot_count_fixed_by_the_table(configure):
+    """The bwd_sm90_det_slots setting (CUFLASH_BWD_SM90_DET_SLOTS) fixes deterministic mode's slot count, at most one
     per key block; the atomic grid keeps one CTA per key block."""
     problem = checks.Problem(1, 1000, 1000, 4, 2, 128, np.dtype(np.float16))  # 8 key blocks of 128
     configure(bwd_sm90_det_slots=3)
@@ -278,7 +278,7 @@ def test_jax_workspace_bound_covers_both_backward_kernels():
                 assert backward.workspace(b * s, h, d, slices)[2] <= bound, (arch, sms, b, s, h, d)
 
 
-def test_decode_merges_few_splits_in_the_kernel(configure, monkeypatch):
+def test_decode_merges_few_splits_in_the_kernel(configure):
     """decode.fused_combine: 2..fused_max_splits splits merge in the decode kernel, more in decode_combine;
     one split needs no merge; a bound of 0 turns the fused merge off."""
     configure(decode_fused_max_splits=16)
@@ -287,7 +287,7 @@ def test_decode_merges_few_splits_in_the_kernel(configure, monkeypatch):
     assert not decode.fused_combine(4)
 
 
-def test_decode_evicts_first_only_small_reads(configure, monkeypatch):
+def test_decode_evicts_first_only_small_reads(configure):
     configure(decode_evict_first_mb=128)
     assert decode.evict_first(32 * 2**20) and decode.evict_first(128 * 2**20)
     assert not decode.evict_first(128 * 2**20 + 1)
@@ -318,8 +318,8 @@ def test_kv_bound_blocks():
     assert backward.kv_bound_blocks(1, 32, 10_000, 132) == 1
 
 
-def test_deterministic_fixed_point_rule(configure, monkeypatch):
-    """plan.BWD_SM90_DET "auto": the fixed point where the slot rule gives several slots or from fixed_min_blocks key
+def test_deterministic_fixed_point_rule(configure):
+    """The bwd_sm90_det setting "auto": the fixed point where the slot rule gives several slots or from fixed_min_blocks key
     blocks on (per head dim; a causal mask's count as half), not with the d = 64 score-mod kernel (no TMA dQ);
     "slices" never; a fixed slot count keeps slices."""
     from cuflash import checks

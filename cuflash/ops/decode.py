@@ -211,6 +211,9 @@ def plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int
                         settings.current().decode_tma_stages)
 
 
+plan_decode.cache_clear = _plan_decode.cache_clear  # for tables changed in place (benchmarks/tune_decode.py)
+
+
 PARAMS_DTYPE = plan.struct(
     ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "cache_seqlens",
      "cache_batch_idx", "block_table", "alibi", "split_counters"),

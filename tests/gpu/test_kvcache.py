@@ -13,10 +13,10 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True, params=["cp.async", "tma"])
-def decode_path(configure, request, monkeypatch):
-    """Every test runs on the cp.async kernel and, on sm_90a, with the TMA kernel switched on (plan.DECODE_TMA;
+def decode_path(configure, request):
+    """Every test runs on the cp.async kernel and, on sm_90a, with the TMA kernel switched on (the decode_tma setting;
     the calls it does not cover, such as pages of 16-48 rows or more than 16 packed rows, stay on cp.async)."""
-    from cuflash import build, plan
+    from cuflash import build
     from cuflash.ops import decode
     if request.param == "tma":
         import cupy
@@ -161,14 +161,13 @@ def test_kvcache_matches_reference(compiled, case, seed):
 
 @pytest.mark.parametrize("page_size", [16, 48, 64, 256])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_paged_equals_contiguous(configure, compiled, decode_path, monkeypatch, page_size, dtype):
+def test_paged_equals_contiguous(configure, compiled, decode_path, page_size, dtype):
     """The same logical cache, contiguous and paged (shuffled pages): bitwise equal outputs and lse. Where the TMA
     kernel takes the contiguous cache but not the pages (pages of 16-48 rows: the cp.async kernel), both sides merge
     their splits with decode_combine, so that the two kernels' partial results are compared bitwise; the TMA
     kernel's own merge sums the splits in another order (test_split_merge_both_ways checks it)."""
     import cupy
     import cuflash
-    from cuflash import plan
     if decode_path == "tma" and page_size % decode.TMA_BLOCK_N != 0:
         configure(decode_fused_max_splits=0)
     rng = np.random.default_rng(page_size)
@@ -214,13 +213,12 @@ def test_every_split_count_agrees(compiled):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_split_merge_both_ways(configure, compiled, decode_path, monkeypatch, fused):
-    """plan.DECODE_COMBINE: the splits merged by the TMA decode kernel (the last CTA of each row tile) or by
+def test_split_merge_both_ways(configure, compiled, decode_path, fused):
+    """The decode_fused_max_splits setting: the splits merged by the TMA decode kernel (the last CTA of each row tile) or by
     decode_combine (always, after the cp.async kernel), both against the reference: several split counts,
     speculative rows over several row tiles, an empty row, appends. The fused merge leaves its stream's counters at
     zero for the next call."""
     import cupy
-    from cuflash import plan
     from cuflash.ops import decode
     configure(decode_fused_max_splits=128 if fused else 0)
     decode._calls.clear()
@@ -236,12 +234,11 @@ def test_split_merge_both_ways(configure, compiled, decode_path, monkeypatch, fu
     decode._calls.clear()
 
 
-def test_fused_merge_on_two_streams_repeats_bitwise(configure, compiled, monkeypatch):
+def test_fused_merge_on_two_streams_repeats_bitwise(configure, compiled):
     """Calls on two streams at once each count on their own stream's counters (TMA kernel) or launch their own
     decode_combine (cp.async kernel); the merge's order is fixed, so every result equals the first bitwise."""
     import cupy
     import cuflash
-    from cuflash import plan
     from cuflash.ops import decode
     configure(decode_fused_max_splits=128)
     decode._calls.clear()
@@ -323,12 +320,11 @@ def test_host_index_arrays_are_refused():
 
 @pytest.mark.parametrize("stages", [3, 6])
 @pytest.mark.parametrize("page_size", [None, 64, 128])
-def test_garbage_past_the_length_is_ignored(configure, compiled, decode_path, monkeypatch, stages, page_size):
+def test_garbage_past_the_length_is_ignored(configure, compiled, decode_path, stages, page_size):
     """Cache rows past each row's length hold NaN: they must not reach the output (the cp.async kernel zero-fills
     them; the TMA kernel copies them and zeroes the tail block's V rows in shared memory). Both TMA rings."""
     import cupy
     import cuflash
-    from cuflash import plan
     from cuflash.ops import decode
     if decode_path == "cp.async" and stages == 6:
         pytest.skip("the ring depth is the TMA kernel's")

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cuflash import plan
 from cuflash.ops import forward, forward_sm90
 from tests.gpu.helpers import DTYPES, randn
 from tests.sm90_selftest import PARAMS_DTYPE, SelftestSpec
@@ -63,7 +62,7 @@ def test_register_a_mn_major_b_matches_numpy(dtype, k):
     (128, 128, False, (-1, -1), 2, 2), (1000, 1000, False, (-1, -1), 4, 2), (17, 300, True, (-1, -1), 2, 1),
     (300, 17, True, (-1, -1), 2, 2), (513, 777, False, (64, 8), 3, 1), (1, 1, True, (-1, -1), 1, 1)])
 def test_fwd_sm90_matches_reference(d, dtype, sq, sk, causal, window, h, hk, variant):
-    """Each variant of the Hopper forward (cuflash.hopper, fwd_sm90.cu) under the suite's accuracy rule."""
+    """Each variant of the Hopper forward (cuflash.ops.forward_sm90, fwd_sm90.cu) under the suite's accuracy rule."""
     import cupy
     from cuflash import reference
     from cuflash.ops import forward_sm90
@@ -143,7 +142,7 @@ def test_fwd_sm90_first_block_left_half(d, sq, sk, causal, window, variant):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# cuflash.attention with the planner sending eligible calls to the Hopper kernel (plan.SM90_FORWARD)
+# cuflash.attention with the planner sending eligible calls to the Hopper kernel (forward.sm90_variant)
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -152,7 +151,6 @@ def sm90_planned(configure, monkeypatch):
     caches are emptied before and after, so no other test inherits a Hopper launch."""
     import sys
     import cupy
-    from cuflash import plan
     from cuflash.ops import forward
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
@@ -241,7 +239,7 @@ PERSISTENT = [v for v in forward_sm90.VARIANTS if forward_sm90.variant_options(v
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,window,chunk", [(False, (-1, -1), 0), (True, (-1, -1), 0), (False, (200, 0), 0),
                                                  (True, (-1, -1), 5), (False, (200, 0), 7)])
-def test_persistent_walks_several_tiles_per_cta(configure, monkeypatch, variant, d, causal, window, chunk):
+def test_persistent_walks_several_tiles_per_cta(configure, variant, d, causal, window, chunk):
     """The default walk (one chunk of all 72 pairs under a band here) and chunks forced smaller than the pairs, the
     last one partial (5: 14 chunks and one of 2; 7: 10 and one of 2)."""
     import cupy
@@ -281,7 +279,7 @@ SPLIT = [v for v in PERSISTENT if forward_sm90.variant_spec(v, "bf16", 64, False
     (1024, 200, False, (-1, -1)), (1016, 100, True, (-1, -1)), (1000, 1000, False, (300, 0)),
     (1024, 1024, False, (20, 20))])
 @pytest.mark.parametrize("variant", SPLIT)
-def test_split_tail_tiles(configure, monkeypatch, variant, sq, sk, causal, window, o_tma):
+def test_split_tail_tiles(configure, variant, sq, sk, causal, window, o_tma):
     """Tiles whose rows all lie in their first 64 (1024 = 5 x 192 + 64, 1000, 577 = 3 x 192 + 1 queries), which the
     three-warpgroup persistent kernel splits by key blocks among its warpgroups and merges in warpgroup 0
     (fwd_sm90.cu SPLIT), several per CTA (72 pairs x 4-6 query blocks, the walk rotated): with 1 and 2 key blocks
@@ -302,8 +300,8 @@ def test_split_tail_tiles(configure, monkeypatch, variant, sq, sk, causal, windo
 
 @pytest.mark.parametrize("o_tma", [0, 1])
 @pytest.mark.parametrize("variant", ["pingpong_n128", "ws3_n128"] + PERSISTENT)
-def test_epilogue_through_shared_memory_or_registers(configure, sm90_planned, monkeypatch, variant, o_tma):
-    """plan.SM90_EPILOGUE: O leaves by TMA stores from a staging tile (Q's, or the persistent kernel's own at d 64),
+def test_epilogue_through_shared_memory_or_registers(configure, sm90_planned, variant, o_tma):
+    """The sm90_o_tma setting: O leaves by TMA stores from a staging tile (Q's, or the persistent kernel's own at d 64),
     or from registers, with the same results: tiles that end past a padded sequence (the map clips them) or a packed
     one (those rows go from registers), query blocks that see no key (where O is staged in Q's tile, a persistent
     CTA's Q slot may hold the next tile's Q then: registers), several tiles per CTA. With 600 more queries than keys
@@ -311,7 +309,7 @@ def test_epilogue_through_shared_memory_or_registers(configure, sm90_planned, mo
     kernels' snake walk deals some CTAs such a tile before tiles with keys (where the producer, counting reversed
     ranges as blocks, once ran out of step with the consumers: an illegal instruction)."""
     import cupy
-    from cuflash import plan, reference
+    from cuflash import reference
     from cuflash.ops import forward_sm90
     from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
     from tests.gpu.test_varlen import run_forward
