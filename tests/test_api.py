@@ -183,8 +183,8 @@ def _fake_backward_call(b, sq, sk, h, hk, d, rows_k_packed, packed, deterministi
     lse = _FakeDeviceArray(np.zeros((h, rows) if packed else (b, h, sq), np.float32), 0)
     problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(np.float16))
     call = _backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None, causal=True,
-                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=deterministic,
-                             packed=packed)
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=deterministic,
+                          packed=packed)
     return call, rows, problem
 
 
@@ -225,8 +225,8 @@ def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
-    """Deterministic mode's fixed point (the bwd_sm90_det setting "auto", where the slot rule gives a head several slots):
-    the Hopper kernel on the atomic grid with deterministic = 2 and an int32 dq_accum map of one slice; the
+    """Deterministic mode's fixed point (the bwd_sm90_det setting "auto", where the slot rule gives a head several
+    slots): the Hopper kernel on the atomic grid with deterministic = 2 and an int32 dq_accum map of one slice; the
     preprocess, bwd_kv_bound over every K row (packed: one sequence of total_k rows) per KV head, then
     bwd_fixed_scale; the pieces where backward.fixed_point_offsets puts them; the convert's rows as the preprocess's,
     grid (row groups, rows)."""
@@ -251,7 +251,7 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
     assert call.main.spec in backward_sm90.all_specs()
     with pytest.raises(ValueError, match="wrong kernel"):  # mode 2 on a kernel without the fixed point's code
         backward_sm90.backward_main(dataclasses.replace(call.main.spec, fixed=False), main, None, None, None, None,
-                             launch.grid, 0)
+                                    launch.grid, 0)
     dtype, dims, _, _ = backward_sm90.dq_accum_layout(main, launch.grid)
     assert dtype == np.int32 and dims == (d, h, rows, 1)
     pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 11))
@@ -277,8 +277,8 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monkeypatch, deterministic):
-    """The bwd_sm90 setting on (the default): the backward's main launch is the Hopper kernel (d 64/128, no score mod) with
-    BwdParams after its four tensor maps, 128 keys per CTA (atomic) or backward.slots_sm90 (deterministic); off, or
+    """The bwd_sm90 setting on (the default): the backward's main launch is the Hopper kernel (d 64/128, no score mod)
+    with BwdParams after its four tensor maps, 128 keys per CTA (atomic) or backward.slots_sm90 (deterministic); off, or
     with a score mod, the portable one."""
     from cuflash import checks, tma
     from cuflash.ops import backward, backward_sm90
@@ -290,8 +290,8 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
 
     def call(**kw):
         return _backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None,
-                                 causal=True, window_size=(-1, -1), deterministic=deterministic, packed=False,
-                                 **dict(dict(softcap=0.0, alibi_slopes=None), **kw))
+                              causal=True, window_size=(-1, -1), deterministic=deterministic, packed=False,
+                              **dict(dict(softcap=0.0, alibi_slopes=None), **kw))
 
     assert isinstance(call().main, backward_sm90.BackwardMain)  # on by default (no_gpu_kernels: an sm_90a device)
     configure(bwd_sm90=False)
@@ -303,7 +303,7 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     fixed = np.frombuffer(main.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]["deterministic"] == 2
     assert main.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=block_m, fixed=fixed)
     assert capped.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, score_mod=True)
-    monkeypatch.setattr(backward_sm90, "SCORE_MOD_HEADDIMS", ())  # as at d = 128: score mods stay on the portable kernel
+    monkeypatch.setattr(backward_sm90, "SCORE_MOD_HEADDIMS", ())  # as at d = 128: score mods stay portable
     portable = call(softcap=5.0)
     assert not isinstance(portable.main, backward_sm90.BackwardMain)
     configure(bwd_sm90_det="slices")  # the fixed point: test_backward_fixed_point_layout
@@ -346,7 +346,7 @@ def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels):
     lse = _FakeDeviceArray(np.zeros((b, h, sq), np.float32), 0)
     problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(np.float16))
     call = _backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None, causal=False,
-                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, packed=False)
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, packed=False)
     spec = call.main.spec
     assert spec == backward_sm90.BwdSm90Spec("fp16", 64, False, False, 128) and spec.name.endswith("_m128")
     assert spec.template == "cuflash::bwd_sm90_kernel<cuflash::half_t, 64, 128, false, false, false>"
@@ -411,7 +411,7 @@ def test_sm90_short_table_settings(configure):
     assert table({"CUFLASH_SM90_VARIANTS": "128:ws"})
     text = "64:ws_n128_p,128c@1024:pingpong_n128_p"
     assert table({"CUFLASH_SM90_SHORT_VARIANTS": text}) == {(64, False, forward.SM90_SHORT_SEQLEN): "ws_n128_p",
-                                                             (128, True, 1024): "pingpong_n128_p"}
+                                                            (128, True, 1024): "pingpong_n128_p"}
     assert table({"CUFLASH_SM90_VARIANTS": "128:ws", "CUFLASH_SM90_SHORT_VARIANTS": text}) == {
         (64, False, forward.SM90_SHORT_SEQLEN): "ws_n128_p"}
     assert table({"CUFLASH_SM90_SHORT_VARIANTS": ""}) == {}
@@ -434,8 +434,9 @@ def test_sm90_forward_call_params_and_maps(configure, no_gpu_kernels, monkeypatc
     kv = checks.TensorSpec("k", (1, 333, 2, 128), np.dtype(np.float16), (7, 3 * 128, 128, 1), 0)  # batch stride odd
     out = checks.contiguous("out", q.shape, np.float16)
     call = _forward_call(problem, q, kv, kv, out, None, device_id=0, softmax_scale=0.5, causal=True,
-                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
-    assert isinstance(call, forward_sm90.ForwardCall) and call.spec == forward_sm90.variant_spec(variant, "fp16", 128, True, False)
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+    assert isinstance(call, forward_sm90.ForwardCall)
+    assert call.spec == forward_sm90.variant_spec(variant, "fp16", 128, True, False)
     p = np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
     assert (p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"]) == (200 * 8 * 128, 8 * 128, 128)
     assert (p["seqlen_q"], p["seqlen_k"], p["nheads"], p["heads_per_kv"]) == (200, 333, 8, 4)
@@ -443,7 +444,7 @@ def test_sm90_forward_call_params_and_maps(configure, no_gpu_kernels, monkeypatc
     # softcap and (batch, heads) ALiBi slopes: the score-mod kernel, natural-log scores, the slopes' row stride
     slopes = checks.contiguous("alibi_slopes", (1, 8), np.float32)
     call = _forward_call(problem, q, kv, kv, out, None, device_id=0, softmax_scale=0.5, causal=False,
-                            window_size=(-1, -1), softcap=20.0, alibi_slopes=slopes)
+                         window_size=(-1, -1), softcap=20.0, alibi_slopes=slopes)
     assert isinstance(call, forward_sm90.ForwardCall) and call.spec.score_mod and not call.spec.band
     p = np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
     assert np.isclose(p["scale_log2"], options.LOG2E) and np.isclose(p["mod_scale"], 0.5 / 20.0)
@@ -454,8 +455,8 @@ def test_sm90_forward_call_params_and_maps(configure, no_gpu_kernels, monkeypatc
     qp = _FakeDeviceArray(np.zeros((500, 8, 128), np.float16), 0)
     kp = _FakeDeviceArray(np.zeros((700, 2, 128), np.float16), 0)
     call = _forward_call(problem, qp, kp, kp, checks.contiguous("out", qp.shape, np.float16),
-                            checks.contiguous("lse", (8, 500), np.float32), device_id=0, softmax_scale=None,
-                            causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+                         checks.contiguous("lse", (8, 500), np.float32), device_id=0, softmax_scale=None,
+                         causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     assert isinstance(call, forward_sm90.ForwardCall)
     p = np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
     assert (p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"]) == (8 * 128, 8 * 128, 128)
@@ -468,7 +469,8 @@ def test_sm90_forward_call_params_and_maps(configure, no_gpu_kernels, monkeypatc
     for x, rows in ((q, forward_sm90.BLOCK_M), (kv, forward_sm90.BLOCK_N), (out, 64)):
         dtype, dims, strides, box = tma.map_layout(x, rows)
         tma.check_tiled(0x10000, dtype, dims, strides, box, 128)
-    assert tma.map_layout(kv, forward_sm90.BLOCK_N)[2] == (256, 3 * 256, 333 * 2 * 256)  # rows as given, batch made valid
+    # rows as given, batch made valid
+    assert tma.map_layout(kv, forward_sm90.BLOCK_N)[2] == (256, 3 * 256, 333 * 2 * 256)
 
 
 def test_hopper_specs_are_distinct_and_fit_shared_memory():
@@ -493,15 +495,15 @@ def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
     spec = forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, False)
     assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
     assert ", 4, 3, false, true, false, false, false, false>" in spec.template
-    split = forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, False)  # the persistent kernel, split tiles
+    split = forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, False)  # persistent, split tiles
     assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true>")
     assert split.smem_bytes == forward_sm90.variant_spec("ws3_n128_p", "bf16", 64, False, False).smem_bytes + 2 * 64 * 8
     assert forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, True) == forward_sm90.variant_spec(
         "ws_n128_p", "bf16", 64, False, True)  # a score mod: two warpgroups, no split
-    assert forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, True) == forward_sm90.variant_spec("ws_n128", "bf16", 64,
-                                                                                           False, True)
-    assert forward_sm90.variant_spec("ws3_n128", "bf16", 128, True, False) == forward_sm90.variant_spec("ws_n128", "bf16", 128,
-                                                                                            True, False)
+    assert (forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, True)
+            == forward_sm90.variant_spec("ws_n128", "bf16", 64, False, True))
+    assert (forward_sm90.variant_spec("ws3_n128", "bf16", 128, True, False)
+            == forward_sm90.variant_spec("ws_n128", "bf16", 128, True, False))
     configure(sm90=True)
     monkeypatch.setattr(forward, "SM90_DEFAULT_VARIANTS", {64: "ws3_n128"})
     monkeypatch.setattr(forward, "SM90_SHORT_VARIANTS", {})  # every length
@@ -509,7 +511,7 @@ def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
     q = _FakeDeviceArray(np.zeros((2, 400, 4, 64), np.float16), 0)
     out = checks.contiguous("out", q.shape, np.float16)
     call = _forward_call(problem, q, q, q, out, None, device_id=0, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     assert call.spec == spec.__class__("fp16", 64, False, **forward_sm90.variant_options("ws3_n128", 64))
     assert call.kernel_call.launches[0][1:5] == (3, 4, 2, 512)  # ceil(400 / 192) query blocks, heads, batch; threads
     assert tma.map_layout(q, call.spec.block_m)[3] == (64, 1, 192, 1)
@@ -517,12 +519,12 @@ def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
     monkeypatch.setattr(forward, "SM90_DEFAULT_VARIANTS", {64: "ws_n128_p"})
     monkeypatch.setattr(forward, "SM90_SHORT_VARIANTS", {})  # every length
     call = _forward_call(problem, q, q, q, out, None, device_id=0, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     assert call.spec.persistent and call.spec.consumers == 2 and call.kernel_call.launches[0][1:5] == (32, 1, 1, 384)
     long = checks.Problem(2, 40000, 400, 4, 4, 64, np.dtype(np.float16))
     ql = _FakeDeviceArray(np.zeros((2, 40000, 4, 64), np.float16), 0)
     call = _forward_call(long, ql, q, q, checks.contiguous("out", ql.shape, np.float16), None, device_id=0,
-                            softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+                         softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     assert call.kernel_call.launches[0][1:4] == (132, 1, 1) and call.spec.band
     p = np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
     assert (p["seqlen_q"], p["nheads"], p["batch"]) == (40000, 4, 2)
@@ -542,8 +544,8 @@ def test_sm90_o_tma_per_variant(configure, no_gpu_kernels, monkeypatch):
         for variant, want in (("ws3_n128_p_split", table), ("ws3_n128_p", table), ("ws_n128_p", table)):
             monkeypatch.setattr(forward, "SM90_DEFAULT_VARIANTS", {64: variant})
             call = _forward_call(problem, q, q, q, checks.contiguous("out", q.shape, np.float16), None,
-                                    device_id=0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                    softcap=0.0, alibi_slopes=None)
+                                 device_id=0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                 softcap=0.0, alibi_slopes=None)
             assert call.spec.split == (variant == "ws3_n128_p_split")
             assert np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]["o_tma"] == want, variant
 

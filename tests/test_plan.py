@@ -111,10 +111,10 @@ def test_backward_plan():
     assert det.grid[0] == det.slices and 1 <= det.slices <= 8
     with pytest.raises(NotImplementedError, match="head dim 160"):  # no wide backward on sm_80
         backward.plan_backward(checks.Problem(1, 8, 8, 1, 1, 160, np.dtype(np.float16)), -1, -1, False, False,
-                           "sm_80", 108)
+                               "sm_80", 108)
     with pytest.raises(NotImplementedError, match="head dim 264"):  # nor past 256 anywhere
         backward.plan_backward(checks.Problem(1, 8, 8, 1, 1, 264, np.dtype(np.float16)), -1, -1, False, False,
-                           "sm_90a", 132)
+                               "sm_90a", 132)
 
 
 def test_grid_limits_are_checked_before_launch():
@@ -237,8 +237,8 @@ def test_sm90_backward_slots_end_soonest_with_fewest_slices():
 
 
 def test_sm90_backward_slot_ties_broken_by_passes():
-    """bwd_sm90_slots' max_passes (the bwd_sm90_det_max_passes setting, off by default): among the slot counts that finish as soon,
-    the fewest with at most that many key blocks per slot; none such: the fewest slots as without it."""
+    """slots_sm90's max_passes (the bwd_sm90_det_max_passes setting, off by default): among the slot counts that
+    finish as soon, the fewest with at most that many key blocks per slot; none such: the fewest slots as without it."""
     assert backward.slots_sm90(32, 128, 132) == 1                 # d 64 4k: 1, 2, 4, ... slots tie
     assert backward.slots_sm90(32, 128, 132, max_passes=16) == 2
     assert backward.slots_sm90(8, 512, 132, max_passes=16) == 1   # 1k: 8 blocks per slot already
@@ -319,9 +319,9 @@ def test_kv_bound_blocks():
 
 
 def test_deterministic_fixed_point_rule(configure):
-    """The bwd_sm90_det setting "auto": the fixed point where the slot rule gives several slots or from fixed_min_blocks key
-    blocks on (per head dim; a causal mask's count as half), not with the d = 64 score-mod kernel (no TMA dQ);
-    "slices" never; a fixed slot count keeps slices."""
+    """The bwd_sm90_det setting "auto": the fixed point where the slot rule gives several slots or from
+    backward.FIXED_MIN_BLOCKS key blocks on (per head dim; a causal mask's count as half), not with the d = 64 score-mod
+    kernel (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
     from cuflash import checks
     from cuflash.ops import backward
     configure(bwd_sm90=True)

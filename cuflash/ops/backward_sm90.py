@@ -70,7 +70,7 @@ class BwdSm90Spec:
     @property
     def template(self) -> str:
         return plan.template("bwd_sm90_kernel", self.dtype, (self.headdim, self.block_m),
-                              (self.band, self.score_mod, self.fixed))
+                             (self.band, self.score_mod, self.fixed))
 
     @property
     def tma_dq(self) -> bool:  # BwdSm90::TMA_DQ: dQ added by TMA from staging buffers
@@ -125,8 +125,8 @@ class BackwardMain:
 
 def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_id: int) -> BackwardMain:
     """The main launch for these layouts (arrays or TensorSpecs, padded or packed) with BwdParams already filled
-    (`inner_params`, a BwdParams scalar, cuflash.ops.backward.PARAMS_DTYPE). Mode 2 (the fixed point) runs on the `fixed` kernels only, and
-    they on nothing else."""
+    (`inner_params`, a cuflash.ops.backward.PARAMS_DTYPE scalar). Mode 2 (the fixed point) runs on the `fixed`
+    kernels only, and they on nothing else."""
     if spec.fixed != (int(inner_params["deterministic"]) == 2):
         raise ValueError(f"{spec.name}: deterministic mode {int(inner_params['deterministic'])} on the wrong kernel")
     p = np.zeros((), dtype=params_dtype(inner_params.dtype))

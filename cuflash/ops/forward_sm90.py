@@ -57,8 +57,8 @@ class FwdSm90Spec:
     @property
     def template(self) -> str:
         return plan.template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
-                              (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent,
-                               self.split))
+                             (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent,
+                              self.split))
 
     def _smem_bytes(self, o_tile: bool, q_bufs: int = 1) -> int:
         """FwdSm90::SMEM_BYTES: Q tiles, K and V slots[, O], mbarriers (Q full[, empty] per Q tile, K and V full
@@ -237,8 +237,8 @@ _POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the four map
 
 
 class ForwardCall:
-    """The Hopper forward behind the call interface of the forward's KernelCall (``cuflash.api.forward_call``):
-    ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k)`` with data pointers (0 where absent). The
+    """The Hopper forward behind the call interface of the portable forward's KernelCall
+    (:func:`cuflash.ops.forward.forward_call`): ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k)`` with data pointers (0 where absent). The
     tensor maps embed q, k, v and o's addresses, so a call encodes them (cached per pointer by cuflash.tma) into the
     head of the struct."""
 

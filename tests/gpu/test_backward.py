@@ -264,9 +264,9 @@ def test_sm90_backward_several_blocks_and_repeatable(compiled, sm90_backward, hk
 @pytest.mark.parametrize("slots", [2, 3])
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_deterministic_over_several_passes(configure, compiled, sm90_backward, slots, d):
-    """Deterministic mode with a fixed slot count (bwd_sm90_det_slots), so that each slot takes several key blocks in its snake order (7
-    here: with 3 slots the last, odd pass leaves slots 0 and 1 without one), under causal, local and no masks, GQA
-    and packed sequences: against the reference, and bitwise equal over repeated calls."""
+    """Deterministic mode with a fixed slot count (bwd_sm90_det_slots), so that each slot takes several key blocks in
+    its snake order (7 here: with 3 slots the last, odd pass leaves slots 0 and 1 without one), under causal, local and
+    no masks, GQA and packed sequences: against the reference, and bitwise equal over repeated calls."""
     from cuflash.ops import backward
     configure(bwd_sm90_det_slots=slots)
     backward._launches.clear()

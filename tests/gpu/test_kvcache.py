@@ -214,8 +214,8 @@ def test_every_split_count_agrees(compiled):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_split_merge_both_ways(configure, compiled, decode_path, fused):
-    """The decode_fused_max_splits setting: the splits merged by the TMA decode kernel (the last CTA of each row tile) or by
-    decode_combine (always, after the cp.async kernel), both against the reference: several split counts,
+    """The decode_fused_max_splits setting: the splits merged by the TMA decode kernel (the last CTA of each row
+    tile) or by decode_combine (always, after the cp.async kernel), both against the reference: several split counts,
     speculative rows over several row tiles, an empty row, appends. The fused merge leaves its stream's counters at
     zero for the next call."""
     import cupy
