@@ -71,7 +71,7 @@ def on(stream):
 
 def require_device_arrays(**arrays) -> None:
     """CuPy arrays whose 16-byte chunks along the last axis are aligned (cp.async copies 16 bytes)."""
-    import cupy
+    cupy = import_cupy()
     for name, x in arrays.items():
         if x is None:
             continue
@@ -90,7 +90,7 @@ def require_device_arrays(**arrays) -> None:
 
 def require_device_index_arrays(**arrays) -> None:
     """Index arrays (cache_seqlens, cache_batch_idx, block_table) that are CuPy arrays."""
-    import cupy
+    cupy = import_cupy()
     for name, x in arrays.items():
         if x is not None and not isinstance(x, cupy.ndarray):
             raise TypeError(f"{name}: expected a cupy.ndarray of int32, got "

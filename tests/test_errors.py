@@ -104,3 +104,16 @@ def test_missing_framework(monkeypatch, module, framework, message):
     with pytest.raises(ModuleNotFoundError, match=message) as info:
         importlib.import_module(module)
     assert info.value.name == framework  # pytest.importorskip and similar checks still see which module is missing
+
+
+def test_public_calls_without_cupy_say_so(monkeypatch, fresh_device_check):
+    """Valid host arrays get as far as the CuPy check, which names the install command."""
+    import numpy as np
+    import cuflash
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    q = np.zeros((1, 8, 2, 64), np.float16)
+    lse = np.zeros((1, 2, 8), np.float32)
+    for call in (lambda: cuflash.attention(q, q, q), lambda: cuflash.attention_backward(q, q, q, q, q, lse),
+                 lambda: cuflash.attention_with_kvcache(q[:, :1], q, q)):
+        with pytest.raises(ModuleNotFoundError, match=r"cuflash needs CuPy: pip install 'cuflash\[cuda13\]'"):
+            call()

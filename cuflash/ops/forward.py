@@ -300,7 +300,6 @@ def _layout(x) -> tuple:
 def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream):
     """:func:`cuflash.attention`: check, resolve the options, allocate, launch. A call with the layouts and
     options of an earlier one skips straight to the launch."""
-    import cupy
     try:  # one key for the checks and the launch: layouts of the arrays, values of the options
         key = (_layout(q), _layout(k), _layout(v), alibi_slopes is not None and _layout(alibi_slopes),
                type(softmax_scale), softmax_scale, type(causal), causal, type(window_size), window_size,
@@ -329,6 +328,7 @@ def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes
     elif (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
         runtime.require_device_arrays(q=q, k=k, v=v)  # says which pointer
     call, device_id, lse_shape = hit
+    import cupy  # (a first call imported it through the checks, or said how to install it)
     with runtime.device(device_id), runtime.on(stream):
         out = cupy.ndarray(q.shape, q.dtype)
         lse = cupy.ndarray(lse_shape, np.float32) if return_lse else None
