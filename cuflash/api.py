@@ -1,6 +1,6 @@
-"""The public functions on CuPy arrays. Each checks its arguments, resolves the options once
-(:mod:`cuflash.options`) and hands the call to its operation (:mod:`cuflash.ops`), which chooses, plans and
-launches the kernels."""
+"""The public functions on CuPy arrays. Each checks its arguments and hands the call to its operation
+(:mod:`cuflash.ops`), which resolves the options once per call signature (:mod:`cuflash.options`), chooses the
+kernels, plans and launches them."""
 from __future__ import annotations
 
 import numpy as np
@@ -90,10 +90,10 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
     problem = checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
-    runtime.require_gpu()  # after the checks, which need no GPU; once per process
     if not lse.flags.c_contiguous:
         raise ValueError(f"lse: must be contiguous (batch, nheads, seqlen_q); got strides "
                          f"{checks.elem_strides(lse)} elements")
+    runtime.require_gpu()  # after the checks, which need no GPU; once per process
     import cupy
     with cupy.cuda.Device(q.device.id), runtime.on(stream):
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
@@ -195,10 +195,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                                   cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
-    runtime.require_gpu()  # after the checks, which need no GPU; once per process
     if not lse.flags.c_contiguous:
         raise ValueError(f"lse: must be contiguous (nheads, total_q); got strides {checks.elem_strides(lse)} "
                          "elements")
+    runtime.require_gpu()  # after the checks, which need no GPU; once per process
     import cupy
     with cupy.cuda.Device(q.device.id), runtime.on(stream):
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
