@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Picks the Hopper forward's short-sequence table (forward.SM90_SHORT_VARIANTS) from benchmark runs of candidate tables.
+"""Picks the Hopper forward's short-sequence table (forward.SM90_SHORT_VARIANTS) from benchmark runs of candidate
+tables.
 
     python3 scripts/pick_short_variants.py LABEL=TEXT:RUN.json[+RUN2.json...] ... [--margin 0.02]
 

@@ -4,8 +4,8 @@
 
 Per head dim, the variant with the highest geometric mean of its TFLOP/s over the cells every variant ran longer than
 SHORT_SEQLEN (all cells if none is); cells whose check failed disqualify the variant. The line is what
-CUFLASH_SM90_VARIANTS takes (cuflash/ops/forward.py); the per-variant means go to stderr, with the best variants per (head
-dim, causal) over the short cells (forward.SM90_SHORT_VARIANTS' form).
+CUFLASH_SM90_VARIANTS takes (cuflash/ops/forward.py); the per-variant means go to stderr, with the best variants per
+(head dim, causal) over the short cells (forward.SM90_SHORT_VARIANTS' form).
 """
 import json
 import math

@@ -180,8 +180,8 @@ def _varlen_cases() -> list[dict]:
 
 
 def _sm90_cases() -> list[dict]:
-    """Each Hopper forward variant (cuflash.ops.forward_sm90.attention_sm90, sm_90a only) at d 64, 128, 256 on a ragged shape
-    with causal and lse, one score-mod case each, and a shape with more tiles than SMs (the persistent walk)."""
+    """Each Hopper forward variant (cuflash.ops.forward_sm90.attention_sm90, sm_90a only) at d 64, 128, 256 on a ragged
+    shape with causal and lse, one score-mod case each, and a shape with more tiles than SMs (the persistent walk)."""
     from cuflash.ops import forward_sm90
     cases = []
     for variant in forward_sm90.VARIANTS:
@@ -198,8 +198,8 @@ def _sm90_cases() -> list[dict]:
             cases.append(dict(name=f"sm90_{variant}_bf16_d64_causal_many_tiles", fn="attention_sm90", dtype="bf16",
                               shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=64),
                               opts=dict(variant=variant, causal=True)))
-        if forward_sm90.variant_spec(variant, "bf16", 64, False, False).split:  # split tail tiles (1000 = 5 x 192 + 40),
-            cases.append(dict(name=f"sm90_{variant}_bf16_d64_split_tiles", fn="attention_sm90",  # several per CTA
+        if forward_sm90.variant_spec(variant, "bf16", 64, False, False).split:  # split tail tiles (1000 = 5 x 192
+            cases.append(dict(name=f"sm90_{variant}_bf16_d64_split_tiles", fn="attention_sm90",  # + 40), several a CTA
                               dtype="bf16", shape=dict(b=2, sq=1000, sk=700, h=24, hk=6, d=64),
                               opts=dict(variant=variant)))
     # the Hopper backward's deterministic fixed point (the bwd_sm90_det setting "fixed": bwd_kv_bound, the int32 dQ

@@ -1,6 +1,6 @@
-"""A first look at the Hopper backward's deterministic fixed point (the bwd_sm90_det setting "fixed", cuda_src/fixed_dq.cuh):
-against atomic mode and against a second deterministic call, at d 64 and 128, with and without a causal mask, and
-the GPU time of both modes. Exits nonzero on a mismatch."""
+"""A first look at the Hopper backward's deterministic fixed point (the bwd_sm90_det setting "fixed",
+cuda_src/fixed_dq.cuh): against atomic mode and against a second deterministic call, at d 64 and 128, with and without
+a causal mask, and the GPU time of both modes. Exits nonzero on a mismatch."""
 import sys
 
 import numpy as np
