@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--paged-max-gb", type=float, default=8.0, help="paged column only up to this K/V size")
     p.add_argument("--rep", type=int, default=100, help="ms of timed calls per measurement (do_bench)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per implementation and cell; the least "
-                   "median counts (session 6: single measurements of the 1k-8k cells at batch 1-8 swung 2-3x for "
+                   "median counts (single measurements of the 1k-8k cells at batch 1-8 swung 2-3x for "
                    "every implementation in one run of four)")
     return p.parse_args(argv)
 

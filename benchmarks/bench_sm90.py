@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Hopper forward variants (cuflash.hopper.attention_sm90) beside the portable kernel and SDPA.
+"""Hopper forward variants (cuflash.ops.forward_sm90.attention_sm90) beside the portable kernel and SDPA.
 
 Grid (as bench_attention.py, see shared ANCHORS.md): 16k tokens per batch (batch = 16384 //
 seqlen), hidden size 2048 (nheads = 2048 // headdim), head dims 64 and 128 (--dims adds 256, the
 Hopper kernel's third), causal off and on, seqlen 1024, 4096, 16384, bf16 (or --dtype fp16).
 
 Four forwards per cell, in one process, on the same torch tensors (b, s, h, d):
-- sm90: cuflash.hopper.attention_sm90 (wgmma/TMA, fwd_sm90.cu; the variant given by --variant), on
+- sm90: cuflash.ops.forward_sm90.attention_sm90 (wgmma/TMA, fwd_sm90.cu; the variant given by --variant), on
   zero-copy CuPy views (DLPack) inside torch's current stream;
 - portable: cuflash.attention with the Hopper forward switched off (the mma.sync kernels the planner
   picks), same views, same stream;
@@ -46,8 +46,8 @@ import bench_attention as ba  # noqa: E402  -- shared stack import, interop, tim
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 QUICK_SEQLENS = (1024, 4096)
-HEADDIMS = (64, 128)  # the ANCHORS grid's; cuflash.hopper.HEADDIMS (ALL_HEADDIMS) adds 256
-from cuflash.hopper import HEADDIMS as ALL_HEADDIMS, VARIANTS  # noqa: E402  -- pure Python, no GPU needed
+HEADDIMS = (64, 128)  # the ANCHORS grid's; forward_sm90.HEADDIMS (ALL_HEADDIMS) adds 256
+from cuflash.ops.forward_sm90 import HEADDIMS as ALL_HEADDIMS, VARIANTS  # noqa: E402  -- pure Python, no GPU needed
 IMPLS = ("sm90", "portable", "flash", "cudnn")
 PEERS = ("portable", "flash", "cudnn")
 CHECK_REFS = ("portable", "flash", "cudnn")  # the first that ran is the sanity check's reference
@@ -61,7 +61,7 @@ OP = ba.Op(title="Hopper forward (sm90)", unit="TFLOP/s", grid=ba.training_grid,
                     ba.Column("sm90/cudnn", "ratio_cudnn", "10.3f", 10),
                     ba.Column("  maxdiff", "max_abs_diff", "9.2e", 9)))
 
-hopper = None  # cuflash.hopper, imported in main() after ba._import_gpu_stack()
+hopper = None  # cuflash.ops.forward_sm90, imported in main() after ba._import_gpu_stack()
 
 
 class KernelHung(RuntimeError):
@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"seqlens {','.join(map(str, QUICK_SEQLENS))} only")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--variant", choices=VARIANTS, default="lockstep",
-                   help="the Hopper kernel's variant (cuflash.hopper.VARIANTS): lockstep (first version), ws "
+                   help="the Hopper kernel's variant (cuflash.ops.forward_sm90.VARIANTS): lockstep (first version), ws "
                         "(warp-specialized producer, deeper ring), pingpong (ws, consumer warpgroups take turns), "
                         "ws_n128 and pingpong_n128 (those with 128-key blocks), ws3_n128 (three consumer "
                         "warpgroups at d 64), ws_n128_p and pingpong_n128_p (ws_n128 and pingpong_n128, persistent), "
@@ -141,7 +141,7 @@ def sm90_cell(cell: dict, args) -> dict:
 
     def run_sm90():
         with stream:  # attention_sm90 takes no stream: it launches on CuPy's current one
-            return hopper.attention_sm90(qc, kc, vc, causal=causal, variant=args.variant)
+            return forward_sm90.attention_sm90(qc, kc, vc, causal=causal, variant=args.variant)
 
     def run_portable():
         return cuflash.attention(qc, kc, vc, causal=causal, stream=stream)
@@ -258,11 +258,12 @@ def main(argv=None) -> int:
         print(f"bench_sm90: skipped: cuflash: {ba.CUFLASH_IMPORT_ERROR}", file=sys.stderr)
         return 2
     try:
-        from cuflash import hopper as _hopper, plan
-        hopper = _hopper
-        plan.SM90_FORWARD["enabled"] = False  # the "portable" column is the portable kernel, not the planner's pick
+        from cuflash import settings
+        from cuflash.ops import forward_sm90
+        hopper = forward_sm90
+        settings.override(sm90=False).__enter__()  # the "portable" column is the portable kernel, for the whole run
     except Exception as e:  # noqa: BLE001
-        print(f"bench_sm90: skipped: cuflash.hopper: {ba.short_error(e)}", file=sys.stderr)
+        print(f"bench_sm90: skipped: cuflash.ops.forward_sm90: {ba.short_error(e)}", file=sys.stderr)
         return 2
     meta = ba.run_meta()
     print(f"device {meta['device']}  torch {meta['torch_version']}  triton "

@@ -66,7 +66,8 @@ def _sdpa_cudnn(q, k, v, **kwargs):
 def setup(args):
     """(plan lines, {impl: fn}) for --op: cuflash on torch's current stream, and the decode's SDPA cuDNN peer."""
     import torch
-    from cuflash import build, checks, plan
+    from cuflash import build, checks, options
+    from cuflash.ops import backward, backward_sm90, decode, forward
     torch.manual_seed(0)
     cf, stream, dev, bf16 = ba.cuflash, ba.cupy_stream(), torch.cuda.current_device(), torch.bfloat16
     if args.op == "decode":  # as bench_decode.py: SDPA's (b, hk, n, d) storage, cuflash's (b, n, hk, d) view of it
@@ -79,26 +80,26 @@ def setup(args):
                                                            num_splits=args.num_splits, stream=stream)}
         fns["sdpa_cudnn"] = _sdpa_cudnn(q, k, v, enable_gqa=True)
 
-        def describe():  # as api._prepare_decode: a seqlens array bounds the splits by the capacity
+        def describe():  # as decode.prepare: a seqlens array bounds the splits by the capacity
             pb = checks.check_kvcache(qc, kc, vc, cache_seqlens=seqlens, num_splits=args.num_splits)
-            left, right = plan.normalize_window(*checks.window(False, (-1, -1)), pb.seqlen_q, pb.seqlen_k)
-            launch = plan.plan_decode(pb, left, right, False, args.num_splits, build.sm_count(dev))
+            left, right = options.normalize_window(*checks.window(False, (-1, -1)), pb.seqlen_q, pb.seqlen_k)
+            launch = decode.plan_decode(pb, left, right, False, args.num_splits, build.sm_count(dev))
             return f"plan_decode: splits {launch.splits}, grid {launch.grid}, {launch.spec}"
         return _plan(describe), fns
     b, s, h, d = args.batch, args.seqlen, args.heads, args.headdim
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=bf16) for _ in range(4))
     qc, kc, vc, doc = (ba.to_cupy(x) for x in (q, k, v, dout))
-    left, right = plan.normalize_window(*checks.window(args.causal, (-1, -1)), s, s)
+    left, right = options.normalize_window(*checks.window(args.causal, (-1, -1)), s, s)
 
-    def describe():  # as api.forward_call / api.backward_call
+    def describe():  # as forward.forward_call / backward.backward_call
         pb, arch = checks.check_attention(qc, kc, vc, causal=args.causal), build.device_arch(dev)
         if args.op == "fwd":
-            variant = plan.sm90_forward_variant(pb, arch, left >= 0 or right >= 0)
+            variant = forward.sm90_variant(pb, arch, left >= 0 or right >= 0)
             return (f"forward: Hopper variant {variant}" if variant else
-                    f"plan_forward: {plan.plan_forward(pb, left, right, False, arch)}")
-        launch = plan.plan_backward(pb, left, right, False, args.deterministic, arch, build.sm_count(dev))
+                    f"plan_forward: {forward.plan_forward(pb, left, right, False, arch)}")
+        launch = backward.plan_backward(pb, left, right, False, args.deterministic, arch, build.sm_count(dev))
         return (f"plan_backward: grid {launch.grid}, slices {launch.slices}, Hopper "
-                f"kernel {plan.bwd_sm90_applies(pb, False, arch)}, portable spec {launch.spec}")
+                f"kernel {backward_sm90.applies(pb, False, arch)}, portable spec {launch.spec}")
     if args.op == "fwd":
         fns = {"cuflash": lambda: cf.attention(qc, kc, vc, causal=args.causal, stream=stream)}
         if args.peer:  # SDPA's (b, h, s, d) view of the same storage

@@ -1,6 +1,6 @@
 """Run-time compilation of ``cuda_src/`` with NVRTC.
 
-Kernels are templates; a specialization (a :class:`~cuflash.plan.FwdSpec`) is instantiated through
+Kernels are templates; a specialization (e.g. a :class:`~cuflash.ops.forward.FwdSpec`) is instantiated through
 NVRTC's name expressions, compiled for the device's own architecture (``sm_90a`` on Hopper), and
 memoized per device. CuPy's on-disk cache keys on the source text and the options, not on headers
 reached through ``-I``, so the options carry a hash of every file in ``cuda_src/``: editing a header
@@ -28,7 +28,7 @@ SOURCE_DIR = _find_source_dir()
 @functools.lru_cache(maxsize=None)
 def source_hash() -> str:
     h = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.rglob("*.cu*")):  # (subfolders: kernel variants for A/Bs, scripts/kernel_variant.sh)
+    for path in sorted(SOURCE_DIR.rglob("*.cu*")):  # subfolders too
         h.update(path.relative_to(SOURCE_DIR).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -134,8 +134,10 @@ def precompile(specs=None, device_id: int | None = None, workers: int = 1, progr
     list of str
         The names of the compiled kernels.
     """
-    import cupy
-    from .plan import all_specs
+    from .ops import all_specs
+    from .runtime import import_cupy, require_gpu
+    require_gpu()
+    cupy = import_cupy()
     if device_id is None:
         device_id = cupy.cuda.Device().id
     specs = list(specs) if specs is not None else all_specs(device_arch(device_id))

@@ -102,6 +102,12 @@ def alibi_batch_stride(alibi) -> int:
     return elem_strides(alibi)[0] if alibi is not None and len(alibi.shape) == 2 else 0
 
 
+def contiguous(name: str, shape, dtype, device=None) -> TensorSpec:
+    """The layout of an output allocated contiguous (only its strides are read)."""
+    strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+    return TensorSpec(name, tuple(shape), np.dtype(dtype), strides, device)
+
+
 def spec(x, name: str) -> TensorSpec | None:
     """Describe array ``x`` (CuPy or NumPy) as a :class:`TensorSpec`; ``None`` gives ``None``.
 
@@ -140,7 +146,7 @@ def window(causal, window_size) -> tuple[int, int]:
     expected = f"window_size: expected a pair of ints >= -1, got {window_size!r}"
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(expected)
-    if not all(_is_int(w) for w in window_size):
+    if not all(is_int(w) for w in window_size):
         raise TypeError(expected)
     left, right = (int(w) for w in window_size)
     if left < -1 or right < -1:
@@ -254,11 +260,11 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     cache_batch_idx = _spec(cache_batch_idx, "cache_batch_idx", required=False)
     block_table = _spec(block_table, "block_table", required=False)
     alibi_slopes = _spec(alibi_slopes, "alibi_slopes", required=False)
-    if cache_seqlens is not None and not _is_int(cache_seqlens) \
+    if cache_seqlens is not None and not is_int(cache_seqlens) \
             and not all(hasattr(cache_seqlens, a) for a in ("shape", "dtype", "strides")):
         raise TypeError(f"cache_seqlens: expected an int or an int32 array, "
                         f"got {_given(cache_seqlens)}")
-    seqlens_array = None if _is_int(cache_seqlens) else _spec(cache_seqlens, "cache_seqlens",
+    seqlens_array = None if is_int(cache_seqlens) else _spec(cache_seqlens, "cache_seqlens",
                                                              required=False)
 
     seqlen_k = _check_cache(q, k_cache, v_cache, cache_batch_idx, block_table)
@@ -443,7 +449,7 @@ def _check_real(value, name: str, expected: str, ok) -> None:
 
 def _check_int(value, name: str, minimum: int) -> None:
     expected = f"an int >= {minimum}" if minimum != 1 else "a positive int"
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name}: expected {expected}, got {_given(value)}")
     if value < minimum:
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
@@ -472,7 +478,8 @@ def _spec(x, name: str, required: bool = True) -> TensorSpec | None:
     return spec(x, name)
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An integer that is not a bool (Python or NumPy)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 

@@ -6,7 +6,7 @@
 Forward and backward are each one XLA custom call (``jax.ffi.ffi_call``) to a handler registered with
 XLA's typed FFI (``api_version=1``). The handler is a ctypes callback into Python: it reads the buffer
 pointers and the CUDA stream XLA hands it, wraps the buffers as CuPy arrays without copying, and launches
-:func:`cuflash.api.launch_forward` / :func:`~cuflash.api.launch_backward` on that stream. Nothing goes
+:func:`cuflash.ops.forward.launch` / :func:`cuflash.ops.backward.launch` on that stream. Nothing goes
 through the host: no ``pure_callback``, no device-to-host copy, no synchronization.
 
 Options travel as one string attribute of the custom call. The backward's workspaces (fp32 dQ
@@ -19,13 +19,19 @@ from __future__ import annotations
 import ast
 import functools
 
-import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
-from . import _xla_ffi as ffi
-from . import api, checks, plan
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as err:
+    raise ModuleNotFoundError(f"cuflash.jax needs JAX: pip install jax ({err})", name=err.name) from err
+import ml_dtypes  # noqa: E402
+
+from . import _xla_ffi as ffi  # noqa: E402
+from . import checks  # noqa: E402
+from .options import normalize_window  # noqa: E402
+from .ops import backward, forward  # noqa: E402
 
 __all__ = ["attention", "attention_varlen", "backward_workspace_bytes"]
 
@@ -225,20 +231,20 @@ def _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, opti
 
 def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, deterministic: bool,
                              rows: int | None = None) -> int:
-    """Bytes of the workspace :func:`cuflash.api.launch_backward` needs, the backward call's fourth result (an XLA
-    buffer; :func:`cuflash.plan.backward_workspace`: ``dsum``, ``lse_log2``, the fp32 dQ accumulator).
+    """Bytes of the workspace :func:`cuflash.ops.backward.launch` needs, the backward call's fourth result (an XLA
+    buffer; :func:`cuflash.ops.backward.workspace`: ``dsum``, ``lse_log2``, the fp32 dQ accumulator).
 
     Deterministic mode's slice count grows with the GPU's SM count and differs between the portable and the
     Hopper main kernel, so it is planned for the largest GPU visible here and the larger of the two (an upper
     bound for any of them), with room for the Hopper kernel's fixed point (one slice and two small pieces).
     `rows`: query rows of the workspaces, batch * seqlen_q by default, total_q for packed sequences.
     """
-    left, right = plan.normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
+    left, right = normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
     rows = problem.batch * problem.seqlen_q if rows is None else rows  # total_q for packed sequences
-    slices = max(plan.plan_backward(problem, left, right, score_mod, deterministic, arch, _max_sm_count()).slices
+    slices = max(backward.plan_backward(problem, left, right, score_mod, deterministic, arch, _max_sm_count()).slices
                  for arch in ("sm_80", "sm_90a"))
     # room for the fixed point's pieces too in deterministic mode (whether a GPU takes it depends on its SM count)
-    return plan.backward_workspace(rows, problem.nheads, problem.headdim, slices,
+    return backward.workspace(rows, problem.nheads, problem.headdim, slices,
                                    problem.nheads_k if deterministic else 0)[2]
 
 
@@ -287,7 +293,7 @@ def _run_forward(frame):
         q, k, v, *alibi = (_cupy(buf, device) for buf in ins)
         out, lse = (_cupy(buf, device) for buf in outs)
         options["alibi_slopes"] = alibi[0] if alibi else None
-        api.launch_forward(_problem(ins[0], ins[1]), q, k, v, out, lse, **options)
+        forward.launch(_problem(ins[0], ins[1]), q, k, v, out, lse, **options)
 
 
 def _run_backward(frame):
@@ -298,7 +304,7 @@ def _run_backward(frame):
         dout, q, k, v, out, lse, *alibi = (_cupy(buf, device) for buf in ins)
         dq, dk, dv, workspace = (_cupy(buf, device) for buf in outs)
         options["alibi_slopes"] = alibi[0] if alibi else None
-        api.launch_backward(_problem(ins[1], ins[2]), dout, q, k, v, out, lse, dq, dk, dv,
+        backward.launch(_problem(ins[1], ins[2]), dout, q, k, v, out, lse, dq, dk, dv,
                             deterministic=deterministic, workspace=workspace, **options)
 
 
@@ -309,7 +315,7 @@ def _run_varlen_forward(frame):
     with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
         q, k, v, cu_q, cu_k, *alibi = (_cupy(buf, device) for buf in ins)
         out, lse = (_cupy(buf, device) for buf in outs)
-        api.launch_forward(problem, q, k, v, out, lse, alibi_slopes=alibi[0] if alibi else None,
+        forward.launch(problem, q, k, v, out, lse, alibi_slopes=alibi[0] if alibi else None,
                            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)
 
 
@@ -320,7 +326,7 @@ def _run_varlen_backward(frame):
     with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
         dout, q, k, v, out, lse, cu_q, cu_k, *alibi = (_cupy(buf, device) for buf in ins)
         dq, dk, dv, workspace = (_cupy(buf, device) for buf in outs)
-        api.launch_backward(problem, dout, q, k, v, out, lse, dq, dk, dv, deterministic=deterministic,
+        backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, deterministic=deterministic,
                             alibi_slopes=alibi[0] if alibi else None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                             workspace=workspace, **options)
 

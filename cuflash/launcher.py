@@ -1,7 +1,7 @@
 """Launching compiled kernels by pointer, for the hot path of repeated calls.
 
 Every cuflash kernel takes one parameter struct by value whose leading fields are the data pointers
-(cuda_src/params.cuh; the layouts are cuflash.plan's *_PARAMS_DTYPE). For one call signature -- shapes,
+(cuda_src/params.cuh; the layouts are the ops modules' *PARAMS_DTYPE). For one call signature -- shapes,
 strides, dtypes, device and options -- everything after the pointers is fixed, so a :class:`KernelCall` keeps
 the struct filled in, and a call writes only the pointers and hands the struct to the driver
 (``cuLaunchKernel``): no NumPy structured scalar per call, no CuPy argument marshalling, no views of the

@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["encode_tiled", "check_tiled", "MAP_BYTES"]
+__all__ = ["encode_tiled", "check_tiled", "encoder", "map_layout", "layout_encoder", "MAP_BYTES"]
 
 MAP_BYTES = 128
 _DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7, "int32": 3}  # CUtensorMapDataType (cuda.h, CUDA 12-13)
@@ -62,6 +62,27 @@ def encoder(dtype, dims: tuple, strides: tuple, box: tuple, swizzle: int = 128):
     once: what a launch path calls per call (a cache lookup for a pointer seen before)."""
     key = (np.dtype(dtype).name, tuple(map(int, dims)), tuple(map(int, strides)), tuple(map(int, box)), int(swizzle))
     return lambda ptr: _encode(ptr, *key)
+
+
+def map_layout(x, rows_box: int) -> tuple:
+    """(dtype, dims, byte strides, box) of the tensor map of a layout (array or TensorSpec) with any 16-byte-aligned
+    strides: padded (batch, seqlen, heads, d) as 4-D (d, heads, seqlen, batch), box (64, 1, rows_box, 1); packed
+    (total, heads, d) as 3-D (d, heads, total), box (64, 1, rows_box). One 64-column panel of rows_box rows. An
+    axis of extent 1 is only ever read at index 0; its stride is replaced by the contiguous one, which TMA's rules
+    always accept."""
+    from .checks import elem_strides
+    dtype = np.dtype(x.dtype)
+    shape, strides = tuple(x.shape), [n * dtype.itemsize for n in elem_strides(x)]
+    contiguous = [int(np.prod(shape[i + 1:], dtype=np.int64)) * dtype.itemsize for i in range(len(shape))]
+    strides = [s if n > 1 else c for n, s, c in zip(shape, strides, contiguous)]
+    dims = tuple(reversed(shape))                     # innermost first: d, heads, rows[, batch]
+    box = (64, 1, rows_box) + (1,) * (len(shape) - 3)
+    return dtype, dims, tuple(reversed(strides[:-1])), box
+
+
+def layout_encoder(x, rows_box: int):
+    """ptr -> the tensor map (128-byte swizzle) of map_layout(x, rows_box) at that address."""
+    return encoder(*map_layout(x, rows_box), swizzle=128)
 
 
 @functools.lru_cache(maxsize=4096)

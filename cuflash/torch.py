@@ -25,12 +25,20 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
-import cupy
-import ml_dtypes
 import numpy as np
-import torch
 
-from . import api, checks
+from .runtime import import_cupy
+
+try:
+    import torch
+except ImportError as err:
+    raise ModuleNotFoundError(f"cuflash.torch needs PyTorch: pip install torch ({err})", name=err.name) from err
+cupy = import_cupy()
+import ml_dtypes  # noqa: E402  (a dependency of cupy's bfloat16 support and of cuflash)
+
+from . import api, checks, settings  # noqa: E402
+from .ops import backward, forward  # noqa: E402
+from .options import resolve  # noqa: E402
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
 
@@ -183,7 +191,7 @@ def _cache_seqlens(cache_seqlens) -> tuple:
     """The op's two arguments for ``cache_seqlens``: (int32 tensor or None, int or -1 for none)."""
     if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
         return cache_seqlens, -1
-    if not checks._is_int(cache_seqlens):
+    if not checks.is_int(cache_seqlens):
         raise TypeError(f"cache_seqlens: expected an int or an int32 tensor, got "
                         f"{type(cache_seqlens).__name__} {cache_seqlens!r}")
     if cache_seqlens < 0:
@@ -240,9 +248,10 @@ def _forward_launch(problem, specs: dict, options: dict):
     q, index = specs["q"], specs["q"].device
     lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
     with cupy.cuda.Device(index):
-        call = api.forward_call(problem, q, specs["k"], specs["v"], api._contiguous("out", q.shape, q.dtype),
-                                api._contiguous("lse", lse_shape, np.float32), device_id=index,
-                                alibi_slopes=specs["alibi_slopes"], **options)
+        call = forward.forward_call(problem, q, specs["k"], specs["v"], checks.contiguous("out", q.shape, q.dtype),
+                                    checks.contiguous("lse", lse_shape, np.float32),
+                                    resolve(problem, alibi_slopes=specs["alibi_slopes"], **options), device_id=index,
+                                    alibi_slopes=specs["alibi_slopes"])
 
     def launch(q, k, v, out, lse, alibi_slopes):
         with _on_device(index) as stream:
@@ -276,11 +285,13 @@ def _backward_launch(problem, specs: dict, options: dict, deterministic: bool):
     alibi_slopes)`` launching it on torch's current stream into contiguous dq, dk, dv, with its workspace from
     torch's caching allocator."""
     index = specs["q"].device
-    grads = (api._contiguous(n, specs[x].shape, specs[x].dtype) for n, x in (("dq", "q"), ("dk", "k"), ("dv", "v")))
+    grads = (checks.contiguous(n, specs[x].shape, specs[x].dtype) for n, x in (("dq", "q"), ("dk", "k"), ("dv", "v")))
     with cupy.cuda.Device(index):
-        call = api.backward_call(problem, specs["dout"], specs["q"], specs["k"], specs["v"], specs["out"],
-                                 specs["lse"], *grads, device_id=index, alibi_slopes=specs["alibi_slopes"],
-                                 deterministic=deterministic, packed=False, **options)
+        call = backward.backward_call(problem, specs["dout"], specs["q"], specs["k"], specs["v"], specs["out"],
+                                      specs["lse"], *grads, resolve(problem, alibi_slopes=specs["alibi_slopes"],
+                                                                    **options),
+                                      device_id=index, alibi_slopes=specs["alibi_slopes"],
+                                      deterministic=deterministic, packed=False)
     device = torch.device("cuda", index)
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes):
@@ -315,7 +326,7 @@ def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = q.new_empty((problem.nheads, q.shape[0]), dtype=torch.float32)
     with _on_torch_stream(q.device.index):
-        api.launch_forward(problem, _view(q), _view(k), _view(v), _view(out), _view(lse),
+        forward.launch(problem, _view(q), _view(k), _view(v), _view(out), _view(lse),
                            alibi_slopes=_view(alibi_slopes), cu_seqlens_q=_view(cu_seqlens_q),
                            cu_seqlens_k=_view(cu_seqlens_k), **options)
     return out, lse
@@ -341,7 +352,7 @@ def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     index = q.device.index
     with _on_torch_stream(index), cupy.cuda.using_allocator(_torch_allocator(index)):
-        api.launch_backward(problem, _view(dout), _view(q), _view(k), _view(v), _view(out), _view(lse),
+        backward.launch(problem, _view(dout), _view(q), _view(k), _view(v), _view(out), _view(lse),
                             _view(dq), _view(dk), _view(dv), alibi_slopes=_view(alibi_slopes),
                             deterministic=deterministic, cu_seqlens_q=_view(cu_seqlens_q),
                             cu_seqlens_k=_view(cu_seqlens_k), **options)
@@ -512,6 +523,7 @@ def _check_kvcache(tensors: dict, cache_len: int, options: dict) -> checks.Probl
 
 
 _problems: dict = {}  # signature of a call -> (Problem, launch or None): checks and planning once per signature
+settings.on_change(_problems.clear)  # launches planned under other settings are dropped
 
 
 def _checked_problem(values: tuple, tensors: dict, check) -> checks.Problem:

@@ -8,14 +8,15 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import cupy  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cuflash  # noqa: E402
+from cuflash.runtime import require_gpu  # noqa: E402
 
 
 def main():
+    import cupy
     b, sq, sk, h, hk, d = 2, 1000, 1500, 16, 4, 128
     rng = cupy.random.default_rng(0)
     q = rng.standard_normal((b, sq, h, d), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
@@ -52,4 +53,8 @@ def main():
 
 
 if __name__ == "__main__":
+    try:
+        require_gpu()  # CuPy installed and a CUDA device present, or one line saying what is missing
+    except (ImportError, RuntimeError) as err:
+        sys.exit(f"cupy_example.py: {err}")
     main()

@@ -10,10 +10,14 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+try:
+    import cuflash.jax
+    from cuflash.runtime import require_gpu
+    require_gpu()  # CuPy installed and a CUDA device present, or one line saying what is missing
+except (ImportError, RuntimeError) as err:
+    sys.exit(f"jax_example.py: {err}")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-import cuflash.jax  # noqa: E402
 
 
 def main():

@@ -15,10 +15,14 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+try:
+    import cuflash.torch
+    from cuflash.runtime import require_gpu
+    require_gpu()  # CuPy installed and a CUDA device present, or one line saying what is missing
+except (ImportError, RuntimeError) as err:
+    sys.exit(f"torch_gpt.py: {err}")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import cuflash.torch  # noqa: E402
 
 
 class Block(torch.nn.Module):

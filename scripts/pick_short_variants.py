@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Picks the Hopper forward's short-sequence table (plan.SM90_SHORT_VARIANTS) from benchmark runs of candidate tables.
+"""Picks the Hopper forward's short-sequence table (forward.SM90_SHORT_VARIANTS) from benchmark runs of candidate
+tables.
 
     python3 scripts/pick_short_variants.py LABEL=TEXT:RUN.json[+RUN2.json...] ... [--margin 0.02]
 
 TEXT is a CUFLASH_SM90_SHORT_VARIANTS value ("-" for the variable unset: the planner's own table) and each RUN a
-`benchmarks/bench_attention.py --op fwd --json` file made with it. Each cell up to plan.SM90_SHORT_SEQLEN keys
+`benchmarks/bench_attention.py --op fwd --json` file made with it. Each cell up to forward.SM90_SHORT_SEQLEN keys
 (head dim, causal, seqlen) scores the variant each table gives it (its entry, else the head dim's default variant)
 by cuflash's TFLOP/s, the best of the runs that measured that variant there. A variant replaces the head dim's
 default in a cell only when it beats it by more than --margin. Prints the scores, then on its last line the chosen
@@ -17,11 +18,15 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cuflash import plan  # noqa: E402
+from cuflash import settings  # noqa: E402
+from cuflash.ops import forward  # noqa: E402
 
 
 def table_of(text: str) -> dict:
-    return plan._short_table_from_env(None if text == "-" else text)
+    """A CUFLASH_SM90_SHORT_VARIANTS text ("-": unset, the built-in table) as the table it sets."""
+    if text == "-":
+        return forward.SM90_SHORT_VARIANTS
+    return forward.short_table(settings.Settings.from_env({"CUFLASH_SM90_SHORT_VARIANTS": text}).sm90_short_variants)
 
 
 def entries(picks: dict, defaults: dict) -> list:
@@ -36,7 +41,7 @@ def entries(picks: dict, defaults: dict) -> list:
         for i, (seqlen, variant) in enumerate(cells):
             if i + 1 < len(cells) and cells[i + 1][1] == variant:
                 continue
-            bound = "" if seqlen == plan.SM90_SHORT_SEQLEN else f"@{seqlen}"
+            bound = "" if seqlen == forward.SM90_SHORT_SEQLEN else f"@{seqlen}"
             items.append(f"{d}{'c' if band else ''}{bound}:{variant}")
     return items
 
@@ -59,14 +64,14 @@ def main(argv=None):
                 continue
             for r in rows:
                 t = r.get("tflops_cuflash")
-                if r.get("op") == "fwd" and t and r["seqlen"] <= plan.SM90_SHORT_SEQLEN:
+                if r.get("op") == "fwd" and t and r["seqlen"] <= forward.SM90_SHORT_SEQLEN:
                     d, band, seqlen = r["d"], bool(r["causal"]), r["seqlen"]
-                    variant = plan.short_variant(table, d, band, seqlen) or plan.SM90_DEFAULT_VARIANTS.get(d)
+                    variant = forward.short_variant(table, d, band, seqlen) or forward.SM90_DEFAULT_VARIANTS.get(d)
                     cell = scores.setdefault((d, band, seqlen), {})
                     cell[variant] = max(cell.get(variant, 0.0), t)
     picks = {}
     for (d, band, seqlen), by_variant in sorted(scores.items()):
-        default = plan.SM90_DEFAULT_VARIANTS.get(d)
+        default = forward.SM90_DEFAULT_VARIANTS.get(d)
         base = by_variant.get(default)
         variant, score = max(by_variant.items(), key=lambda kv: kv[1])
         picks[d, band, seqlen] = (variant if variant != default and (base is None or score > base * (1 + args.margin))
@@ -74,7 +79,7 @@ def main(argv=None):
         print(f"d {d:3d} {'causal' if band else 'full  '} {seqlen:5d}  " +
               "  ".join(f"{v} {t:.1f}" for v, t in sorted(by_variant.items(), key=lambda kv: -kv[1])) +
               f"  -> {picks[d, band, seqlen]}")
-    print(",".join(entries(picks, plan.SM90_DEFAULT_VARIANTS)))
+    print(",".join(entries(picks, forward.SM90_DEFAULT_VARIANTS)))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
 
 Per head dim, the variant with the highest geometric mean of its TFLOP/s over the cells every variant ran longer than
 SHORT_SEQLEN (all cells if none is); cells whose check failed disqualify the variant. The line is what
-CUFLASH_SM90_VARIANTS takes (cuflash/plan.py); the per-variant means go to stderr, with the best variants per (head
-dim, causal) over the short cells (plan.SM90_SHORT_VARIANTS' form).
+CUFLASH_SM90_VARIANTS takes (cuflash/ops/forward.py); the per-variant means go to stderr, with the best variants per
+(head dim, causal) over the short cells (forward.SM90_SHORT_VARIANTS' form).
 """
 import json
 import math
@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 
 
-SHORT_SEQLEN = 2048  # the head dim's own variant: from cells past it (plan.SM90_SHORT_SEQLEN's first value)
+SHORT_SEQLEN = 2048  # the head dim's own variant: from cells past it (at most forward.SM90_SHORT_SEQLEN)
 
 
 def geomeans(variants: dict, keep) -> tuple[dict, int]:
@@ -46,7 +46,7 @@ def main(paths) -> int:
         for v, m in sorted(means.items(), key=lambda x: -x[1]):
             print(f"d {d}: {v:14s} geomean {m:6.1f} TFLOP/s over {n} cells", file=sys.stderr)
         picks.append(f"{d}:{max(means, key=means.get)}")
-        for causal in (False, True):  # short sequences, per masking (cuflash.plan.SM90_SHORT_VARIANTS)
+        for causal in (False, True):  # short sequences, per masking (cuflash.ops.forward.SM90_SHORT_VARIANTS)
             means, n = geomeans(variants, lambda k: k[0] == causal and k[1] <= SHORT_SEQLEN)
             if n:
                 ranked = sorted(means.items(), key=lambda x: -x[1])
@@ -54,7 +54,7 @@ def main(paths) -> int:
                       ", ".join(f"{v} {m:.1f}" for v, m in ranked[:4]) + f" (over {n} cells)", file=sys.stderr)
                 short.append(f"({d}, {causal}): {ranked[0][0]!r}")
     if short:
-        print("short-sequence picks (plan.SM90_SHORT_VARIANTS form): {" + ", ".join(short) + "}", file=sys.stderr)
+        print("short-sequence picks (forward.SM90_SHORT_VARIANTS form): {" + ", ".join(short) + "}", file=sys.stderr)
     print(",".join(picks))
     return 0 if picks else 1
 

@@ -19,19 +19,19 @@ def main():
     ap.add_argument("--pattern", default="")
     ap.add_argument("--headdims", default="")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--hopper", action="store_true", help="also every Hopper forward specialization (cuflash.hopper)")
+    ap.add_argument("--hopper", action="store_true", help="also every Hopper forward specialization (cuflash.ops)")
     args = ap.parse_args()
     import cupy
     import cuflash
-    from cuflash import build, plan
+    from cuflash import build, ops
+    from cuflash.ops import backward_sm90, forward_sm90
     arch = build.device_arch(cupy.cuda.Device().id)
     dims = [d for d in args.headdims.split(",") if d]
     dim_re = re.compile(r"_d(" + "|".join(dims) + r")_") if dims else None
-    specs = [s for s in plan.all_specs(arch) if re.match(args.pattern, s.name)
+    specs = [s for s in ops.all_specs(arch) if re.match(args.pattern, s.name)
              and (dim_re is None or dim_re.search(s.name) or not re.search(r"_d\d+", s.name))]
     if args.hopper and arch == "sm_90a":
-        from cuflash import hopper
-        specs += hopper.all_specs() + hopper.all_backward_specs()
+        specs += forward_sm90.all_specs() + backward_sm90.all_specs()
     print(len(cuflash.precompile(specs, workers=args.workers, progress=False)), "kernels for", arch)
 
 

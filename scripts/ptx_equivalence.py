@@ -67,14 +67,13 @@ def main():
                     help="regex NEW on a template -> replacement OLD for the old revision, e.g. "
                          r"'(bwd_kernel<[^>]*), 1, (true|false), (true|false)>=\1, \2, \3>'")
     args = ap.parse_args()
-    from cuflash import plan
+    from cuflash.ops import backward, backward_sm90, decode, forward, forward_sm90
     arch = args.arch.replace("compute_", "sm_")
-    families = {"forward": plan.all_forward_specs(arch), "backward": plan.all_backward_specs(arch),
-                "decode": plan.all_decode_specs(arch)}
-    if args.hopper:  # the Hopper specializations (cuflash.hopper; tests/sm90_selftest.py; sm_90a)
-        from cuflash import hopper
+    families = {"forward": forward.all_specs(arch), "backward": backward.all_specs(arch),
+                "decode": decode.all_specs(arch)}
+    if args.hopper:  # the Hopper specializations (cuflash.ops; tests/sm90_selftest.py; sm_90a)
         from tests.sm90_selftest import KERNELS, SelftestSpec
-        families = {"hopper": hopper.all_specs(), "hopper_bwd": hopper.all_backward_specs(),
+        families = {"hopper": forward_sm90.all_specs(), "hopper_bwd": backward_sm90.all_specs(),
                     "selftest": [SelftestSpec(dtype, kernel) for kernel in KERNELS for dtype in ("bf16", "fp16")]}
     compile_arch = args.arch.replace("compute_", "sm_") if args.cubin else args.arch
     rewrites = [tuple(r.split("=", 1)) for r in args.old_template]

@@ -18,7 +18,7 @@ their kernels land. Shapes are deliberately off every tile size (17, 33, 70, 113
 Varlen cases (``--only varlen``) call ``cuflash.attention_varlen`` and its backward on packed
 sequences with lengths 0 (on either side), 1 and off-tile sizes.
 
-Hopper cases (``--only sm90_``) call ``cuflash.hopper.attention_sm90`` in each variant (skipped off sm_90a).
+Hopper cases (``--only sm90_``) call ``cuflash.ops.forward_sm90.attention_sm90`` in each variant (skipped off sm_90a).
 
 Backward cases (``--only bwd_``) call ``cuflash.attention_backward(dout, q, k, v, out, lse,
 causal=..., window_size=..., softcap=..., alibi_slopes=..., deterministic=False|True,
@@ -180,12 +180,12 @@ def _varlen_cases() -> list[dict]:
 
 
 def _sm90_cases() -> list[dict]:
-    """Each Hopper forward variant (cuflash.hopper.attention_sm90, sm_90a only) at d 64, 128, 256 on a ragged shape
-    with causal and lse, one score-mod case each, and a shape with more tiles than SMs (the persistent walk)."""
-    from cuflash import hopper
+    """Each Hopper forward variant (cuflash.ops.forward_sm90.attention_sm90, sm_90a only) at d 64, 128, 256 on a ragged
+    shape with causal and lse, one score-mod case each, and a shape with more tiles than SMs (the persistent walk)."""
+    from cuflash.ops import forward_sm90
     cases = []
-    for variant in hopper.VARIANTS:
-        for d in hopper.HEADDIMS:
+    for variant in forward_sm90.VARIANTS:
+        for d in forward_sm90.HEADDIMS:
             cases.append(dict(name=f"sm90_{variant}_bf16_d{d}_causal_lse", fn="attention_sm90", dtype="bf16",
                               shape=dict(MULTI, d=d), opts=dict(variant=variant, causal=True, return_lse=True)))
         cases.append(dict(name=f"sm90_{variant}_fp16_d64_window_softcap_alibi", fn="attention_sm90", dtype="fp16",
@@ -193,16 +193,16 @@ def _sm90_cases() -> list[dict]:
                                                              alibi=True)))
         cases.append(dict(name=f"sm90_{variant}_bf16_d128_many_tiles", fn="attention_sm90", dtype="bf16",
                           shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=128), opts=dict(variant=variant)))
-        if hopper.variant_spec(variant, "bf16", 64, True, False).tile_slots:
+        if forward_sm90.variant_spec(variant, "bf16", 64, True, False).tile_slots:
             # the tile ring wraps (9-10 tiles a CTA); bottom-right causal leaves the first 400 rows without keys
             cases.append(dict(name=f"sm90_{variant}_bf16_d64_causal_many_tiles", fn="attention_sm90", dtype="bf16",
                               shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=64),
                               opts=dict(variant=variant, causal=True)))
-        if hopper.variant_spec(variant, "bf16", 64, False, False).split:  # split tail tiles (1000 = 5 x 192 + 40),
-            cases.append(dict(name=f"sm90_{variant}_bf16_d64_split_tiles", fn="attention_sm90",  # several per CTA
+        if forward_sm90.variant_spec(variant, "bf16", 64, False, False).split:  # split tail tiles (1000 = 5 x 192
+            cases.append(dict(name=f"sm90_{variant}_bf16_d64_split_tiles", fn="attention_sm90",  # + 40), several a CTA
                               dtype="bf16", shape=dict(b=2, sq=1000, sk=700, h=24, hk=6, d=64),
                               opts=dict(variant=variant)))
-    # the Hopper backward's deterministic fixed point (plan.BWD_SM90_DET "fixed": bwd_kv_bound, the int32 dQ
+    # the Hopper backward's deterministic fixed point (the bwd_sm90_det setting "fixed": bwd_kv_bound, the int32 dQ
     # reductions, the scaled convert), d 64 (128 query rows) and 128, causal
     for d in (64, 128):
         cases.append(dict(name=f"sm90_bwd_fixed_bf16_d{d}_causal", fn="attention_backward", dtype="bf16",
@@ -265,13 +265,9 @@ def run_attention_backward(rng, case, stream):
     out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
     dout = _rand(rng, out.shape, case["dtype"])
     _ready()  # out, lse from the forward's stream; dout from the default stream's copy
-    from cuflash import plan
-    mode = plan.BWD_SM90_DET["mode"]
-    plan.BWD_SM90_DET["mode"] = case.get("det_mode", mode)  # plan_backward reads it when the call is first built
-    try:
+    from cuflash import settings
+    with settings.override(bwd_sm90_det=case.get("det_mode", settings.current().bwd_sm90_det)):
         return cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
-    finally:
-        plan.BWD_SM90_DET["mode"] = mode
 
 
 def run_attention_with_kvcache(rng, case, stream):
@@ -325,20 +321,15 @@ def run_attention_varlen_backward(rng, case, stream):
 
 
 def run_attention_sm90(rng, case, stream):
-    from cuflash import hopper, plan
+    from cuflash import settings
+    from cuflash.ops import forward_sm90
     q, k, v = _qkv(rng, case)
     kw = _kwargs(rng, case, stream)
     stream = kw.pop("stream")
-    o_tma = kw.pop("o_tma", None)  # plan.SM90_EPILOGUE's choice for every head dim, for this case
-    saved = dict(plan.SM90_EPILOGUE["tma_store"])
-    if o_tma is not None:
-        plan.SM90_EPILOGUE["tma_store"] = dict.fromkeys(saved, o_tma)
+    o_tma = kw.pop("o_tma", None)  # the sm90_o_tma setting for every head dim, for this case
     _ready()
-    try:
-        with (stream or cupy.cuda.get_current_stream()):
-            return hopper.attention_sm90(q, k, v, **kw)
-    finally:
-        plan.SM90_EPILOGUE["tma_store"] = saved
+    with settings.override(sm90_o_tma=o_tma), (stream or cupy.cuda.get_current_stream()):
+        return forward_sm90.attention_sm90(q, k, v, **kw)
 
 
 def _available(fn: str) -> bool:

@@ -14,7 +14,8 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import cuflash.jax  # noqa: E402
-from cuflash import _xla_ffi, plan, reference  # noqa: E402
+from cuflash import _xla_ffi, reference  # noqa: E402
+from cuflash.ops import backward
 
 _host_handlers = []
 
@@ -150,7 +151,7 @@ def test_lowering_is_two_custom_calls_with_a_workspace_output():
     problem = cuflash.checks.Problem(2, 33, 47, 4, 2, 32, np.dtype(np.float16))
     workspace = cuflash.jax.backward_workspace_bytes(problem, -1, 0, False, False)
     assert f"tensor<{workspace}xui8>" in text
-    aligned = lambda n: -(-n // plan.WORKSPACE_ALIGN) * plan.WORKSPACE_ALIGN  # noqa: E731
+    aligned = lambda n: -(-n // backward.WORKSPACE_ALIGN) * backward.WORKSPACE_ALIGN  # noqa: E731
     assert workspace == 2 * aligned(2 * 4 * 33 * 4) + aligned(2 * 33 * 4 * 32 * 4)
 
 

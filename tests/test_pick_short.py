@@ -1,12 +1,13 @@
 """scripts/pick_short_variants.py on synthetic bench_attention JSON: each short cell takes the fastest variant
 beyond the margin, and the picks come back as a CUFLASH_SM90_SHORT_VARIANTS value whose bounds give every cell its
-pick (checked through cuflash.plan's own parser and lookup)."""
+pick (checked through cuflash.settings' parser and cuflash.ops.forward's lookup)."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from cuflash import plan
+from cuflash import settings
+from cuflash.ops import forward
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "pick_short_variants.py"
 CELLS = [(d, c, s) for d in (64, 128) for c in (False, True) for s in (512, 1024, 2048, 4096)]
@@ -32,8 +33,8 @@ def test_each_cell_takes_its_fastest_variant_and_the_bounds_keep_it(tmp_path):
         "y": ("128:y", lambda d, c, s: 130.0 if s == 2048 else 80.0),         # wins 2k non-causal
         "z": ("64c:z", lambda d, c, s: 101.0),                                # within the margin: not taken
     })
-    table = plan._short_table_from_env(line)
-    picks = {cell: plan.short_variant(table, *cell) for cell in CELLS if cell[2] <= plan.SM90_SHORT_SEQLEN}
+    table = forward.short_table(settings.Settings.from_env({"CUFLASH_SM90_SHORT_VARIANTS": line}).sm90_short_variants)
+    picks = {cell: forward.short_variant(table, *cell) for cell in CELLS if cell[2] <= forward.SM90_SHORT_SEQLEN}
     assert picks == {(128, False, 512): "x", (128, False, 1024): "x", (128, False, 2048): "y",
                      (128, True, 512): "x", (128, True, 1024): "x", (128, True, 2048): None,
                      (128, False, 4096): None, (128, True, 4096): None,

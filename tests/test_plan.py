@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cuflash import build, checks, plan, reference
+from cuflash import build, checks, ops, options, plan, reference
+from cuflash.ops import backward, decode, forward, forward_sm90
+from tests.fixtures import configure  # noqa: F401  (a fixture)
 
 
 def _all_configs():
-    tables = list(plan.FWD_TABLE.items()) + list(plan.FWD_TABLE_SM90.items())
+    tables = list(forward.FWD_TABLE.items()) + list(forward.FWD_TABLE_SM90.items())
     for (arch, d, band), entries in tables:
         for bound, config in entries:
             yield arch, d, band, bound, config
@@ -22,12 +24,12 @@ def test_table_entries_are_launchable(arch, d, band, bound, config):
     assert d in plan.COMPILED_HEADDIMS
     assert config.block_m % (config.warps * 16) == 0, "each warp owns whole 16-row mma tiles"
     assert config.block_n % 16 == 0
-    spec = plan.FwdSpec("bf16", d, config, band, False)
+    spec = forward.FwdSpec("bf16", d, config, band, False)
     assert spec.smem_bytes <= 227 * 1024, "over the per-CTA shared-memory limit of sm_80/sm_90"
 
 
 def test_every_table_has_a_catch_all_last():
-    for table in (plan.FWD_TABLE, plan.FWD_TABLE_SM90):
+    for table in (forward.FWD_TABLE, forward.FWD_TABLE_SM90):
         for key, entries in table.items():
             bounds = [b for b, _ in entries]
             assert bounds[-1] is None, key
@@ -38,7 +40,7 @@ def test_every_head_dim_and_band_is_covered():
     for arch in plan.ARCHS:
         for d in plan.COMPILED_HEADDIMS:
             for band in (False, True):
-                assert plan.fwd_configs(arch, d, band)
+                assert forward.fwd_configs(arch, d, band)
 
 
 @pytest.mark.parametrize("headdim,compiled",
@@ -51,7 +53,7 @@ def test_head_dims_pad_up(headdim, compiled):
        d=st.sampled_from([8, 40, 64, 96, 128, 200, 256]), band=st.booleans(), arch=st.sampled_from(plan.ARCHS))
 def test_launch_covers_every_query_row(sq, sk, b, h, d, band, arch):
     problem = checks.Problem(b, sq, sk, h, 1, d, np.dtype(np.float16))
-    launch = plan.plan_forward(problem, -1, 0 if band else -1, False, arch)
+    launch = forward.plan_forward(problem, -1, 0 if band else -1, False, arch)
     m_blocks, heads, batch = launch.grid
     assert (heads, batch) == (h, b)
     assert (m_blocks - 1) * launch.spec.config.block_m < sq <= m_blocks * launch.spec.config.block_m
@@ -63,7 +65,7 @@ def test_launch_covers_every_query_row(sq, sk, b, h, d, band, arch):
 @given(sq=st.integers(1, 40), sk=st.integers(1, 40), left=st.integers(-1, 45), right=st.integers(-1, 45))
 def test_window_normalization_keeps_the_mask(sq, sk, left, right):
     """Dropping a window side that hides nothing (to run the unmasked kernel) never changes what is visible."""
-    nl, nr = plan.normalize_window(left, right, sq, sk)
+    nl, nr = options.normalize_window(left, right, sq, sk)
     assert reference._visible(sq, sk, False, (left, right)).tolist() == \
         reference._visible(sq, sk, False, (nl, nr)).tolist()
 
@@ -82,10 +84,10 @@ def _c_fields(struct: str) -> list:
     return fields
 
 
-@pytest.mark.parametrize("struct,dtype", [("FwdParams", plan.FWD_PARAMS_DTYPE), ("BwdParams", plan.BWD_PARAMS_DTYPE),
-                                          ("BwdPreParams", plan.BWD_PRE_PARAMS_DTYPE),
-                                          ("BwdConvertParams", plan.BWD_CONVERT_PARAMS_DTYPE),
-                                          ("DecodeParams", plan.DECODE_PARAMS_DTYPE)])
+@pytest.mark.parametrize("struct,dtype", [("FwdParams", forward.PARAMS_DTYPE), ("BwdParams", backward.PARAMS_DTYPE),
+                                          ("BwdPreParams", backward.PRE_PARAMS_DTYPE),
+                                          ("BwdConvertParams", backward.CONVERT_PARAMS_DTYPE),
+                                          ("DecodeParams", decode.PARAMS_DTYPE)])
 def test_params_dtypes_match_params_cuh(struct, dtype):
     """Each NumPy params dtype mirrors its C struct field by field, with C alignment."""
     fields = _c_fields(struct)
@@ -103,33 +105,33 @@ def test_params_dtypes_match_params_cuh(struct, dtype):
 
 def test_backward_plan():
     problem = checks.Problem(2, 300, 500, 8, 2, 72, np.dtype(np.float16))
-    atomic = plan.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)
+    atomic = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)
     assert atomic.spec.headdim == 96 and atomic.grid == (8, 2, 2) and atomic.slices == 1
-    det = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
+    det = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
     assert det.grid[0] == det.slices and 1 <= det.slices <= 8
     with pytest.raises(NotImplementedError, match="head dim 160"):  # no wide backward on sm_80
-        plan.plan_backward(checks.Problem(1, 8, 8, 1, 1, 160, np.dtype(np.float16)), -1, -1, False, False,
-                           "sm_80", 108)
+        backward.plan_backward(checks.Problem(1, 8, 8, 1, 1, 160, np.dtype(np.float16)), -1, -1, False, False,
+                               "sm_80", 108)
     with pytest.raises(NotImplementedError, match="head dim 264"):  # nor past 256 anywhere
-        plan.plan_backward(checks.Problem(1, 8, 8, 1, 1, 264, np.dtype(np.float16)), -1, -1, False, False,
-                           "sm_90a", 132)
+        backward.plan_backward(checks.Problem(1, 8, 8, 1, 1, 264, np.dtype(np.float16)), -1, -1, False, False,
+                               "sm_90a", 132)
 
 
 def test_grid_limits_are_checked_before_launch():
     problem = checks.Problem(70000, 8, 8, 1, 1, 64, np.dtype(np.float16))
     with pytest.raises(ValueError, match="batch: 70000 exceeds"):
-        plan.plan_forward(problem, -1, -1, False, "sm_90a")
+        forward.plan_forward(problem, -1, -1, False, "sm_90a")
 
 
 def test_forward_scales():
-    s = plan.forward_scales(0.125, 0.0, False)
-    assert s["scale_log2"] == pytest.approx(0.125 * plan.LOG2E) and s["mod_scale"] == 0.125
-    s = plan.forward_scales(0.125, 30.0, True)
-    assert s["scale_log2"] == pytest.approx(plan.LOG2E) and s["mod_scale"] == pytest.approx(0.125 / 30.0)
+    s = options.forward_scales(0.125, 0.0, False)
+    assert s["scale_log2"] == pytest.approx(0.125 * options.LOG2E) and s["mod_scale"] == 0.125
+    s = options.forward_scales(0.125, 30.0, True)
+    assert s["scale_log2"] == pytest.approx(options.LOG2E) and s["mod_scale"] == pytest.approx(0.125 / 30.0)
 
 
 def test_kernel_names_are_readable_and_unique():
-    specs = plan.all_specs("sm_90a")
+    specs = ops.all_specs("sm_90a")
     names = [s.name for s in specs]
     assert len(set(names)) == len(set(specs))
     assert "fwd_bf16_d128_m128_n128_w8_qreg_causal" in names
@@ -152,21 +154,21 @@ def test_source_hash_covers_headers(tmp_path, monkeypatch):
 # ---- decode ----
 
 def test_num_splits_heuristic_no_split_when_the_grid_is_full():
-    assert plan.num_splits_heuristic(work=264, slots=264, n_blocks=1000) == 1
-    assert plan.num_splits_heuristic(work=220, slots=264, n_blocks=1000) == 1
+    assert decode.num_splits_heuristic(work=264, slots=264, n_blocks=1000) == 1
+    assert decode.num_splits_heuristic(work=220, slots=264, n_blocks=1000) == 1
 
 
 def test_num_splits_heuristic_fills_the_gpu_for_batch_one():
     # batch 1, 8 KV heads, 8k keys in 64-key blocks, two CTAs per SM on 132 SMs
-    s = plan.num_splits_heuristic(work=8, slots=264, n_blocks=128)
+    s = decode.num_splits_heuristic(work=8, slots=264, n_blocks=128)
     assert 8 * s >= 0.85 * 264 and 8 * s <= 264
-    assert plan.num_splits_heuristic(work=8, slots=264, n_blocks=3) <= 3   # never more splits than blocks
+    assert decode.num_splits_heuristic(work=8, slots=264, n_blocks=3) <= 3   # never more splits than blocks
 
 
 @pytest.mark.parametrize("sq,group,row_warps", [(1, 8, 1), (2, 8, 1), (3, 8, 4), (17, 1, 4), (1, 1, 1)])
 def test_plan_decode_packs_gqa_groups(sq, group, row_warps):
     problem = checks.Problem(2, sq, 4096, 8 * group, 8, 128, np.dtype(np.float16))
-    launch = plan.plan_decode(problem, -1, -1, False, 1, 132)
+    launch = decode.plan_decode(problem, -1, -1, False, 1, 132)
     assert launch.spec.config.row_warps == row_warps
     rows_per_tile = 16 * row_warps
     assert launch.grid == (-(-sq * group // rows_per_tile), 8, 2) and launch.splits == 1
@@ -174,93 +176,93 @@ def test_plan_decode_packs_gqa_groups(sq, group, row_warps):
 
 def test_plan_decode_splits_clamped():
     problem = checks.Problem(1, 1, 300, 32, 8, 128, np.dtype(np.float16))
-    blocks = -(-300 // plan.decode_config(128, 4).block_n)
-    launch = plan.plan_decode(problem, -1, -1, False, 50, 132)
+    blocks = -(-300 // decode.decode_config(128, 4).block_n)
+    launch = decode.plan_decode(problem, -1, -1, False, 50, 132)
     assert launch.splits == blocks  # never more splits than KV blocks
-    launch = plan.plan_decode(problem, -1, -1, False, 0, 132)
+    launch = decode.plan_decode(problem, -1, -1, False, 0, 132)
     assert 1 <= launch.splits <= blocks and launch.grid[0] == launch.splits
 
 
 def test_decode_smem_fits_and_matches_traits():
-    for spec in plan.all_decode_specs("sm_90a"):
-        if isinstance(spec, plan.DecodeSpec):
+    for spec in decode.all_specs("sm_90a"):
+        if isinstance(spec, decode.DecodeSpec):
             assert spec.smem_bytes <= plan.SMEM_PER_SM, spec.name
 
 
 def test_backward_workspace_layout():
-    lse_log2, dq_accum, total = plan.backward_workspace(rows=300, nheads=4, headdim=128, slices=3)
+    lse_log2, dq_accum, total = backward.workspace(rows=300, nheads=4, headdim=128, slices=3)
     assert lse_log2 == 4864 and dq_accum == 2 * 4864  # 300 * 4 * 4 = 4800 bytes, rounded up to 256
-    assert total == dq_accum + 3 * 300 * 4 * 128 * 4 and total % plan.WORKSPACE_ALIGN == 0
+    assert total == dq_accum + 3 * 300 * 4 * 128 * 4 and total % backward.WORKSPACE_ALIGN == 0
 
 
-def test_backward_double_buffering_switch_and_spill_free_dims_only(monkeypatch):
+def test_backward_double_buffering_switch_and_spill_free_dims_only(configure):
     problem = checks.Problem(2, 300, 300, 4, 2, 64, np.dtype(np.float16))
-    monkeypatch.setitem(plan.BWD_DOUBLE_BUFFER, "enabled", False)
-    assert plan.plan_backward(problem, -1, -1, False, False, "sm_90a", 132).spec.config.q_buffers == 1
-    monkeypatch.setitem(plan.BWD_DOUBLE_BUFFER, "enabled", True)
-    spec = plan.plan_backward(problem, -1, -1, False, False, "sm_90a", 132).spec
+    configure(bwd_qbuf=False)
+    assert backward.plan_backward(problem, -1, -1, False, False, "sm_90a", 132).spec.config.q_buffers == 1
+    configure(bwd_qbuf=True)
+    spec = backward.plan_backward(problem, -1, -1, False, False, "sm_90a", 132).spec
     assert spec.config.q_buffers == 2 and "_qb2" in spec.name and ", 2, false, false>" in spec.template
     wide = checks.Problem(2, 300, 300, 4, 2, 128, np.dtype(np.float16))
-    assert plan.plan_backward(wide, -1, -1, False, False, "sm_90a", 132).spec.config.q_buffers == 1
+    assert backward.plan_backward(wide, -1, -1, False, False, "sm_90a", 132).spec.config.q_buffers == 1
     # one more Q and dO tile and one more lse/D pair per query block of shared memory
-    one = plan.BwdSpec("fp16", 64, plan.BWD_CONFIG, False, False)
+    one = backward.BwdSpec("fp16", 64, backward.BWD_CONFIG, False, False)
     assert spec.smem_bytes - one.smem_bytes == 2 * 64 * 128 + 2 * 64 * 4
-    assert spec in plan.all_backward_specs("sm_90a")
+    assert spec in backward.all_specs("sm_90a")
 
 
-def test_wide_backward_switch_and_hopper_only(monkeypatch):
+def test_wide_backward_switch_and_hopper_only(configure):
     problem = checks.Problem(1, 100, 100, 2, 1, 192, np.dtype(np.float16))
-    monkeypatch.setitem(plan.BWD_WIDE, "enabled", False)
+    configure(bwd_wide=False)
     with pytest.raises(NotImplementedError, match="head dim 192"):
-        plan.plan_backward(problem, -1, -1, False, False, "sm_90a", 132)
-    monkeypatch.setitem(plan.BWD_WIDE, "enabled", True)
-    launch = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
-    assert launch.spec.headdim == 256 and launch.spec.config == plan.BwdConfig(64, 32, 8)
+        backward.plan_backward(problem, -1, -1, False, False, "sm_90a", 132)
+    configure(bwd_wide=True)
+    launch = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
+    assert launch.spec.headdim == 256 and launch.spec.config == backward.BwdConfig(64, 32, 8)
     assert launch.grid[0] == launch.slices == 4  # deterministic: one slot per 32-key block here (100 keys)
     with pytest.raises(NotImplementedError, match="head dim 192"):
-        plan.plan_backward(problem, -1, -1, False, False, "sm_80", 108)  # spills there: not offered
-    assert launch.spec in plan.all_backward_specs("sm_90a") and launch.spec not in plan.all_backward_specs("sm_80")
+        backward.plan_backward(problem, -1, -1, False, False, "sm_80", 108)  # spills there: not offered
+    assert launch.spec in backward.all_specs("sm_90a") and launch.spec not in backward.all_specs("sm_80")
 
 
 def test_sm90_backward_slots_end_soonest_with_fewest_slices():
     """Deterministic mode on the Hopper backward: the slot count minimizes waves x key blocks per CTA, then slices."""
-    assert plan.bwd_sm90_slots(32, 64, 132) == 2    # 128 CTAs of 16 blocks: one wave
-    assert plan.bwd_sm90_slots(8, 256, 132) == 1    # 256 CTAs of 8 blocks: two waves, one slice
-    assert plan.bwd_sm90_slots(3, 2, 132) == 3      # few groups: one block per CTA
-    assert plan.bwd_sm90_slots(1, 1, 132) == 1
+    assert backward.slots_sm90(32, 64, 132) == 2    # 128 CTAs of 16 blocks: one wave
+    assert backward.slots_sm90(8, 256, 132) == 1    # 256 CTAs of 8 blocks: two waves, one slice
+    assert backward.slots_sm90(3, 2, 132) == 3      # few groups: one block per CTA
+    assert backward.slots_sm90(1, 1, 132) == 1
     for n, groups in ((32, 64), (40, 4), (7, 100), (64, 1)):
-        best = plan.bwd_sm90_slots(n, groups, 132)
+        best = backward.slots_sm90(n, groups, 132)
         span = [math.ceil(s * groups / 132) * math.ceil(n / s) for s in range(1, n + 1)]
         assert span[best - 1] == min(span) and span.index(min(span)) == best - 1
 
 
 def test_sm90_backward_slot_ties_broken_by_passes():
-    """bwd_sm90_slots' max_passes (plan.BWD_SM90_DET, off by default): among the slot counts that finish as soon,
-    the fewest with at most that many key blocks per slot; none such: the fewest slots as without it."""
-    assert plan.bwd_sm90_slots(32, 128, 132) == 1                 # d 64 4k: 1, 2, 4, ... slots tie
-    assert plan.bwd_sm90_slots(32, 128, 132, max_passes=16) == 2
-    assert plan.bwd_sm90_slots(8, 512, 132, max_passes=16) == 1   # 1k: 8 blocks per slot already
-    assert plan.bwd_sm90_slots(128, 32, 132, max_passes=16) == 8  # 16k: 4 and 8 slots tie (one and two waves)
-    assert plan.bwd_sm90_slots(128, 32, 132) == 4
+    """slots_sm90's max_passes (the bwd_sm90_det_max_passes setting, off by default): among the slot counts that
+    finish as soon, the fewest with at most that many key blocks per slot; none such: the fewest slots as without it."""
+    assert backward.slots_sm90(32, 128, 132) == 1                 # d 64 4k: 1, 2, 4, ... slots tie
+    assert backward.slots_sm90(32, 128, 132, max_passes=16) == 2
+    assert backward.slots_sm90(8, 512, 132, max_passes=16) == 1   # 1k: 8 blocks per slot already
+    assert backward.slots_sm90(128, 32, 132, max_passes=16) == 8  # 16k: 4 and 8 slots tie (one and two waves)
+    assert backward.slots_sm90(128, 32, 132) == 4
     for n, groups, bound in ((32, 64, 8), (40, 4, 3), (7, 100, 2), (64, 1, 4), (128, 16, 16)):
         span = [math.ceil(s * groups / 132) * math.ceil(n / s) for s in range(1, n + 1)]
         soonest = [s for s in range(1, n + 1) if span[s - 1] == min(span)]
         short = [s for s in soonest if math.ceil(n / s) <= bound]
-        assert plan.bwd_sm90_slots(n, groups, 132, max_passes=bound) == (short or soonest)[0]
+        assert backward.slots_sm90(n, groups, 132, max_passes=bound) == (short or soonest)[0]
 
 
-def test_sm90_backward_slot_count_fixed_by_the_table(monkeypatch):
-    """plan.BWD_SM90_DET["slots"] (CUFLASH_BWD_SM90_DET_SLOTS) fixes deterministic mode's slot count, at most one
+def test_sm90_backward_slot_count_fixed_by_the_table(configure):
+    """The bwd_sm90_det_slots setting (CUFLASH_BWD_SM90_DET_SLOTS) fixes deterministic mode's slot count, at most one
     per key block; the atomic grid keeps one CTA per key block."""
     problem = checks.Problem(1, 1000, 1000, 4, 2, 128, np.dtype(np.float16))  # 8 key blocks of 128
-    monkeypatch.setitem(plan.BWD_SM90_DET, "slots", 3)
-    launch = plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
+    configure(bwd_sm90_det_slots=3)
+    launch = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
     assert launch.grid[0] == launch.slices == 3
-    assert plan.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).grid[0] == 8
-    monkeypatch.setitem(plan.BWD_SM90_DET, "slots", 50)
-    assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] == 8
-    monkeypatch.setitem(plan.BWD_SM90_DET, "slots", 0)
-    assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] == plan.bwd_sm90_slots(8, 2, 132)
+    assert backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).grid[0] == 8
+    configure(bwd_sm90_det_slots=50)
+    assert backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] == 8
+    configure(bwd_sm90_det_slots=0)
+    assert backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).grid[0] == backward.slots_sm90(8, 2, 132)
 
 
 def test_jax_workspace_bound_covers_both_backward_kernels():
@@ -272,93 +274,100 @@ def test_jax_workspace_bound_covers_both_backward_kernels():
         bound = jax_mod.backward_workspace_bytes(problem, -1, 0, False, True)
         for arch in ("sm_80", "sm_90a"):
             for sms in (108, 132):
-                slices = plan.plan_backward(problem, -1, 0, False, True, arch, sms).slices
-                assert plan.backward_workspace(b * s, h, d, slices)[2] <= bound, (arch, sms, b, s, h, d)
+                slices = backward.plan_backward(problem, -1, 0, False, True, arch, sms).slices
+                assert backward.workspace(b * s, h, d, slices)[2] <= bound, (arch, sms, b, s, h, d)
 
 
-def test_decode_merges_few_splits_in_the_kernel(monkeypatch):
-    """plan.decode_fused_combine: 2..fused_max_splits splits merge in the decode kernel, more in decode_combine;
+def test_decode_merges_few_splits_in_the_kernel(configure):
+    """decode.fused_combine: 2..fused_max_splits splits merge in the decode kernel, more in decode_combine;
     one split needs no merge; a bound of 0 turns the fused merge off."""
-    monkeypatch.setitem(plan.DECODE_COMBINE, "fused_max_splits", 16)
-    assert [plan.decode_fused_combine(s) for s in (1, 2, 16, 17, 128)] == [False, True, True, False, False]
-    monkeypatch.setitem(plan.DECODE_COMBINE, "fused_max_splits", 0)
-    assert not plan.decode_fused_combine(4)
+    configure(decode_fused_max_splits=16)
+    assert [decode.fused_combine(s) for s in (1, 2, 16, 17, 128)] == [False, True, True, False, False]
+    configure(decode_fused_max_splits=0)
+    assert not decode.fused_combine(4)
 
 
-def test_decode_evicts_first_only_small_reads(monkeypatch):
-    monkeypatch.setitem(plan.DECODE_TMA, "evict_first_mb", 128)
-    assert plan.decode_evict_first(32 * 2**20) and plan.decode_evict_first(128 * 2**20)
-    assert not plan.decode_evict_first(128 * 2**20 + 1)
-    monkeypatch.setitem(plan.DECODE_TMA, "evict_first_mb", 0)
-    assert not plan.decode_evict_first(1)
+def test_decode_evicts_first_only_small_reads(configure):
+    configure(decode_evict_first_mb=128)
+    assert decode.evict_first(32 * 2**20) and decode.evict_first(128 * 2**20)
+    assert not decode.evict_first(128 * 2**20 + 1)
+    configure(decode_evict_first_mb=0)
+    assert not decode.evict_first(1)
 
 
-def test_sm90_o_tma_switch():
+def test_sm90_o_tma_switch(configure):
     """CUFLASH_SM90_O_TMA sets how every head dim's Hopper forward writes O; unset, the measured table holds."""
-    assert plan._o_tma_from_env(None) == plan.SM90_O_TMA_DEFAULT == {64: 1, 128: 1, 256: 1}
-    assert plan._o_tma_from_env("1") == {64: 1, 128: 1, 256: 1}
-    assert plan._o_tma_from_env("0") == {64: 0, 128: 0, 256: 0}
+    from cuflash import settings
+
+    def table(env):
+        configure(sm90_o_tma=settings.Settings.from_env(env).sm90_o_tma)
+        return {d: forward_sm90.o_tma(d) for d in forward_sm90.HEADDIMS}
+
+    assert table({}) == forward_sm90.O_TMA_DEFAULT == {64: 1, 128: 1, 256: 1}
+    assert table({"CUFLASH_SM90_O_TMA": "1"}) == {64: 1, 128: 1, 256: 1}
+    assert table({"CUFLASH_SM90_O_TMA": "0"}) == {64: 0, 128: 0, 256: 0}
     with pytest.raises(ValueError, match="CUFLASH_SM90_O_TMA"):
-        plan._o_tma_from_env("yes")
+        settings.Settings.from_env({"CUFLASH_SM90_O_TMA": "yes"})
 
 
 def test_kv_bound_blocks():
     """bwd_kv_bound's blocks per (KV head, sequence): about 8 per SM over all of them, at most one per rows_per_block
     rows, at least one."""
-    assert plan.kv_bound_blocks(16384, 32, 32, 132) == 33          # 8 x 132 / 32 heads
-    assert plan.kv_bound_blocks(100, 32, 1, 132) == 4              # one per 32 rows
-    assert plan.kv_bound_blocks(1, 32, 10_000, 132) == 1
+    assert backward.kv_bound_blocks(16384, 32, 32, 132) == 33          # 8 x 132 / 32 heads
+    assert backward.kv_bound_blocks(100, 32, 1, 132) == 4              # one per 32 rows
+    assert backward.kv_bound_blocks(1, 32, 10_000, 132) == 1
 
 
-def test_deterministic_fixed_point_rule(monkeypatch):
-    """plan.BWD_SM90_DET "auto": the fixed point where the slot rule gives several slots or from fixed_min_blocks key
-    blocks on (per head dim; a causal mask's count as half), not with the d = 64 score-mod kernel (no TMA dQ);
-    "slices" never; a fixed slot count keeps slices."""
+def test_deterministic_fixed_point_rule(configure):
+    """The bwd_sm90_det setting "auto": the fixed point where the slot rule gives several slots or from
+    backward.FIXED_MIN_BLOCKS key blocks on (per head dim; a causal mask's count as half), not with the d = 64 score-mod
+    kernel (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
     from cuflash import checks
-    monkeypatch.setitem(plan.BWD_SM90, "enabled", True)
-    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "auto")
+    from cuflash.ops import backward
+    configure(bwd_sm90=True)
+    configure(bwd_sm90_det="auto")
     big = checks.Problem(32, 512, 512, 16, 16, 128, np.dtype(np.float16))   # 4 blocks, one slot each
     long = checks.Problem(8, 2048, 2048, 16, 16, 128, np.dtype(np.float16))  # 16 blocks, one slot each
-    assert plan.bwd_sm90_slots(4, 32 * 16, 132) == 1 and plan.bwd_sm90_slots(16, 8 * 16, 132) == 1
-    assert not plan.plan_backward(big, -1, -1, False, True, "sm_90a", 132).fixed_point
-    fixed = plan.plan_backward(long, -1, -1, False, True, "sm_90a", 132)
+    assert backward.slots_sm90(4, 32 * 16, 132) == 1 and backward.slots_sm90(16, 8 * 16, 132) == 1
+    assert not backward.plan_backward(big, -1, -1, False, True, "sm_90a", 132).fixed_point
+    fixed = backward.plan_backward(long, -1, -1, False, True, "sm_90a", 132)
     assert fixed.fixed_point and fixed.slices == 1 and fixed.grid == (16, 16, 8)
     mid = checks.Problem(16, 1024, 1024, 16, 16, 128, np.dtype(np.float16))  # 8 blocks: d 128's threshold
-    assert plan.plan_backward(mid, -1, -1, False, True, "sm_90a", 132).fixed_point
-    assert not plan.plan_backward(mid, -1, 0, False, True, "sm_90a", 132).fixed_point  # causal: as 4
-    assert plan.plan_backward(long, -1, 0, False, True, "sm_90a", 132).fixed_point    # causal: as 8
+    assert backward.plan_backward(mid, -1, -1, False, True, "sm_90a", 132).fixed_point
+    assert not backward.plan_backward(mid, -1, 0, False, True, "sm_90a", 132).fixed_point  # causal: as 4
+    assert backward.plan_backward(long, -1, 0, False, True, "sm_90a", 132).fixed_point    # causal: as 8
     for seqlen, causal, want in ((1024, False, False), (2048, False, True), (2048, True, False), (4096, True, True)):
         d64 = checks.Problem(16384 // seqlen, seqlen, seqlen, 32, 32, 64, np.dtype(np.float16))  # d 64: 16 blocks
-        assert plan.bwd_sm90_slots(seqlen // 128, 16384 // seqlen * 32, 132) == 1
-        assert plan.plan_backward(d64, -1, 0 if causal else -1, False, True, "sm_90a", 132).fixed_point == want
+        assert backward.slots_sm90(seqlen // 128, 16384 // seqlen * 32, 132) == 1
+        assert backward.plan_backward(d64, -1, 0 if causal else -1, False, True, "sm_90a", 132).fixed_point == want
     capped = checks.Problem(1, 4096, 4096, 4, 4, 64, np.dtype(np.float16))
-    assert plan.plan_backward(capped, -1, -1, False, True, "sm_90a", 132).fixed_point
-    assert not plan.plan_backward(capped, -1, -1, True, True, "sm_90a", 132).fixed_point  # score mod: 64 rows
-    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "slices")
-    assert not plan.plan_backward(long, -1, -1, False, True, "sm_90a", 132).fixed_point
-    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "fixed")
-    assert plan.plan_backward(big, -1, -1, False, True, "sm_90a", 132).fixed_point
-    assert not plan.plan_backward(big, -1, -1, False, False, "sm_90a", 132).fixed_point
+    assert backward.plan_backward(capped, -1, -1, False, True, "sm_90a", 132).fixed_point
+    assert not backward.plan_backward(capped, -1, -1, True, True, "sm_90a", 132).fixed_point  # score mod: 64 rows
+    configure(bwd_sm90_det="slices")
+    assert not backward.plan_backward(long, -1, -1, False, True, "sm_90a", 132).fixed_point
+    configure(bwd_sm90_det="fixed")
+    assert backward.plan_backward(big, -1, -1, False, True, "sm_90a", 132).fixed_point
+    assert not backward.plan_backward(big, -1, -1, False, False, "sm_90a", 132).fixed_point
 
 
 @given(d=st.integers(1, 2**31 - 1), x=st.integers(0, 2**31 - 1))
 def test_fast_div_is_exact(d, x):
-    from cuflash import hopper
-    mul, shift = hopper.fast_div(d)
+    from cuflash.ops import forward_sm90
+    mul, shift = forward_sm90.fast_div(d)
     assert 0 <= mul < 2**32 and (((x * mul) >> 32) + x) >> shift == x // d
 
 
-def test_sm90_walk_chunk_divides_the_ctas_and_fits_the_l2(monkeypatch):
-    monkeypatch.setitem(plan.SM90_WALK, "chunk", 0)
-    monkeypatch.setitem(plan.SM90_WALK, "head_dims", (64, 128))
-    budget = plan.SM90_WALK["l2_bytes"]
+def test_sm90_walk_chunk_divides_the_ctas_and_fits_the_l2(configure, monkeypatch):
+    configure(sm90_walk_chunk=0)
+    monkeypatch.setattr(forward_sm90, "WALK_HEAD_DIMS", (64, 128))
+    budget = forward_sm90.WALK_L2_BYTES
     for ctas, sk, d, group in ((132, 512, 64, 1), (132, 2048, 64, 1), (132, 1024, 128, 1), (114, 900, 64, 4),
                                (132, 1 << 20, 128, 1)):
-        c = plan.sm90_walk_chunk(ctas, sk, d, group)
+        c = forward_sm90.walk_chunk(ctas, sk, d, group)
         fits = [n for n in range(1, ctas + 1) if ctas % n == 0 and n * 4 * sk * d / group <= budget]
         assert c == max(fits, default=1)
-    assert plan.sm90_walk_chunk(132, 512, 64, 1) == 132  # d 64 causal 512: 16 MB of K/V in a chunk
-    monkeypatch.setitem(plan.SM90_WALK, "head_dims", (64,))
-    assert plan.sm90_walk_chunk(132, 512, 128, 1) == 1  # d 128 keeps the pair-by-pair walk
-    monkeypatch.setitem(plan.SM90_WALK, "chunk", 5)
-    assert plan.sm90_walk_chunk(132, 512, 128, 1) == 5
+    assert forward_sm90.walk_chunk(132, 512, 64, 1) == 132  # d 64 causal 512: 16 MB of K/V in a chunk
+    monkeypatch.setattr(forward_sm90, "WALK_HEAD_DIMS", (64,))
+    assert forward_sm90.walk_chunk(132, 512, 128, 1) == 1  # d 128 keeps the pair-by-pair walk
+    configure(sm90_walk_chunk=5)
+    assert forward_sm90.walk_chunk(132, 512, 128, 1) == 5

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import cuflash.torch  # noqa: E402
 from cuflash import api, reference  # noqa: E402
+from cuflash.ops import backward as backward_op, forward as forward_op  # noqa: E402
 
 
 def _host(t):
@@ -68,8 +69,8 @@ def on_host(monkeypatch):
                      deterministic=deterministic, **options)
         return launch
 
-    monkeypatch.setattr(api, "launch_forward", forward)
-    monkeypatch.setattr(api, "launch_backward", backward)
+    monkeypatch.setattr(forward_op, "launch", forward)
+    monkeypatch.setattr(backward_op, "launch", backward)
     monkeypatch.setattr(cuflash.torch, "_forward_launch", forward_launch)
     monkeypatch.setattr(cuflash.torch, "_backward_launch", backward_launch)
     monkeypatch.setattr(api, "attention_with_kvcache", kvcache)

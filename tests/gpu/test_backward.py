@@ -1,12 +1,12 @@
 """cuflash.attention_backward on the GPU against the float64 reference, shapes drawn by hypothesis."""
-import contextlib
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cuflash import reference
+from cuflash import reference, settings as cuflash_settings
+from cuflash.ops import backward, backward_sm90
 from tests.gpu.helpers import DTYPES, assert_close_to_reference, naive_lowp_backward, randn
+from tests.fixtures import configure  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -148,12 +148,12 @@ def test_finite_difference_spot_check(compiled):
         assert abs(analytic - numeric) <= 1e-2 * max(1.0, abs(numeric)), (which, analytic, numeric)
 
 
-def test_large_head_dims_are_refused_before_launch(compiled, monkeypatch):
-    """Without the wide backward (plan.BWD_WIDE: off, or not sm_90a) head dims above 128 are refused."""
+def test_large_head_dims_are_refused_before_launch(configure, compiled):
+    """Without the wide backward (the bwd_wide setting off, or not sm_90a) head dims above 128 are refused."""
     import cuflash
-    from cuflash import api, plan
-    monkeypatch.setitem(plan.BWD_WIDE, "enabled", False)
-    api._bwd_launches.clear()
+    from cuflash.ops import backward
+    configure(bwd_wide=False)
+    backward._launches.clear()
     rng = np.random.default_rng(7)
     q, k, v, dout, _ = make_case(rng, b=1, sq=8, sk=8, h=1, hk=1, d=192, dtype="bf16")
     out, lse = cuflash.attention(q, k, v, return_lse=True)
@@ -162,37 +162,23 @@ def test_large_head_dims_are_refused_before_launch(compiled, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Double-buffered Q/dO (plan.BWD_DOUBLE_BUFFER, on by default): the same checks with it chosen; the portable
-# kernel with the Hopper one off
+# Double-buffered Q/dO (the bwd_qbuf setting, on by default): the same checks with it chosen; the portable
+# kernel with the Hopper one off (settings.override drops the cached launches on the way in and out)
 # --------------------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def planner_entry_on(monkeypatch, table: dict, on: bool = True):
-    """`table["enabled"]` set to `on` (a plan switch) with the backward's launch cache emptied before and after, so
-    no other test inherits a launch planned under it."""
-    from cuflash import api
-    monkeypatch.setitem(table, "enabled", on)
-    api._bwd_launches.clear()
-    try:
-        yield
-    finally:
-        api._bwd_launches.clear()
-
-
 @pytest.fixture
-def double_buffered(monkeypatch):
+def double_buffered():
     """The planner picks two Q/dO buffers where the table has them (on the portable kernel: the Hopper one off)."""
-    from cuflash import plan
-    with planner_entry_on(monkeypatch, plan.BWD_DOUBLE_BUFFER), planner_entry_on(monkeypatch, plan.BWD_SM90, False):
-        assert plan.bwd_config(64).q_buffers == 2 and plan.bwd_config(128).q_buffers == 1
+    from cuflash.ops import backward
+    with cuflash_settings.override(bwd_qbuf=True, bwd_sm90=False):
+        assert backward.bwd_config(64).q_buffers == 2 and backward.bwd_config(128).q_buffers == 1
         yield
 
 
 @pytest.fixture
-def portable_backward(monkeypatch):
+def portable_backward():
     """The portable main kernel at every head dim (on sm_90a the planner picks the Hopper one at d 64 and 128)."""
-    from cuflash import plan
-    with planner_entry_on(monkeypatch, plan.BWD_SM90, False):
+    with cuflash_settings.override(bwd_sm90=False):
         yield
 
 
@@ -217,16 +203,15 @@ def test_double_buffered_backward_options_and_gqa(compiled, double_buffered, opt
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Head dims above 128 (plan.BWD_WIDE: 32 keys per CTA, compiled as 256; sm_90a only, on by default)
+# Head dims above 128 (backward.WIDE_CONFIG: 32 keys per CTA, compiled as 256; sm_90a only, on by default)
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def wide_backward(monkeypatch):
+def wide_backward():
     import cupy
-    from cuflash import plan
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the wide backward is offered on sm_90a only")
-    with planner_entry_on(monkeypatch, plan.BWD_WIDE):
+    with cuflash_settings.override(bwd_wide=True):
         yield
 
 
@@ -242,19 +227,18 @@ def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backwa
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The Hopper backward's main kernel (plan.BWD_SM90: on by default; sm_90a, d 64/128, score mods at 64)
+# The Hopper backward's main kernel (the bwd_sm90 setting: on by default; sm_90a, d 64/128, score mods at 64)
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(params=[64, 128], ids=["m64", "m128"])
-def sm90_backward(monkeypatch, request):
-    """The Hopper backward with 64 query rows per step, or 128 at d = 64 (plan.BWD_SM90_BLOCK_M; score mods and
+def sm90_backward(configure, request):
+    """The Hopper backward with 64 query rows per step, or 128 at d = 64 (backward_sm90.BLOCK_M_TABLE; score mods and
     d = 128 keep 64)."""
     import cupy
-    from cuflash import plan
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the Hopper backward needs compute capability 9.0")
-    monkeypatch.setitem(plan.BWD_SM90_BLOCK_M, 64, request.param)
-    with planner_entry_on(monkeypatch, plan.BWD_SM90):
+    configure(bwd_sm90_block_m={64: request.param})
+    with cuflash_settings.override(bwd_sm90=True):
         yield
 
 
@@ -279,17 +263,17 @@ def test_sm90_backward_several_blocks_and_repeatable(compiled, sm90_backward, hk
 
 @pytest.mark.parametrize("slots", [2, 3])
 @pytest.mark.parametrize("d", [64, 128])
-def test_sm90_deterministic_over_several_passes(compiled, sm90_backward, monkeypatch, slots, d):
-    """plan.BWD_SM90_DET with a fixed slot count, so that each slot takes several key blocks in its snake order (7
-    here: with 3 slots the last, odd pass leaves slots 0 and 1 without one), under causal, local and no masks, GQA
-    and packed sequences: against the reference, and bitwise equal over repeated calls."""
-    from cuflash import api, plan
-    monkeypatch.setitem(plan.BWD_SM90_DET, "slots", slots)
-    api._bwd_launches.clear()
+def test_sm90_deterministic_over_several_passes(configure, compiled, sm90_backward, slots, d):
+    """Deterministic mode with a fixed slot count (bwd_sm90_det_slots), so that each slot takes several key blocks in
+    its snake order (7 here: with 3 slots the last, odd pass leaves slots 0 and 1 without one), under causal, local and
+    no masks, GQA and packed sequences: against the reference, and bitwise equal over repeated calls."""
+    from cuflash.ops import backward
+    configure(bwd_sm90_det_slots=slots)
+    backward._launches.clear()
     try:
         run_deterministic_mix(d, (31, 32, 33, 34, 35), dict(b=1, sq=129, sk=850, h=2, hk=2))
     finally:
-        api._bwd_launches.clear()
+        backward._launches.clear()
 
 
 def run_deterministic_mix(d, seeds, plain):
@@ -306,20 +290,21 @@ def run_deterministic_mix(d, seeds, plain):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_sm90_fixed_point_deterministic(compiled, sm90_backward, monkeypatch, d):
-    """plan.BWD_SM90_DET "fixed": dQ as int32 fixed point on the atomic grid (cuda_src/fixed_dq.cuh; not with the
+def test_sm90_fixed_point_deterministic(configure, compiled, sm90_backward, d):
+    """The bwd_sm90_det setting "fixed": dQ as int32 fixed point on the atomic grid (cuda_src/fixed_dq.cuh; not with the
     d = 64 kernel of 64 query rows, which keeps the slices), under causal, local and no masks, GQA, lengths off the
     tiles and packed sequences: against the reference and bitwise equal over repeated calls. Then rows of dO over
     five orders of magnitude, some all zero (their dq exactly 0), and one outlier in K (a bound 30x looser for
     every row)."""
     import cupy
     import cuflash
-    from cuflash import api, checks, plan
-    monkeypatch.setitem(plan.BWD_SM90_DET, "mode", "fixed")
+    from cuflash import checks
+    from cuflash.ops import backward, backward_sm90
+    configure(bwd_sm90_det="fixed")
     problem = checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16))
-    tma_dq = plan.bwd_sm90_tma_dq(d, plan.bwd_sm90_block_m(d, False))
-    assert plan.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point == tma_dq
-    api._bwd_launches.clear()
+    tma_dq = backward_sm90.tma_dq(d, backward_sm90.block_m(d, False))
+    assert backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point == tma_dq
+    backward._launches.clear()
     try:
         run_deterministic_mix(d, (41, 42, 43, 45, 46), dict(b=3, sq=129, sk=333, h=3, hk=1))
         run_case(np.random.default_rng(44), b=1, sq=17, sk=1, h=2, hk=2, d=d, dtype="bf16", deterministic=True)
@@ -337,7 +322,7 @@ def test_sm90_fixed_point_deterministic(compiled, sm90_backward, monkeypatch, d)
         again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)[0]
         assert bool(cupy.array_equal(dq.view(np.uint16), again.view(np.uint16)))
     finally:
-        api._bwd_launches.clear()
+        backward._launches.clear()
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

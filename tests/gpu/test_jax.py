@@ -112,9 +112,9 @@ def test_deterministic_grads_are_bitwise_repeatable():
 def test_unsupported_backward_fails_at_trace_time():
     """The workspace is planned while tracing, so an unsupported backward fails there, not inside XLA."""
     import cuflash.jax
-    from cuflash import plan
+    from cuflash.ops import backward
     try:
-        plan.bwd_headdim(256)
+        backward.bwd_headdim(256)
     except NotImplementedError:
         pass
     else:

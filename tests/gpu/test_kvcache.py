@@ -5,26 +5,29 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cuflash import reference
+from cuflash.ops import decode
 from tests.gpu.helpers import DTYPES, assert_close_to_reference, assert_lse_close, naive_lowp, randn
+from tests.fixtures import configure  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True, params=["cp.async", "tma"])
-def decode_path(request, monkeypatch):
-    """Every test runs on the cp.async kernel and, on sm_90a, with the TMA kernel switched on (plan.DECODE_TMA;
+def decode_path(configure, request):
+    """Every test runs on the cp.async kernel and, on sm_90a, with the TMA kernel switched on (the decode_tma setting;
     the calls it does not cover, such as pages of 16-48 rows or more than 16 packed rows, stay on cp.async)."""
-    from cuflash import api, build, plan
+    from cuflash import build
+    from cuflash.ops import decode
     if request.param == "tma":
         import cupy
         if build.device_arch(cupy.cuda.Device().id) != "sm_90a":
             pytest.skip("the TMA decode kernel needs sm_90a")
-    monkeypatch.setitem(plan.DECODE_TMA, "enabled", request.param == "tma")
-    api._decode_calls.clear()
-    plan.plan_decode.cache_clear()
+    configure(decode_tma=request.param == "tma")
+    decode._calls.clear()
+    decode.plan_decode.cache_clear()
     yield request.param
-    api._decode_calls.clear()
-    plan.plan_decode.cache_clear()
+    decode._calls.clear()
+    decode.plan_decode.cache_clear()
 
 
 def make_cache(rng, *, b, capacity, hk, d, dt, page_size=None, batch_idx=False):
@@ -158,16 +161,15 @@ def test_kvcache_matches_reference(compiled, case, seed):
 
 @pytest.mark.parametrize("page_size", [16, 48, 64, 256])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_paged_equals_contiguous(compiled, decode_path, monkeypatch, page_size, dtype):
+def test_paged_equals_contiguous(configure, compiled, decode_path, page_size, dtype):
     """The same logical cache, contiguous and paged (shuffled pages): bitwise equal outputs and lse. Where the TMA
     kernel takes the contiguous cache but not the pages (pages of 16-48 rows: the cp.async kernel), both sides merge
     their splits with decode_combine, so that the two kernels' partial results are compared bitwise; the TMA
     kernel's own merge sums the splits in another order (test_split_merge_both_ways checks it)."""
     import cupy
     import cuflash
-    from cuflash import plan
-    if decode_path == "tma" and page_size % plan.DECODE_TMA["block_n"] != 0:
-        monkeypatch.setitem(plan.DECODE_COMBINE, "fused_max_splits", 0)
+    if decode_path == "tma" and page_size % decode.TMA_BLOCK_N != 0:
+        configure(decode_fused_max_splits=0)
     rng = np.random.default_rng(page_size)
     dt = DTYPES[dtype]
     b, capacity, hk, h, d = 3, 1000, 2, 8, 128
@@ -211,15 +213,15 @@ def test_every_split_count_agrees(compiled):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_split_merge_both_ways(compiled, decode_path, monkeypatch, fused):
-    """plan.DECODE_COMBINE: the splits merged by the TMA decode kernel (the last CTA of each row tile) or by
-    decode_combine (always, after the cp.async kernel), both against the reference: several split counts,
+def test_split_merge_both_ways(configure, compiled, decode_path, fused):
+    """The decode_fused_max_splits setting: the splits merged by the TMA decode kernel (the last CTA of each row
+    tile) or by decode_combine (always, after the cp.async kernel), both against the reference: several split counts,
     speculative rows over several row tiles, an empty row, appends. The fused merge leaves its stream's counters at
     zero for the next call."""
     import cupy
-    from cuflash import api, plan
-    monkeypatch.setitem(plan.DECODE_COMBINE, "fused_max_splits", 128 if fused else 0)
-    api._decode_calls.clear()
+    from cuflash.ops import decode
+    configure(decode_fused_max_splits=128 if fused else 0)
+    decode._calls.clear()
     cases = ((2, 1, [1200, 0], 0, 128), (5, 3, [731, 1197], 3, 64), (16, 1, [1200, 17], 1, 128),
              (7, 33, [1100, 900], 33, 128), (3, 1, [0, 5], 0, 64))  # splits, sq, lens, new_k, d
     for splits, sq, lens, new_k, d in cases:
@@ -227,19 +229,19 @@ def test_split_merge_both_ways(compiled, decode_path, monkeypatch, fused):
                  lens=lens, new_k=new_k, causal=sq > 1, num_splits=splits)
     cupy.cuda.Device().synchronize()
     if fused and decode_path == "tma":
-        counters = api._counters[cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr]
+        counters = decode._counters[cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr]
         assert int(cupy.abs(counters).max()) == 0
-    api._decode_calls.clear()
+    decode._calls.clear()
 
 
-def test_fused_merge_on_two_streams_repeats_bitwise(compiled, monkeypatch):
+def test_fused_merge_on_two_streams_repeats_bitwise(configure, compiled):
     """Calls on two streams at once each count on their own stream's counters (TMA kernel) or launch their own
     decode_combine (cp.async kernel); the merge's order is fixed, so every result equals the first bitwise."""
     import cupy
     import cuflash
-    from cuflash import api, plan
-    monkeypatch.setitem(plan.DECODE_COMBINE, "fused_max_splits", 128)
-    api._decode_calls.clear()
+    from cuflash.ops import decode
+    configure(decode_fused_max_splits=128)
+    decode._calls.clear()
     rng = np.random.default_rng(2)
     q = cupy.asarray(randn(rng, (1, 1, 32, 128), np.float16))
     kc = cupy.asarray(randn(rng, (1, 8192, 8, 128), np.float16))
@@ -318,17 +320,17 @@ def test_host_index_arrays_are_refused():
 
 @pytest.mark.parametrize("stages", [3, 6])
 @pytest.mark.parametrize("page_size", [None, 64, 128])
-def test_garbage_past_the_length_is_ignored(compiled, decode_path, monkeypatch, stages, page_size):
+def test_garbage_past_the_length_is_ignored(configure, compiled, decode_path, stages, page_size):
     """Cache rows past each row's length hold NaN: they must not reach the output (the cp.async kernel zero-fills
     them; the TMA kernel copies them and zeroes the tail block's V rows in shared memory). Both TMA rings."""
     import cupy
     import cuflash
-    from cuflash import api, plan
+    from cuflash.ops import decode
     if decode_path == "cp.async" and stages == 6:
         pytest.skip("the ring depth is the TMA kernel's")
-    monkeypatch.setitem(plan.DECODE_TMA, "stages", stages)
-    api._decode_calls.clear()
-    plan.plan_decode.cache_clear()
+    configure(decode_tma_stages=stages)
+    decode._calls.clear()
+    decode.plan_decode.cache_clear()
     rng = np.random.default_rng(stages)
     dt = DTYPES["bf16"]
     b, capacity, hk, h, d = 3, 640, 2, 8, 128

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from cuflash import hopper, plan
+from cuflash.ops import forward, forward_sm90
 from tests.gpu.helpers import DTYPES, randn
 from tests.sm90_selftest import PARAMS_DTYPE, SelftestSpec
+from tests.fixtures import configure  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -54,16 +55,17 @@ def test_register_a_mn_major_b_matches_numpy(dtype, k):
     np.testing.assert_allclose(c.get(), ref, rtol=1e-3, atol=1e-3 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("variant", hopper.VARIANTS)
+@pytest.mark.parametrize("variant", forward_sm90.VARIANTS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("sq,sk,causal,window,h,hk", [
     (128, 128, False, (-1, -1), 2, 2), (1000, 1000, False, (-1, -1), 4, 2), (17, 300, True, (-1, -1), 2, 1),
     (300, 17, True, (-1, -1), 2, 2), (513, 777, False, (64, 8), 3, 1), (1, 1, True, (-1, -1), 1, 1)])
 def test_fwd_sm90_matches_reference(d, dtype, sq, sk, causal, window, h, hk, variant):
-    """Each variant of the Hopper forward (cuflash.hopper, fwd_sm90.cu) under the suite's accuracy rule."""
+    """Each variant of the Hopper forward (cuflash.ops.forward_sm90, fwd_sm90.cu) under the suite's accuracy rule."""
     import cupy
-    from cuflash import hopper, reference
+    from cuflash import reference
+    from cuflash.ops import forward_sm90
     from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
@@ -72,7 +74,7 @@ def test_fwd_sm90_matches_reference(d, dtype, sq, sk, causal, window, h, hk, var
     q = cupy.asarray(randn(rng, (2, sq, h, d), dt))
     k = cupy.asarray(randn(rng, (2, sk, hk, d), dt))
     v = cupy.asarray(randn(rng, (2, sk, hk, d), dt))
-    out, lse = hopper.attention_sm90(q, k, v, causal=causal, window_size=window, return_lse=True, variant=variant)
+    out, lse = forward_sm90.attention_sm90(q, k, v, causal=causal, window_size=window, return_lse=True, variant=variant)
     opts = dict(causal=causal, window_size=window)
     ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
     naive = naive_lowp(q.get(), k.get(), v.get(), **opts)
@@ -81,7 +83,7 @@ def test_fwd_sm90_matches_reference(d, dtype, sq, sk, causal, window, h, hk, var
     assert_lse_close(lse.get(), ref_lse, context=ctx)
 
 
-@pytest.mark.parametrize("variant", hopper.VARIANTS)
+@pytest.mark.parametrize("variant", forward_sm90.VARIANTS)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq,sk,window", [
     (512, 512, (-1, 0)), (200, 328, (-1, 0)), (392, 264, (-1, 0)), (300, 300, (-1, 16)), (136, 392, (-1, 48)),
@@ -92,13 +94,14 @@ def test_fwd_sm90_band_edge_on_16_column_boundaries(d, sq, sk, window, variant):
     the boundary (right = 8), which keep the general mask."""
     import cupy
     from cuflash import reference
+    from cuflash.ops import forward_sm90
     from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
     rng = np.random.default_rng(sq * 11 + sk + window[1])
     dt = DTYPES["bf16"]
     q, k, v = (cupy.asarray(randn(rng, (2, s, 2, d), dt)) for s in (sq, sk, sk))
-    out, lse = hopper.attention_sm90(q, k, v, window_size=window, return_lse=True, variant=variant)
+    out, lse = forward_sm90.attention_sm90(q, k, v, window_size=window, return_lse=True, variant=variant)
     ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, window_size=window)
     naive = naive_lowp(q.get(), k.get(), v.get(), window_size=window)
     ctx = f"{variant} sq={sq} sk={sk} d={d} window={window}"
@@ -107,17 +110,18 @@ def test_fwd_sm90_band_edge_on_16_column_boundaries(d, sq, sk, window, variant):
 
 
 def _check_variant(q, k, v, variant, context, **opts):
-    """hopper.attention_sm90 in `variant` against the float64 reference: out and lse under the suite's rules."""
+    """forward_sm90.attention_sm90 in `variant` against the float64 reference: out and lse under the suite's rules."""
     from cuflash import reference
+    from cuflash.ops import forward_sm90
     from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
-    out, lse = hopper.attention_sm90(q, k, v, return_lse=True, variant=variant, **opts)
+    out, lse = forward_sm90.attention_sm90(q, k, v, return_lse=True, variant=variant, **opts)
     ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
     ctx = f"{variant} {context} {opts}"
     assert_close_to_reference(out.get(), ref, naive_lowp(q.get(), k.get(), v.get(), **opts), context=ctx)
     assert_lse_close(lse.get(), ref_lse, context=ctx)
 
 
-@pytest.mark.parametrize("variant", hopper.VARIANTS)
+@pytest.mark.parametrize("variant", forward_sm90.VARIANTS)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq,sk,causal,window", [
     (512, 512, True, (-1, -1)), (448, 512, True, (-1, -1)), (130, 320, False, (-1, -1)), (300, 300, False, (100, 0)),
@@ -138,29 +142,29 @@ def test_fwd_sm90_first_block_left_half(d, sq, sk, causal, window, variant):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# cuflash.attention with the planner sending eligible calls to the Hopper kernel (plan.SM90_FORWARD)
+# cuflash.attention with the planner sending eligible calls to the Hopper kernel (forward.sm90_variant)
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def sm90_planned(monkeypatch):
+def sm90_planned(configure, monkeypatch):
     """use(variant): the planner chooses the Hopper kernel, in this variant, for every call it covers; the launch
     caches are emptied before and after, so no other test inherits a Hopper launch."""
     import sys
     import cupy
-    from cuflash import api, plan
+    from cuflash.ops import forward
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
 
     def clear():
-        api._attention_calls.clear()
-        api._fwd_launches.clear()
+        forward._attention_calls.clear()
+        forward._launches.clear()
         if "cuflash.torch" in sys.modules:
             sys.modules["cuflash.torch"]._problems.clear()
 
     def use(variant):
-        monkeypatch.setitem(plan.SM90_FORWARD, "enabled", True)
-        monkeypatch.setitem(plan.SM90_FORWARD, "variants", {64: variant, 128: variant, 256: variant})
-        monkeypatch.setitem(plan.SM90_FORWARD, "short", {})  # every length
+        configure(sm90=True)
+        monkeypatch.setattr(forward, "SM90_DEFAULT_VARIANTS", {64: variant, 128: variant, 256: variant})
+        monkeypatch.setattr(forward, "SM90_SHORT_VARIANTS", {})  # every length
         clear()
 
     yield use
@@ -169,9 +173,9 @@ def sm90_planned(monkeypatch):
 
 def _routed_to_sm90() -> bool:
     """The launch caches hold a Hopper launch (attention() keeps (call, ...) tuples, launch_forward the calls)."""
-    from cuflash import api, hopper
-    calls = [call for call, *_ in api._attention_calls.values()] + list(api._fwd_launches.values())
-    return any(isinstance(call, hopper.ForwardCall) for call in calls)
+    from cuflash.ops import forward, forward_sm90
+    calls = [call for call, *_ in forward._attention_calls.values()] + list(forward._launches.values())
+    return any(isinstance(call, forward_sm90.ForwardCall) for call in calls)
 
 
 @st.composite
@@ -181,7 +185,7 @@ def sm90_cases(draw):
     return dict(draw(forward_cases()), d=draw(st.sampled_from([64, 128, 256])), return_lse=draw(st.booleans()))
 
 
-@pytest.mark.parametrize("variant", hopper.VARIANTS)
+@pytest.mark.parametrize("variant", forward_sm90.VARIANTS)
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=sm90_cases(), seed=st.integers(0, 2**31 - 1))
 def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case, seed):
@@ -192,12 +196,12 @@ def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case
     assert _routed_to_sm90()
 
 
-@pytest.mark.parametrize("variant", hopper.VARIANTS)
+@pytest.mark.parametrize("variant", forward_sm90.VARIANTS)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, dtype):
     """Strided q/k/v views of one packed qkv tensor take the Hopper path without copies; so do softcap and ALiBi
     (each alone and all options at once); an odd head dim stays on the portable kernel (and is still right)."""
-    from cuflash import api
+    from cuflash.ops import forward, forward_sm90
     from tests.gpu.test_forward import run_case
     sm90_planned(variant)
     run_case(np.random.default_rng(3), b=2, sq=150, sk=150, h=4, hk=4, d=64, dtype=dtype, causal=True, views=True)
@@ -206,12 +210,12 @@ def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, d
     for option, sm90 in ((dict(softcap=10.0), True), (dict(alibi="h"), True), (dict(alibi="bh"), True),
                          (dict(causal=True, window_size=(48, 3), softcap=20.0, alibi="bh"), True),
                          (dict(d=96), False)):
-        api._attention_calls.clear()
+        forward._attention_calls.clear()
         run_case(np.random.default_rng(5), **{**base, **option})
         assert _routed_to_sm90() == sm90, option
 
 
-@pytest.mark.parametrize("variant", hopper.VARIANTS)
+@pytest.mark.parametrize("variant", forward_sm90.VARIANTS)
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), seed=st.integers(0, 2**31 - 1))
 def test_attention_varlen_planned_on_sm90_matches_reference(sm90_planned, variant, data, seed):
@@ -228,20 +232,20 @@ def test_attention_varlen_planned_on_sm90_matches_reference(sm90_planned, varian
 # barrier phases carry on from tile to tile (the cases above fit one tile per CTA).
 # --------------------------------------------------------------------------------------------------------------
 
-PERSISTENT = [v for v in hopper.VARIANTS if hopper.variant_options(v, 64).get("persistent")]
+PERSISTENT = [v for v in forward_sm90.VARIANTS if forward_sm90.variant_options(v, 64).get("persistent")]
 
 
 @pytest.mark.parametrize("variant", PERSISTENT)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal,window,chunk", [(False, (-1, -1), 0), (True, (-1, -1), 0), (False, (200, 0), 0),
                                                  (True, (-1, -1), 5), (False, (200, 0), 7)])
-def test_persistent_walks_several_tiles_per_cta(monkeypatch, variant, d, causal, window, chunk):
+def test_persistent_walks_several_tiles_per_cta(configure, variant, d, causal, window, chunk):
     """The default walk (one chunk of all 72 pairs under a band here) and chunks forced smaller than the pairs, the
     last one partial (5: 14 chunks and one of 2; 7: 10 and one of 2)."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
-    monkeypatch.setitem(plan.SM90_WALK, "chunk", chunk)
+    configure(sm90_walk_chunk=chunk)
     rng = np.random.default_rng(d + 3 * causal)
     b, sq, sk, h, hk = 3, 700, 900, 24, 6  # 4-6 query blocks x 72 heads and sequences: 288-432 tiles
     q = cupy.asarray(randn(rng, (b, sq, h, d), DTYPES["bf16"]))
@@ -266,7 +270,7 @@ def test_persistent_varlen_with_empty_tiles(sm90_planned, variant, causal):
     assert _routed_to_sm90()
 
 
-SPLIT = [v for v in PERSISTENT if hopper.variant_spec(v, "bf16", 64, False, False).split]
+SPLIT = [v for v in PERSISTENT if forward_sm90.variant_spec(v, "bf16", 64, False, False).split]
 
 
 @pytest.mark.parametrize("o_tma", [0, 1])
@@ -275,17 +279,17 @@ SPLIT = [v for v in PERSISTENT if hopper.variant_spec(v, "bf16", 64, False, Fals
     (1024, 200, False, (-1, -1)), (1016, 100, True, (-1, -1)), (1000, 1000, False, (300, 0)),
     (1024, 1024, False, (20, 20))])
 @pytest.mark.parametrize("variant", SPLIT)
-def test_split_tail_tiles(monkeypatch, variant, sq, sk, causal, window, o_tma):
+def test_split_tail_tiles(configure, variant, sq, sk, causal, window, o_tma):
     """Tiles whose rows all lie in their first 64 (1024 = 5 x 192 + 64, 1000, 577 = 3 x 192 + 1 queries), which the
     three-warpgroup persistent kernel splits by key blocks among its warpgroups and merges in warpgroup 0
     (fwd_sm90.cu SPLIT), several per CTA (72 pairs x 4-6 query blocks, the walk rotated): with 1 and 2 key blocks
     (100, 200 keys: warpgroups without a block of their own), under a window where a warpgroup's blocks can all be
     masked for some rows. With O by TMA stores in the table (o_tma=1) too: the split variant writes O from
-    registers whatever it says (hopper.forward_call; by TMA stores fwd_sm90.cu split_tile would not split)."""
+    registers whatever it says (forward_sm90.forward_call; by TMA stores fwd_sm90.cu split_tile would not split)."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("wgmma and TMA need compute capability 9.0")
-    monkeypatch.setitem(plan.SM90_EPILOGUE, "tma_store", dict.fromkeys((64, 128, 256), o_tma))
+    configure(sm90_o_tma=o_tma)
     rng = np.random.default_rng(sq + sk + o_tma)
     b, h, hk = 3, 24, 6
     q = cupy.asarray(randn(rng, (b, sq, h, 64), DTYPES["bf16"]))
@@ -296,8 +300,8 @@ def test_split_tail_tiles(monkeypatch, variant, sq, sk, causal, window, o_tma):
 
 @pytest.mark.parametrize("o_tma", [0, 1])
 @pytest.mark.parametrize("variant", ["pingpong_n128", "ws3_n128"] + PERSISTENT)
-def test_epilogue_through_shared_memory_or_registers(sm90_planned, monkeypatch, variant, o_tma):
-    """plan.SM90_EPILOGUE: O leaves by TMA stores from a staging tile (Q's, or the persistent kernel's own at d 64),
+def test_epilogue_through_shared_memory_or_registers(configure, sm90_planned, variant, o_tma):
+    """The sm90_o_tma setting: O leaves by TMA stores from a staging tile (Q's, or the persistent kernel's own at d 64),
     or from registers, with the same results: tiles that end past a padded sequence (the map clips them) or a packed
     one (those rows go from registers), query blocks that see no key (where O is staged in Q's tile, a persistent
     CTA's Q slot may hold the next tile's Q then: registers), several tiles per CTA. With 600 more queries than keys
@@ -305,10 +309,11 @@ def test_epilogue_through_shared_memory_or_registers(sm90_planned, monkeypatch, 
     kernels' snake walk deals some CTAs such a tile before tiles with keys (where the producer, counting reversed
     ranges as blocks, once ran out of step with the consumers: an illegal instruction)."""
     import cupy
-    from cuflash import plan, reference
+    from cuflash import reference
+    from cuflash.ops import forward_sm90
     from tests.gpu.helpers import assert_close_to_reference, assert_lse_close, naive_lowp
     from tests.gpu.test_varlen import run_forward
-    monkeypatch.setitem(plan.SM90_EPILOGUE, "tma_store", dict.fromkeys((64, 128, 256), o_tma))
+    configure(sm90_o_tma=o_tma)
     rng = np.random.default_rng(7 + o_tma)
     for d in (64, 128):
         b, sq, sk, h, hk = 2, 900, 300, 24, 6  # causal, bottom-right: query rows 0-599 see no key
@@ -316,7 +321,7 @@ def test_epilogue_through_shared_memory_or_registers(sm90_planned, monkeypatch, 
         k = cupy.asarray(randn(rng, (b, sk, hk, d), DTYPES["bf16"]))
         v = cupy.asarray(randn(rng, (b, sk, hk, d), DTYPES["bf16"]))
         for opts in (dict(causal=True), dict(causal=False)):
-            out, lse = hopper.attention_sm90(q, k, v, return_lse=True, variant=variant, **opts)
+            out, lse = forward_sm90.attention_sm90(q, k, v, return_lse=True, variant=variant, **opts)
             ref, ref_lse = reference.attention(q.get(), k.get(), v.get(), return_lse=True, **opts)
             ctx = f"{variant} o_tma={o_tma} d={d} {opts}"
             assert_close_to_reference(out.get(), ref, naive_lowp(q.get(), k.get(), v.get(), **opts), context=ctx)

@@ -1,0 +1,417 @@
+"""The backward (``cuflash.attention_backward``, ``attention_varlen_backward``): its launches -- a preprocess, the
+main kernel (the portable one, ``cuda_src/bwd.cu``, or on sm_90a the Hopper one, :mod:`cuflash.ops.backward_sm90`)
+and the dQ conversion -- their tile tables and specializations, the workspace, the parameter structs, and the
+deterministic mode's choice between dQ slices and the fixed point.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import build, checks, plan, settings
+from ..launcher import KernelCall
+from ..options import AttentionOptions, resolve
+from . import backward_sm90
+
+# Head dims the portable backward is compiled for. Beyond 128, dK and dV of a warp's keys no longer fit in
+# registers with the 8-warp split of 64 keys; the wide configuration (WIDE_CONFIG) covers them on sm_90a.
+BWD_HEADDIMS = (32, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_m: int        # queries per step
+    block_n: int        # keys per CTA
+    warps: int
+    q_buffers: int = 1  # Q/dO buffers: 2 loads the next query block while the current one computes
+
+
+# One shape for every head dim: 64 keys per CTA, 64 queries per step, 8 warps (4 key tiles x 2 halves);
+# the kernel asserts this split (cuda_src/bwd.cu, BwdTraits). 0 spills on sm_80/sm_90a up to d = 128.
+BWD_CONFIG = BwdConfig(64, 64, 8)
+# Two Q/dO buffers (the next query block loads while one computes) where they are spill-free: up to d = 96 (at 128
+# ptxas spills). Faster at d = 64 (docs/perf-notes.md, "backward Q/dO double buffer"); the bwd_qbuf setting
+# switches them off.
+DOUBLE_BUFFER_HEADDIMS = (32, 64, 96)
+# Head dims above 128 (compiled as 256) with 32 keys per CTA (BwdTraits' 2 x 4 warp split; its products' k-loops
+# stay rolled): spill-free on sm_90a only (sm_80 spills in two specializations; there such calls raise
+# NotImplementedError). The bwd_wide setting switches it off.
+WIDE_HEADDIM = 256
+WIDE_ARCHS = ("sm_90a",)
+WIDE_CONFIG = BwdConfig(64, 32, 8)
+
+# Deterministic mode on the Hopper kernel. Either each of slots_sm90 CTAs per head adds into its own fp32 dQ
+# slice, summed in order after the kernel ("slices"), or the atomic mode's grid adds dQ as int32 fixed point
+# (BwdParams::deterministic 2, cuda_src/fixed_dq.cuh): a per-row scale from a bound on the row's partial sums,
+# into one accumulator, whose integer sums do not depend on their order ("fixed"). The fixed point costs a pass
+# over K and V for the bound and 3-8% in the main kernel's int32 conversions; the slices cost most where a slot's
+# passes each add to the whole dQ of its heads, which misses the L2. "auto" (the bwd_sm90_det setting) takes the
+# fixed point where the slot rule gives a head more than one slot, or from FIXED_MIN_BLOCKS key blocks on (a causal
+# mask's blocks counted as half: each sees half the query blocks on average); measured in docs/perf-notes.md,
+# "deterministic backward: slices or fixed point". A fixed slot count (bwd_sm90_det_slots > 0) keeps the slices.
+FIXED_MIN_BLOCKS = {64: 16, 128: 8}
+
+
+def bwd_config(headdim: int) -> BwdConfig:
+    """The portable backward's tile configuration for a compiled head dim."""
+    if headdim == WIDE_HEADDIM:
+        return WIDE_CONFIG
+    if settings.current().bwd_qbuf and headdim in DOUBLE_BUFFER_HEADDIMS:
+        return dataclasses.replace(BWD_CONFIG, q_buffers=2)
+    return BWD_CONFIG
+
+
+@dataclass(frozen=True)
+class BwdSpec:
+    """One compiled portable backward main kernel."""
+
+    dtype: str
+    headdim: int
+    config: BwdConfig
+    band: bool
+    score_mod: bool
+
+    source = "bwd.cu"
+
+    @property
+    def name(self) -> str:
+        c = self.config
+        return (f"bwd_{self.dtype}_d{self.headdim}_m{c.block_m}_n{c.block_n}_w{c.warps}"
+                + (f"_qb{c.q_buffers}" if c.q_buffers > 1 else "")
+                + ("_causal" if self.band else "") + ("_mod" if self.score_mod else ""))
+
+    @property
+    def template(self) -> str:
+        c = self.config
+        return plan.template("bwd_kernel", self.dtype, (self.headdim, c.block_m, c.block_n, c.warps, c.q_buffers),
+                             (self.band, self.score_mod))
+
+    @property
+    def threads(self) -> int:
+        return self.config.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # BwdTraits::SMEM_BYTES: K, V (block_n rows), per buffer Q, dO (block_m rows), P^T and dS^T
+        # (block_n x 64), per buffer lse and D (block_m floats each).
+        c = self.config
+        return (2 * (c.block_n + c.q_buffers * c.block_m) * plan.smem_row_bytes(self.headdim)
+                + 2 * c.block_n * 64 * 2 + c.q_buffers * 2 * c.block_m * 4)
+
+
+@dataclass(frozen=True)
+class AuxSpec:
+    """A small helper kernel of the backward (cuda_src/bwd_aux.cu), templated on the dtype only."""
+
+    kernel: str   # "bwd_preprocess" | "bwd_kv_bound" | "bwd_fixed_scale" | "bwd_convert_dq"
+    dtype: str
+
+    source = "bwd_aux.cu"
+    threads = 256
+    smem_bytes = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}_{self.dtype}"
+
+    @property
+    def template(self) -> str:
+        return plan.template(self.kernel, self.dtype, (), ())
+
+
+def pre_lanes(headdim: int) -> int:
+    """Threads per query row in bwd_preprocess: the power of two that covers the row in 16-byte pieces, at most a
+    warp (a whole warp per row at d = 64 would leave 24 lanes idle)."""
+    pieces = -(-headdim // 8)
+    return min(32, 1 << (pieces - 1).bit_length())
+
+
+def bwd_headdim(headdim: int, arch: str | None = None) -> int:
+    """The compiled backward head dim for a call's (padded up inside the kernel); NotImplementedError past them."""
+    for d in BWD_HEADDIMS:
+        if headdim <= d:
+            return d
+    if settings.current().bwd_wide and arch in WIDE_ARCHS and headdim <= WIDE_HEADDIM:
+        return WIDE_HEADDIM
+    raise NotImplementedError(f"attention_backward: head dim {headdim} is not supported yet "
+                              f"(the backward kernel is compiled up to {BWD_HEADDIMS[-1]})")
+
+
+def all_specs(arch: str) -> list:
+    """Every portable backward specialization (main and helper kernels) the planner can choose on `arch`; the
+    double-buffered and wide ones whatever the settings, so they are compiled and checked for spills."""
+    specs = [AuxSpec(kernel, dtype) for dtype in ("fp16", "bf16")
+             for kernel in ("bwd_preprocess", "bwd_kv_bound", "bwd_fixed_scale", "bwd_convert_dq")]
+    for dtype in ("fp16", "bf16"):
+        for d in BWD_HEADDIMS:
+            for band in (False, True):
+                for mod in (False, True):
+                    specs.append(BwdSpec(dtype, d, BWD_CONFIG, band, mod))
+                    if d in DOUBLE_BUFFER_HEADDIMS:
+                        specs.append(BwdSpec(dtype, d, dataclasses.replace(BWD_CONFIG, q_buffers=2), band, mod))
+                if arch in WIDE_ARCHS and d == BWD_HEADDIMS[-1]:
+                    for mod in (False, True):
+                        specs.append(BwdSpec(dtype, WIDE_HEADDIM, WIDE_CONFIG, band, mod))
+    return specs
+
+
+@dataclass(frozen=True)
+class BwdLaunch:
+    spec: BwdSpec    # the portable main kernel
+    grid: tuple      # the main kernel's grid (the Hopper kernel's where `sm90` is set)
+    slices: int      # fp32 dQ accumulator slices (1 unless deterministic)
+    fixed_point: bool = False  # deterministic mode 2: one int32 accumulator on the atomic grid
+    sm90: backward_sm90.BwdSm90Spec | None = None  # the Hopper main kernel, which then runs instead of `spec`
+
+
+def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
+                  sm_count: int) -> BwdLaunch:
+    """Main backward kernel and its grid. Where the Hopper kernel applies (backward_sm90.applies) it runs
+    (`sm90`), on its own grid: 128-key blocks, and in deterministic mode slots_sm90 slots or the fixed point.
+    Elsewhere deterministic mode gives each of `slots` CTAs per (KV head, batch) its own dQ slice; enough slots to
+    fill the GPU about twice, at most one per KV block."""
+    band = left >= 0 or right >= 0
+    dtype = plan.dtype_tag(problem.dtype)
+    d = bwd_headdim(problem.headdim, arch)
+    spec = BwdSpec(dtype, d, bwd_config(d), band, score_mod)
+    groups = problem.batch * problem.nheads_k
+    if not backward_sm90.applies(problem, score_mod, arch):
+        n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
+        slots = max(1, min(n_blocks, math.ceil(2 * sm_count / groups))) if deterministic else n_blocks
+        return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)),
+                         slots if deterministic else 1)
+    s = settings.current()
+    block_m = backward_sm90.block_m(problem.headdim, score_mod)
+    n_blocks = math.ceil(problem.seqlen_k / backward_sm90.BLOCK_N)
+    fixed = False
+    if not deterministic:
+        slots = n_blocks
+    elif s.bwd_sm90_det_slots > 0:
+        slots = min(n_blocks, s.bwd_sm90_det_slots)
+    else:
+        slots = slots_sm90(n_blocks, groups, sm_count, s.bwd_sm90_det_max_passes)
+        causal = left < 0 and right == 0  # each key block's steps: half the query blocks, on average
+        auto = slots > 1 or n_blocks // (2 if causal else 1) >= FIXED_MIN_BLOCKS[d]
+        fixed = backward_sm90.tma_dq(problem.headdim, block_m) and (
+            s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det == "auto" and auto))
+    sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed)
+    if fixed:
+        return BwdLaunch(spec, plan.check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, True, sm90)
+    return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1,
+                     False, sm90)
+
+
+def slots_sm90(n_blocks: int, groups: int, sm_count: int, max_passes: int = 0) -> int:
+    """Deterministic mode on the Hopper kernel (one CTA per SM): of 1..n_blocks slots, the one whose CTAs
+    (slots x groups of them, ceil(n_blocks / slots) key blocks each) finish soonest, and of those the fewest (each
+    slot is a dQ slice to zero and sum), or with `max_passes` > 0 the fewest of at most that many key blocks each
+    where one is as soon. (About two CTAs per SM, the portable rule, would leave waves part-empty and CTAs uneven:
+    5 slots of 6-7 blocks at seqlen 4k, batch 4, 16 heads, d 128, where 2 slots of 16 end as soon.)"""
+    span = {slots: math.ceil(slots * groups / sm_count) * math.ceil(n_blocks / slots)
+            for slots in range(1, n_blocks + 1)}
+    best = min(span.values())
+    soonest = [slots for slots, s in span.items() if s == best]
+    short = [slots for slots in soonest if max_passes > 0 and math.ceil(n_blocks / slots) <= max_passes]
+    return (short or soonest)[0]
+
+
+WORKSPACE_ALIGN = 256  # bytes; each piece of a workspace starts on this boundary
+
+
+def _aligned(n: int) -> int:
+    return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+
+def workspace(rows: int, nheads: int, headdim: int, slices: int, nheads_k: int = 0) -> tuple[int, int, int]:
+    """The backward's workspaces as one aligned block: byte offsets of lse_log2 and of the dQ accumulator, and
+    the total. In the order :func:`launch` lays them out: dsum and lse_log2 (fp32, one per query row and head),
+    then the fp32 dQ accumulator (slices x rows x heads x headdim), each piece rounded up to WORKSPACE_ALIGN
+    (cuflash.jax hands them out of one XLA buffer this size). `rows`: batch * seqlen_q, or total_q when packed.
+    `nheads_k` > 0: deterministic mode's fixed point, whose two pieces follow (fixed_point_offsets)."""
+    per_row = _aligned(rows * nheads * 4)
+    total = 2 * per_row + _aligned(slices * rows * nheads * headdim * 4)
+    return per_row, 2 * per_row, total + (per_row + _aligned(nheads_k * 2 * 4) if nheads_k > 0 else 0)
+
+
+def kv_bound_blocks(rows: int, rows_per_block: int, groups: int, sm_count: int) -> int:
+    """bwd_kv_bound's blocks per (KV head, sequence): enough for about 8 blocks per SM over all `groups`, each
+    striding over its rows, at most one per `rows_per_block` rows."""
+    return max(1, min(-(-rows // rows_per_block), -(-8 * sm_count // groups)))
+
+
+def fixed_point_offsets(rows: int, nheads: int, headdim: int) -> tuple[int, int]:
+    """Byte offsets of fixed point's pieces in workspace(rows, nheads, headdim, 1, nheads_k): |dO| per row (like
+    dsum; then each row's dQ scale, written over it), then the K/V bounds (nheads_k x 2 x 4 bytes)."""
+    row_scale = workspace(rows, nheads, headdim, 1)[2]
+    return row_scale, row_scale + _aligned(rows * nheads * 4)
+
+
+# Layouts of the structs in cuda_src/params.cuh: same field order, C alignment (tests/test_plan.py checks).
+PARAMS_DTYPE = plan.struct(
+    ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi", "cu_seqlens_q", "cu_seqlens_k",
+     "dq_scale", "kv_bound"),
+    plan.stride_fields("q", "k", "v", "do", "dk", "dv")
+    + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
+    ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
+     "deterministic"),
+    ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
+PRE_PARAMS_DTYPE = plan.struct(
+    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v"),
+    plan.stride_fields("o", "do", "k", "v") + ["dq_slice_stride"],
+    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k"),
+    ("softmax_scale",))
+CONVERT_PARAMS_DTYPE = plan.struct(
+    ("dq_accum", "dq", "dq_scale"), ("slice_stride",), ("slices", "fixed_point", "seqlen_q", "nheads", "headdim"), ())
+SM90_PARAMS_DTYPE = backward_sm90.params_dtype(PARAMS_DTYPE)  # BwdSm90Params: tensor maps, then BwdParams
+
+
+class BackwardCall(NamedTuple):
+    """The backward's launches for one call signature, and where its workspace pieces lie: dsum at 0, lse_log2 at
+    ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed by the preprocess) at ``dq_offset``, and in
+    deterministic mode's fixed point the row scales and the K/V bounds at ``fixed_offsets``
+    (:func:`workspace`, :func:`fixed_point_offsets`)."""
+    # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed (fixed point: |dO| per row, the K/V bounds, then each
+    # row's dQ scale over its |dO|):
+    # out, dout, lse, dsum, lse_log2, dq_accum, dq_scale, kv_bound, k, v
+    preprocess: KernelCall
+    # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k, dq_scale,
+    # kv_bound (not read by the kernel)
+    main: KernelCall
+    convert: KernelCall      # dQ = sum of the slices (fixed point: over the row scales), cast: dq_accum, dq, dq_scale
+    lse_log2_offset: int
+    dq_offset: int
+    dq_bytes: int
+    workspace_bytes: int
+    fixed_offsets: tuple | None = None  # (dq_scale, kv_bound) byte offsets; None: not fixed point
+
+    def __call__(self, stream, dout, q, k, v, out, lse, dq, dk, dv, alibi, cu_seqlens_q, cu_seqlens_k, workspace):
+        """Launch on ``stream`` with these data pointers (0 where absent)."""
+        dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
+        row_scale, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
+        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v)
+        self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
+                  row_scale, kv_bound)
+        self.convert(stream, dq_accum, dq, row_scale)
+
+
+def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: AttentionOptions, *, device_id: int,
+                  alibi_slopes=None, deterministic: bool, packed: bool) -> BackwardCall:
+    """The backward's launches for these layouts (arrays or TensorSpecs; dq, dk, dv contiguous) and options on
+    device `device_id` (current); ``packed``: varlen layouts, as in :func:`launch`."""
+    scale, left, right, score_mod = options.softmax_scale, options.left, options.right, options.score_mod
+    launch = plan_backward(problem, left, right, score_mod, bool(deterministic), build.device_arch(device_id),
+                           build.sm_count(device_id))
+    dtype = launch.spec.dtype
+    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
+    # Per-row workspaces: (b, h, sq) and (slices, b, sq, h, d); packed, one row per query token, (h, total_q) and
+    # (slices, total_q, h, d). The elementwise launches see a packed batch as one sequence of total_q rows.
+    pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
+    rows = pre_b * pre_sq  # query rows of all sequences
+    fixed = launch.fixed_point
+    lse_log2_offset, dq_offset, workspace_bytes = workspace(rows, h, d, launch.slices,
+                                                            problem.nheads_k if fixed else 0)
+
+    # D = rowsum(dO * O) and lse in the log2 domain: pre_lanes(d) threads per row; grid (row blocks, heads,
+    # sequences)
+    pre = AuxSpec("bwd_preprocess", dtype)
+    pp = np.zeros((), dtype=PRE_PARAMS_DTYPE)
+    plan.set_strides(pp, o=out, do=dout)
+    pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
+    pp["lanes"] = pre_lanes(d)
+    pp["dq_slice_stride"], pp["slices"] = rows * h * d, launch.slices
+    pre_rows = pre.threads // int(pp["lanes"])
+    pre_launches = [(build.get_kernel(pre, device_id), plan.check_grid((-(-pre_sq // pre_rows), h, pre_b)),
+                     (pre.threads,), 0)]
+    if fixed:  # then max |K| and max |V_j| per KV head, over every row of K and V (packed: one sequence)
+        plan.set_strides(pp, k=k, v=v)
+        pp["fixed_point"], pp["nheads_k"] = 1, problem.nheads_k
+        pp["kv_batch"], pp["seqlen_k"] = (1, k.shape[0]) if packed else (b, problem.seqlen_k)
+        kv_grid = plan.check_grid((kv_bound_blocks(int(pp["seqlen_k"]), pre_rows, problem.nheads_k * int(
+            pp["kv_batch"]), build.sm_count(device_id)), problem.nheads_k, int(pp["kv_batch"])))
+        pre_launches.append((build.get_kernel(AuxSpec("bwd_kv_bound", dtype), device_id), kv_grid,
+                             (pre.threads,), 0))
+        # then each row's dQ scale over its |dO|: one row per thread, grid (row blocks, heads, sequences)
+        scale_spec = AuxSpec("bwd_fixed_scale", dtype)
+        pp["softmax_scale"] = scale
+        pre_launches.append((build.get_kernel(scale_spec, device_id),
+                             plan.check_grid((-(-pre_sq // scale_spec.threads), h, pre_b)), (scale_spec.threads,), 0))
+    preprocess = KernelCall(pre_launches, pp, PRE_PARAMS_DTYPE.names[:10])
+
+    # the main kernel; dsum and lse_log2 are (pre_b, h, pre_sq) contiguous, seen per sequence
+    bp = np.zeros((), dtype=PARAMS_DTYPE)
+    plan.set_strides(bp, q=q, k=k, v=v, do=dout, dk=dk, dv=dv)
+    bp["lse_batch_stride"], bp["lse_head_stride"] = (1, pre_sq) if packed else (h * sq, sq)
+    bp["dq_batch_stride"] = h * d if packed else sq * h * d  # packed: sequence b starts at row cu_seqlens_q[b]
+    bp["alibi_batch_stride"] = checks.alibi_batch_stride(alibi_slopes)
+    bp["dq_slice_stride"] = rows * h * d
+    bp["batch"], bp["seqlen_q"], bp["seqlen_k"] = b, sq, problem.seqlen_k
+    bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
+    bp["window_left"], bp["window_right"] = left, right
+    bp["deterministic"] = 2 if fixed else int(bool(deterministic))
+    for name, value in options.scales.items():
+        bp[name] = value
+    bp["softmax_scale"] = scale
+    if launch.sm90 is not None:  # same interface, same workspace
+        main = backward_sm90.backward_main(launch.sm90, bp, q, k, v, dout, launch.grid, device_id)
+    else:
+        main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
+                            launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:14])
+
+    # dQ: sum the slices (fixed order), cast; fixed point: the int32 accumulator times each row's unit, grid (groups
+    # of four elements of a row, rows)
+    conv = AuxSpec("bwd_convert_dq", dtype)
+    cp = np.zeros((), dtype=CONVERT_PARAMS_DTYPE)
+    cp["slice_stride"], cp["slices"] = rows * h * d, launch.slices
+    conv_grid = (min(-(-(rows * h * d // 4) // conv.threads), 65535 * 16),)
+    if fixed:
+        cp["fixed_point"], cp["seqlen_q"], cp["nheads"], cp["headdim"] = 1, pre_sq, h, d
+        conv_grid = (-(-(h * d // 4) // conv.threads), min(rows, 65535))
+    convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
+                         CONVERT_PARAMS_DTYPE.names[:3])
+    return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
+                        workspace_bytes, fixed_point_offsets(rows, h, d) if fixed else None)
+
+
+_launches: dict = {}  # call signature -> BackwardCall
+
+
+@settings.on_change
+def _forget() -> None:
+    _launches.clear()
+
+
+def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causal, window_size, softcap,
+           alibi_slopes, deterministic, cu_seqlens_q=None, cu_seqlens_k=None, workspace=None):
+    """Launch the backward into given dq/dk/dv (contiguous), on the current device and stream; no checks.
+
+    The fp32 workspaces (rowsum(dO*O), lse in log2, the dQ accumulator) are one block of
+    ``backward_call(...).workspace_bytes`` bytes: ``workspace`` (a uint8 array at least that long, e.g. a buffer
+    XLA owns) or, without it, one allocation from CuPy's current allocator (a wrapper that sets one with
+    ``cupy.cuda.using_allocator`` decides where it lives). With ``cu_seqlens_q`` and ``cu_seqlens_k`` the arrays
+    are packed as in :func:`cuflash.ops.forward.launch`, and the workspaces too: one row per query token.
+    """
+    from .. import runtime
+    key = checks.call_signature((problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_size,
+                                 softcap, alibi_slopes, deterministic, cu_seqlens_q, cu_seqlens_k))
+    call = _launches.get(key) if key is not None else None
+    if call is None:
+        options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                          softcap=softcap, alibi_slopes=alibi_slopes)
+        call = backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options, device_id=q.device.id,
+                             alibi_slopes=alibi_slopes, deterministic=deterministic, packed=cu_seqlens_q is not None)
+        if key is not None:
+            if len(_launches) >= 4096:
+                _launches.clear()
+            _launches[key] = call
+    import cupy
+    if workspace is None:
+        workspace = cupy.empty(call.workspace_bytes, dtype=np.uint8)
+    elif workspace.nbytes < call.workspace_bytes:
+        raise ValueError(f"workspace: {workspace.nbytes} bytes, the backward needs {call.workspace_bytes}")
+    call(cupy.cuda.get_current_stream().ptr, dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
+         lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, runtime.ptr(alibi_slopes), runtime.ptr(cu_seqlens_q),
+         runtime.ptr(cu_seqlens_k), workspace.data.ptr)

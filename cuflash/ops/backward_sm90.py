@@ -1,0 +1,151 @@
+"""The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA, for head dims
+exactly 64 and 128 (softcap / ALiBi at 64). :mod:`cuflash.ops.backward` chooses it on sm_90a where
+:func:`applies` and launches it behind the portable main kernel's call interface, with the same preprocess,
+workspace and dQ conversion.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import build, plan, settings, tma
+from ..launcher import KernelCall
+
+HEADDIMS = (64, 128)
+SCORE_MOD_HEADDIMS = (64,)  # at 128 the score-mod kernel spills: 255 registers are already taken without it
+BLOCK_N = 128               # keys per CTA (BwdSm90::BN)
+BLOCK_M = 64                # query rows per step by default
+
+# Query rows per step, per head dim: 64, or 128 at d = 64 without a score mod (twice the work per step for the
+# same barriers and waits; faster in every cell measured, docs/perf-notes.md, "Hopper backward 128 rows at d 64").
+# The bwd_sm90_block_m setting overrides a head dim's.
+BLOCK_M_CHOICES = (64, 128)
+BLOCK_M_TABLE = {64: 128, 128: 64}
+
+
+def applies(problem, score_mod: bool, arch: str) -> bool:
+    """The Hopper kernel runs this backward: sm_90a, head dim 64 or 128 (with a score mod: 64), setting on."""
+    return (settings.current().bwd_sm90 and arch == "sm_90a" and problem.headdim in HEADDIMS
+            and (not score_mod or problem.headdim in SCORE_MOD_HEADDIMS))
+
+
+def block_m_allowed(headdim: int, score_mod: bool, block_m: int) -> bool:
+    return block_m == 64 or (block_m == 128 and headdim == 64 and not score_mod)
+
+
+def tma_dq(headdim: int, block_m: int) -> bool:
+    """BwdSm90::TMA_DQ: dQ added by TMA bulk reductions from staging tiles (all but d = 64 with 64 query rows, the
+    score-mod kernel, whose warpgroups both add to every element with vector reductions)."""
+    return not (headdim == 64 and block_m == 64)
+
+
+def block_m(headdim: int, score_mod: bool) -> int:
+    """Query rows per step for this head dim (the table's entry, or the setting's, where the kernel allows it)."""
+    rows = {**BLOCK_M_TABLE, **settings.current().bwd_sm90_block_m}.get(headdim, 64)
+    return rows if block_m_allowed(headdim, score_mod, rows) else 64
+
+
+
+
+@dataclass(frozen=True)
+class BwdSm90Spec:
+    dtype: str
+    headdim: int
+    band: bool
+    score_mod: bool = False
+    block_m: int = BLOCK_M  # query rows per step: 64, or 128 at d = 64 without a score mod
+    fixed: bool = False  # deterministic mode 2 (int32 fixed-point dQ), which runs only on these kernels
+
+    source = "bwd_sm90.cu"
+    threads = 256
+
+    @property
+    def name(self) -> str:
+        return (f"bwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}"
+                f"{'_mod' if self.score_mod else ''}{f'_m{self.block_m}' if self.block_m != BLOCK_M else ''}"
+                f"{'_fixed' if self.fixed else ''}")
+
+    @property
+    def template(self) -> str:
+        return plan.template("bwd_sm90_kernel", self.dtype, (self.headdim, self.block_m),
+                             (self.band, self.score_mod, self.fixed))
+
+    @property
+    def tma_dq(self) -> bool:  # BwdSm90::TMA_DQ: dQ added by TMA from staging buffers
+        return tma_dq(self.headdim, self.block_m)
+
+    @property
+    def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, rows (lse, D, dQ scale), dQ staging,
+        d, n, m = self.headdim, BLOCK_N, self.block_m  # barriers
+        rows_end = 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 3 * m * 4
+        staging = 2 * 2 * 64 * 64 * 4 if self.tma_dq else 0  # two buffers of a 64 x 64 fp32 tile per warpgroup
+        return -(-rows_end // 1024) * 1024 + staging + 3 * 8 + 1024
+
+
+def all_specs() -> list:
+    """Every specialization: the fixed-point ones where dQ is added by TMA (mode 2 needs it)."""
+    return [BwdSm90Spec(dtype, d, band, mod, rows, fixed) for d in HEADDIMS for dtype in ("fp16", "bf16")
+            for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))
+            for rows in BLOCK_M_CHOICES if block_m_allowed(d, mod, rows)
+            for fixed in ((False, True) if tma_dq(d, rows) else (False,))]
+
+
+def params_dtype(inner: np.dtype) -> np.dtype:
+    """BwdSm90Params: the five tensor maps, then BwdParams (`inner`, the portable kernel's struct) at byte 640;
+    64-byte aligned."""
+    names = ["q_map", "k_map", "v_map", "dout_map", "dq_map"] + list(inner.names)
+    formats = ["V128"] * 5 + [inner.fields[n][0] for n in inner.names]
+    offsets = [0, 128, 256, 384, 512] + [640 + inner.fields[n][1] for n in inner.names]
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets,
+                     "itemsize": 640 + -(-inner.itemsize // 64) * 64})
+
+
+_POINTERS = struct.Struct("14Q")  # BwdParams' leading pointers, right after the maps
+
+
+class BackwardMain:
+    """The Hopper backward's main launch behind the call interface of the portable one (``BackwardCall.main``):
+    ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k, dq_scale,
+    kv_bound)``."""
+
+    __slots__ = ("kernel_call", "maps", "spec")
+
+    def __init__(self, kernel_call: KernelCall, maps: tuple, spec: BwdSm90Spec):
+        self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
+
+    def __call__(self, stream: int, q: int, k: int, v: int, dout: int, dk: int, dv: int, dq_accum: int,
+                 *rest: int) -> None:
+        q_map, k_map, v_map, do_map, dq_map = self.maps
+        self.kernel_call.launch_head(
+            stream, q_map(q) + k_map(k) + v_map(v) + do_map(dout) + dq_map(dq_accum)
+            + _POINTERS.pack(q, k, v, dout, dk, dv, dq_accum, *rest))
+
+
+def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_id: int) -> BackwardMain:
+    """The main launch for these layouts (arrays or TensorSpecs, padded or packed) with BwdParams already filled
+    (`inner_params`, a cuflash.ops.backward.PARAMS_DTYPE scalar). Mode 2 (the fixed point) runs on the `fixed`
+    kernels only, and they on nothing else."""
+    if spec.fixed != (int(inner_params["deterministic"]) == 2):
+        raise ValueError(f"{spec.name}: deterministic mode {int(inner_params['deterministic'])} on the wrong kernel")
+    p = np.zeros((), dtype=params_dtype(inner_params.dtype))
+    for name in inner_params.dtype.names:
+        p[name] = inner_params[name]
+    call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
+    m = spec.block_m
+    maps = (tma.layout_encoder(q, m), tma.layout_encoder(k, BLOCK_N), tma.layout_encoder(v, BLOCK_N),
+            tma.layout_encoder(dout, m), tma.encoder(*dq_accum_layout(inner_params, grid), swizzle=128))
+    return BackwardMain(call, maps, spec)
+
+
+def dq_accum_layout(inner_params, grid) -> tuple:
+    """(dtype, dims, byte strides, box) of dq_accum's tensor map: fp32 (slices, rows of all sequences, heads, d) as
+    4-D (d, heads, rows, slices), box (32, 1, 64, 1): 32 columns (128 bytes, the swizzle span) of 64 rows; int32 and
+    one slice in deterministic mode's fixed point (BwdParams::deterministic 2)."""
+    h, d = int(inner_params["nheads"]), int(inner_params["headdim"])
+    rows = int(inner_params["dq_slice_stride"]) // (h * d)
+    mode = int(inner_params["deterministic"])
+    slices = grid[0] if mode == 1 else 1
+    dtype = np.dtype(np.int32 if mode == 2 else np.float32)
+    return dtype, (d, h, rows, slices), (d * 4, h * d * 4, rows * h * d * 4), (32, 1, 64, 1)

@@ -1,0 +1,97 @@
+"""What a call needs from the machine: CuPy, a CUDA device, the current device and stream.
+
+Without CuPy, or without an NVIDIA GPU and driver, the first call raises one clear error (ImportError or
+RuntimeError) instead of a ModuleNotFoundError or CuPy's ``cudaErrorInsufficientDriver`` from deep inside a
+launch. The check runs once per process; later calls pay one global lookup.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+CUPY_MISSING = "cuflash needs CuPy: pip install 'cuflash[cuda13]' (or 'cuflash[cuda12]' for a CUDA 12 driver)"
+NO_GPU = "cuflash needs an NVIDIA GPU and driver: no CUDA device found"
+
+_gpu_ready = False
+
+
+def import_cupy():
+    """The cupy module, or ModuleNotFoundError (an ImportError) saying how to install it."""
+    try:
+        import cupy
+    except ImportError as err:
+        raise ModuleNotFoundError(f"{CUPY_MISSING} ({err})", name=err.name) from err
+    return cupy
+
+
+def require_gpu() -> None:
+    """Raises ImportError without CuPy, RuntimeError without a usable CUDA device; checked once per process."""
+    global _gpu_ready
+    if _gpu_ready:
+        return
+    cupy = import_cupy()
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # CUDARuntimeError: no driver, a driver too old for this CUDA, no device
+        raise RuntimeError(f"{NO_GPU} (cupy: {err})") from None
+    if count < 1:
+        raise RuntimeError(f"{NO_GPU} (cupy sees 0 devices)")
+    _gpu_ready = True
+
+
+def reset() -> None:
+    """Forget the result of :func:`require_gpu` (tests)."""
+    global _gpu_ready
+    _gpu_ready = False
+
+
+def ptr(x) -> int:
+    """An array's data pointer; 0 for None."""
+    return 0 if x is None else x.data.ptr
+
+
+def device(device_id: int):
+    """Switch to `device_id` unless it is current already (a context switch costs microseconds per call)."""
+    import cupy
+    if cupy.cuda.runtime.getDevice() == device_id:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(device_id)
+
+
+def on(stream):
+    """A context making `stream` (a cupy Stream, a raw cudaStream_t or None: the current one) current."""
+    if stream is None:
+        return contextlib.nullcontext()
+    if isinstance(stream, int):
+        import cupy
+        stream = cupy.cuda.ExternalStream(stream)
+    return stream
+
+
+def require_device_arrays(**arrays) -> None:
+    """CuPy arrays whose 16-byte chunks along the last axis are aligned (cp.async copies 16 bytes)."""
+    cupy = import_cupy()
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name}: expected a cupy.ndarray, got {type(x).__module__}.{type(x).__name__} "
+                            "(torch and JAX arrays convert without a copy: cupy.from_dlpack(x))")
+        if x.dtype in (np.float32, np.int32):  # ALiBi slopes, lse, cu_seqlens: read one element at a time
+            continue
+        bad = [axis for axis, (n, s) in enumerate(zip(x.shape[:-1], x.strides[:-1])) if n > 1 and s % 16]
+        if x.data.ptr % 16 or bad:
+            where = f"stride of axis {bad[0]} is {x.strides[bad[0]] // x.itemsize} elements" if bad else \
+                f"data pointer {x.data.ptr:#x}"
+            raise ValueError(f"{name}: must be 16-byte aligned (pointer and strides multiples of 8 elements); "
+                             f"{where}")
+
+
+def require_device_index_arrays(**arrays) -> None:
+    """Index arrays (cache_seqlens, cache_batch_idx, block_table) that are CuPy arrays."""
+    cupy = import_cupy()
+    for name, x in arrays.items():
+        if x is not None and not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name}: expected a cupy.ndarray of int32, got "
+                            f"{type(x).__module__}.{type(x).__name__}")
