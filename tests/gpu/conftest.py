@@ -1,10 +1,14 @@
-"""Fixtures of the GPU suite: every allocation poisoned with NaN, kernels compiled before hypothesis runs."""
+"""Fixtures of the GPU suite: every allocation poisoned with NaN, kernels compiled before hypothesis runs.
+
+Both are package-scoped: set up once, at the first test of tests/gpu/, and kept until its last one; the package's
+tests run together, so that is every GPU test.
+"""
 import os
 
 import pytest
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def poisoned_allocator():
     """Every CuPy allocation starts as 0xFF bytes (NaN in fp16, bf16 and fp32), so an output element the
     kernel forgets to write fails the comparison instead of passing on leftover zeros."""
@@ -26,7 +30,7 @@ def poisoned_allocator():
     cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def compiled():
     """Compiles every forward kernel once, in parallel, so JIT time never trips a hypothesis deadline.
     CUFLASH_TEST_COMPILE_WORKERS sets the processes (each holds a CUDA context: test processes running at once, as
