@@ -31,7 +31,7 @@ timeout -k 5 300 python3 scripts/precompile.py --hopper --workers 16 >"$tmp/prec
 echo "precompile: exit $? [$((SECONDS - t0))s] $(tail -1 "$tmp/precompile.log")"
 
 jsons=()
-for v in $(python3 -c "from cuflash import hopper; print(*hopper.VARIANTS)"); do
+for v in $(python3 -c "from cuflash.ops import forward_sm90; print(*forward_sm90.VARIANTS)"); do
     timeout -k 5 120 python3 benchmarks/bench_sm90.py --variant "$v" --dims "$dims" \
         --seqlens "${SWEEP_SEQLENS:-512,1024,2048,4096,16384}" --json "$tmp/sm90_$v.json" >>"$OUT/sweep.txt" 2>&1
     echo "bench_sm90 $v: exit $? [$((SECONDS - t0))s]"

@@ -8,7 +8,7 @@ Two sweeps:
 
 - ``CUFLASH_COMPILE_ALL=1`` (what ``.ci/run`` sets): every specialization the planner can choose, for sm_80 and
   sm_90a (portable forward, backward and decode with their helper kernels), every Hopper forward (each variant of
-  ``hopper.VARIANTS`` at each head dim, dtype, band and score mod), every Hopper backward, the Hopper self-tests:
+  ``forward_sm90.VARIANTS`` at each head dim, dtype, band and score mod), every Hopper backward, the Hopper self-tests:
   about 680 compiles.
 - By default, a representative subset of about 120 compiles: the specializations are grouped by everything but
   their dtype, band and score mod, that is by kernel family, architecture, head dim and tile configuration
@@ -29,20 +29,21 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from cuflash import build, hopper, plan
+from cuflash import build, ops, plan
+from cuflash.ops import backward, backward_sm90, forward, forward_sm90
 from tests.sm90_selftest import KERNELS as SELFTEST_KERNELS, SelftestSpec
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs CuPy's NVRTC bindings")
 
 # What this module uses of cuflash, gathered here: a move inside cuflash changes only these lines.
 ARCHS = plan.ARCHS                                 # the architectures the planner compiles for
-portable_specs = plan.all_specs                    # arch -> portable forward, backward, decode and helper kernels
-forward_specs = plan.all_forward_specs             # arch -> the portable forward kernels
-backward_specs = plan.all_backward_specs           # arch -> the portable backward kernels
-hopper_forward_specs = hopper.all_specs            # every Hopper forward: variant x head dim x dtype x options
-hopper_variants = hopper.VARIANTS                  # the Hopper forward's variants
-hopper_variant_spec = hopper.variant_spec          # (variant, dtype, head dim, band, score mod) -> its spec
-hopper_backward_specs = hopper.all_backward_specs  # every Hopper backward
+portable_specs = ops.all_specs                     # arch -> portable forward, backward, decode and helper kernels
+forward_specs = forward.all_specs                  # arch -> the portable forward kernels
+backward_specs = backward.all_specs                # arch -> the portable backward kernels
+hopper_forward_specs = forward_sm90.all_specs      # every Hopper forward: variant x head dim x dtype x options
+hopper_variants = forward_sm90.VARIANTS            # the Hopper forward's variants
+hopper_variant_spec = forward_sm90.variant_spec    # (variant, dtype, head dim, band, score mod) -> its spec
+hopper_backward_specs = backward_sm90.all_specs    # every Hopper backward
 compile_cubin = build.compile_cubin                # (spec, arch) -> (cubin, log with ptxas's resource report)
 resource_report = build.resource_report            # log -> registers, spill stores, spill loads
 nvrtc = build._nvrtc                               # CuPy's NVRTC bindings
@@ -52,7 +53,7 @@ C_TYPES = dict(plan.DTYPES.values())               # "fp16" / "bf16" -> the C++ 
 
 HOPPER = "sm_90a"
 COMPILE_ALL = os.environ.get("CUFLASH_COMPILE_ALL", "") not in ("", "0")
-VARYING = ("dtype", "band", "score_mod")  # the fields the subset does not spread over
+VARYING = ("dtype", "band", "score_mod")           # the fields the subset does not spread over
 
 
 def representative(specs: list) -> list:
