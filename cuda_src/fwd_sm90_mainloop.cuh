@@ -265,9 +265,9 @@ struct FwdSm90Mainloop {
     // still be reading). Each warpgroup's blocks are software-pipelined as in consume_pipelined; a V it still holds
     // does not stall the ring, since its next block is WGS < STAGES positions on. Then split_leave and split_merge
     // bring warpgroups 1 and 2's O, max and sum to warpgroup 0.
-    // The SPLIT kernel writes O from registers, whatever p.o_tma says (FwdSm90Epilogue): with O by TMA stores
-    // warpgroups 1 and 2 would first wait for their last copies out of the staging tile, and with that wait
-    // compute-sanitizer's racecheck flagged the merge's accesses (partly; without it, none), which is not explained.
+    // The SPLIT kernel writes O from registers, whatever p.o_tma says (FwdSm90Epilogue): the merge passes O through
+    // the staging tile, which with O by TMA stores warpgroups 1 and 2 would first have to wait for their last copies
+    // out of (compute-sanitizer's racecheck reports the merge's accesses with that wait in place).
     __device__ __forceinline__ bool split_tile(int count) const {
         return Tr::SPLIT && count > 0 && s.uniform(s.tile.row0 + 64 >= s.tile.seqlen_q);
     }
