@@ -442,9 +442,12 @@ struct BwdSm90 {
             sm90::mbar_fence_init();
         }
         __syncthreads();
-        int tt = 0, kv_loads = 0;  // steps and K/V loads so far (the barriers' phases)
+        int tt = 0;  // steps so far (the Q/dO barriers' phases)
         // Slot x takes key blocks x, 2 slots - 1 - x, 2 slots + x, ... (a snake: under a causal mask every two of
-        // them make the same number of steps for every slot), walking every other one backwards (atomic mode: one)
+        // them make the same number of steps for every slot), walking every other one backwards (atomic mode: one).
+        // Each key block completes one phase of the K/V barrier (its loads, or a bare arrival where it has no
+        // steps), so that phase's parity is `backwards`: no counter of loads stays live beside the step loop, which
+        // at 255 registers (d = 64, 128 query rows) newer ptxas versions would spill.
         backwards = false;
         for (int n = blockIdx.x; n < ceil_div(mask.seqlen_k, BN);
              n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
@@ -460,6 +463,7 @@ struct BwdSm90 {
             for (int dt = 0; dt < PANELS * 8; ++dt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
+            if (tid == 0 && steps == 0) sm90::mbar_arrive(base + OFF_BAR);  // this key block's K/V phase
             if (steps > 0) {
                 if (tid == 0) {
                     sm90::mbar_arrive_expect_tx(base + OFF_BAR, 2 * KV_BYTES);
@@ -474,8 +478,7 @@ struct BwdSm90 {
                     if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
                 }
                 __syncthreads();  // the rows of the first two steps
-                sm90::mbar_wait(base + OFF_BAR, kv_loads & 1);
-                ++kv_loads;
+                sm90::mbar_wait(base + OFF_BAR, backwards);  // K and V of this key block
                 for (int t = 0; t < steps; ++t, ++tt) {
                     float3 next_rows;  // step t + 2's, in flight during this step
                     if (tid < BM && t + 2 < steps)
