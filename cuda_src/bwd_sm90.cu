@@ -22,8 +22,8 @@
 // waited for first) at d = 64 (at 128 that kernel spills); head dims 64 and 128.
 // Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
 // with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order:
-// only the FIXED kernels, which run only that mode (the others carry none of its code: with a run-time test the atomic
-// kernel was 1.9-7.6% slower in every cell of the benchmark, session 22).
+// only the FIXED kernels, which run only that mode, so that the others carry none of its code (a run-time test of
+// the mode slows the atomic kernel down: docs/perf-notes.md).
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "mask.cuh"
@@ -43,31 +43,64 @@ struct BwdSm90Params {
     BwdParams p;        // the portable kernel's parameters (its q, k, v, dout pointers unused here)
 };
 
-// Two adjacent fp32 additions in one vector reduction (sm_90; 8-byte aligned, relaxed, gpu scope as atomicAdd's).
-__device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y) : "memory");
-}
+// Named barriers (0 is __syncthreads).
+enum class BwdBarrier : int {
+    Warpgroup0 = 1,  // Warpgroup0 + wg: warpgroup wg's own 128 threads (its dS^T stores, its dQ staging tile)
+    Warpgroup1 = 2,
+    DqOrder = 3,  // deterministic add_dq_red: warpgroup 0's reductions before warpgroup 1's (256 threads)
+};
+static_assert(int(BwdBarrier::Warpgroup1) == int(BwdBarrier::Warpgroup0) + 1, "one barrier per warpgroup, by index");
+
+// The end of the shared memory: with dQ added by TMA (TMA_DQ), its staging buffers, per step parity and warpgroup a
+// 64 x 64 fp32 tile as two boxes of 32 columns (64 lines of 128 bytes, 128-byte swizzle); then the mbarriers: K/V
+// full, and Q/dO full per buffer.
+template <bool TMA_DQ> struct BwdSm90Tail {
+    alignas(1024) float dq[2][2][2][64][32];
+    unsigned long long kv_full, qd_full[2];
+};
+template <> struct BwdSm90Tail<false> {  // dQ by vector reductions: the mbarriers only
+    alignas(1024) unsigned long long kv_full;
+    unsigned long long qd_full[2];
+};
+
+// The shared memory of a CTA from its first 1024-byte boundary, as laid out; the kernel's offsets are offsetof this.
+// Tiles are 64-column panels (128-byte rows, 128-byte swizzle) of 16-bit elements, each 1024-aligned (the swizzle
+// atom of TMA and wgmma).
+template <int D, int BM, bool TMA_DQ> struct BwdSm90Smem {
+    static constexpr int BN = 128;
+    unsigned char k[BN * D * 2], v[BN * D * 2];          // this CTA's keys and values, resident per key block
+    unsigned char q[2][BM * D * 2], dout[2][BM * D * 2];  // Q and dO of a step, double-buffered by step parity
+    unsigned char ds[BM / 64][BN * 128];                  // dS^T: all keys x 64 queries per panel
+    float rows[2][3][BM];                                 // per buffer: lse_log2, D and the fixed-point dQ scale
+    BwdSm90Tail<TMA_DQ> tail;
+};
 
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED>
 struct BwdSm90 {
     static constexpr int BN = 128, PANELS = D / 64, THREADS = 256;
     static constexpr int NT = BM / 8, KK = BM / 16, QH = BM / 64;  // S^T's n-tiles, k-steps over queries, halves
-    static constexpr u32 K_PANEL = BN * 128, Q_PANEL = BM * 128;  // bytes of one 64-column panel
-    static constexpr u32 DS_PANEL = BN * 128;                     // dS^T: all keys x 64 queries
-    static constexpr u32 KV_BYTES = BN * D * 2, QD_BYTES = BM * D * 2;
-    // shared memory (1024-aligned): K | V | Q[2] | dO[2] | dS^T | rows[2] (lse_log2, D, fixed-point scale) | dQ
-    // staging | barriers (kv, qd[2])
-    static constexpr u32 OFF_V = KV_BYTES, OFF_Q = 2 * KV_BYTES, OFF_DO = OFF_Q + 2 * QD_BYTES;
-    static constexpr u32 OFF_DS = OFF_DO + 2 * QD_BYTES, OFF_ROWS = OFF_DS + QH * DS_PANEL;
     // dQ by TMA wherever each dQ element has one adding thread per step (all but d = 64 with 64 rows, where both
     // warpgroups add to every element): a warpgroup's 64 x 64 fp32 tile is stored to a staging buffer (two boxes of
     // 32 columns, 128-byte swizzle; two buffers, by step parity) and one thread adds it to dq_accum with bulk tensor
     // reductions, which leave the compute threads as soon as they are issued.
     static constexpr bool TMA_DQ = !(D == 64 && BM == 64);
-    static constexpr u32 DQ_BOX = 64 * 128, DQ_TILE = 2 * DQ_BOX;
-    static constexpr u32 OFF_DQ = (OFF_ROWS + 2 * 3 * BM * 4 + 1023) / 1024 * 1024;
-    static constexpr u32 OFF_BAR = OFF_DQ + (TMA_DQ ? 2 * 2 * DQ_TILE : 0);
-    static constexpr u32 SMEM_BYTES = OFF_BAR + 3 * 8 + 1024;
+    using Smem = BwdSm90Smem<D, BM, TMA_DQ>;
+    using Tail = BwdSm90Tail<TMA_DQ>;
+    static constexpr u32 K_PANEL = BN * 128, Q_PANEL = BM * 128;  // bytes of one 64-column panel
+    static constexpr u32 DS_PANEL = BN * 128;                     // dS^T: all keys x 64 queries
+    static constexpr u32 KV_BYTES = sizeof(Smem::k), QD_BYTES = sizeof(Smem::q[0]);
+    static constexpr u32 DQ_BOX = sizeof(BwdSm90Tail<true>::dq[0][0][0]), DQ_TILE = 2 * DQ_BOX;
+    // byte offsets from the CTA's 1024-aligned base (K at 0; the dQ staging buffers first in the tail)
+    static constexpr u32 OFF_V = offsetof(Smem, v), OFF_Q = offsetof(Smem, q), OFF_DO = offsetof(Smem, dout);
+    static constexpr u32 OFF_DS = offsetof(Smem, ds), OFF_ROWS = offsetof(Smem, rows), OFF_DQ = offsetof(Smem, tail);
+    static constexpr u32 OFF_KV_BAR = OFF_DQ + offsetof(Tail, kv_full), OFF_QD_BAR = OFF_DQ + offsetof(Tail, qd_full);
+    static constexpr u32 SMEM_BYTES = OFF_QD_BAR + sizeof(Tail::qd_full) + 1024;  // + room to align the base
+    static_assert(BN == Smem::BN && sizeof(Smem::ds[0]) == DS_PANEL && offsetof(Smem, k) == 0 &&
+                  offsetof(BwdSm90Tail<true>, dq) == 0, "one layout");
+    static_assert(OFF_V % 1024 == 0 && OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_DS % 1024 == 0 &&
+                  QD_BYTES % 1024 == 0 && OFF_DQ % 1024 == 0, "every tile and staging panel 1024-aligned");
+    static_assert(OFF_QD_BAR == OFF_KV_BAR + 8, "the three mbarriers side by side (initialized in one loop)");
+    static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(D == 64 || D == 128, "head dims 64 and 128");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
@@ -78,7 +111,7 @@ struct BwdSm90 {
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
     // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
-    // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one made ptxas spill 4-12 bytes.
+    // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one makes ptxas spill.
     __device__ __forceinline__ static int uniform(int x) { return ROW_SPLIT ? x : sm90::warp_uniform(x); }
 
     const BwdSm90Params& P;
@@ -97,7 +130,8 @@ struct BwdSm90 {
     __device__ __forceinline__ float* rows(char* smem, int buf) const {
         return reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + OFF_ROWS) + buf * 3 * BM;
     }
-    __device__ __forceinline__ u32 qd_bar(int buf) const { return base + OFF_BAR + 8 + 8 * buf; }
+    __device__ __forceinline__ u32 kv_bar() const { return base + OFF_KV_BAR; }
+    __device__ __forceinline__ u32 qd_bar(int buf) const { return base + OFF_QD_BAR + 8 * buf; }
 
     __device__ __forceinline__ void load_box(u32 dst, const sm90::TmaMap* map, int col, int head, int begin, int row,
                                              u32 bar) const {
@@ -130,10 +164,9 @@ struct BwdSm90 {
 
     // Threads < BM: lse_log2 and D of row `tid` of step t, read from global memory into registers a step ahead (the
     // load's latency hides behind a step's work) and stored to the rows of buffer tt % 2 once that buffer is free.
-    // Fixed point (deterministic mode 2): the row's dQ scale too, which bwd_fixed_scale wrote (fixed_dq.cuh). Session
-    // 23 (docs/bench/bwd_session23.txt): made here from |dO|, D and the KV head's bounds by threads BM..2 BM - 1, the
-    // scale cost the d = 64 kernel 4-6% against these threads fetching nothing; copied by cp.async into a ring of
-    // its own, waited for after each step, it lost 10% more.
+    // Fixed point (deterministic mode 2): the row's dQ scale too, which bwd_fixed_scale wrote (fixed_dq.cuh), fetched
+    // like lse and D: making it here from |dO|, D and the KV head's bounds, or copying it by cp.async into a ring of
+    // its own, costs more (docs/perf-notes.md).
     __device__ __forceinline__ float3 fetch_rows(int t, int m_min, int m_count, int seqlen_q) const {
         int h, m;
         step_of(t, m_min, m_count, h, m);
@@ -307,11 +340,11 @@ struct BwdSm90 {
             for (int hh = 0; hh < 2; ++hh) {
                 const int r = wg * 64 + warp * 16 + lane / 4 + 8 * hh;
                 const u32 addr = ds_tile + (j / 8) * DS_PANEL + r * 128 + (((j % 8) ^ (r % 8)) * 16) + (lane % 4) * 4;
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(ds[j / 2][(j % 2) * 2 + hh]) : "memory");
+                sm90::st_shared_b32(addr, ds[j / 2][(j % 2) * 2 + hh]);
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
         if (PANELS == 2 || ROW_SPLIT) __syncthreads();  // both dS^T halves
-        else asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");  // its own keys only
+        else sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);  // its own keys only
         // dQ over 64 columns, as 64-row halves: d = 128, panel wg, all BM rows, over all 128 keys; d = 64 with 128
         // rows (ROW_SPLIT), the half wg over all 128 keys; d = 64 with 64 rows, all of it over its own 64 keys
         constexpr int KEYS = PANELS == 2 || ROW_SPLIT ? BN : 64, HALVES = ROW_SPLIT ? 1 : QH;
@@ -347,25 +380,25 @@ struct BwdSm90 {
 
     // d = 64 with 64 rows (the score-mod kernel): both warpgroups add to every element of the 64 x 64 tile, each
     // over its own 64 keys, with fp32 vector reductions (two adjacent columns each: whole 32-byte sectors per quad).
-    // Deterministic mode: each slot adds to its own slice, warpgroup 0 first (named barrier 3: it arrives once its
+    // Deterministic mode: each slot adds to its own slice, warpgroup 0 first (BwdBarrier::DqOrder: it arrives once its
     // additions are ordered, warpgroup 1 waits); the end-of-step barrier orders warpgroup 1's before the next step's.
     // The threads ordering each other are in one CTA, so CTA-scope fences suffice.
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const {
         float* dq_rows = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
                          SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D;
         const i64 row_stride = (i64)p.nheads * D;
-        if (p.deterministic && wg == 1) asm volatile("bar.sync 3, 256;\n" ::: "memory");
+        if (p.deterministic && wg == 1) sm90::named_sync<BwdBarrier::DqOrder, 256>();
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int row = m * BM + warp * 16 + lane / 4 + 8 * hh;
             if (row >= seqlen_q) continue;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-                red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[0][j][2 * hh],
+                sm90::red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[0][j][2 * hh],
                            dq[0][j][2 * hh + 1]);
         }
         if (p.deterministic) __threadfence_block();
-        if (p.deterministic && wg == 0) asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+        if (p.deterministic && wg == 0) sm90::named_arrive<BwdBarrier::DqOrder, 256>();
     }
 
     // This warpgroup's dQ tile (rows row0.. of head h in this sequence, columns panel 64..) added to dq_accum by TMA
@@ -392,7 +425,7 @@ struct BwdSm90 {
             }
         }
         sm90::fence_proxy_async();  // generic-proxy stores, read by TMA (async proxy) below
-        asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+        sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);
         if (tid % 128 != 0) return;
         if (!FIXED && p.deterministic == 1 && first) sm90::bulk_wait<0>();
         // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b]. A box
@@ -438,13 +471,16 @@ struct BwdSm90 {
         mask = Mask<BAND>{seq.seqlen_k, diag, p.window_left, p.window_right};
         const int m_blocks = ceil_div(seq.seqlen_q, BM);  // (key blocks: in the loop's test, or ptxas spills)
         if (tid == 0) {
-            for (int i = 0; i < 3; ++i) sm90::mbar_init(base + OFF_BAR + 8 * i, 1);
+            for (int i = 0; i < 3; ++i) sm90::mbar_init(kv_bar() + 8 * i, 1);  // kv_full, qd_full[2]
             sm90::mbar_fence_init();
         }
         __syncthreads();
-        int tt = 0, kv_loads = 0;  // steps and K/V loads so far (the barriers' phases)
+        int tt = 0;  // steps so far (the Q/dO barriers' phases)
         // Slot x takes key blocks x, 2 slots - 1 - x, 2 slots + x, ... (a snake: under a causal mask every two of
-        // them make the same number of steps for every slot), walking every other one backwards (atomic mode: one)
+        // them make the same number of steps for every slot), walking every other one backwards (atomic mode: one).
+        // Each key block completes one phase of the K/V barrier (its loads, or a bare arrival where it has no
+        // steps), so that phase's parity is `backwards`: no counter of loads stays live beside the step loop, which
+        // at 255 registers (d = 64, 128 query rows) newer ptxas versions would spill.
         backwards = false;
         for (int n = blockIdx.x; n < ceil_div(mask.seqlen_k, BN);
              n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
@@ -460,13 +496,14 @@ struct BwdSm90 {
             for (int dt = 0; dt < PANELS * 8; ++dt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
+            if (tid == 0 && steps == 0) sm90::mbar_arrive(kv_bar());  // this key block's K/V phase
             if (steps > 0) {
                 if (tid == 0) {
-                    sm90::mbar_arrive_expect_tx(base + OFF_BAR, 2 * KV_BYTES);
+                    sm90::mbar_arrive_expect_tx(kv_bar(), 2 * KV_BYTES);
 #pragma unroll
                     for (int pn = 0; pn < PANELS; ++pn) {
-                        load_box(base + pn * K_PANEL, &P.k, pn * 64, h_kv, k_begin, n_key0, base + OFF_BAR);
-                        load_box(base + OFF_V + pn * K_PANEL, &P.v, pn * 64, h_kv, k_begin, n_key0, base + OFF_BAR);
+                        load_box(base + pn * K_PANEL, &P.k, pn * 64, h_kv, k_begin, n_key0, kv_bar());
+                        load_box(base + OFF_V + pn * K_PANEL, &P.v, pn * 64, h_kv, k_begin, n_key0, kv_bar());
                     }
                 }
                 for (int t = 0; t < 2 && t < steps; ++t) {
@@ -474,8 +511,7 @@ struct BwdSm90 {
                     if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
                 }
                 __syncthreads();  // the rows of the first two steps
-                sm90::mbar_wait(base + OFF_BAR, kv_loads & 1);
-                ++kv_loads;
+                sm90::mbar_wait(kv_bar(), backwards);  // K and V of this key block
                 for (int t = 0; t < steps; ++t, ++tt) {
                     float3 next_rows;  // step t + 2's, in flight during this step
                     if (tid < BM && t + 2 < steps)

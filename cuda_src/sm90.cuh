@@ -1,6 +1,6 @@
-// Hopper (sm_90a) primitives as thin inline-PTX wrappers: mbarriers, TMA tile loads, wgmma with shared-memory
-// matrix descriptors. The groundwork of the Hopper forward path (issue 8); sm90_selftest.cu checks each piece
-// against a host matmul before any attention kernel relies on it.
+// Hopper (sm_90a) primitives as thin inline-PTX wrappers: mbarriers, named barriers, TMA tile loads and bulk
+// reductions, shared-memory stores, wgmma with shared-memory matrix descriptors: the Hopper kernels reach these
+// instructions through the wrappers here. sm90_selftest.cu checks the wgmma and TMA pieces against a host matmul.
 //
 // Conventions (PTX ISA 8.x, "Asynchronous warpgroup level matrix multiply"):
 //  - tiles are K-major (the reduction dim contiguous), 16-bit, stored as 64-element (128-byte) panels with the
@@ -121,6 +121,17 @@ __device__ __forceinline__ void bulk_wait() {
 // Shared memory written by ordinary stores, read next by wgmma or TMA: each writer fences, then a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// One 32-bit store to shared memory, ordered with the asm around it (the fence and barrier that publish it).
+__device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");
+}
+
+// Two adjacent fp32 additions to global memory in one vector reduction (8-byte aligned; relaxed, gpu scope, as
+// atomicAdd's).
+__device__ __forceinline__ void red_add_v2(float* addr, float x, float y) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(x), "f"(y) : "memory");
+}
+
 // ------------------------------------------------------------------------------------------------------ wgmma
 
 // Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand starting at `addr` (1024-aligned panel;
@@ -165,6 +176,19 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 }
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// The same with the thread count, and the id where it is fixed (a kernel's barrier enum), as immediates of the
+// instruction rather than registers.
+template <int THREADS> __device__ __forceinline__ void named_sync(int id) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(THREADS) : "memory");
+}
+template <auto ID, int THREADS> __device__ __forceinline__ void named_sync() {
+    static_assert(int(ID) >= 1 && int(ID) <= 15, "named barrier ids are 1..15");
+    asm volatile("bar.sync %0, %1;\n" ::"n"(int(ID)), "n"(THREADS) : "memory");
+}
+template <auto ID, int THREADS> __device__ __forceinline__ void named_arrive() {
+    static_assert(int(ID) >= 1 && int(ID) <= 15, "named barrier ids are 1..15");
+    asm volatile("bar.arrive %0, %1;\n" ::"n"(int(ID)), "n"(THREADS) : "memory");
 }
 
 // Per-thread register budget of the executing warpgroup (all its threads, converged): a producer that only issues

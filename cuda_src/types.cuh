@@ -1,6 +1,12 @@
 // 16-bit element types handled as raw bits, so kernels need no CUDA headers (NVRTC compiles them standalone).
 #pragma once
 
+// offsetof without <cstddef>, which NVRTC does not have: the definition of its front end's own stddef.h (a constant
+// expression, usable in static_assert and constexpr).
+#ifndef offsetof
+#define offsetof(type, member) ((unsigned long long)__INTADDR__(&(((type*)0)->member)))
+#endif
+
 namespace cuflash {
 
 typedef unsigned short u16;
