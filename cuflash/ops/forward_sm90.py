@@ -60,32 +60,11 @@ class FwdSm90Spec:
                              (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent,
                               self.split))
 
-    def _smem_bytes(self, o_tile: bool, q_bufs: int = 1) -> int:
-        """FwdSm90::SMEM_BYTES: Q tiles, K and V slots[, O], mbarriers (Q full[, empty] per Q tile, K and V full
-        and empty per slot), room to align to 1024."""
-        return ((self.block_m * (o_tile + q_bufs) + 2 * self.stages * self.block_n) * self.headdim * 2
-                + (q_bufs * (1 + self.persistent) + 4 * self.stages) * 8 + 1024)
-
     @property
-    def o_tile(self) -> bool:  # FwdSm90::O_TILE: the persistent kernel's own staging tile for O, where it fits
-        return self.persistent and self._smem_bytes(True) <= 227 * 1024
-
-    @property
-    def q_bufs(self) -> int:  # FwdSm90::Q_BUFS: more Q tiles for the persistent kernel where they fit (d 64: three)
-        if self.o_tile and self.headdim == 64 and self._smem_bytes(True, 3) <= 227 * 1024:
-            return 3
-        return 2 if self.o_tile and self._smem_bytes(True, 2) <= 227 * 1024 else 1
-
-    @property
-    def tile_slots(self) -> int:  # FwdSm90::TILE_SLOTS: the tile ring of the OVERLAP kernels (HANDED_TILES)
-        overlap = self.persistent and self.q_bufs >= 2 and self.headdim == 64 and self.consumers == 2
-        return 8 if overlap else 0
-
-    @property
-    def smem_bytes(self) -> int:  # (+ the split's max and sum per row of warpgroups 1 and 2; + the tile ring: 64
-        # bytes and two mbarriers per entry)
-        return (self._smem_bytes(self.o_tile, self.q_bufs) + (2 * 64 * 8 if self.split else 0)
-                + self.tile_slots * (64 + 2 * 8))
+    def smem_symbol(self) -> str:
+        """The name expression of the shared-memory size fwd_sm90.cu states for this kernel (FwdSm90Traits: the
+        layout, the O staging tile, the Q buffers and the tile ring are chosen there); build.smem_bytes reads it."""
+        return "&" + self.template.replace("fwd_sm90_kernel<", "fwd_sm90_smem_bytes<", 1)
 
 
 # The variants (fwd_sm90.cu):
@@ -99,7 +78,7 @@ class FwdSm90Spec:
 #   score mod; elsewhere (O, or softcap/ALiBi's registers, would not fit in 160 beside S and P) it is ws_n128.
 # ws_n128_p, pingpong_n128_p, ws3_n128_p: persistent (one CTA per SM walks the tiles, so the producer loads the next
 #   tile's Q and keys while the consumers finish the last one). At d = 64 with two Q tiles, the two-warpgroup
-#   persistent kernel starts each tile under the last one's P V (fwd_sm90.cu OVERLAP); ws3_n128_p keeps three Q
+#   persistent kernel starts each tile under the last one's P V (fwd_sm90.cu OVERLAP_TILES); ws3_n128_p keeps three Q
 #   tiles instead (d 64; elsewhere ws_n128_p). pingpong_n128_p keeps the turns balanced from tile to tile: each
 #   tile's first turn is warpgroup 0's, and warpgroup 1 skips its last hand-over.
 # ws3_n128_p_split: ws3_n128_p where a tile whose rows fit in 64 is worked by all three consumer warpgroups, each on
@@ -238,9 +217,9 @@ _POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the four map
 
 class ForwardCall:
     """The Hopper forward behind the call interface of the portable forward's KernelCall
-    (:func:`cuflash.ops.forward.forward_call`): ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k)`` with data pointers (0 where absent). The
-    tensor maps embed q, k, v and o's addresses, so a call encodes them (cached per pointer by cuflash.tma) into the
-    head of the struct."""
+    (:func:`cuflash.ops.forward.forward_call`): ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q,
+    cu_seqlens_k)`` with data pointers (0 where absent). The tensor maps embed q, k, v and o's addresses, so a call
+    encodes them (cached per pointer by cuflash.tma) into the head of the struct."""
 
     __slots__ = ("kernel_call", "maps", "spec")
 
@@ -274,7 +253,8 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     tiles = (math.ceil(sq / spec.block_m), h, b)
     grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)
     set_walk(p, spec, tiles[0], grid[0])
-    call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
+    kernel = (build.get_kernel(spec, device_id), grid, (spec.threads,), build.smem_bytes(spec, device_id))
+    call = KernelCall([kernel], p, ())
     maps = (tma.layout_encoder(q, spec.block_m), tma.layout_encoder(k, spec.block_n),
             tma.layout_encoder(v, spec.block_n), tma.layout_encoder(out, 16))
     return ForwardCall(call, maps, spec)
