@@ -132,6 +132,7 @@ def no_gpu_kernels(configure, monkeypatch):
     monkeypatch.setattr(build, "get_kernel", lambda spec, device_id: SimpleNamespace(kernel=SimpleNamespace(ptr=7)))
     monkeypatch.setattr(build, "device_arch", lambda device_id: "sm_90a")
     monkeypatch.setattr(build, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(build, "smem_bytes", lambda spec, device_id: 100 * 1024)  # read from the module on a GPU
 
 
 def test_kernel_call_puts_each_pointer_in_its_field():
