@@ -135,8 +135,7 @@ struct BwdSm90 {
 
     __device__ __forceinline__ void load_box(u32 dst, const sm90::TmaMap* map, int col, int head, int begin, int row,
                                              u32 bar) const {
-        if (p.cu_seqlens_q != nullptr) sm90::tma_load_3d(dst, map, col, head, begin + row, bar);
-        else sm90::tma_load_4d(dst, map, col, head, row, b, bar);
+        sm90::tma_load_rows(dst, map, p.cu_seqlens_q != nullptr, col, head, begin, row, b, bar);
     }
 
     // Step t of the walk over (query head of the group, query block): which head and block. A CTA with several key
@@ -211,16 +210,6 @@ struct BwdSm90 {
                                             ROW_SPLIT ? sm90::smem_desc_mn(at, Q_PANEL)
                                                       : sm90::desc_advance(desc0, at - base), true);
             }
-    }
-
-    __device__ __forceinline__ static void a_fragments(const float (&s)[NT][4], u32 (&a)[KK][4]) {
-#pragma unroll
-        for (int kk = 0; kk < KK; ++kk) {
-            a[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-            a[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            a[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
     }
 
     // Key `key` of this sequence is in query `query`'s band and below seqlen_k (queries past seqlen_q have lse +inf).
@@ -306,13 +295,13 @@ struct BwdSm90 {
                     st[j][e] = prob;
                     dpt[j][e] = prob * (dpt[j][e] - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
                 }
-            a_fragments(st, a);
+            sm90::a_fragments<T>(st, a);
         } else {
             sm90::wgmma_wait<1>();  // S^T (dP^T still computing)
             if (all_visible(m)) probabilities<false>(st, lse, key0, m);
             else probabilities<true>(st, lse, key0, m);
             // P^T's fragments: BM = 128 packs them after dS, so that its floats and fragments are not both live
-            if constexpr (BM == 64) a_fragments(st, a);
+            if constexpr (BM == 64) sm90::a_fragments<T>(st, a);
             if constexpr (EARLY_DV) {
                 sm90::wgmma_fence();
                 issue_keys_by_d(acc_dv, a, do_tile(buf));
@@ -328,9 +317,9 @@ struct BwdSm90 {
                     const int col = 8 * j + 2 * (lane % 4) + e % 2;
                     dpt[j][e] = st[j][e] * (dpt[j][e] - dsum[col]) * p.softmax_scale;  // dS^T, in place
                 }
-            if constexpr (BM == 128) a_fragments(st, a);
+            if constexpr (BM == 128) sm90::a_fragments<T>(st, a);
         }
-        a_fragments(dpt, ds);
+        sm90::a_fragments<T>(dpt, ds);
         // dS^T to shared memory, 128-byte swizzled rows of keys, one panel per 64 queries: (key r, query c) at
         // (c / 64) DS_PANEL + r 128 + (((c % 64) / 8) ^ (r % 8)) 16 + (c % 8) 2
         const u32 ds_tile = base + OFF_DS;
@@ -537,5 +526,10 @@ __global__ void __launch_bounds__(256, 1) bwd_sm90_kernel(const __grid_constant_
     BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED> block(P);
     block.run(smem);
 }
+
+// The dynamic shared memory (bytes) a launch of bwd_sm90_kernel with the same template arguments requests: the
+// launcher reads it from the compiled module (name expression "&cuflash::bwd_sm90_smem_bytes<...>").
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED>
+__device__ const unsigned bwd_sm90_smem_bytes = BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED>::SMEM_BYTES;
 
 }  // namespace cuflash

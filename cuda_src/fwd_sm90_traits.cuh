@@ -11,43 +11,6 @@
 
 namespace cuflash {
 
-// ------------------------------------------------------------------------------------- sm90 tile helpers
-// Helpers of any wgmma/TMA kernel (bwd_sm90.cu has the same two; they belong in sm90.cuh).
-namespace sm90 {
-
-// A TMA box of rows `row` .. of one sequence, from column `col` of head `head`: a 3-D map (d, heads, total) of packed
-// sequences whose rows start at token `begin`, or a 4-D one (d, heads, seqlen, batch) of a padded batch (sequence
-// `batch`). Rows past the tensor's end arrive as zeros and are not stored; rows past a packed sequence's end (the
-// next sequence's) are the caller's to mask.
-__device__ __forceinline__ void tma_load_rows(u32 dst, const TmaMap* map, bool packed, int col, int head, int begin,
-                                              int row, int batch, u32 bar) {
-    if (packed) tma_load_3d(dst, map, col, head, begin + row, bar);
-    else tma_load_4d(dst, map, col, head, row, batch, bar);
-}
-__device__ __forceinline__ void tma_store_rows(const TmaMap* map, bool packed, int col, int head, int begin, int row,
-                                               int batch, u32 src) {
-    if (packed) tma_store_3d(map, col, head, begin + row, src);
-    else tma_store_4d(map, col, head, row, batch, src);
-}
-
-// Scores (or probabilities) of keys 16 kk .. 16 kk + 15, fp32 in the accumulator layout of a warp's 16 rows
-// (softmax.cuh), to 16 bits: the A fragment of a wgmma (or mma.sync m16n8k16) that takes them from registers.
-template <class T, int NT>
-__device__ __forceinline__ void a_fragment(const float (&s)[NT][4], int kk, u32 (&a)[4]) {
-    a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-    a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-    a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-}
-// All of them: one fragment per 16 keys.
-template <class T, int NT>
-__device__ __forceinline__ void a_fragments(const float (&s)[NT][4], u32 (&a)[NT / 2][4]) {
-#pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk) a_fragment<T>(s, kk, a[kk]);
-}
-
-}  // namespace sm90
-
 // ------------------------------------------------------------------------------------------- parameters
 
 struct FwdSm90Params {

@@ -328,8 +328,6 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     assert dims == (d, h, b * sq, launch.slices) and strides == (d * 4, h * d * 4, b * sq * h * d * 4)
     assert dtype == np.float32 and box == (32, 1, 64, 1)
     tma.check_tiled(0x10000, dtype, dims, strides, box, 128)
-    smem = {s.headdim: s.smem_bytes for s in backward_sm90.all_specs()}
-    assert smem[128] <= 227 * 1024 and smem[64] < smem[128]
 
 
 def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels):
@@ -351,7 +349,6 @@ def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels):
     spec = call.main.spec
     assert spec == backward_sm90.BwdSm90Spec("fp16", 64, False, False, 128) and spec.name.endswith("_m128")
     assert spec.template == "cuflash::bwd_sm90_kernel<cuflash::half_t, 64, 128, false, false, false>"
-    assert spec.smem_bytes > backward_sm90.BwdSm90Spec("fp16", 64, False).smem_bytes and spec.smem_bytes <= 227 * 1024
     assert tma.map_layout(q, spec.block_m)[3][2] == 128
     assert spec in backward_sm90.all_specs()
     assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128) not in backward_sm90.all_specs()

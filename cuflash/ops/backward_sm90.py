@@ -77,11 +77,10 @@ class BwdSm90Spec:
         return tma_dq(self.headdim, self.block_m)
 
     @property
-    def smem_bytes(self) -> int:  # BwdSm90::SMEM_BYTES: K, V, Q[2], dO[2], dS^T, rows (lse, D, dQ scale), dQ staging,
-        d, n, m = self.headdim, BLOCK_N, self.block_m  # barriers
-        rows_end = 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 3 * m * 4
-        staging = 2 * 2 * 64 * 64 * 4 if self.tma_dq else 0  # two buffers of a 64 x 64 fp32 tile per warpgroup
-        return -(-rows_end // 1024) * 1024 + staging + 3 * 8 + 1024
+    def smem_symbol(self) -> str:
+        """The name expression of the shared-memory size bwd_sm90.cu states for this kernel (BwdSm90Smem, the layout
+        stated once there); build.smem_bytes reads it."""
+        return "&" + self.template.replace("bwd_sm90_kernel<", "bwd_sm90_smem_bytes<", 1)
 
 
 def all_specs() -> list:
@@ -132,7 +131,8 @@ def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_i
     p = np.zeros((), dtype=params_dtype(inner_params.dtype))
     for name in inner_params.dtype.names:
         p[name] = inner_params[name]
-    call = KernelCall([(build.get_kernel(spec, device_id), grid, (spec.threads,), spec.smem_bytes)], p, ())
+    kernel = (build.get_kernel(spec, device_id), grid, (spec.threads,), build.smem_bytes(spec, device_id))
+    call = KernelCall([kernel], p, ())
     m = spec.block_m
     maps = (tma.layout_encoder(q, m), tma.layout_encoder(k, BLOCK_N), tma.layout_encoder(v, BLOCK_N),
             tma.layout_encoder(dout, m), tma.encoder(*dq_accum_layout(inner_params, grid), swizzle=128))
