@@ -9,6 +9,7 @@ Pure Python: runs on a machine without a GPU.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -62,6 +63,25 @@ def template(kernel: str, dtype: str, ints: tuple, flags: tuple) -> str:
     """C++ name expression of a kernel instantiation: kernel<dtype tag, ints..., flags...>."""
     args = [dict(DTYPES.values())[dtype]] + [str(i) for i in ints] + ["true" if f else "false" for f in flags]
     return f"cuflash::{kernel}<{', '.join(args)}>"
+
+
+@dataclass(frozen=True)
+class HelperSpec:
+    """A small helper kernel templated on the dtype only; a subclass names its source file (`source`)."""
+
+    kernel: str
+    dtype: str
+
+    threads = 256
+    smem_bytes = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}_{self.dtype}"
+
+    @property
+    def template(self) -> str:
+        return template(self.kernel, self.dtype, (), ())
 
 
 def smem_row_bytes(headdim: int) -> int:

@@ -103,24 +103,11 @@ class BwdSpec:
                 + 2 * c.block_n * 64 * 2 + c.q_buffers * 2 * c.block_m * 4)
 
 
-@dataclass(frozen=True)
-class AuxSpec:
-    """A small helper kernel of the backward (cuda_src/bwd_aux.cu), templated on the dtype only."""
-
-    kernel: str   # "bwd_preprocess" | "bwd_kv_bound" | "bwd_fixed_scale" | "bwd_convert_dq"
-    dtype: str
+class AuxSpec(plan.HelperSpec):
+    """A helper kernel of the backward (cuda_src/bwd_aux.cu): bwd_preprocess, bwd_kv_bound, bwd_fixed_scale or
+    bwd_convert_dq."""
 
     source = "bwd_aux.cu"
-    threads = 256
-    smem_bytes = 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.kernel}_{self.dtype}"
-
-    @property
-    def template(self) -> str:
-        return plan.template(self.kernel, self.dtype, (), ())
 
 
 def pre_lanes(headdim: int) -> int:

@@ -127,24 +127,10 @@ class DecodeSpec:
         return max(tiles, merge)
 
 
-@dataclass(frozen=True)
-class DecodeAuxSpec:
-    """decode_append or decode_combine (cuda_src/decode_aux.cu), templated on the dtype only."""
-
-    kernel: str   # "decode_append" | "decode_combine"
-    dtype: str
+class DecodeAuxSpec(plan.HelperSpec):
+    """A helper kernel of decode (cuda_src/decode_aux.cu): decode_append or decode_combine."""
 
     source = "decode_aux.cu"
-    threads = 256
-    smem_bytes = 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.kernel}_{self.dtype}"
-
-    @property
-    def template(self) -> str:
-        return plan.template(self.kernel, self.dtype, (), ())
 
 
 def all_specs(arch: str) -> list:
