@@ -246,6 +246,19 @@ def rewrite(path: Path, parts: dict) -> list[str]:
 
 
 # --------------------------------------------------------------------------- plots
+def style_axis(ax, xs: list, labels: list, title: str, xlabel: str, ylabel: str) -> None:
+    """A panel's common look: log2 x axis labelled at the measured points, y from 0, grid and legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot_training(path: Path, rows: list[dict], title: str, impls: tuple, meta: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -264,15 +277,8 @@ def plot_training(path: Path, rows: list[dict], title: str, impls: tuple, meta: 
             ax.plot(xs, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker="o",
                     label=LABELS.get(impl, impl), linestyle="--" if impl == "cuflash_det" else "-",
                     linewidth=2.5 if impl.startswith("cuflash") else 1.5)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([str(x) for x in xs])
-        ax.set_title(f"{title}, d={d}, {'causal' if causal else 'non-causal'}")
-        ax.set_xlabel("seqlen (batch = 16384 / seqlen, heads = 2048 / d)")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        style_axis(ax, xs, [str(x) for x in xs], f"{title}, d={d}, {'causal' if causal else 'non-causal'}",
+                   "seqlen (batch = 16384 / seqlen, heads = 2048 / d)", "TFLOP/s")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(plot_title(meta), fontsize=9)
@@ -299,15 +305,9 @@ def plot_decode(path: Path, dec: dict, meta: dict) -> None:
                 continue
             ax.plot(xs, ys, marker="o", label=LABELS.get(impl, impl), linestyle="--" if impl == "paged" else "-",
                     linewidth=2.5 if impl in ("cuflash", "paged") else 1.5)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([keys_text(x) for x in xs])
-        ax.set_title(f"decode, batch {b}, {dec.get('h', 32)} query / {dec.get('hk', 8)} KV heads, d {dec.get('d', 128)}")
-        ax.set_xlabel("keys in the cache")
-        ax.set_ylabel("TB/s of K/V read")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        style_axis(ax, xs, [keys_text(x) for x in xs],
+                   f"decode, batch {b}, {dec.get('h', 32)} query / {dec.get('hk', 8)} KV heads, d {dec.get('d', 128)}",
+                   "keys in the cache", "TB/s of K/V read")
     for ax in list(axes.flat)[len(batches):]:
         ax.axis("off")
     fig.suptitle(plot_title(meta, decode=True), fontsize=9)
