@@ -23,6 +23,7 @@ would carry them, minus the capsule round trip. No copy is made of anything.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -36,8 +37,8 @@ except ImportError as err:
 cupy = import_cupy()
 import ml_dtypes  # noqa: E402  (a dependency of cupy's bfloat16 support and of cuflash)
 
-from . import api, checks, settings  # noqa: E402
-from .ops import backward, forward  # noqa: E402
+from . import checks, settings  # noqa: E402
+from .ops import backward, decode, forward  # noqa: E402
 from .options import resolve  # noqa: E402
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
@@ -379,23 +380,66 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
              return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``cache_seqlens`` is given as a tensor, or as the int ``cache_len`` (-1: neither). Returns ``out, lse``;
     lse is empty, ``(0,)``, unless ``return_lse``."""
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                   cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes)
-    options = dict(_options(softmax_scale, causal, window_left, window_right, softcap), num_splits=num_splits)
-    _check_kvcache(tensors, cache_len, options)
-    seqlens = _view(cache_seqlens) if cache_seqlens is not None else None if cache_len < 0 else cache_len
+    seqlens = cache_seqlens if cache_seqlens is not None else None if cache_len < 0 else cache_len
+    out, lse = _kvcache_compute(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, cache_batch_idx=cache_batch_idx,
+                                block_table=block_table, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
+                                causal=causal, window_size=(window_left, window_right), softcap=softcap,
+                                num_splits=num_splits, return_lse=return_lse)
+    return out, lse if return_lse else q.new_empty((0,), dtype=torch.float32)
+
+
+_kv_plans: dict = {}  # signature of a kvcache call -> its decode.DecodeCall
+settings.on_change(_kv_plans.clear)
+_KV_TENSORS = ("q", "k_cache", "v_cache", "k", "v", "cache_batch_idx", "block_table", "alibi_slopes")
+
+
+def _kvcache_compute(q, k_cache, v_cache, *, cache_seqlens, return_lse, **options) -> tuple:
+    """cuflash.attention_with_kvcache on torch tensors (``cache_seqlens`` a tensor, an int or None): checks and
+    plan once per signature (:func:`_kvcache_plan`), then one torch allocation and the launches on torch's
+    stream, from data pointers. Returns ``(out, lse or None)``."""
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, **{n: options.pop(n) for n in _KV_TENSORS[3:]})
+    seqlens_key = _signature(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else ("int", cache_seqlens)
+    key = (seqlens_key, return_lse, *options.values(), *map(_signature, tensors.values()))
+    prep = _kv_plans.get(key)
+    if prep is None:
+        prep = _kvcache_plan(key, tensors, cache_seqlens, options, return_lse)
+    for name in _KV_TENSORS[:5]:
+        t = tensors[name]
+        if t is not None and t.data_ptr() % 16:
+            raise ValueError(f"{name}: must be 16-byte aligned; data pointer {t.data_ptr():#x}")
     index = q.device.index
-    blocks = []  # api.attention_with_kvcache allocates out | lse | split workspace as one torch block
-    with _on_torch_stream(index), cupy.cuda.using_allocator(_torch_allocator(index, blocks)):
-        result = api.attention_with_kvcache(
-            _view(q), _view(k_cache), _view(v_cache), k=_view(k), v=_view(v), cache_seqlens=seqlens,
-            cache_batch_idx=_view(cache_batch_idx), block_table=_view(block_table), alibi_slopes=_view(alibi_slopes),
-            return_lse=return_lse, **options)
+    block = torch.empty(prep.nbytes, dtype=torch.uint8, device=q.device)  # out | lse | split workspace
+    ptr = [0 if tensors[n] is None else tensors[n].data_ptr() for n in _KV_TENSORS]
+    seqlens_ptr = cache_seqlens.data_ptr() if isinstance(cache_seqlens, torch.Tensor) else 0
+    # the split counters, allocated once per stream, come from torch's allocator (safe under graph capture)
+    with _on_device(index) as stream, cupy.cuda.using_allocator(_torch_allocator(index)):
+        decode.run(prep, stream, block.data_ptr(), *ptr[:5], seqlens_ptr, *ptr[5:], return_lse)
+    out = block[:q.numel() * q.element_size()].view(q.dtype).view(q.shape)
     if not return_lse:
-        return _as_torch(result, blocks), q.new_empty((0,), dtype=torch.float32)
-    out, lse = result
-    # out and lse share that block; an op's outputs must not alias each other, so lse (small) gets its own
-    return _as_torch(out, blocks), _as_torch(lse, blocks).clone()
+        return out, None
+    # out and lse share the block; an op's outputs must not alias each other, so lse (small) gets its own
+    lse = block[prep.lse_offset:prep.lse_offset + 4 * math.prod(prep.lse_shape)]
+    return out, lse.view(torch.float32).view(prep.lse_shape).clone()
+
+
+def _kvcache_plan(key: tuple, tensors: dict, cache_seqlens, options: dict, return_lse: bool):
+    """Checks a kvcache call and plans it (decode.prepare on CuPy views of the tensors); remembered under `key`."""
+    is_tensor = isinstance(cache_seqlens, torch.Tensor)
+    cache_len = -1 if cache_seqlens is None or is_tensor else cache_seqlens
+    window = options["window_size"]
+    _check_kvcache(dict(tensors, cache_seqlens=cache_seqlens if is_tensor else None), cache_len,
+                   dict(_options(options["softmax_scale"], options["causal"], *window, options["softcap"]),
+                        num_splits=options["num_splits"]))
+    views = {name: _view(t) for name, t in tensors.items()}
+    with _on_device(tensors["q"].device.index):
+        prep = decode.prepare(views["q"], views["k_cache"], views["v_cache"], views["k"], views["v"],
+                              _view(cache_seqlens) if is_tensor else cache_seqlens, views["cache_batch_idx"],
+                              views["block_table"], options["softmax_scale"], options["causal"], window,
+                              options["softcap"], views["alibi_slopes"], options["num_splits"], return_lse)
+    if len(_kv_plans) > 4096:
+        _kv_plans.clear()
+    _kv_plans[key] = prep
+    return prep
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
@@ -621,16 +665,6 @@ def _view(t: torch.Tensor | None):
     shape, dtype, strides, nbytes = layout
     memory = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.get_device())
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
-
-
-def _as_torch(x, blocks) -> torch.Tensor:
-    """The torch tensor over contiguous CuPy array ``x``, which lies in one of ``blocks`` (torch uint8 tensors
-    that :func:`_torch_allocator` handed to CuPy): a view, no copy."""
-    for block in blocks:
-        offset = x.data.ptr - block.data_ptr()
-        if 0 <= offset < block.numel():
-            return block[offset:offset + x.nbytes].view(_TORCH_DTYPES[x.dtype]).view(x.shape)
-    raise RuntimeError("cuflash.torch: an output was not allocated by torch")
 
 
 _streams: dict = {}  # (device index, cudaStream_t) -> cupy.cuda.ExternalStream

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cuflash.torch  # noqa: E402
-from cuflash import api, reference  # noqa: E402
+from cuflash import reference  # noqa: E402
 from cuflash.ops import backward as backward_op, forward as forward_op  # noqa: E402
 
 
@@ -73,9 +73,13 @@ def on_host(monkeypatch):
     monkeypatch.setattr(backward_op, "launch", backward)
     monkeypatch.setattr(cuflash.torch, "_forward_launch", forward_launch)
     monkeypatch.setattr(cuflash.torch, "_backward_launch", backward_launch)
-    monkeypatch.setattr(api, "attention_with_kvcache", kvcache)
+    def kvcache_torch(q, k_cache, v_cache, *, return_lse, **options):  # the launch seam of cuflash.torch's kvcache
+        host = {n: _host(x) if isinstance(x, torch.Tensor) else x for n, x in options.items()}
+        result = kvcache(_host(q), _host(k_cache), _host(v_cache), return_lse=return_lse, **host)
+        return (_tensor(result[0]), _tensor(result[1])) if return_lse else (_tensor(result), None)
+
+    monkeypatch.setattr(cuflash.torch, "_kvcache_compute", kvcache_torch)
     monkeypatch.setattr(cuflash.torch, "_view", _host)
-    monkeypatch.setattr(cuflash.torch, "_as_torch", lambda x, blocks: _tensor(x))
     monkeypatch.setattr(cuflash.torch, "_on_torch_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(cuflash.torch, "_require_cuda", lambda **tensors: None)
     monkeypatch.setattr(cuflash.torch, "_require_aligned", lambda **tensors: None)

@@ -369,17 +369,23 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         mem = cupy.cuda.alloc(prep.nbytes)
         out = cupy.ndarray(q.shape, q.dtype, memptr=mem)
         lse = cupy.ndarray(prep.lse_shape, np.float32, memptr=mem + prep.lse_offset) if return_lse else None
-        o_partial = mem.ptr + prep.partial_offset if prep.partial_offset else 0
-        lse_partial = mem.ptr + prep.lse_partial_offset if prep.partial_offset else 0
-        stream_ptr = cupy.cuda.get_current_stream().ptr
-        counters = split_counters(prep.device_id, stream_ptr, prep.counter_tiles) if prep.counter_tiles else 0
-        pointers = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, runtime.ptr(k), runtime.ptr(v), out.data.ptr,
-                    runtime.ptr(lse), o_partial, lse_partial, runtime.ptr(prep.seqlens_array(cache_seqlens)),
-                    runtime.ptr(cache_batch_idx), runtime.ptr(block_table), runtime.ptr(alibi_slopes), counters)
-        if prep.maps is None:
-            prep.launch(stream_ptr, *pointers)
-        else:  # the TMA kernel: the caches' tensor maps (cached per address) after the struct's plain fields
-            k_map, v_map = prep.maps
-            prep.launch.call_with_tail(stream_ptr, TMA_MAPS_OFFSET, k_map(k_cache.data.ptr) + v_map(v_cache.data.ptr),
-                                       *pointers)
+        run(prep, cupy.cuda.get_current_stream().ptr, mem.ptr, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+            runtime.ptr(k), runtime.ptr(v), runtime.ptr(prep.seqlens_array(cache_seqlens)),
+            runtime.ptr(cache_batch_idx), runtime.ptr(block_table), runtime.ptr(alibi_slopes), return_lse)
     return (out, lse) if return_lse else out
+
+
+def run(prep: DecodeCall, stream_ptr: int, mem: int, q: int, k_cache: int, v_cache: int, k: int, v: int,
+        cache_seqlens: int, cache_batch_idx: int, block_table: int, alibi_slopes: int, return_lse: bool) -> None:
+    """The launches of a prepared call on stream `stream_ptr`, given data pointers (0 where absent) and `mem`, the
+    call's allocation of ``prep.nbytes`` (out, lse, split workspace); prep's device must be current."""
+    o_partial = mem + prep.partial_offset if prep.partial_offset else 0
+    lse_partial = mem + prep.lse_partial_offset if prep.partial_offset else 0
+    counters = split_counters(prep.device_id, stream_ptr, prep.counter_tiles) if prep.counter_tiles else 0
+    pointers = (q, k_cache, v_cache, k, v, mem, mem + prep.lse_offset if return_lse else 0, o_partial, lse_partial,
+                cache_seqlens, cache_batch_idx, block_table, alibi_slopes, counters)
+    if prep.maps is None:
+        prep.launch(stream_ptr, *pointers)
+    else:  # the TMA kernel: the caches' tensor maps (cached per address) after the struct's plain fields
+        k_map, v_map = prep.maps
+        prep.launch.call_with_tail(stream_ptr, TMA_MAPS_OFFSET, k_map(k_cache) + v_map(v_cache), *pointers)
