@@ -16,10 +16,12 @@ op dispatcher (tens of microseconds of Python per call): it runs the same implem
 ``torch.autograd.Function`` when a gradient is needed. Anything that traces or intercepts -- torch.compile,
 export, a dispatch mode, fake or functional tensors, functorch, the JIT tracer -- goes through the op.
 
-Kernels run on ``torch.cuda.current_stream(q.device)``, on the tensors' own GPU. Outputs come from torch's
-caching allocator, and so do the workspaces (CuPy's allocator is pointed at torch for the duration of the
-call). Tensors reach the launcher as CuPy views of the same memory -- pointer, shape and strides, as DLPack
-would carry them, minus the capsule round trip. No copy is made of anything.
+The first call with a given signature -- shapes, strides, dtypes, devices of the tensors, and the options --
+checks it and plans its launches; later calls with that signature look the plan up, allocate their outputs
+(and workspaces) from torch's caching allocator, and launch on ``torch.cuda.current_stream(q.device)`` from
+the tensors' data pointers. No copy is made of anything. The one buffer outside torch's allocator is the
+KV-cache op's split counters, a few kilobytes kept per stream; a call captured into a CUDA graph keeps its
+counters in its own allocation instead, so a graph owns all the memory it uses.
 """
 from __future__ import annotations
 
@@ -77,9 +79,11 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     ...            for _ in range(3))
     >>> cuflash.torch.attention(q, k, v, causal=True).sum().backward()
     """
-    left, right = _window(causal, window_size)
-    out, lse = _differentiable(_Attention, (q, k, v),
-                               (q, k, v, alibi_slopes, softmax_scale, causal, left, right, softcap, deterministic))
+    left, right = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
+    if _eager(q, k, v):
+        return _eager_attention(q, k, v, (None, None, alibi_slopes, None, None, softmax_scale, causal, left, right,
+                                          softcap), deterministic, return_lse)
+    out, lse = _attention_fwd_op(q, k, v, alibi_slopes, softmax_scale, causal, left, right, softcap, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -123,10 +127,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     >>> q = torch.randn(612, 16, 128, device="cuda", dtype=torch.float16, requires_grad=True)
     >>> cuflash.torch.attention_varlen(q, q, q, cu, cu, 512, 512, causal=True).sum().backward()
     """
-    left, right = _window(causal, window_size)
-    out, lse = _differentiable(_AttentionVarlen, (q, k, v), (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                                              max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                                              left, right, softcap, deterministic))
+    left, right = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
+    if _eager(q, k, v):
+        return _eager_attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                                          softmax_scale, causal, left, right, softcap), deterministic, return_lse)
+    out, lse = _attention_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale, causal, left, right, softcap, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -169,16 +175,18 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     >>> lens = torch.zeros(4, dtype=torch.int32, device="cuda")
     >>> out = cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens)
     """
-    left, right = _window(causal, window_size)
-    seqlens, cache_len = _cache_seqlens(cache_seqlens)
-    args = (q, k_cache, v_cache, k, v, seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
-            softmax_scale, causal, left, right, softcap, num_splits, return_lse)
     if _eager(q, k_cache, v_cache):
-        out, lse = _kvcache(*args)
+        window = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
+        out, lse = _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                    alibi_slopes, softmax_scale, causal, window, softcap, num_splits, return_lse)
         if k is not None:  # as the op's in-place bookkeeping does: autograd sees the caches as modified
             torch.autograd.graph.increment_version((k_cache, v_cache))
     else:
-        out, lse = torch.ops.cuflash.attention_with_kvcache(*args)
+        left, right = _window(causal, window_size)
+        seqlens, cache_len = _cache_seqlens(cache_seqlens)
+        out, lse = torch.ops.cuflash.attention_with_kvcache(
+            q, k_cache, v_cache, k, v, seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
+            softmax_scale, causal, left, right, softcap, num_splits, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -211,134 +219,193 @@ def _eager(*tensors) -> bool:
             and not torch._C._get_tracing_state())
 
 
-class _Differentiable(NamedTuple):
-    op: object        # the forward op, with its backward registered
-    impl: Callable    # the op's implementation
-    function: type    # a torch.autograd.Function of the implementations of the op and its backward op
+def _eager_attention(q, k, v, args: tuple, deterministic: bool, return_lse: bool):
+    """An eager dense or varlen call; ``args`` are :func:`_forward`'s after q, k, v. With a gradient to track, under
+    an autograd.Function (lse stays with the backward unless asked for); else the forward alone."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return (_EagerAttentionLse if return_lse else _EagerAttention).apply(q, k, v, (*args, deterministic))
+    out, lse = _forward(q, k, v, *args, return_lse)
+    return (out, lse) if return_lse else out
 
 
-def _differentiable(ops: _Differentiable, tensors, args):
-    """``ops.op(*args)``; eagerly the same implementation, under the autograd.Function when a gradient is needed,
-    else directly."""
-    if not _eager(*tensors):
-        return ops.op(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return ops.function.apply(*args)
-    return ops.impl(*args)
+class _EagerAttention(torch.autograd.Function):
+    """The forward op's implementation, and its backward's, for eager calls: returns ``out``. The last input,
+    ``args``, is :func:`_forward`'s arguments after q, k, v, then ``deterministic``; none is differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        return _saved_forward(ctx, q, k, v, args)[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        return (*_saved_backward(ctx, dout), None)
+
+
+class _EagerAttentionLse(torch.autograd.Function):
+    """:class:`_EagerAttention` returning ``out, lse`` (lse not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args):
+        out, lse = _saved_forward(ctx, q, k, v, args)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        return (*_saved_backward(ctx, dout), None)
+
+
+def _saved_forward(ctx, q, k, v, args) -> tuple:
+    """out, lse of an eager forward; what its backward needs saved in ``ctx``."""
+    plan = _forward_plan(q, k, v, *args[:-1])
+    out, lse = _run_forward(plan, q, k, v, args[0], args[1], args[2], True)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args, ctx.plan = args, plan
+    return out, lse
+
+
+def _saved_backward(ctx, dout) -> tuple:
+    """dq, dk, dv of an eager forward. Its backward's plan depends on the forward's (its layouts and options) and on
+    dout's layout and the mode, so it is looked up under those alone."""
+    q, k, v, out, lse = ctx.saved_tensors
+    cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, causal, left, right, softcap, \
+        deterministic = ctx.args
+    dout = dout.contiguous()
+    key = (ctx.plan, dout.shape, dout.stride(), dout.dtype, deterministic)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(key, lambda: _plan_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                 max_seqlen_q, max_seqlen_k, bool(deterministic),
+                                                 _options(scale, causal, left, right, softcap)))
+    return _run_backward(plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
 
 
 # --------------------------------------------------------------------------------------------
-# Dense attention: forward and backward ops
+# Dense and varlen attention: forward and backward ops over one planned launch per call signature
 # --------------------------------------------------------------------------------------------
+
+class _Plan:
+    """The launch of one call signature on torch's current stream, from data pointers (_forward_launch,
+    _backward_launch), and what its allocations need. Hashed by identity: a backward's key holds its forward's."""
+
+    __slots__ = ("launch", "lse_shape", "workspace")
+
+    def __init__(self, launch: Callable, lse_shape: tuple = (), workspace: int = 0):
+        self.launch = launch
+        self.lse_shape = lse_shape  # the forward's lse: (batch, nheads, seqlen_q), packed (nheads, total_q)
+        self.workspace = workspace  # the backward's workspace bytes
+
 
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
                    softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    options = _options(softmax_scale, causal, window_left, window_right, softcap)
-    problem, launch = _check_forward(q, k, v, alibi_slopes, options, _forward_launch)
-    _require_aligned(q=q, k=k, v=v)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = q.new_empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=torch.float32)
-    launch(q, k, v, out, lse, alibi_slopes)
-    return out, lse
+    return _forward(q, k, v, None, None, alibi_slopes, None, None, softmax_scale, causal, window_left, window_right,
+                    softcap, True)
 
-
-def _forward_launch(problem, specs: dict, options: dict):
-    """The forward of one call signature (built once): a function ``(q, k, v, out, lse, alibi_slopes)`` that
-    launches it on torch's current stream into a contiguous ``out`` and ``lse`` -- raw pointers, no views."""
-    q, index = specs["q"], specs["q"].device
-    lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
-    with cupy.cuda.Device(index):
-        call = forward.forward_call(problem, q, specs["k"], specs["v"], checks.contiguous("out", q.shape, q.dtype),
-                                    checks.contiguous("lse", lse_shape, np.float32),
-                                    resolve(problem, alibi_slopes=specs["alibi_slopes"], **options), device_id=index,
-                                    alibi_slopes=specs["alibi_slopes"])
-
-    def launch(q, k, v, out, lse, alibi_slopes):
-        with _on_device(index) as stream:
-            call(stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                 0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0, 0)
-    return launch
-
-
-def _attention_fwd_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
-                        deterministic):
-    if _concrete(q, k, v, alibi_slopes):
-        _check_forward(q, k, v, alibi_slopes, _options(softmax_scale, causal, window_left, window_right, softcap))
-    b, sq, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
-
-
-def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float],
-                   causal: bool, window_left: int, window_right: int, softcap: float,
-                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = _options(softmax_scale, causal, window_left, window_right, softcap)
-    _, launch = _check_backward(dout, q, k, v, out, lse, alibi_slopes, options, deterministic, _backward_launch)
-    _require_aligned(dout=dout, q=q, k=k, v=v, out=out)
-    dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes)
-    return dq, dk, dv
-
-
-def _backward_launch(problem, specs: dict, options: dict, deterministic: bool):
-    """The backward of one call signature (built once): a function ``(dout, q, k, v, out, lse, dq, dk, dv,
-    alibi_slopes)`` launching it on torch's current stream into contiguous dq, dk, dv, with its workspace from
-    torch's caching allocator."""
-    index = specs["q"].device
-    grads = (checks.contiguous(n, specs[x].shape, specs[x].dtype) for n, x in (("dq", "q"), ("dk", "k"), ("dv", "v")))
-    with cupy.cuda.Device(index):
-        call = backward.backward_call(problem, specs["dout"], specs["q"], specs["k"], specs["v"], specs["out"],
-                                      specs["lse"], *grads, resolve(problem, alibi_slopes=specs["alibi_slopes"],
-                                                                    **options),
-                                      device_id=index, alibi_slopes=specs["alibi_slopes"],
-                                      deterministic=deterministic, packed=False)
-    device = torch.device("cuda", index)
-
-    def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes):
-        workspace = torch.empty(call.workspace_bytes, dtype=torch.uint8, device=device)  # freed in stream order
-        with _on_device(index) as stream:
-            call(stream, dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                 dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
-                 0, 0, workspace.data_ptr())
-    return launch
-
-
-def _attention_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, softmax_scale, causal, window_left, window_right,
-                        softcap, deterministic):
-    if _concrete(dout, q, k, v, out, lse, alibi_slopes):
-        _check_backward(dout, q, k, v, out, lse, alibi_slopes,
-                        _options(softmax_scale, causal, window_left, window_right, softcap))
-    return tuple(x.new_empty(x.shape) for x in (q, k, v))
-
-
-# --------------------------------------------------------------------------------------------
-# Varlen attention: forward and backward ops
-# --------------------------------------------------------------------------------------------
 
 def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, alibi_slopes: Optional[torch.Tensor], max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
                           window_right: int, softcap: float,
                           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    options = _options(softmax_scale, causal, window_left, window_right, softcap)
-    problem = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, options)
-    _require_aligned(q=q, k=k, v=v)
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, window_left, window_right, softcap, True)
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+             left, right, softcap, need_lse: bool) -> tuple:
+    """Dense (``cu_seqlens_q`` None) or varlen forward into a new ``out`` and ``lse`` (None unless ``need_lse``)."""
+    plan = _forward_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, left, right, softcap)
+    return _run_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse)
+
+
+def _forward_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+                  causal, left, right, softcap) -> _Plan:
+    """The forward's plan for the call's signature: looked up, else checked and planned."""
+    try:
+        key = ("fwd", max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap, _signature(q),
+               _signature(k), _signature(v), _signature(alibi_slopes), _signature(cu_seqlens_q),
+               _signature(cu_seqlens_k))
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):  # something that is not a tensor, or unhashable: the checks say what
+        key = plan = None
+    if plan is None:
+        plan = _plan(key, lambda: _plan_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
+                                                max_seqlen_k, _options(softmax_scale, causal, left, right, softcap)))
+    return plan
+
+
+def _run_forward(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse: bool) -> tuple:
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+        _require_aligned(q=q, k=k, v=v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = q.new_empty((problem.nheads, q.shape[0]), dtype=torch.float32)
-    with _on_torch_stream(q.device.index):
-        forward.launch(problem, _view(q), _view(k), _view(v), _view(out), _view(lse),
-                           alibi_slopes=_view(alibi_slopes), cu_seqlens_q=_view(cu_seqlens_q),
-                           cu_seqlens_k=_view(cu_seqlens_k), **options)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
+    plan.launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
     return out, lse
+
+
+def _plan_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, options) -> _Plan:
+    tensors = dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+    if cu_seqlens_q is not None:
+        tensors.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    problem, specs = _problem(options, tensors, max_seqlen_q, max_seqlen_k)
+    lse_shape = ((problem.batch, problem.nheads, problem.seqlen_q) if cu_seqlens_q is None
+                 else (problem.nheads, q.shape[0]))
+    return _Plan(_forward_launch(problem, specs, options, lse_shape), lse_shape)
+
+
+def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Callable:
+    """``launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)``: the forward of one call signature
+    on torch's current stream, into a contiguous ``out`` and ``lse`` (or None), from data pointers."""
+    q, index = specs["q"], specs["q"].device
+    with cupy.cuda.Device(index):
+        call = forward.forward_call(problem, q, specs["k"], specs["v"], checks.contiguous("out", q.shape, q.dtype),
+                                    checks.contiguous("lse", lse_shape, np.float32),
+                                    resolve(problem, alibi_slopes=specs["alibi_slopes"], **options), device_id=index,
+                                    alibi_slopes=specs["alibi_slopes"])
+
+    def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k):
+        previous = _get_device()
+        if previous != index:
+            _set_device(index)
+        try:
+            call(_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                 0 if lse is None else lse.data_ptr(), 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                 0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr())
+        finally:
+            if previous != index:
+                _set_device(previous)
+    return launch
+
+
+def _attention_fwd_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
+                        deterministic):
+    if _concrete(q, k, v, alibi_slopes):
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+                 dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes))
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
                                softmax_scale, causal, window_left, window_right, softcap, deterministic):
     if _concrete(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, ints=(max_seqlen_q, max_seqlen_k)):
-        _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                      _options(softmax_scale, causal, window_left, window_right, softcap))
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+                 dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k),
+                 max_seqlen_q, max_seqlen_k)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float],
+                   causal: bool, window_left: int, window_right: int, softcap: float,
+                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, None, None, alibi_slopes, None, None, softmax_scale, causal,
+                     window_left, window_right, softcap, deterministic)
 
 
 def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -346,25 +413,92 @@ def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                           alibi_slopes: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                           softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                           softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = _options(softmax_scale, causal, window_left, window_right, softcap)
-    problem = _check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                     max_seqlen_q, max_seqlen_k, options)
-    _require_aligned(dout=dout, q=q, k=k, v=v, out=out)
-    dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
-    index = q.device.index
-    with _on_torch_stream(index), cupy.cuda.using_allocator(_torch_allocator(index)):
-        backward.launch(problem, _view(dout), _view(q), _view(k), _view(v), _view(out), _view(lse),
-                            _view(dq), _view(dk), _view(dv), alibi_slopes=_view(alibi_slopes),
-                            deterministic=deterministic, cu_seqlens_q=_view(cu_seqlens_q),
-                            cu_seqlens_k=_view(cu_seqlens_k), **options)
+    return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, window_left, window_right, softcap, deterministic)
+
+
+def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+              softmax_scale, causal, left, right, softcap, deterministic) -> tuple:
+    """Dense or varlen backward into new contiguous dq, dk, dv."""
+    try:
+        key = ("bwd", bool(deterministic), max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap,
+               _signature(dout), _signature(q), _signature(k), _signature(v), _signature(out), _signature(lse),
+               _signature(alibi_slopes), _signature(cu_seqlens_q), _signature(cu_seqlens_k))
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is None:
+        plan = _plan(key, lambda: _plan_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                 max_seqlen_q, max_seqlen_k, bool(deterministic),
+                                                 _options(softmax_scale, causal, left, right, softcap)))
+    return _run_backward(plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+
+
+def _run_backward(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes) -> tuple:
+    """The allocations (the workspace too, from torch's caching allocator, freed in stream order) and the
+    launches."""
+    if (dout.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16:
+        _require_aligned(dout=dout, q=q, k=k, v=v, out=out)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    workspace = torch.empty(plan.workspace, dtype=torch.uint8, device=q.device)
+    plan.launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace)
     return dq, dk, dv
+
+
+def _plan_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                   deterministic, options) -> _Plan:
+    tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
+    if cu_seqlens_q is not None:
+        tensors.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    problem, specs = _problem(options, tensors, max_seqlen_q, max_seqlen_k)
+    launch, workspace = _backward_launch(problem, specs, options, deterministic, cu_seqlens_q is not None)
+    return _Plan(launch, (), workspace)
+
+
+def _backward_launch(problem, specs: dict, options: dict, deterministic: bool, packed: bool) -> tuple:
+    """(``launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace)``, the
+    workspace bytes): the backward of one call signature on torch's current stream, into contiguous dq, dk, dv."""
+    index = specs["q"].device
+    grads = (checks.contiguous(n, specs[x].shape, specs[x].dtype) for n, x in (("dq", "q"), ("dk", "k"), ("dv", "v")))
+    with cupy.cuda.Device(index):
+        call = backward.backward_call(problem, specs["dout"], specs["q"], specs["k"], specs["v"], specs["out"],
+                                      specs["lse"], *grads, resolve(problem, alibi_slopes=specs["alibi_slopes"],
+                                                                    **options),
+                                      device_id=index, alibi_slopes=specs["alibi_slopes"],
+                                      deterministic=deterministic, packed=packed)
+
+    def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace):
+        previous = _get_device()
+        if previous != index:
+            _set_device(index)
+        try:
+            call(_stream(index), dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                 lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+                 0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
+                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(), workspace.data_ptr())
+        finally:
+            if previous != index:
+                _set_device(previous)
+    return launch, call.workspace_bytes
+
+
+def _attention_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, softmax_scale, causal, window_left, window_right,
+                        softcap, deterministic):
+    if _concrete(dout, q, k, v, out, lse, alibi_slopes):
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+                 dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes))
+    return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
 
 def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
                                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic):
     if _concrete(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, ints=(max_seqlen_q, max_seqlen_k)):
-        _check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
-                               max_seqlen_k, _options(softmax_scale, causal, window_left, window_right, softcap))
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+                 dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k), max_seqlen_q, max_seqlen_k)
     return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
 
@@ -378,68 +512,88 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
              alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
              window_right: int, softcap: float, num_splits: int,
              return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cache_seqlens`` is given as a tensor, or as the int ``cache_len`` (-1: neither). Returns ``out, lse``;
-    lse is empty, ``(0,)``, unless ``return_lse``."""
+    """The op: ``cache_seqlens`` is given as a tensor, or as the int ``cache_len`` (-1: neither). Returns ``out,
+    lse``; lse is empty, ``(0,)``, unless ``return_lse``."""
     seqlens = cache_seqlens if cache_seqlens is not None else None if cache_len < 0 else cache_len
-    out, lse = _kvcache_compute(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, cache_batch_idx=cache_batch_idx,
-                                block_table=block_table, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
-                                causal=causal, window_size=(window_left, window_right), softcap=softcap,
-                                num_splits=num_splits, return_lse=return_lse)
+    out, lse = _kvcache_compute(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, alibi_slopes,
+                                softmax_scale, causal, (window_left, window_right), softcap, num_splits, return_lse)
     return out, lse if return_lse else q.new_empty((0,), dtype=torch.float32)
 
 
-_kv_plans: dict = {}  # signature of a kvcache call -> its decode.DecodeCall
+class _KvPlan(NamedTuple):
+    prep: object        # the decode.DecodeCall
+    elements: int       # the call's allocation, in elements of q's dtype (out first)
+    out_strides: tuple  # contiguous strides of q's shape
+
+
+_kv_plans: dict = {}  # signature of a kvcache call -> its _KvPlan
 settings.on_change(_kv_plans.clear)
-_KV_TENSORS = ("q", "k_cache", "v_cache", "k", "v", "cache_batch_idx", "block_table", "alibi_slopes")
 
 
-def _kvcache_compute(q, k_cache, v_cache, *, cache_seqlens, return_lse, **options) -> tuple:
+def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                     softmax_scale, causal, window_size, softcap, num_splits, return_lse) -> tuple:
     """cuflash.attention_with_kvcache on torch tensors (``cache_seqlens`` a tensor, an int or None): checks and
-    plan once per signature (:func:`_kvcache_plan`), then one torch allocation and the launches on torch's
-    stream, from data pointers. Returns ``(out, lse or None)``."""
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, **{n: options.pop(n) for n in _KV_TENSORS[3:]})
-    seqlens_key = _signature(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else ("int", cache_seqlens)
-    key = (seqlens_key, return_lse, *options.values(), *map(_signature, tensors.values()))
-    prep = _kv_plans.get(key)
-    if prep is None:
-        prep = _kvcache_plan(key, tensors, cache_seqlens, options, return_lse)
-    for name in _KV_TENSORS[:5]:
-        t = tensors[name]
-        if t is not None and t.data_ptr() % 16:
-            raise ValueError(f"{name}: must be 16-byte aligned; data pointer {t.data_ptr():#x}")
-    index = q.device.index
-    block = torch.empty(prep.nbytes, dtype=torch.uint8, device=q.device)  # out | lse | split workspace
-    ptr = [0 if tensors[n] is None else tensors[n].data_ptr() for n in _KV_TENSORS]
-    seqlens_ptr = cache_seqlens.data_ptr() if isinstance(cache_seqlens, torch.Tensor) else 0
-    # the split counters, allocated once per stream, come from torch's allocator (safe under graph capture)
-    with _on_device(index) as stream, cupy.cuda.using_allocator(_torch_allocator(index)):
-        decode.run(prep, stream, block.data_ptr(), *ptr[:5], seqlens_ptr, *ptr[5:], return_lse)
-    out = block[:q.numel() * q.element_size()].view(q.dtype).view(q.shape)
-    if not return_lse:
-        return out, None
-    # out and lse share the block; an op's outputs must not alias each other, so lse (small) gets its own
-    lse = block[prep.lse_offset:prep.lse_offset + 4 * math.prod(prep.lse_shape)]
-    return out, lse.view(torch.float32).view(prep.lse_shape).clone()
+    plan once per signature (:func:`_kvcache_plan`), then one torch allocation (out, then the split workspace) and
+    the launches on torch's stream, from data pointers. Returns ``(out, lse or None)``."""
+    try:
+        key = (type(cache_seqlens), _signature(cache_seqlens) if type(cache_seqlens) is torch.Tensor
+               else cache_seqlens, softmax_scale, causal, window_size, softcap, num_splits, return_lse,
+               _signature(q), _signature(k_cache), _signature(v_cache), _signature(k), _signature(v),
+               _signature(cache_batch_idx), _signature(block_table), _signature(alibi_slopes))
+        plan = _kv_plans.get(key)
+    except (AttributeError, TypeError):  # something that is not a tensor, or unhashable: the checks say what
+        key = plan = None
+    if plan is None:
+        plan = _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                             alibi_slopes, softmax_scale, causal, window_size, softcap, num_splits, return_lse)
+    if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | (0 if k is None else k.data_ptr())
+            | (0 if v is None else v.data_ptr())) % 16:
+        _require_aligned(**{n: t for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k),
+                                              ("v", v)) if t is not None})
+    prep = plan.prep
+    block = torch.empty(plan.elements, dtype=q.dtype, device=q.device)
+    lse = torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    index = prep.device_id
+    previous = _get_device()
+    if previous != index:
+        _set_device(index)
+    try:
+        stream = _stream(index)
+        decode.run(prep, stream, block.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                   0 if k is None else k.data_ptr(), 0 if v is None else v.data_ptr(),
+                   cache_seqlens.data_ptr() if type(cache_seqlens) is torch.Tensor else 0,
+                   0 if cache_batch_idx is None else cache_batch_idx.data_ptr(),
+                   0 if block_table is None else block_table.data_ptr(),
+                   0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0 if lse is None else lse.data_ptr(),
+                   bool(prep.counter_tiles) and torch.cuda.is_current_stream_capturing())
+    finally:
+        if previous != index:
+            _set_device(previous)
+    return block.as_strided(q.shape, plan.out_strides), lse
 
 
-def _kvcache_plan(key: tuple, tensors: dict, cache_seqlens, options: dict, return_lse: bool):
-    """Checks a kvcache call and plans it (decode.prepare on CuPy views of the tensors); remembered under `key`."""
-    is_tensor = isinstance(cache_seqlens, torch.Tensor)
-    cache_len = -1 if cache_seqlens is None or is_tensor else cache_seqlens
-    window = options["window_size"]
-    _check_kvcache(dict(tensors, cache_seqlens=cache_seqlens if is_tensor else None), cache_len,
-                   dict(_options(options["softmax_scale"], options["causal"], *window, options["softcap"]),
-                        num_splits=options["num_splits"]))
+def _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                  softmax_scale, causal, window_size, softcap, num_splits, return_lse) -> _KvPlan:
+    """Checks a kvcache call and plans it (decode.prepare on CuPy views of the tensors); remembered under `key`
+    (None: not remembered)."""
+    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
+                   block_table=block_table, alibi_slopes=alibi_slopes)
+    seqlens, cache_len = _cache_seqlens(cache_seqlens)
+    _check_kvcache(dict(tensors, cache_seqlens=seqlens), cache_len,
+                   dict(_options(softmax_scale, causal, *window_size, softcap), num_splits=num_splits))
+    is_tensor = seqlens is not None
     views = {name: _view(t) for name, t in tensors.items()}
-    with _on_device(tensors["q"].device.index):
+    with cupy.cuda.Device(q.device.index):
         prep = decode.prepare(views["q"], views["k_cache"], views["v_cache"], views["k"], views["v"],
                               _view(cache_seqlens) if is_tensor else cache_seqlens, views["cache_batch_idx"],
-                              views["block_table"], options["softmax_scale"], options["causal"], window,
-                              options["softcap"], views["alibi_slopes"], options["num_splits"], return_lse)
-    if len(_kv_plans) > 4096:
-        _kv_plans.clear()
-    _kv_plans[key] = prep
-    return prep
+                              views["block_table"], softmax_scale, causal, window_size, softcap,
+                              views["alibi_slopes"], num_splits, return_lse)
+    plan = _KvPlan(prep, -(-prep.nbytes // q.element_size()), checks.contiguous("out", q.shape, np.float16).strides)
+    if key is not None:
+        if len(_kv_plans) > 4096:
+            _kv_plans.clear()
+        _kv_plans[key] = plan
+    return plan
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
@@ -470,45 +624,29 @@ _attention_varlen_bwd_op = _register("attention_varlen_bwd", _attention_varlen_b
 _kvcache_op = _register("attention_with_kvcache", _kvcache, _kvcache_fake, mutates_args=("k_cache", "v_cache"))
 
 
-def _autograd(forward_op, forward, backward, backward_op, tensors: int) -> _Differentiable:
-    """Wire ``backward`` to ``forward``: the op ``backward_op`` to ``forward_op`` (register_autograd), and the
-    plain functions in an autograd.Function for eager calls.
-
-    The forward's arguments are q, k, v, then ``tensors - 3`` more tensors (not differentiated), then options;
-    it returns ``out, lse``. The backward takes ``dout, q, k, v, out, lse``, the other tensors and the options,
-    and returns ``dq, dk, dv``.
-    """
+def _register_autograd(forward_op, backward_op, tensors: int) -> None:
+    """Wire ``backward_op`` to ``forward_op`` (register_autograd). The forward's arguments are q, k, v, then
+    ``tensors - 3`` more tensors (not differentiated), then options; it returns ``out, lse``. The backward takes
+    ``dout, q, k, v, out, lse``, the other tensors and the options, and returns ``dq, dk, dv``."""
     def setup_context(ctx, inputs, output):
         out, lse = output
         ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:tensors])
         ctx.options = inputs[tensors:]
         ctx.mark_non_differentiable(lse)
 
-    def gradients(run):
-        def grads(ctx, dout, _dlse):
-            dq, dk, dv = run(dout.contiguous(), *ctx.saved_tensors, *ctx.options)
-            return (dq, dk, dv) + (None,) * (tensors - 3 + len(ctx.options))
-        return grads
+    def backward(ctx, dout, _dlse):
+        dq, dk, dv = backward_op(dout.contiguous(), *ctx.saved_tensors, *ctx.options)
+        return (dq, dk, dv) + (None,) * (tensors - 3 + len(ctx.options))
 
-    def forward_with_context(ctx, *inputs):  # forward(ctx, ...): apply() then skips binding the arguments
-        output = forward(*inputs)
-        setup_context(ctx, inputs, output)
-        return output
-
-    forward_op.register_autograd(gradients(backward_op), setup_context=setup_context)
-    function = type(f"{forward.__name__}_function", (torch.autograd.Function,), dict(
-        forward=staticmethod(forward_with_context),
-        backward=staticmethod(torch.autograd.function.once_differentiable(gradients(backward)))))
-    return _Differentiable(forward_op, forward, function)
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-_Attention = _autograd(_attention_fwd_op, _attention_fwd, _attention_bwd, torch.ops.cuflash.attention_bwd, 4)
-_AttentionVarlen = _autograd(_attention_varlen_fwd_op, _attention_varlen_fwd, _attention_varlen_bwd,
-                             torch.ops.cuflash.attention_varlen_bwd, 6)
+_register_autograd(_attention_fwd_op, torch.ops.cuflash.attention_bwd, 4)
+_register_autograd(_attention_varlen_fwd_op, torch.ops.cuflash.attention_varlen_bwd, 6)
 
 
 # --------------------------------------------------------------------------------------------
-# Checks: cuflash.checks on TensorSpecs of the torch tensors, once per call signature
+# Checks: cuflash.checks on TensorSpecs of the torch tensors, when a call signature is planned
 # --------------------------------------------------------------------------------------------
 
 _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
@@ -524,74 +662,48 @@ def _options(softmax_scale, causal, left, right, softcap) -> dict:
     return dict(softmax_scale=softmax_scale, causal=causal, window_size=(left, right), softcap=softcap)
 
 
-def _check_forward(q, k, v, alibi_slopes, options, make_launch=None):
-    """(Problem, make_launch(problem, specs, options) or None), once per signature."""
-    return _checked(("fwd", *options.values()), dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes), lambda s: (
-        checks.check_attention(s["q"], s["k"], s["v"], alibi_slopes=s["alibi_slopes"], **options)),
-        make_launch and (lambda problem, s: make_launch(problem, s, options)))
-
-
-def _check_backward(dout, q, k, v, out, lse, alibi_slopes, options, deterministic=False, make_launch=None):
-    """(Problem, make_launch(problem, specs, options, deterministic) or None), once per signature."""
-    tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
-    return _checked(("bwd", bool(deterministic), *options.values()), tensors, lambda s: checks.check_backward(
-        s["dout"], s["q"], s["k"], s["v"], s["out"], s["lse"], alibi_slopes=s["alibi_slopes"], **options),
-        make_launch and (lambda problem, s: make_launch(problem, s, options, bool(deterministic))))
-
-
-def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, options):
-    tensors = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
-    return _checked_problem(("varlen", max_seqlen_q, max_seqlen_k, *options.values()), tensors,
-                            lambda s: checks.check_varlen(
-                                s["q"], s["k"], s["v"], s["cu_seqlens_q"], s["cu_seqlens_k"], max_seqlen_q,
-                                max_seqlen_k, alibi_slopes=s["alibi_slopes"], **options))
-
-
-def _check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
-                           max_seqlen_k, options):
-    tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                   alibi_slopes=alibi_slopes)
-    return _checked_problem(("varlen_bwd", max_seqlen_q, max_seqlen_k, *options.values()), tensors, lambda s: (
-        checks.check_varlen_backward(s["dout"], s["q"], s["k"], s["v"], s["out"], s["lse"], s["cu_seqlens_q"],
-                                     s["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, alibi_slopes=s["alibi_slopes"],
-                                     **options)))
+def _problem(options: dict, tensors: dict, max_seqlen_q=None, max_seqlen_k=None) -> tuple:
+    """(Problem, TensorSpecs by name) of a dense or varlen (``cu_seqlens_q`` among the tensors) forward, or backward
+    (``dout`` among them): the checks of cuflash.checks, then the CUDA requirements."""
+    s = _specs(tensors)
+    arrays = [s[n] for n in (("dout", "q", "k", "v", "out", "lse") if "dout" in s else ("q", "k", "v"))]
+    if "cu_seqlens_q" in s:
+        check = checks.check_varlen_backward if "dout" in s else checks.check_varlen
+        problem = check(*arrays, s["cu_seqlens_q"], s["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
+                        alibi_slopes=s["alibi_slopes"], **options)
+    else:
+        check = checks.check_backward if "dout" in s else checks.check_attention
+        problem = check(*arrays, alibi_slopes=s["alibi_slopes"], **options)
+    _require_cuda(**tensors)
+    return problem, s
 
 
 def _check_kvcache(tensors: dict, cache_len: int, options: dict) -> checks.Problem:
-    def check(s):
-        seqlens = s["cache_seqlens"] if s["cache_seqlens"] is not None else None if cache_len < 0 else cache_len
-        return checks.check_kvcache(s["q"], s["k_cache"], s["v_cache"], k=s["k"], v=s["v"], cache_seqlens=seqlens,
-                                    cache_batch_idx=s["cache_batch_idx"], block_table=s["block_table"],
-                                    alibi_slopes=s["alibi_slopes"], **options)
-    return _checked_problem(("kvcache", cache_len, *options.values()), tensors, check)
+    s = _specs(tensors)
+    seqlens = s["cache_seqlens"] if s["cache_seqlens"] is not None else None if cache_len < 0 else cache_len
+    problem = checks.check_kvcache(s["q"], s["k_cache"], s["v_cache"], k=s["k"], v=s["v"], cache_seqlens=seqlens,
+                                   cache_batch_idx=s["cache_batch_idx"], block_table=s["block_table"],
+                                   alibi_slopes=s["alibi_slopes"], **options)
+    _require_cuda(**tensors)
+    return problem
 
 
-_problems: dict = {}  # signature of a call -> (Problem, launch or None): checks and planning once per signature
-settings.on_change(_problems.clear)  # launches planned under other settings are dropped
+_plans: dict = {}  # signature of a dense or varlen call -> its _Plan: checks and planning once per signature
+settings.on_change(_plans.clear)  # launches planned under other settings are dropped
 
 
-def _checked_problem(values: tuple, tensors: dict, check) -> checks.Problem:
-    return _checked(values, tensors, check)[0]
-
-
-def _checked(values: tuple, tensors: dict, check, make_launch=None) -> tuple:
-    """``check(specs)`` (TensorSpecs of ``tensors`` by name), then the CUDA requirements, then
-    ``make_launch(problem, specs)`` if given -- once per signature of the tensors (shape, strides, dtype, device)
-    and ``values``; later calls get the remembered ``(problem, launch)``."""
-    key = (make_launch is not None, *values, *map(_signature, tensors.values()))
-    hit = _problems.get(key)
-    if hit is None:
-        specs = _specs(tensors)
-        problem = check(specs)
-        _require_cuda(**tensors)
-        hit = (problem, make_launch(problem, specs) if make_launch is not None else None)
-        if len(_problems) > 4096:
-            _problems.clear()
-        _problems[key] = hit
-    return hit
+def _plan(key, make) -> _Plan:
+    """``make()``, remembered under ``key`` (None: an argument the key cannot hold; not remembered)."""
+    plan = make()
+    if key is not None:
+        if len(_plans) > 4096:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
 
 
 def _signature(t):
+    """What a plan depends on in a tensor argument (AttributeError for anything else)."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
@@ -643,7 +755,7 @@ def _concrete(*tensors, ints=()) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# torch memory as CuPy arrays and back; torch's stream and allocator for CuPy
+# torch memory as CuPy arrays (for planning); the device and torch's stream for a launch
 # --------------------------------------------------------------------------------------------
 
 _layouts: dict = {}  # (shape, strides, dtype) of a tensor -> what its CuPy view needs besides the pointer
@@ -667,73 +779,8 @@ def _view(t: torch.Tensor | None):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
 
 
-_streams: dict = {}  # (device index, cudaStream_t) -> cupy.cuda.ExternalStream
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # an int, without a torch.cuda.Stream object
-
-
-class _on_torch_stream:
-    """Context: CuPy's current device is ``index`` (switched only if it is not already), its current stream
-    torch's current stream there."""
-
-    __slots__ = ("index", "stream", "previous")
-
-    def __init__(self, index: int):
-        handle = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
-        stream = _streams.get((index, handle))
-        if stream is None:
-            if len(_streams) > 64:
-                _streams.clear()
-            stream = _streams[(index, handle)] = cupy.cuda.ExternalStream(handle, index)
-        self.index, self.stream = index, stream
-
-    def __enter__(self):
-        self.previous = cupy.cuda.runtime.getDevice()
-        if self.previous != self.index:
-            cupy.cuda.runtime.setDevice(self.index)
-        self.stream.__enter__()
-
-    def __exit__(self, *exc):
-        self.stream.__exit__(*exc)
-        if self.previous != self.index:
-            cupy.cuda.runtime.setDevice(self.previous)
-
-
-class _on_device:
-    """Context: device ``index`` is current (switched only if it is not already); gives torch's current stream
-    there, as a ``cudaStream_t`` handle."""
-
-    __slots__ = ("index", "previous")
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __enter__(self) -> int:
-        self.previous = cupy.cuda.runtime.getDevice()
-        if self.previous != self.index:
-            cupy.cuda.runtime.setDevice(self.index)
-        return _raw_stream(self.index) if _raw_stream else torch.cuda.current_stream(self.index).cuda_stream
-
-    def __exit__(self, *exc):
-        if self.previous != self.index:
-            cupy.cuda.runtime.setDevice(self.previous)
-
-
-_allocators: dict = {}  # device index -> the allocator below
-
-
-def _torch_allocator(index: int, blocks: list | None = None):
-    """A CuPy allocator over torch's caching allocator: each block is a torch uint8 tensor on device ``index``,
-    allocated on (and so ordered with) torch's current stream, freed when CuPy drops the array. Blocks are also
-    appended to ``blocks`` when it is given."""
-    malloc = _allocators.get(index) if blocks is None else None
-    if malloc is None:
-        device = torch.device("cuda", index)
-
-        def malloc(nbytes: int):
-            t = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            if blocks is not None:
-                blocks.append(t)
-            return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, index), 0)
-        if blocks is None:
-            _allocators[index] = malloc
-    return malloc
+_get_device = cupy.cuda.runtime.getDevice  # the CUDA runtime's current device, which torch's is too
+_set_device = cupy.cuda.runtime.setDevice
+# torch's current stream on a device as a cudaStream_t handle (an int), without a torch.cuda.Stream object
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda index: torch.cuda.current_stream(
+    index).cuda_stream)

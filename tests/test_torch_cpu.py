@@ -58,32 +58,38 @@ def on_host(monkeypatch):
         out = out.astype(q.dtype)
         return (out, lse.astype(np.float32)) if return_lse else out
 
-    def forward_launch(problem, specs, options):  # the dense ops launch by pointer: same reference underneath
-        def launch(q, k, v, out, lse, alibi_slopes):
-            forward(problem, *map(_host, (q, k, v, out, lse)), alibi_slopes=_host(alibi_slopes), **options)
+    def forward_launch(problem, specs, options, lse_shape):  # the ops launch by pointer: same reference underneath
+        def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k):
+            lse = torch.empty(lse_shape) if lse is None else lse
+            forward(problem, *map(_host, (q, k, v, out, lse)), alibi_slopes=_host(alibi_slopes),
+                    cu_seqlens_q=_host(cu_seqlens_q), cu_seqlens_k=_host(cu_seqlens_k), **options)
         return launch
 
-    def backward_launch(problem, specs, options, deterministic):
-        def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes):
+    def backward_launch(problem, specs, options, deterministic, packed):
+        def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace):
             backward(problem, *map(_host, (dout, q, k, v, out, lse, dq, dk, dv)), alibi_slopes=_host(alibi_slopes),
-                     deterministic=deterministic, **options)
-        return launch
+                     deterministic=deterministic, cu_seqlens_q=_host(cu_seqlens_q), cu_seqlens_k=_host(cu_seqlens_k),
+                     **options)
+        return launch, 0
 
     monkeypatch.setattr(forward_op, "launch", forward)
     monkeypatch.setattr(backward_op, "launch", backward)
     monkeypatch.setattr(cuflash.torch, "_forward_launch", forward_launch)
     monkeypatch.setattr(cuflash.torch, "_backward_launch", backward_launch)
-    def kvcache_torch(q, k_cache, v_cache, *, return_lse, **options):  # the launch seam of cuflash.torch's kvcache
+    def kvcache_torch(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                      softmax_scale, causal, window_size, softcap, num_splits, return_lse):  # the launch seam
+        options = dict(k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                       block_table=block_table, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, causal=causal,
+                       window_size=window_size, softcap=softcap, num_splits=num_splits)
         host = {n: _host(x) if isinstance(x, torch.Tensor) else x for n, x in options.items()}
         result = kvcache(_host(q), _host(k_cache), _host(v_cache), return_lse=return_lse, **host)
         return (_tensor(result[0]), _tensor(result[1])) if return_lse else (_tensor(result), None)
 
     monkeypatch.setattr(cuflash.torch, "_kvcache_compute", kvcache_torch)
     monkeypatch.setattr(cuflash.torch, "_view", _host)
-    monkeypatch.setattr(cuflash.torch, "_on_torch_stream", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(cuflash.torch, "_require_cuda", lambda **tensors: None)
     monkeypatch.setattr(cuflash.torch, "_require_aligned", lambda **tensors: None)
-    monkeypatch.setattr(cuflash.torch, "_problems", {})
+    monkeypatch.setattr(cuflash.torch, "_plans", {})
     return calls
 
 
@@ -181,7 +187,7 @@ def test_torch_compile_has_no_graph_break(on_host):
 
 
 def test_errors_name_the_tensor(monkeypatch):
-    monkeypatch.setattr(cuflash.torch, "_problems", {})
+    monkeypatch.setattr(cuflash.torch, "_plans", {})
     q, k, v = _qkv(requires_grad=False)
     with pytest.raises(ValueError, match="q: expected a CUDA tensor, got one on cpu"):
         cuflash.torch.attention(q, k, v)
@@ -315,7 +321,7 @@ def test_varlen_torch_compile_has_no_graph_break(on_host):
 
 
 def test_varlen_errors_name_the_tensor(monkeypatch):
-    monkeypatch.setattr(cuflash.torch, "_problems", {})
+    monkeypatch.setattr(cuflash.torch, "_plans", {})
     q, k, v, cu_q, cu_k = _packed(requires_grad=False)
     with pytest.raises(TypeError, match="cu_seqlens_q: dtype torch.bool is not supported; expected torch.int32"):
         cuflash.torch.attention_varlen(q, k, v, cu_q.bool(), cu_k, 12, 12)
@@ -413,7 +419,7 @@ def test_kvcache_torch_compile_has_no_graph_break_and_appends(on_host):
 
 
 def test_kvcache_errors(monkeypatch):
-    monkeypatch.setattr(cuflash.torch, "_problems", {})
+    monkeypatch.setattr(cuflash.torch, "_plans", {})
     q, k_cache, v_cache, k, v = _decode()
     with pytest.raises(ValueError, match="cache_seqlens: expected an int >= 0, got -1"):
         cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=-1)

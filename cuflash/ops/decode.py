@@ -232,14 +232,17 @@ def _forget() -> None:
 def split_counters(device_id: int, stream_ptr: int, tiles: int) -> int:
     """A zeroed int32 counter per row tile for the fused combine, on this stream. The last CTA of a tile resets its
     counter, so a buffer is zero again for the next call on the same stream; calls on other streams, which may run
-    at the same time, get their own."""
+    at the same time, get their own. The buffer is zeroed on the stream itself, ahead of the call's launches.
+    Not for a stream that is being captured into a graph: such a call takes its counters from its own allocation
+    (:func:`run`)."""
     buf = _counters.get((device_id, stream_ptr))
     if buf is None or buf.size < tiles:
         import cupy
         if buf is not None:
             _retired.append(buf)
-        buf = _counters[device_id, stream_ptr] = cupy.zeros(max(tiles, 2 * (buf.size if buf is not None else 512)),
-                                                             dtype=np.int32)
+        buf = cupy.ndarray((max(tiles, 2 * (buf.size if buf is not None else 512)),), dtype=np.int32)
+        cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, stream_ptr)
+        _counters[device_id, stream_ptr] = buf
     return buf.data.ptr
 
 
@@ -247,10 +250,11 @@ class DecodeCall(NamedTuple):
     device_id: int
     launch: KernelCall        # append (when k/v are given), decode, combine (when split), one struct
     lse_shape: tuple
-    nbytes: int               # one allocation per call: out | lse | partial O | partial lse
+    nbytes: int               # one allocation per call: out | lse | partial O | partial lse | split counters
     lse_offset: int           # byte offsets into it; partial_offset 0: one split, no workspace
     partial_offset: int
     lse_partial_offset: int
+    counter_offset: int       # where a call captured into a graph keeps its split counters (run)
     seqlens_array: Callable   # cache_seqlens -> the array to point at, or None
     maps: tuple | None = None  # the TMA kernel: (k map, v map) encoders, ptr -> 128 bytes; None: cp.async kernel
     counter_tiles: int = 0    # the fused combine: split counters needed (row tiles x KV heads x batch); 0: none
@@ -320,12 +324,13 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     lse_offset = align(q.size * q.itemsize)
     partial_offset = align(lse_offset + (b * h * sq * 4 if return_lse else 0)) if partial_rows else 0
     lse_partial_offset = partial_offset + partial_rows * d * 4
-    nbytes = (lse_partial_offset + partial_rows * 4 if partial_rows
-              else partial_offset or align(lse_offset + b * h * sq * 4))
+    counter_offset = align(lse_partial_offset + partial_rows * 4 if partial_rows
+                           else partial_offset or align(lse_offset + b * h * sq * 4))
+    nbytes = counter_offset + 4 * counter_tiles
     with runtime.device(device_id):  # the kernels' functions are taken on the device they run on
         launch = KernelCall(launches, p, POINTERS)
     return DecodeCall(device_id, launch, (b, h, sq), nbytes, lse_offset,
-                      partial_offset, lse_partial_offset, (lambda x: x) if seqlens_is_array else (lambda x: None),
+                      partial_offset, lse_partial_offset, counter_offset, (lambda x: x) if seqlens_is_array else (lambda x: None),
                       maps, counter_tiles)
 
 
@@ -365,25 +370,40 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
 
     import cupy
     with runtime.device(prep.device_id), runtime.on(stream):
-        # one allocation: out, then lse, then the split workspace (partial O, partial lse)
+        # one allocation: out, then lse, then the split workspace (partial O, partial lse), then graph counters
         mem = cupy.cuda.alloc(prep.nbytes)
         out = cupy.ndarray(q.shape, q.dtype, memptr=mem)
         lse = cupy.ndarray(prep.lse_shape, np.float32, memptr=mem + prep.lse_offset) if return_lse else None
-        run(prep, cupy.cuda.get_current_stream().ptr, mem.ptr, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
-            runtime.ptr(k), runtime.ptr(v), runtime.ptr(prep.seqlens_array(cache_seqlens)),
-            runtime.ptr(cache_batch_idx), runtime.ptr(block_table), runtime.ptr(alibi_slopes), return_lse)
+        current = cupy.cuda.get_current_stream()
+        run(prep, current.ptr, mem.ptr, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, runtime.ptr(k),
+            runtime.ptr(v), runtime.ptr(prep.seqlens_array(cache_seqlens)), runtime.ptr(cache_batch_idx),
+            runtime.ptr(block_table), runtime.ptr(alibi_slopes), runtime.ptr(lse),
+            bool(prep.counter_tiles) and current.is_capturing())
     return (out, lse) if return_lse else out
 
 
 def run(prep: DecodeCall, stream_ptr: int, mem: int, q: int, k_cache: int, v_cache: int, k: int, v: int,
-        cache_seqlens: int, cache_batch_idx: int, block_table: int, alibi_slopes: int, return_lse: bool) -> None:
-    """The launches of a prepared call on stream `stream_ptr`, given data pointers (0 where absent) and `mem`, the
-    call's allocation of ``prep.nbytes`` (out, lse, split workspace); prep's device must be current."""
+        cache_seqlens: int, cache_batch_idx: int, block_table: int, alibi_slopes: int, lse: int,
+        capturing: bool = False) -> None:
+    """The launches of a prepared call on stream `stream_ptr`, given data pointers (0 where absent), `mem`, the
+    call's allocation of ``prep.nbytes`` (out, then the split workspace), and `lse` (0: none; its place in `mem` or
+    elsewhere). prep's device must be current.
+
+    ``capturing``: the stream is being captured into a CUDA graph. The split counters then live in `mem` (zeroed by
+    a memset in the graph, owned by whoever owns `mem`) instead of the stream's persistent buffer, so a graph holds
+    no memory that outlives it and two graphs never share counters."""
     o_partial = mem + prep.partial_offset if prep.partial_offset else 0
     lse_partial = mem + prep.lse_partial_offset if prep.partial_offset else 0
-    counters = split_counters(prep.device_id, stream_ptr, prep.counter_tiles) if prep.counter_tiles else 0
-    pointers = (q, k_cache, v_cache, k, v, mem, mem + prep.lse_offset if return_lse else 0, o_partial, lse_partial,
-                cache_seqlens, cache_batch_idx, block_table, alibi_slopes, counters)
+    counters = 0
+    if prep.counter_tiles:
+        if capturing:
+            import cupy
+            counters = mem + prep.counter_offset
+            cupy.cuda.runtime.memsetAsync(counters, 0, 4 * prep.counter_tiles, stream_ptr)
+        else:
+            counters = split_counters(prep.device_id, stream_ptr, prep.counter_tiles)
+    pointers = (q, k_cache, v_cache, k, v, mem, lse, o_partial, lse_partial, cache_seqlens, cache_batch_idx,
+                block_table, alibi_slopes, counters)
     if prep.maps is None:
         prep.launch(stream_ptr, *pointers)
     else:  # the TMA kernel: the caches' tensor maps (cached per address) after the struct's plain fields

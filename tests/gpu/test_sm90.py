@@ -159,7 +159,7 @@ def sm90_planned(configure, monkeypatch):
         forward._attention_calls.clear()
         forward._launches.clear()
         if "cuflash.torch" in sys.modules:
-            sys.modules["cuflash.torch"]._problems.clear()
+            sys.modules["cuflash.torch"]._plans.clear()
 
     def use(variant):
         configure(sm90=True)
