@@ -7,20 +7,25 @@
     python3 benchmarks/report.py --results docs/bench/results.json --plots docs/bench --readme README.md \\
         --docs docs/benchmarks.md                                       # again, from the saved run
     python3 benchmarks/report.py --bench out/bench.json --decode out/decode.json     # the tables on stdout
+    python3 benchmarks/report.py --results docs/bench/results.json --overhead out/overhead.json \
+        --save docs/bench/results.json --docs docs/benchmarks.md       # add a bench_overhead.py run to the saved one
 
 Inputs: `benchmarks/bench_attention.py --op all --json` (a list of rows, field "op" = fwd / bwd, and "varlen" rows
 that `benchmarks/bench_varlen.py --append` adds) and `benchmarks/bench_decode.py --json` (a dict whose "rows" hold
-one decode cell each). --save writes both into one file ({"meta", "bench", "decode"}) that --results reads back.
+one decode cell each), and `benchmarks/bench_overhead.py --json` (--overhead: a dict whose "rows" hold one entry point
+beside its peer each). --save writes them into one file ({"meta", "bench", "decode", "overhead"}) that --results reads
+back; --overhead replaces the saved run's overhead part and leaves the rest as it is.
 
 Outputs:
 - --docs: the full table of each operation, written between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` for
-  NAME in run, forward, backward, varlen, decode (a marker pair that is absent is reported and skipped);
+  NAME in run, forward, backward, varlen, decode, overhead (a marker pair that is absent is reported and skipped;
+  run is written only with forward, backward, varlen or decode rows, overhead carries its own run line);
 - --readme: the compact tables between the same markers: per head dim and mask (decode: per batch) each
   implementation's range over the sequence lengths, and cuflash's ratios to SDPA flash and cuDNN;
 - --plots DIR: forward.png, backward.png (TFLOP/s against seqlen per head dim and mask) and decode.png (TB/s of
   K/V read against the cache length per batch), with matplotlib (Agg).
 Ratios are cuflash over the peer in throughput (TFLOP/s, or the peer's time over cuflash's in decode); bold marks
-those below 1.
+those below 1. The overhead table's ratios are times, cuflash's over the peer's: bold marks those above 1.
 """
 from __future__ import annotations
 
@@ -30,19 +35,24 @@ import re
 import sys
 from pathlib import Path
 
-OPS = ("run", "forward", "backward", "varlen", "decode")
+OPS = ("run", "forward", "backward", "varlen", "decode", "overhead")
 PEERS = ("flash", "cudnn")
 
 
 # --------------------------------------------------------------------------- loading
-def load(bench: str | None, decode: str | None, results: str | None) -> dict:
-    """{"meta": {...}, "bench": [rows], "decode": {...} or None} from the saved results or the two run files;
-    a file that is not there is left out with a note on stderr."""
+def load(bench: str | None, decode: str | None, results: str | None, overhead: str | None = None) -> dict:
+    """{"meta": {...}, "bench": [rows], "decode": {...} or None, "overhead": {...} or None} from the saved results
+    or the run files (an overhead file given with the saved results replaces theirs); a file that is not there is
+    left out with a note on stderr."""
     if results:
-        data = json.loads(Path(results).read_text())
-        return dict(meta=data.get("meta", {}), bench=data.get("bench", []), decode=data.get("decode"))
-    data = dict(meta={}, bench=[], decode=None)
-    for path, key in ((bench, "bench"), (decode, "decode")):
+        saved = json.loads(Path(results).read_text())
+        data = dict(meta=saved.get("meta", {}), bench=saved.get("bench", []), decode=saved.get("decode"),
+                    overhead=saved.get("overhead"))
+        paths = ((overhead, "overhead"),)
+    else:
+        data = dict(meta={}, bench=[], decode=None, overhead=None)
+        paths = ((bench, "bench"), (decode, "decode"), (overhead, "overhead"))
+    for path, key in paths:
         if not path:
             continue
         if not Path(path).exists():
@@ -50,7 +60,7 @@ def load(bench: str | None, decode: str | None, results: str | None) -> dict:
             continue
         data[key] = json.loads(Path(path).read_text())
     rows = data["bench"]
-    if rows:
+    if rows and not results:
         first = rows[0]
         for key in ("device", "dtype", "timestamp", "torch_version", "cudnn_version", "triton_version", "cupy_version",
                     "placements"):
@@ -179,6 +189,65 @@ def decode_table(dec: dict) -> str:
                   "cf/flash", "cf/cudnn"], "rrrrrrrrrr", body)
 
 
+def time_ratio(x, spec=".2f") -> str:
+    """A time ratio, cuflash's over the peer's: bold above 1 (cuflash the slower)."""
+    if not isinstance(x, (int, float)):
+        return "n/a"
+    text = format(x, spec) + "x"
+    return f"**{text}**" if x > 1.0 else text
+
+
+def gpu_us(row: dict, impl: str) -> str:
+    """GPU microseconds per call; "≤" where bench_overhead.py measured an upper bound only."""
+    x = row.get(f"{impl}_gpu_us")
+    return ("" if row.get(f"{impl}_gpu_exact", True) else "≤") + num(x) if isinstance(x, (int, float)) else "n/a"
+
+
+def overhead_text(ov: dict) -> str:
+    """bench_overhead.py's run: its run line, one table row per entry point beside its peer, the shapes, and
+    whether every torch entry point is at most 1.0x its SDPA peer."""
+    v = ov.get("versions") or {}
+    versions = [f"{name} {v[key]}" for name, key in (("torch", "torch"), ("CuPy", "cupy"), ("JAX", "jax"))
+                if v.get(key)]
+    if v.get("cudnn"):
+        c = int(v["cudnn"])
+        versions.insert(1, f"cuDNN {c // 10000}.{c // 100 % 100}.{c % 100}")
+    parts = [ov.get("gpu", "GPU"), ov.get("dtype", "bfloat16")] + ([str(ov["date"])[:10]] if ov.get("date") else [])
+    if ov.get("commit"):
+        parts.append(f"commit {ov['commit']}")
+    lines = ["Run: " + ", ".join(parts) + (f" ({', '.join(versions)})" if versions else "") + "."]
+    rows = ov.get("rows", [])
+    body = [[f"{r['group']} {r['call']}", r["shape"], r.get("peer", ""), num(r.get("cuflash_us")),
+             num(r.get("peer_us")), time_ratio(r.get("ratio")), gpu_us(r, "cuflash"), gpu_us(r, "peer"),
+             num(r.get("cupy_us"))] for r in rows]
+    lines += ["", table(["call", "shape", "peer", "cuflash us", "peer us", "cf/peer", "cuflash GPU us", "peer GPU us",
+                         "CuPy API us"], "lllrrrrrr", body)]
+    shapes = {}
+    for r in rows:
+        shapes.setdefault(r["shape"], r.get("dims", ""))
+    if shapes:
+        lines += ["", "Shapes: " + "; ".join(f"{name}: {dims}" for name, dims in shapes.items()) + "."]
+    if any(r.get(f"{impl}_gpu_exact") is False for r in rows for impl in ("cuflash", "peer")):
+        lines += ["", "≤: an upper bound (the host fell behind the queued calls)."]
+    notes = [f"{r['group']} {r['call']}, {r['shape']}: {r.get('error') or r.get('peer_error')}" for r in rows
+             if r.get("error") or r.get("peer_error")]
+    if notes:
+        lines += ["", "Not measured or measured against a fallback: " + "; ".join(notes) + "."]
+    if ov.get("jax_skipped"):
+        lines += ["", f"JAX rows skipped: {ov['jax_skipped']}."]
+    torch_rows = [r for r in rows if r.get("group") == "torch"]
+    if torch_rows:
+        timed = [r for r in torch_rows if isinstance(r.get("ratio"), (int, float))]
+        within = sum(r["ratio"] <= 1.0 for r in timed)
+        ok = len(timed) == len(torch_rows) and within == len(timed)
+        worst = max(timed, key=lambda r: r["ratio"], default=None)
+        lines += ["", f"Every torch entry point at most 1.0x its SDPA peer's wall time: **{'yes' if ok else 'no'}** "
+                      f"({within} of {len(torch_rows)} rows"
+                      + (f"; highest: {worst['call']}, {worst['shape']}, {worst['ratio']:.2f}x" if worst else "")
+                      + ")."]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- compact tables (README)
 def compact_training(rows: list[dict], det: bool = False) -> str:
     """Per (head dim, mask): each implementation's TFLOP/s over the seqlens (lo-hi) and cuflash's ratios."""
@@ -216,8 +285,12 @@ def compact_decode(dec: dict) -> str:
 
 # --------------------------------------------------------------------------- assembling
 def sections(data: dict, compact: bool) -> dict:
-    """{marker name: markdown} for the operations the run has."""
-    out = {"run": run_text(data)}
+    """{marker name: markdown} for the operations the run has (the run line only with forward, backward, varlen or
+    decode rows; the overhead table, docs only, carries its own)."""
+    out = {}
+    dec = data.get("decode") and data["decode"].get("rows")
+    if data["bench"] or dec:
+        out["run"] = run_text(data)
     fwd, bwd, var = rows_of(data, "fwd"), rows_of(data, "bwd"), rows_of(data, "varlen")
     if fwd:
         out["forward"] = compact_training(fwd) if compact else forward_table(fwd)
@@ -225,8 +298,10 @@ def sections(data: dict, compact: bool) -> dict:
         out["backward"] = compact_training(bwd, det=True) if compact else backward_table(bwd)
     if var and not compact:
         out["varlen"] = varlen_table(var)
-    if data.get("decode") and data["decode"].get("rows"):
+    if dec:
         out["decode"] = compact_decode(data["decode"]) if compact else decode_table(data["decode"])
+    if data.get("overhead") and data["overhead"].get("rows") and not compact:
+        out["overhead"] = overhead_text(data["overhead"])
     return out
 
 
@@ -351,26 +426,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bench", help="bench_attention.py --op all --json output (fwd, bwd and varlen rows)")
     p.add_argument("--decode", help="bench_decode.py --json output")
     p.add_argument("--results", help="a file written by --save (in place of --bench and --decode)")
+    p.add_argument("--overhead", help="bench_overhead.py --json output (the per-call cost table; with --results it "
+                   "replaces the saved run's)")
     p.add_argument("--save", help="write the run (meta, bench rows, decode rows) as one JSON file here")
-    p.add_argument("--date", help="the run's date, for the tables' run line (default: the bench JSON's timestamp)")
-    p.add_argument("--commit", help="the commit the run measured, for the run line")
+    p.add_argument("--date", help="the run's date, for the tables' run line (default: the bench JSON's timestamp); "
+                   "with --overhead and neither --bench nor --decode, the overhead run's only")
+    p.add_argument("--commit", help="the commit the run measured, for the run line (as --date)")
     p.add_argument("--readme", type=Path, help="rewrite the compact tables between the markers of this file")
     p.add_argument("--docs", type=Path, help="rewrite the full tables between the markers of this file")
     p.add_argument("--plots", type=Path, help="write forward.png, backward.png, decode.png into this folder")
     args = p.parse_args(argv)
-    if not (args.results or args.bench or args.decode):
-        p.error("give --results, or --bench and/or --decode")
+    if not (args.results or args.bench or args.decode or args.overhead):
+        p.error("give --results, or --bench, --decode and/or --overhead")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    data = load(args.bench, args.decode, args.results)
-    if args.date:
-        data["meta"]["date"] = args.date
-    if args.commit:
-        data["meta"]["commit"] = args.commit
-    if not data["bench"] and not data.get("decode"):
+    data = load(args.bench, args.decode, args.results, args.overhead)
+    # --date and --commit describe the run files given: the overhead one alone when it comes without --bench/--decode
+    for key, value in (("date", args.date), ("commit", args.commit)):
+        if not value:
+            continue
+        if args.bench or args.decode or not args.overhead:
+            data["meta"][key] = value
+        if args.overhead and data.get("overhead"):
+            data["overhead"][key] = value
+    if not data["bench"] and not data.get("decode") and not data.get("overhead"):
         print("report: no benchmark rows", file=sys.stderr)
         return 1
     if args.save:

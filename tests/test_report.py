@@ -87,3 +87,55 @@ def test_plots(run_files):
                         "--plots", str(t / "plots")]) == 0
     for name in ("forward", "backward", "decode"):
         assert (t / "plots" / f"{name}.png").stat().st_size > 1000
+
+
+def _overhead_run():
+    def row(group, call, shape, cf, peer, peer_name="SDPA cudnn", **extra):
+        return dict(group=group, call=call, shape=shape, dims=f"dims of {shape}", peer=peer_name, cuflash_us=cf,
+                    peer_us=peer, ratio=cf / peer if peer else None, **extra)
+    rows = [row("torch", "forward", "small", 18.0, 20.0, cuflash_gpu_us=6.0, cuflash_gpu_exact=True,
+                peer_gpu_us=7.5, peer_gpu_exact=False, cupy_us=14.0),
+            row("torch", "kvcache", "b1 8k", 30.0, 24.0, cuflash_gpu_us=21.0, cuflash_gpu_exact=True,
+                peer_gpu_us=22.0, peer_gpu_exact=True, cupy_us=21.5),
+            row("torch", "kvcache, append", "b1 8k", 25.0, None, peer_name="SDPA none",
+                peer_error="cudnn: RuntimeError: No available kernel"),
+            row("jax", "jit forward", "small", 40.0, 50.0, peer_name="jax.nn cudnn")]
+    return dict(gpu="Test GPU", date="2026-01-02T03:04:05+00:00", dtype="bfloat16",
+                versions=dict(torch="2.13.0", cudnn=91900, cupy="14.2.0", jax="0.10.2"), rows=rows)
+
+
+def test_overhead_table(run_files):
+    t = run_files
+    (t / "overhead.json").write_text(json.dumps(_overhead_run()))
+    doc = (t / "docs.md").read_text().replace("text after decode", "<!-- bench:overhead -->\nold overhead\n"
+                                                                   "<!-- /bench:overhead -->\n\nend")
+    (t / "docs.md").write_text(doc)
+    # an overhead run alone writes its own table and leaves the other tables and their run line alone
+    assert report.main(["--overhead", str(t / "overhead.json"), "--commit", "def5678",
+                        "--docs", str(t / "docs.md")]) == 0
+    doc = (t / "docs.md").read_text()
+    assert "old run" in doc and "old forward" in doc and "old overhead" not in doc
+    assert "<!-- /bench:overhead -->\n\nend" in doc
+    assert ("Run: Test GPU, bfloat16, 2026-01-02, commit def5678 (torch 2.13.0, cuDNN 9.19.0, CuPy 14.2.0, "
+            "JAX 0.10.2).") in doc
+    assert "| torch forward | small | SDPA cudnn | 18.0 | 20.0 | 0.90x | 6.0 | ≤7.5 | 14.0 |" in doc
+    assert "≤: an upper bound" in doc
+    assert "| torch kvcache | b1 8k | SDPA cudnn | 30.0 | 24.0 | **1.25x** | 21.0 | 22.0 | 21.5 |" in doc
+    assert "| torch kvcache, append | b1 8k | SDPA none | 25.0 | n/a | n/a | n/a | n/a | n/a |" in doc
+    assert "| jax jit forward | small | jax.nn cudnn | 40.0 | 50.0 | 0.80x | n/a | n/a | n/a |" in doc
+    assert "Shapes: small: dims of small; b1 8k: dims of b1 8k." in doc
+    assert "torch kvcache, append, b1 8k: cudnn: RuntimeError: No available kernel" in doc
+    assert ("Every torch entry point at most 1.0x its SDPA peer's wall time: **no** (1 of 3 rows; highest: kvcache, "
+            "b1 8k, 1.25x).") in doc
+
+    # saved with the other tables: --overhead with --results keeps their run (and commit), and reads back the same
+    assert report.main(["--bench", str(t / "bench.json"), "--decode", str(t / "decode.json"), "--commit", "abc1234",
+                        "--save", str(t / "results.json")]) == 0
+    assert report.main(["--results", str(t / "results.json"), "--overhead", str(t / "overhead.json"), "--commit",
+                        "def5678", "--save", str(t / "results.json"), "--docs", str(t / "docs.md")]) == 0
+    saved = json.loads((t / "results.json").read_text())
+    assert saved["meta"]["commit"] == "abc1234" and saved["overhead"]["commit"] == "def5678"
+    doc = (t / "docs.md").read_text()
+    assert "Run: Test GPU, bf16, 2026-01-02, commit abc1234" in doc and "commit def5678 (torch 2.13.0" in doc
+    assert report.main(["--results", str(t / "results.json"), "--docs", str(t / "docs.md")]) == 0
+    assert (t / "docs.md").read_text() == doc
