@@ -100,21 +100,18 @@ struct DecodeBlock {
         return p.q + (i64)b * p.q_batch_stride + (i64)i * p.q_row_stride + (i64)head * p.q_head_stride;
     }
 
-    // Issues K and V of block n into ring slot `stage` (positions past the cache length are zero-filled).
+    // Issues K and V of block n into ring slot `stage` (positions past the cache length, or in a page the pool does
+    // not have, are zero-filled).
     __device__ __forceinline__ void load_kv(int stage, int n) {
         const u32 dst = sKV + stage * Traits::STAGE_BYTES;
         const int pos0 = n * BN;
         KVCopy::load_rows_async(dst, [&](int r) -> const u16* {
-            if (pos0 + r >= len) return nullptr;
             i64 k_off, v_off;
-            cache.locate(pos0 + r, k_off, v_off);
-            return cache.k + k_off;
+            return pos0 + r < len && cache.locate(pos0 + r, k_off, v_off) ? cache.k + k_off : nullptr;
         }, p.headdim, p.k_cache, tid);
         KVCopy::load_rows_async(dst + KVTile::BYTES, [&](int r) -> const u16* {
-            if (pos0 + r >= len) return nullptr;
             i64 k_off, v_off;
-            cache.locate(pos0 + r, k_off, v_off);
-            return cache.v + v_off;
+            return pos0 + r < len && cache.locate(pos0 + r, k_off, v_off) ? cache.v + v_off : nullptr;
         }, p.headdim, p.v_cache, tid);
     }
 
@@ -124,8 +121,9 @@ struct DecodeBlock {
         const u32 bar = bars + 8 * stage, dst = sKV + stage * Traits::STAGE_BYTES;
         const int pos0 = n * BN;
         int z = pos0, w = cache_row;
-        if (cache.pages != nullptr) {
-            w = cache.pages[pos0 / cache.page_size];
+        if (cache.pages != nullptr) {  // a page the pool does not have: one past its last, which TMA fills with zeros
+            w = cache.page_of(pos0);
+            w = w < 0 ? cache.pool : w;
             z = pos0 - pos0 / cache.page_size * cache.page_size;
         }
         sm90::mbar_arrive_expect_tx(bar, Traits::STAGE_BYTES);
@@ -373,7 +371,7 @@ struct DecodeBlock {
         group = p.heads_per_kv;
         rows = p.seqlen_q * group;
         row0 = m_tile * BM;
-        len = cache_length(p, b);
+        len = cache_length(p, b, cache.valid);
         sQ = smem_u32(smem);
         sKV = sQ + QTile::BYTES;
         q_addr = LdmatrixAddr<QTile>(sQ, lane % 16, lane / 16);

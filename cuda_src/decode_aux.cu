@@ -7,7 +7,9 @@
 
 namespace cuflash {
 
-// One 16-byte chunk per thread and step: (batch, new position, KV head, chunk).
+// One 16-byte chunk per thread and step: (batch, new position, KV head, chunk). A key goes to position
+// cached_keys + i of its row only where that is inside the row's cache (cache_length): past the capacity, in a page
+// the pool does not have, or for a row with no place in the cache, it is dropped.
 template <class T>
 __global__ void __launch_bounds__(256) decode_append(const __grid_constant__ DecodeParams p) {
     const int chunks = p.headdim / 8, nheads_k = p.nheads / p.heads_per_kv;
@@ -19,8 +21,9 @@ __global__ void __launch_bounds__(256) decode_append(const __grid_constant__ Dec
         rest /= nheads_k;
         const int i = rest % p.seqlen_new_k, b = rest / p.seqlen_new_k;
         const CacheView cache(p, b, h_kv);
+        const int pos = cached_keys(p, b) + i;
         i64 k_off, v_off;
-        cache.locate(cache_length(p, b) - p.seqlen_new_k + i, k_off, v_off);
+        if (pos >= cache_length(p, b, cache.valid) || !cache.locate(pos, k_off, v_off)) continue;
         const uint4 kx = *reinterpret_cast<const uint4*>(p.k_new + b * p.kn_batch_stride + i * p.kn_row_stride +
                                                          h_kv * p.kn_head_stride + c * 8);
         const uint4 vx = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_batch_stride + i * p.vn_row_stride +

@@ -11,11 +11,14 @@ struct CacheView {
     const u16* v;
     const int* pages;    // the row's block-table entry; nullptr: contiguous
     i64 k_page_stride, v_page_stride, k_row_stride, v_row_stride;
-    int page_size;
+    int page_size, pool;  // pool: pages in the pool (paged)
+    bool valid;           // contiguous: the batch row's cache row (cache_batch_idx) is one of the cache's rows
 
     __device__ __forceinline__ CacheView(const DecodeParams& p, int b, int h_kv) {
         pages = p.block_table != nullptr ? p.block_table + (i64)b * p.block_table_stride : nullptr;
-        const i64 row = pages != nullptr ? 0 : (p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b);
+        i64 row = pages != nullptr ? 0 : (p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b);
+        valid = row >= 0 && row < p.cache_rows;
+        if (!valid) row = 0;
         k = p.k_cache + row * p.k_batch_stride + (i64)h_kv * p.k_head_stride;
         v = p.v_cache + row * p.v_batch_stride + (i64)h_kv * p.v_head_stride;
         k_page_stride = p.k_batch_stride;
@@ -23,25 +26,42 @@ struct CacheView {
         k_row_stride = p.k_row_stride;
         v_row_stride = p.v_row_stride;
         page_size = p.page_size;
+        pool = p.cache_rows;
     }
 
-    // Element offsets of cache position `pos` from `k` and `v`. Paged: one (cached) load of the page index.
-    __device__ __forceinline__ void locate(int pos, i64& k_off, i64& v_off) const {
+    // The pool page that holds position `pos` (paged; pos < the row's capacity, so its slot is in the row's
+    // block-table entry), or -1 where the entry names no page of the pool: nothing there is read or written.
+    __device__ __forceinline__ int page_of(int pos) const {
+        const int page = pages[pos / page_size];
+        return page >= 0 && page < pool ? page : -1;
+    }
+
+    // Element offsets of cache position `pos` from `k` and `v`; false where it has no place in the cache (page_of).
+    // Paged: one (cached) load of the page index.
+    __device__ __forceinline__ bool locate(int pos, i64& k_off, i64& v_off) const {
         if (pages != nullptr) {
-            const int slot = pos / page_size, row = pos - slot * page_size;
-            const i64 page = pages[slot];
-            k_off = page * k_page_stride + row * k_row_stride;
-            v_off = page * v_page_stride + row * v_row_stride;
-        } else {
-            k_off = (i64)pos * k_row_stride;
-            v_off = (i64)pos * v_row_stride;
+            const int page = page_of(pos), row = pos % page_size;
+            k_off = (i64)max(page, 0) * k_page_stride + row * k_row_stride;
+            v_off = (i64)max(page, 0) * v_page_stride + row * v_row_stride;
+            return page >= 0;
         }
+        k_off = (i64)pos * k_row_stride;
+        v_off = (i64)pos * v_row_stride;
+        return true;
     }
 };
 
-// Keys batch row b attends to: its cached length plus the keys appended by this call.
-__device__ __forceinline__ int cache_length(const DecodeParams& p, int b) {
-    return (p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.cache_len) + p.seqlen_new_k;
+// Keys already in batch row b's cache (cache_seqlens[b], or cache_len), before this call's append. Read from device
+// memory, so not checked on the host: the kernels bound what they do with it (cache_length, decode_append).
+__device__ __forceinline__ int cached_keys(const DecodeParams& p, int b) {
+    return p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.cache_len;
+}
+
+// Keys batch row b attends to: its cached keys plus the keys this call appends, at most the row's capacity (the keys
+// past it are not appended); none where the cached count is negative or the row's cache row is not in the cache.
+__device__ __forceinline__ int cache_length(const DecodeParams& p, int b, bool valid) {
+    const int cached = cached_keys(p, b);
+    return valid && cached >= 0 ? (int)min((i64)cached + p.seqlen_new_k, (i64)p.cache_capacity) : 0;
 }
 
 }  // namespace cuflash

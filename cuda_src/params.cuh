@@ -109,9 +109,10 @@ struct BwdConvertParams {
 
 namespace cuflash {
 
-// Decode against a KV cache (cuda_src/decode.cu, decode_aux.cu). Layout mirrored by cuflash/plan.py
-// DECODE_PARAMS_DTYPE. Batch row b attends to cache positions [0, len_b), len_b = cache_seqlens[b] (or
-// cache_len) + seqlen_new_k; the new keys were appended at [len_b - seqlen_new_k, len_b) first.
+// Decode against a KV cache (cuda_src/decode.cu, decode_aux.cu). Layout mirrored by cuflash/ops/decode.py
+// PARAMS_DTYPE. Batch row b attends to cache positions [0, len_b), len_b = cache_seqlens[b] (or cache_len) +
+// seqlen_new_k; the new keys were appended at [len_b - seqlen_new_k, len_b) first. Values read from device memory
+// (cache_seqlens, cache_batch_idx, block_table) are bounded in the kernels (kvcache.cuh: cache_length, CacheView).
 struct DecodeParams {
     const u16* q;              // (batch, seqlen_q, nheads, headdim)
     const u16* k_cache;        // (batch_cache, max_len, nheads_k, headdim), or pages (num_pages, page_size, ...)
@@ -142,6 +143,8 @@ struct DecodeParams {
     int window_left, window_right;
     int num_splits;            // KV splits per (batch, KV head, row tile); 1 writes o and lse directly
     int kv_evict_first;        // TMA kernel: K/V copies marked evict_first in L2 (plan.DECODE_TMA)
+    int cache_capacity;        // keys a row's cache holds: max_len, or max_pages * page_size
+    int cache_rows;            // batch_cache (contiguous), or num_pages (paged)
     float scale_log2, mod_scale, softcap;
 };
 

@@ -205,7 +205,7 @@ PARAMS_DTYPE = plan.struct(
      "cache_batch_idx", "block_table", "alibi", "split_counters"),
     plan.stride_fields("q", "k", "v", "kn", "vn", "o") + ["alibi_batch_stride", "block_table_stride"],
     ("batch", "seqlen_q", "seqlen_new_k", "cache_len", "nheads", "heads_per_kv", "headdim", "page_size",
-     "window_left", "window_right", "num_splits", "kv_evict_first"),
+     "window_left", "window_right", "num_splits", "kv_evict_first", "cache_capacity", "cache_rows"),
     ("scale_log2", "mod_scale", "softcap"))
 
 # DecodeTmaParams (decode.cu): DecodeParams, then the K and V caches' tensor maps on 64-byte boundaries.
@@ -301,6 +301,7 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     p["num_splits"] = launch.splits
     kv_bytes = 2 * b * max(known_keys, 1) * problem.nheads_k * d * q.itemsize  # what the call reads at most
     p["kv_evict_first"] = int(maps is not None and evict_first(kv_bytes))
+    p["cache_capacity"], p["cache_rows"] = capacity, k_cache.shape[0]
     for name, value in options.scales.items():
         p[name] = value
 

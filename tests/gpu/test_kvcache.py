@@ -352,3 +352,89 @@ def test_garbage_past_the_length_is_ignored(configure, compiled, decode_path, st
         ref = reference.attention_with_kvcache(q, kc.copy(), vc.copy(), cache_seqlens=lens, **layout)
         assert np.isfinite(out.astype(np.float32)).all(), (stages, page_size, splits)
         assert_close_to_reference(out, ref, ref, floor=2e-2, context=f"stages={stages} page={page_size}")
+
+
+# --------------------------------------------------------------------------------------------
+# Bounds: values read from device memory never take a call outside a row's own cache
+# --------------------------------------------------------------------------------------------
+
+def _bounds_call(q, kc, vc, kn, vn, **layout):
+    import cupy
+    import cuflash
+    dev = {n: None if x is None else cupy.asarray(x) for n, x in layout.items()}
+    kc_d, vc_d = cupy.asarray(kc), cupy.asarray(vc)
+    out, lse = cuflash.attention_with_kvcache(cupy.asarray(q), kc_d, vc_d, k=cupy.asarray(kn), v=cupy.asarray(vn),
+                                              return_lse=True, **dev)
+    return cupy.asnumpy(out), cupy.asnumpy(lse), cupy.asnumpy(kc_d), cupy.asnumpy(vc_d)
+
+
+def _assert_rows(out, lse, q, rows):
+    """Row b of out/lse is attention of q[b] over the dense keys and values rows[b] = (K, V), (L, hk, d)."""
+    for b, (keys, vals) in enumerate(rows):
+        args = (q[b:b + 1], keys[None], vals[None])
+        ref, ref_lse = reference.attention(*args, return_lse=True)
+        assert_close_to_reference(out[b:b + 1], ref, naive_lowp(*args), context=f"row {b}")
+        assert_lse_close(lse[b:b + 1], ref_lse, context=f"row {b}")
+
+
+def _assert_same_bits(got, want, what):
+    bad = np.argwhere(got.view(np.uint16) != want.view(np.uint16))
+    assert bad.size == 0, f"{what}: {len(bad)} elements changed, first at {bad[:3].tolist()}"
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_seqlens_past_the_block_table_write_and_read_only_the_rows_pages(compiled, num_splits):
+    """Four pages of 16 rows, block_table [[0, 1], [2, 3]], cache_seqlens [40, 10], one new token each: row 0's
+    capacity is 32, so its new key (position 40, slot 2 of a 2-slot entry) is dropped and it attends to its 32 keys;
+    row 1 appends at position 10 of its first page (page 2) as usual. A fifth page, outside the pool passed to the
+    call, and every other row of every page, keep their bytes."""
+    import cupy
+    import cuflash
+    rng = np.random.default_rng(40)
+    dt, hk, h, d = DTYPES["bf16"], 2, 4, 64
+    pool_k, pool_v = randn(rng, (5, 16, hk, d), dt), randn(rng, (5, 16, hk, d), dt)
+    q, kn, vn = randn(rng, (2, 1, h, d), dt), randn(rng, (2, 1, hk, d), dt), randn(rng, (2, 1, hk, d), dt)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    k_all, v_all = cupy.asarray(pool_k), cupy.asarray(pool_v)
+    out, lse = cuflash.attention_with_kvcache(cupy.asarray(q), k_all[:4], v_all[:4], k=cupy.asarray(kn),
+                                              v=cupy.asarray(vn), cache_seqlens=cupy.asarray([40, 10], np.int32),
+                                              block_table=cupy.asarray(table), num_splits=num_splits, return_lse=True)
+    want_k, want_v = pool_k.copy(), pool_v.copy()
+    want_k[2, 10], want_v[2, 10] = kn[1, 0], vn[1, 0]
+    _assert_same_bits(cupy.asnumpy(k_all), want_k, "k pool")
+    _assert_same_bits(cupy.asnumpy(v_all), want_v, "v pool")
+    _assert_rows(cupy.asnumpy(out), cupy.asnumpy(lse), q, [
+        (np.concatenate([pool_k[0], pool_k[1]]), np.concatenate([pool_v[0], pool_v[1]])),  # its 32 keys
+        (want_k[2, :11], want_v[2, :11])])                                                 # 10 cached + the new one
+
+
+def test_page_and_cache_row_indices_outside_the_cache_touch_nothing(compiled):
+    """A block-table entry naming no page of the pool (7 of 4 pages, -1) reads zeros there and writes nothing;
+    cache_batch_idx outside the cache's rows, or a negative cache_seqlens, gives a row with no keys (out 0,
+    lse -inf) that appends nothing. The caches keep their bytes everywhere else."""
+    rng = np.random.default_rng(41)
+    dt, hk, h, d = DTYPES["fp16"], 1, 2, 64
+    kc, vc = randn(rng, (4, 16, hk, d), dt), randn(rng, (4, 16, hk, d), dt)
+    q, kn, vn = randn(rng, (3, 1, h, d), dt), randn(rng, (3, 1, hk, d), dt), randn(rng, (3, 1, hk, d), dt)
+    table = np.array([[0, 7], [1, -1], [2, 3]], np.int32)
+    lens = np.array([20, 5, -3], np.int32)  # row 0 appends into page 7 (dropped); row 2 has a negative length
+    out, lse, k_after, v_after = _bounds_call(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table)
+    want_k, want_v = kc.copy(), vc.copy()
+    want_k[1, 5], want_v[1, 5] = kn[1, 0], vn[1, 0]  # row 1's append lands in its first page
+    _assert_same_bits(k_after, want_k, "k pool")
+    _assert_same_bits(v_after, want_v, "v pool")
+    zeros = np.zeros((5, hk, d), dt)  # row 0: page 0's 16 keys, then 5 positions of the missing page, read as 0
+    _assert_rows(out[:2], lse[:2], q, [(np.concatenate([kc[0], zeros]), np.concatenate([vc[0], zeros])),
+                                       (want_k[1, :6], want_v[1, :6])])
+    assert (out[2] == 0).all() and np.isneginf(lse[2]).all()
+
+    kc2, vc2 = randn(rng, (2, 32, hk, d), dt), randn(rng, (2, 32, hk, d), dt)
+    idx = np.array([1, 2, -1], np.int32)  # rows 1 and 2 name no cache row
+    out, lse, k_after, v_after = _bounds_call(q, kc2, vc2, kn, vn, cache_seqlens=np.array([4, 4, 4], np.int32),
+                                              cache_batch_idx=idx)
+    want_k, want_v = kc2.copy(), vc2.copy()
+    want_k[1, 4], want_v[1, 4] = kn[0, 0], vn[0, 0]
+    _assert_same_bits(k_after, want_k, "k cache")
+    _assert_same_bits(v_after, want_v, "v cache")
+    _assert_rows(out[:1], lse[:1], q, [(want_k[1, :5], want_v[1, :5])])
+    assert (out[1:] == 0).all() and np.isneginf(lse[1:]).all()
