@@ -92,11 +92,13 @@ struct DecodeBlock {
         : p(params), b(b_), h_kv(h_kv_), q_addr(0, 0, 0), k_addr(0, 0, 0), v_addr(0, 0, 0),
           cache(params, b_, h_kv_) {}
 
-    // Packed row -> address of its query row (nullptr past the last row: zero-filled).
+    // Packed row -> address of its query row (nullptr past the last row: zero-filled); with rotary embedding, the
+    // rotated copy decode_append wrote.
     __device__ __forceinline__ const u16* q_row(int r) const {
         const int pr = row0 + r;
         if (pr >= rows) return nullptr;
         const int i = pr / group, head = h_kv * group + pr % group;
+        if (p.q_rot != nullptr) return p.q_rot + (((i64)b * p.seqlen_q + i) * p.nheads + head) * p.headdim;
         return p.q + (i64)b * p.q_batch_stride + (i64)i * p.q_row_stride + (i64)head * p.q_head_stride;
     }
 
@@ -371,7 +373,7 @@ struct DecodeBlock {
         group = p.heads_per_kv;
         rows = p.seqlen_q * group;
         row0 = m_tile * BM;
-        len = cache_length(p, b, cache.valid);
+        len = cache.length(p.seqlen_new_k);
         sQ = smem_u32(smem);
         sKV = sQ + QTile::BYTES;
         q_addr = LdmatrixAddr<QTile>(sQ, lane % 16, lane / 16);

@@ -1,34 +1,57 @@
 // The two small kernels around decode_kernel (decode.cu):
-//   decode_append  writes the new keys/values into the cache (contiguous or paged) before attention runs;
+//   decode_append  writes the new keys/values into the cache (contiguous or paged) before attention runs, and
+//                  applies the rotary embedding to them and to the queries;
 //   decode_combine merges the fp32 partial results of the KV splits (exactly cuflash.reference.combine).
 #include "params.cuh"
 #include "kvcache.cuh"
+#include "rotary.cuh"
 #include "softmax.cuh"
 
 namespace cuflash {
 
-// One 16-byte chunk per thread and step: (batch, new position, KV head, chunk). A key goes to position
-// cached_keys + i of its row only where that is inside the row's cache (cache_length): past the capacity, in a page
-// the pool does not have, or for a row with no place in the cache, it is dropped.
+// Before a call's attention: the new keys and values into the cache, and with rotary embedding the rotated keys
+// and queries (rotary.cuh; the queries to q_rot, which the decode kernels read). One 16-byte chunk per thread and
+// step: first (batch, new position, KV head, chunk) of the keys and values, then (batch, query, head, chunk) of the
+// queries. A key goes to the row's position cached + i only where that is inside the row's cache (CacheView::length):
+// past the capacity, in a page the pool does not have, or for a row with no place in the cache, it is dropped. Its
+// rotary position is its cache position, cache_seqlens[b] + i; a query's is cache_seqlens[b] (+ i, one position per
+// query, with rotary_q_per_row).
 template <class T>
 __global__ void __launch_bounds__(256) decode_append(const __grid_constant__ DecodeParams p) {
     const int chunks = p.headdim / 8, nheads_k = p.nheads / p.heads_per_kv;
-    const i64 total = (i64)p.batch * p.seqlen_new_k * nheads_k * chunks;
-    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+    const i64 kv_units = (i64)p.batch * p.seqlen_new_k * nheads_k * chunks;
+    const i64 q_units = p.q_rot != nullptr ? (i64)p.batch * p.seqlen_q * p.nheads * chunks : 0;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < kv_units + q_units;
+         idx += (i64)gridDim.x * blockDim.x) {
+        if (idx >= kv_units) {  // a query chunk
+            i64 rest = idx - kv_units;
+            const int c = rest % chunks;
+            rest /= chunks;
+            const int head = rest % p.nheads;
+            rest /= p.nheads;
+            const int i = rest % p.seqlen_q, b = rest / p.seqlen_q;
+            const int pos = (p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.cache_len) + (p.rotary_q_per_row ? i : 0);
+            rotary_chunk<T>(p, p.q + b * p.q_batch_stride + i * p.q_row_stride + head * p.q_head_stride,
+                            p.q_rot + (((i64)b * p.seqlen_q + i) * p.nheads + head) * p.headdim, c, pos);
+            continue;
+        }
         const int c = idx % chunks;
         i64 rest = idx / chunks;
         const int h_kv = rest % nheads_k;
         rest /= nheads_k;
         const int i = rest % p.seqlen_new_k, b = rest / p.seqlen_new_k;
         const CacheView cache(p, b, h_kv);
-        const int pos = cached_keys(p, b) + i;
+        const int pos = cache.cached + i;
         i64 k_off, v_off;
-        if (pos >= cache_length(p, b, cache.valid) || !cache.locate(pos, k_off, v_off)) continue;
-        const uint4 kx = *reinterpret_cast<const uint4*>(p.k_new + b * p.kn_batch_stride + i * p.kn_row_stride +
-                                                         h_kv * p.kn_head_stride + c * 8);
+        if (pos >= cache.length(p.seqlen_new_k) || !cache.locate(pos, k_off, v_off)) continue;
+        const u16* k_src = p.k_new + b * p.kn_batch_stride + i * p.kn_row_stride + h_kv * p.kn_head_stride;
+        u16* k_dst = const_cast<u16*>(cache.k) + k_off;
+        if (p.rotary_dim > 0)
+            rotary_chunk<T>(p, k_src, k_dst, c, cache.start + pos);
+        else
+            *reinterpret_cast<uint4*>(k_dst + c * 8) = *reinterpret_cast<const uint4*>(k_src + c * 8);
         const uint4 vx = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_batch_stride + i * p.vn_row_stride +
                                                          h_kv * p.vn_head_stride + c * 8);
-        *reinterpret_cast<uint4*>(const_cast<u16*>(cache.k) + k_off + c * 8) = kx;
         *reinterpret_cast<uint4*>(const_cast<u16*>(cache.v) + v_off + c * 8) = vx;
     }
 }

@@ -1,6 +1,7 @@
 // Where a batch row's keys and values live in a KV cache: one row of a contiguous cache tensor (optionally
-// remapped by cache_batch_idx), or pages of a pool listed in the row's block-table entry. Any page size that is a
-// multiple of 16: a 16-row piece of a KV block never straddles two pages.
+// remapped by cache_batch_idx), or pages of a pool listed in the row's block-table entry, from position
+// cache_leftpad[b] on. Values read from device memory (cache_seqlens, cache_batch_idx, block_table, cache_leftpad)
+// are bounded here: a row never reaches outside its own cache row or pages.
 #pragma once
 #include "params.cuh"
 
@@ -12,13 +13,20 @@ struct CacheView {
     const int* pages;    // the row's block-table entry; nullptr: contiguous
     i64 k_page_stride, v_page_stride, k_row_stride, v_row_stride;
     int page_size, pool;  // pool: pages in the pool (paged)
-    bool valid;           // contiguous: the batch row's cache row (cache_batch_idx) is one of the cache's rows
+    int start;            // cache_leftpad[b]: the row's position 0 is this position of its cache
+    int cached;           // keys already in the row (from `start`), before the call's append
+    int capacity;         // keys the row can hold (from `start`)
+    bool valid;           // the row has a place in the cache: its cache row exists, 0 <= start <= cache_seqlens[b]
 
     __device__ __forceinline__ CacheView(const DecodeParams& p, int b, int h_kv) {
         pages = p.block_table != nullptr ? p.block_table + (i64)b * p.block_table_stride : nullptr;
         i64 row = pages != nullptr ? 0 : (p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b);
-        valid = row >= 0 && row < p.cache_rows;
-        if (!valid) row = 0;
+        const int seqlen = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.cache_len;
+        start = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
+        valid = row >= 0 && row < p.cache_rows && start >= 0 && start <= seqlen;
+        if (!valid) row = 0, start = 0;
+        cached = seqlen - start;
+        capacity = p.cache_capacity - start;
         k = p.k_cache + row * p.k_batch_stride + (i64)h_kv * p.k_head_stride;
         v = p.v_cache + row * p.v_batch_stride + (i64)h_kv * p.v_head_stride;
         k_page_stride = p.k_batch_stride;
@@ -29,39 +37,32 @@ struct CacheView {
         pool = p.cache_rows;
     }
 
-    // The pool page that holds position `pos` (paged; pos < the row's capacity, so its slot is in the row's
+    // Keys the row attends to: its cached keys plus the `new_k` this call appends, at most its capacity (the keys
+    // past it are not appended); none where the row has no place in the cache.
+    __device__ __forceinline__ int length(int new_k) const {
+        return valid ? (int)max((i64)0, min((i64)cached + new_k, (i64)capacity)) : 0;
+    }
+
+    // The pool page that holds the row's position `pos` (paged; pos < capacity, so its slot is in the row's
     // block-table entry), or -1 where the entry names no page of the pool: nothing there is read or written.
     __device__ __forceinline__ int page_of(int pos) const {
-        const int page = pages[pos / page_size];
+        const int page = pages[(pos + start) / page_size];
         return page >= 0 && page < pool ? page : -1;
     }
 
-    // Element offsets of cache position `pos` from `k` and `v`; false where it has no place in the cache (page_of).
-    // Paged: one (cached) load of the page index.
+    // Element offsets of the row's position `pos` from `k` and `v`; false where it has no place in the cache
+    // (page_of). Paged: one (cached) load of the page index.
     __device__ __forceinline__ bool locate(int pos, i64& k_off, i64& v_off) const {
         if (pages != nullptr) {
-            const int page = page_of(pos), row = pos % page_size;
+            const int page = page_of(pos), row = (pos + start) % page_size;
             k_off = (i64)max(page, 0) * k_page_stride + row * k_row_stride;
             v_off = (i64)max(page, 0) * v_page_stride + row * v_row_stride;
             return page >= 0;
         }
-        k_off = (i64)pos * k_row_stride;
-        v_off = (i64)pos * v_row_stride;
+        k_off = (i64)(pos + start) * k_row_stride;
+        v_off = (i64)(pos + start) * v_row_stride;
         return true;
     }
 };
-
-// Keys already in batch row b's cache (cache_seqlens[b], or cache_len), before this call's append. Read from device
-// memory, so not checked on the host: the kernels bound what they do with it (cache_length, decode_append).
-__device__ __forceinline__ int cached_keys(const DecodeParams& p, int b) {
-    return p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.cache_len;
-}
-
-// Keys batch row b attends to: its cached keys plus the keys this call appends, at most the row's capacity (the keys
-// past it are not appended); none where the cached count is negative or the row's cache row is not in the cache.
-__device__ __forceinline__ int cache_length(const DecodeParams& p, int b, bool valid) {
-    const int cached = cached_keys(p, b);
-    return valid && cached >= 0 ? (int)min((i64)cached + p.seqlen_new_k, (i64)p.cache_capacity) : 0;
-}
 
 }  // namespace cuflash

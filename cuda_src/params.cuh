@@ -112,7 +112,7 @@ namespace cuflash {
 // Decode against a KV cache (cuda_src/decode.cu, decode_aux.cu). Layout mirrored by cuflash/ops/decode.py
 // PARAMS_DTYPE. Batch row b attends to cache positions [0, len_b), len_b = cache_seqlens[b] (or cache_len) +
 // seqlen_new_k; the new keys were appended at [len_b - seqlen_new_k, len_b) first. Values read from device memory
-// (cache_seqlens, cache_batch_idx, block_table) are bounded in the kernels (kvcache.cuh: cache_length, CacheView).
+// (cache_seqlens, cache_batch_idx, block_table, cache_leftpad) are bounded in the kernels (kvcache.cuh, CacheView).
 struct DecodeParams {
     const u16* q;              // (batch, seqlen_q, nheads, headdim)
     const u16* k_cache;        // (batch_cache, max_len, nheads_k, headdim), or pages (num_pages, page_size, ...)
@@ -129,6 +129,11 @@ struct DecodeParams {
     const float* alibi;        // as in FwdParams
     int* split_counters;       // num_splits > 1: one zeroed int32 per row tile; the TMA decode kernel merges the
                                // splits (the last to finish, which resets it to 0), or nullptr: decode_combine does
+    const u16* rotary_cos;     // (seqlen_ro, rotary_dim / 2) contiguous, or nullptr: no rotary embedding
+    const u16* rotary_sin;
+    const int* cache_leftpad;  // (batch,): row b's keys start at this cache position, or nullptr: 0
+    u16* q_rot;                // rotary: q rotated by decode_append, contiguous (batch, seqlen_q, nheads, headdim),
+                               // which the decode kernels read instead of q
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride = page stride when paged
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -145,6 +150,10 @@ struct DecodeParams {
     int kv_evict_first;        // TMA kernel: K/V copies marked evict_first in L2 (plan.DECODE_TMA)
     int cache_capacity;        // keys a row's cache holds: max_len, or max_pages * page_size
     int cache_rows;            // batch_cache (contiguous), or num_pages (paged)
+    int rotary_dim;            // elements of a row rotated (a multiple of 16), 0: none
+    int rotary_interleaved;    // pairs (2j, 2j + 1); else (j, j + rotary_dim / 2)
+    int rotary_q_per_row;      // query i at position cache_seqlens[b] + i (causal or local); else all at cache_seqlens[b]
+    int seqlen_ro;             // rows of rotary_cos / rotary_sin
     float scale_log2, mod_scale, softcap;
 };
 

@@ -210,7 +210,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, num_splits=0, return_lse=False, stream=None):
+                           alibi_slopes=None, num_splits=0, return_lse=False, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=True, cache_leftpad=None, stream=None):
     """Attention of new query rows against a KV cache (decode), with FlashAttention's semantics.
 
     Parameters
@@ -237,14 +238,26 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     num_splits : int
         Splits of the keys across CTAs (merged by a combine kernel). 0 chooses from the SM count, the number
         of (batch, KV head) pairs and the cache length; 1 writes the output directly.
+    rotary_cos, rotary_sin : cupy.ndarray, (seqlen_ro, rotary_dim / 2), q's dtype, contiguous, optional
+        Rotary embedding of the new keys and the queries (with ``k``/``v`` only), as flash-attn applies it: new key
+        i of row b is rotated for position ``cache_seqlens[b] + i`` before it is appended; query i for position
+        ``cache_seqlens[b] + i`` when causal or local, else ``cache_seqlens[b]``. rotary_dim (a multiple of 16, at
+        most the head dim) leading elements of a row are rotated; positions past ``seqlen_ro`` are not.
+    rotary_interleaved : bool
+        Rotate element pairs (2j, 2j + 1) (GPT-J style); False: (j, j + rotary_dim / 2) (GPT-NeoX style).
+    cache_leftpad : cupy int32 (batch,), optional
+        Row b's keys start at cache position ``cache_leftpad[b]``: it attends to positions ``cache_leftpad[b] ..
+        L_b - 1`` as if they were its positions ``0 ..`` (masks and ALiBi count from there).
 
     Returns
     -------
     out : cupy.ndarray, (batch, seqlen_new, nheads, headdim); lse (batch, nheads, seqlen_new) float32 if asked.
-    A row with no key (``L_b = 0``) gets ``out = 0`` and ``lse = -inf``.
+    A row with no key (``L_b = 0``) gets ``out = 0`` and ``lse = -inf``. Values read from device memory
+    (cache_seqlens, cache_batch_idx, block_table, cache_leftpad) are bounded in the kernels (docs/api.md, "Bounds").
 
     The query heads that share a KV head are processed together, so every K/V byte is read once.
     """
     return decode.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                          softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
-                                         return_lse, stream)
+                                         return_lse, stream, rotary_cos, rotary_sin, rotary_interleaved,
+                                         cache_leftpad)

@@ -244,7 +244,8 @@ def check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
 def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
                   cache_batch_idx=None, block_table=None, num_splits=0, softmax_scale=None,
                   causal=False, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None) -> Problem:
+                  alibi_slopes=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                  cache_leftpad=None) -> Problem:
     """Check the arguments of ``attention_with_kvcache``.
 
     q ``(batch, seqlen_new, nheads, d)``. The cache is ``(batch_cache, max_len, nheads_k, d)``,
@@ -252,7 +253,10 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     ``(num_pages, page_size, nheads_k, d)`` with page_size a multiple of 16. New keys/values
     k/v ``(batch, seqlen_new_k, nheads_k, d)`` come both or neither, and need cache_seqlens
     (an int or int32 ``(batch,)``). cache_batch_idx (int32 ``(batch,)``) excludes block_table.
-    The returned Problem has ``seqlen_k`` = max_len, or max_pages * page_size when paged.
+    rotary_cos / rotary_sin ``(seqlen_ro, rotary_dim / 2)``, contiguous, q's dtype, rotary_dim a
+    multiple of 16 up to d, come both or neither, and only with k and v. cache_leftpad is int32
+    ``(batch,)``. The returned Problem has ``seqlen_k`` = max_len, or max_pages * page_size when
+    paged.
     """
     q = _spec(q, "q")
     k_cache, v_cache = _spec(k_cache, "k_cache"), _spec(v_cache, "v_cache")
@@ -278,11 +282,18 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
             raise ValueError(f"cache_seqlens: {cache_seqlens} cached + {seqlen_new_k} new "
                              f"keys exceed the cache capacity {seqlen_k}")
     _check_int(num_splits, "num_splits", minimum=0)
+    rotary_cos = _spec(rotary_cos, "rotary_cos", required=False)
+    rotary_sin = _spec(rotary_sin, "rotary_sin", required=False)
+    _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
+    cache_leftpad = _spec(cache_leftpad, "cache_leftpad", required=False)
+    if cache_leftpad is not None:
+        _check_index(cache_leftpad, ("batch",))
+        _same_axis(cache_leftpad, 0, q, 0, "batch")
 
     batch, seqlen_new, nheads, headdim = q.shape
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
     _same_device(q, k_cache, v_cache, k, v, seqlens_array, cache_batch_idx, block_table,
-                 alibi_slopes)
+                 alibi_slopes, rotary_cos, rotary_sin, cache_leftpad)
     return Problem(batch, seqlen_new, seqlen_k, nheads, k_cache.shape[2], headdim, q.dtype)
 
 
@@ -308,6 +319,32 @@ def _check_cache(q, k_cache, v_cache, cache_batch_idx, block_table) -> int:
         raise ValueError(f"{k_cache.name}: batch_cache (axis 0) is {k_cache.shape[0]} "
                          f"but must be at least q's batch {batch}")
     return k_cache.shape[1]
+
+
+def _check_rotary(q, k, rotary_cos, rotary_sin, interleaved) -> None:
+    """Tables of a rotary embedding, (seqlen_ro, rotary_dim / 2) each, for the appended keys and the queries."""
+    if (rotary_cos is None) != (rotary_sin is None):
+        given, missing = ("rotary_cos", "rotary_sin") if rotary_sin is None else ("rotary_sin", "rotary_cos")
+        raise ValueError(f"rotary_cos and rotary_sin must be given together; got {given} but not {missing}")
+    if not isinstance(interleaved, (bool, np.bool_)):
+        raise TypeError(f"rotary_interleaved: expected a bool, got {_given(interleaved)}")
+    if rotary_cos is None:
+        return
+    if k is None:
+        raise ValueError("rotary_cos: the rotary embedding applies to the appended keys (and the queries); "
+                         "give k and v")
+    for table in (rotary_cos, rotary_sin):
+        _check_tensor(table, ("seqlen_ro", "rotary_dim / 2"))
+        _check_same_dtype(table, q)
+        if table.shape[0] > 1 and table.strides[0] != table.shape[1]:
+            raise ValueError(f"{table.name}: must be contiguous; stride of axis 0 is {table.strides[0]} "
+                             f"elements, expected {table.shape[1]}")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_sin: shape {rotary_sin.shape} differs from rotary_cos's {rotary_cos.shape}")
+    rotary_dim, d = 2 * rotary_cos.shape[1], q.shape[-1]
+    if rotary_dim % 16 or rotary_dim > d:
+        raise ValueError(f"rotary_cos: rotary_dim = 2 x axis 1 = {rotary_dim}; must be a multiple of 16 and at "
+                         f"most q's head dim {d}")
 
 
 def _check_new_kv(q, k, v, k_cache, seqlen_k, cache_seqlens) -> int:

@@ -361,9 +361,36 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return dq, dk, dv
 
 
+def rotary(x, cos, sin, positions, interleaved=True):
+    """The rotary embedding of rows ``x`` (``(rows, nheads, d)``) at ``positions`` (``(rows,)``), as the
+    kernels apply it: in float32, each product and sum rounded, then rounded to x's dtype. Pairs (2j, 2j + 1)
+    (interleaved) or (j, j + R / 2) of the first R = 2 cos.shape[1] elements, angle j from row ``positions[i]`` of
+    cos / sin ``(seqlen_ro, R / 2)``; rows whose position is outside the tables are not rotated."""
+    x = np.asarray(x)
+    dtype, r = x.dtype, 2 * np.asarray(cos).shape[1]
+    positions = np.asarray(positions, dtype=np.int64)
+    inside = (positions >= 0) & (positions < np.asarray(cos).shape[0])
+    c = np.asarray(cos).astype(np.float32)[np.where(inside, positions, 0)][..., None, :]  # (rows, 1, R / 2)
+    s_ = np.asarray(sin).astype(np.float32)[np.where(inside, positions, 0)][..., None, :]
+    y = x.astype(np.float32)
+    if interleaved:
+        x1, x2 = y[..., 0:r:2], y[..., 1:r:2]
+    else:
+        x1, x2 = y[..., :r // 2], y[..., r // 2:r]
+    o1 = (x1 * c).astype(np.float32) - (x2 * s_).astype(np.float32)
+    o2 = (x1 * s_).astype(np.float32) + (x2 * c).astype(np.float32)
+    out = y.copy()
+    if interleaved:
+        out[..., 0:r:2], out[..., 1:r:2] = o1, o2
+    else:
+        out[..., :r // 2], out[..., r // 2:r] = o1, o2
+    return np.where(inside[:, None, None], out, y).astype(dtype)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, num_splits=0, return_lse=False, stream=None):
+                           softcap=0.0, alibi_slopes=None, num_splits=0, return_lse=False, rotary_cos=None,
+                           rotary_sin=None, rotary_interleaved=True, cache_leftpad=None, stream=None):
     """Decode-style attention against a KV cache; reference of :func:`cuflash.attention_with_kvcache`.
 
     Batch row ``b`` attends to cache positions ``0 .. L_b - 1`` where
@@ -390,6 +417,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream :
         as in :func:`attention`.
     num_splits : ignored
+    rotary_cos, rotary_sin, rotary_interleaved : optional
+        The rotary embedding (:func:`rotary`) of the new keys, at positions ``cache_seqlens[b] + i``, before the
+        append, and of the queries, at ``cache_seqlens[b] + i`` (causal or local) or ``cache_seqlens[b]``.
+    cache_leftpad : int32 ``(batch,)``, optional
+        Row ``b`` attends to positions ``cache_leftpad[b] .. L_b - 1`` only, counted from 0 there (masks, ALiBi).
 
     Returns
     -------
@@ -399,7 +431,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, np.ndarray):
             raise TypeError(f"{name} must be a NumPy array (it is updated in place), got {type(c).__name__}")
-    q = _f64(q)
+    q_in = _host(q)
+    q = _f64(q_in)
     if q.ndim != 4:
         raise ValueError(f"q must be (batch, seqlen_new, nheads, headdim), got shape {q.shape}")
     batch, seqlen_new, nheads, _ = q.shape
@@ -437,6 +470,19 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     if np.any(lens < 0) or np.any(lens + seqlen_new_k > capacity):
         raise ValueError(f"cache_seqlens {lens.tolist()} plus {seqlen_new_k} appended keys overflows the cache "
                          f"(capacity {capacity})")
+    starts = np.zeros(batch, np.int64) if cache_leftpad is None else np.broadcast_to(_i64(cache_leftpad), (batch,))
+    if np.any(starts < 0) or np.any(starts > lens):
+        raise ValueError(f"cache_leftpad {starts.tolist()} must lie in [0, cache_seqlens {lens.tolist()}]")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos: the rotary embedding applies with k and v")
+        cos, sin = _host(rotary_cos), _host(rotary_sin)
+        per_query = bool(causal) or tuple(window_size) != (-1, -1)
+        k_new = np.stack([rotary(k_new[b], cos, sin, lens[b] + np.arange(seqlen_new_k), rotary_interleaved)
+                          for b in range(batch)])
+        q = _f64(np.stack([rotary(q_in[b], cos, sin, lens[b] + (np.arange(seqlen_new) if per_query else
+                                                                 np.zeros(seqlen_new, np.int64)), rotary_interleaved)
+                           for b in range(batch)]))
     if k is not None:
         for b in range(batch):
             idx = locate(b, np.arange(lens[b], lens[b] + seqlen_new_k))
@@ -448,7 +494,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     out = np.zeros((batch, seqlen_new, nheads, v_cache.shape[-1]))
     lse = np.full((batch, nheads, seqlen_new), -np.inf)
     for b in range(batch):
-        idx = locate(b, np.arange(lens[b] + seqlen_new_k))
+        idx = locate(b, np.arange(starts[b], lens[b] + seqlen_new_k))
         kb, vb = _f64(k_cache[idx])[None], _f64(v_cache[idx])[None]
         _check_qkv(q[b:b + 1], kb, vb)
         o, l = _forward(q[b:b + 1], kb, vb, softmax_scale=scale, causal=causal, window_size=window_size,

@@ -522,3 +522,38 @@ def test_kvcache_rejects_overflow_and_paged_with_batch_idx():
 def test_bad_head_counts_are_rejected():
     with pytest.raises(ValueError, match="multiple of nheads_k"):
         ref.attention(np.zeros((1, 2, 3, 4)), np.zeros((1, 2, 2, 4)), np.zeros((1, 2, 2, 4)))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_turns_each_pair_by_its_angle(interleaved):
+    """Pairs (2j, 2j + 1), or (j, j + R / 2), as complex numbers times exp(i angle_j) of the row's position; the
+    elements past R and rows past the tables unchanged."""
+    rng = np.random.default_rng(0)
+    rows, h, d, r, seqlen_ro = 5, 2, 48, 32, 7
+    x = rng.standard_normal((rows, h, d)).astype(np.float32)
+    angle = rng.uniform(0, 2 * np.pi, (seqlen_ro, r // 2))
+    positions = np.array([0, 3, 6, 7, -1])  # the last two outside the tables
+    got = ref.rotary(x, np.cos(angle), np.sin(angle), positions, interleaved)
+    for i, pos in enumerate(positions):
+        if not 0 <= pos < seqlen_ro:
+            np.testing.assert_array_equal(got[i], x[i])
+            continue
+        first, second = (slice(0, r, 2), slice(1, r, 2)) if interleaved else (slice(0, r // 2), slice(r // 2, r))
+        z = (x[i][:, first] + 1j * x[i][:, second].astype(np.float64)) * np.exp(1j * angle[pos])
+        np.testing.assert_allclose(got[i][:, first], z.real, atol=1e-5)
+        np.testing.assert_allclose(got[i][:, second], z.imag, atol=1e-5)
+        np.testing.assert_array_equal(got[i][:, r:], x[i][:, r:])
+
+
+def test_kvcache_leftpad_attends_from_the_pad_on():
+    """cache_leftpad[b] = s: row b attends to cache positions s .. L_b - 1 as a sequence of its own."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 1, 2, 16))
+    kc, vc = rng.standard_normal((2, 12, 1, 16)), rng.standard_normal((2, 12, 1, 16))
+    lens, pads = np.array([9, 5]), np.array([3, 0])
+    got = ref.attention_with_kvcache(q, kc.copy(), vc.copy(), cache_seqlens=lens, cache_leftpad=pads,
+                                           causal=True)
+    for b in range(2):
+        want = ref.attention(q[b:b + 1], kc[b:b + 1, pads[b]:lens[b]], vc[b:b + 1, pads[b]:lens[b]],
+                                   causal=True)
+        np.testing.assert_allclose(got[b:b + 1], want, rtol=1e-12, atol=1e-12)

@@ -202,10 +202,12 @@ plan_decode.cache_clear = _plan_decode.cache_clear  # for tables changed in plac
 
 PARAMS_DTYPE = plan.struct(
     ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "cache_seqlens",
-     "cache_batch_idx", "block_table", "alibi", "split_counters"),
+     "cache_batch_idx", "block_table", "alibi", "split_counters", "rotary_cos", "rotary_sin", "cache_leftpad",
+     "q_rot"),
     plan.stride_fields("q", "k", "v", "kn", "vn", "o") + ["alibi_batch_stride", "block_table_stride"],
     ("batch", "seqlen_q", "seqlen_new_k", "cache_len", "nheads", "heads_per_kv", "headdim", "page_size",
-     "window_left", "window_right", "num_splits", "kv_evict_first", "cache_capacity", "cache_rows"),
+     "window_left", "window_right", "num_splits", "kv_evict_first", "cache_capacity", "cache_rows", "rotary_dim",
+     "rotary_interleaved", "rotary_q_per_row", "seqlen_ro"),
     ("scale_log2", "mod_scale", "softcap"))
 
 # DecodeTmaParams (decode.cu): DecodeParams, then the K and V caches' tensor maps on 64-byte boundaries.
@@ -216,9 +218,9 @@ TMA_PARAMS_DTYPE = np.dtype({
     "offsets": [PARAMS_DTYPE.fields[n][1] for n in PARAMS_DTYPE.names] + [TMA_MAPS_OFFSET, TMA_MAPS_OFFSET + 128],
     "itemsize": TMA_MAPS_OFFSET + 256})
 
-# DecodeParams starts with 14 pointers (q .. split_counters, params.cuh); every kernel of a call (append, decode,
-# combine) takes the same struct, so one KernelCall launches them all.
-POINTERS = PARAMS_DTYPE.names[:14]
+# DecodeParams starts with 18 pointers (q .. q_rot, params.cuh); every kernel of a call (append, decode, combine)
+# takes the same struct, so one KernelCall launches them all.
+POINTERS = PARAMS_DTYPE.names[:18]
 _calls: dict = {}         # call signature -> DecodeCall: checks, plan and constant params, done once
 _counters: dict = {}      # (device id, stream pointer) -> int32 zeros: the split counters of calls on that stream
 _retired: list = []       # outgrown counter buffers, kept: a kernel still queued may use one
@@ -255,22 +257,28 @@ class DecodeCall(NamedTuple):
     partial_offset: int
     lse_partial_offset: int
     counter_offset: int       # where a call captured into a graph keeps its split counters (run)
+    q_rot_offset: int         # rotary embedding: where decode_append writes the rotated queries; 0: none
     seqlens_array: Callable   # cache_seqlens -> the array to point at, or None
     maps: tuple | None = None  # the TMA kernel: (k map, v map) encoders, ptr -> 128 bytes; None: cp.async kernel
     counter_tiles: int = 0    # the fused combine: split counters needed (row tiles x KV heads x batch); 0: none
 
 
 def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, num_splits, return_lse) -> DecodeCall:
+            window_size, softcap, alibi_slopes, num_splits, return_lse, rotary_cos=None, rotary_sin=None,
+            rotary_interleaved=True, cache_leftpad=None) -> DecodeCall:
     """Everything about a decode call that depends only on shapes, strides, dtypes and options."""
     problem = checks.check_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                                    cache_batch_idx=cache_batch_idx, block_table=block_table,
                                    num_splits=num_splits, softmax_scale=softmax_scale, causal=causal,
-                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    runtime.require_device_arrays(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, alibi_slopes=alibi_slopes)
+                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                   rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                   rotary_interleaved=rotary_interleaved, cache_leftpad=cache_leftpad)
+    runtime.require_device_arrays(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, alibi_slopes=alibi_slopes,
+                                  rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     seqlens_is_array = not (cache_seqlens is None or checks.is_int(cache_seqlens))
     runtime.require_device_index_arrays(cache_seqlens=cache_seqlens if seqlens_is_array else None,
-                                        cache_batch_idx=cache_batch_idx, block_table=block_table)
+                                        cache_batch_idx=cache_batch_idx, block_table=block_table,
+                                        cache_leftpad=cache_leftpad)
     runtime.require_gpu()  # after the checks, which need no GPU; once per process
     options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                       alibi_slopes=alibi_slopes)
@@ -282,7 +290,9 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
         cache_len = 0 if seqlens_is_array else int(cache_seqlens)
     known_keys = capacity if seqlens_is_array else cache_len + seqlen_new_k  # bounds the split count
     device_id = q.device.id
-    maps = tma_maps(problem, k_cache, v_cache, block_table, build.device_arch(device_id))
+    # the TMA kernel's blocks start at multiples of its block in the cache: not with cache_leftpad's offsets
+    maps = None if cache_leftpad is not None else tma_maps(problem, k_cache, v_cache, block_table,
+                                                           build.device_arch(device_id))
     launch = plan_decode(dataclasses.replace(problem, seqlen_k=max(known_keys, 1)), options.left, options.right,
                          options.score_mod, int(num_splits), build.sm_count(device_id), maps is not None)
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
@@ -302,6 +312,10 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     kv_bytes = 2 * b * max(known_keys, 1) * problem.nheads_k * d * q.itemsize  # what the call reads at most
     p["kv_evict_first"] = int(maps is not None and evict_first(kv_bytes))
     p["cache_capacity"], p["cache_rows"] = capacity, k_cache.shape[0]
+    if rotary_cos is not None:  # flash-attn's rule: per-query positions where the mask makes the queries ordered
+        p["rotary_dim"], p["seqlen_ro"] = 2 * rotary_cos.shape[1], rotary_cos.shape[0]
+        p["rotary_interleaved"] = int(bool(rotary_interleaved))
+        p["rotary_q_per_row"] = int(bool(causal) or tuple(window_size) != (-1, -1))
     for name, value in options.scales.items():
         p[name] = value
 
@@ -309,7 +323,7 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     launches = []
     if k is not None:
         append = DecodeAuxSpec("decode_append", dtype)
-        chunks = b * seqlen_new_k * problem.nheads_k * (d // 8)
+        chunks = (b * seqlen_new_k * problem.nheads_k + (b * sq * h if rotary_cos is not None else 0)) * (d // 8)
         launches.append((build.get_kernel(append, device_id), (min(-(-chunks // append.threads), 65535),),
                          (append.threads,), 0))
     launches.append((build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
@@ -327,12 +341,13 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     lse_partial_offset = partial_offset + partial_rows * d * 4
     counter_offset = align(lse_partial_offset + partial_rows * 4 if partial_rows
                            else partial_offset or align(lse_offset + b * h * sq * 4))
-    nbytes = counter_offset + 4 * counter_tiles
+    q_rot_offset = align(counter_offset + 4 * counter_tiles) if rotary_cos is not None else 0
+    nbytes = q_rot_offset + q.size * q.itemsize if q_rot_offset else counter_offset + 4 * counter_tiles
     with runtime.device(device_id):  # the kernels' functions are taken on the device they run on
         launch = KernelCall(launches, p, POINTERS)
-    return DecodeCall(device_id, launch, (b, h, sq), nbytes, lse_offset,
-                      partial_offset, lse_partial_offset, counter_offset, (lambda x: x) if seqlens_is_array else (lambda x: None),
-                      maps, counter_tiles)
+    return DecodeCall(device_id, launch, (b, h, sq), nbytes, lse_offset, partial_offset, lse_partial_offset,
+                      counter_offset, q_rot_offset, (lambda x: x) if seqlens_is_array else (lambda x: None), maps,
+                      counter_tiles)
 
 
 def tma_maps(problem, k_cache, v_cache, block_table, arch: str):
@@ -352,11 +367,13 @@ def tma_maps(problem, k_cache, v_cache, block_table, arch: str):
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-                           causal, window_size, softcap, alibi_slopes, num_splits, return_lse, stream):
+                           causal, window_size, softcap, alibi_slopes, num_splits, return_lse, stream,
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):
     """:func:`cuflash.attention_with_kvcache`: checks, options and plan once per call signature (prepare), then
     one allocation and the launches."""
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-            window_size, softcap, alibi_slopes, num_splits, return_lse)
+            window_size, softcap, alibi_slopes, num_splits, return_lse, rotary_cos, rotary_sin, rotary_interleaved,
+            cache_leftpad)
     key = checks.call_signature(args)
     prep = _calls.get(key) if key is not None else None
     if prep is None:
@@ -365,13 +382,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
             if len(_calls) >= 4096:
                 _calls.clear()
             _calls[key] = prep
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if x is not None and x.data.ptr % 16:
             raise ValueError(f"{name}: must be 16-byte aligned; data pointer {x.data.ptr:#x}")
 
     import cupy
     with runtime.device(prep.device_id), runtime.on(stream):
-        # one allocation: out, then lse, then the split workspace (partial O, partial lse), then graph counters
+        # one allocation: out, then lse, then the split workspace (partial O, partial lse), then graph counters,
+        # then the rotated queries
         mem = cupy.cuda.alloc(prep.nbytes)
         out = cupy.ndarray(q.shape, q.dtype, memptr=mem)
         lse = cupy.ndarray(prep.lse_shape, np.float32, memptr=mem + prep.lse_offset) if return_lse else None
@@ -379,16 +398,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         run(prep, current.ptr, mem.ptr, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, runtime.ptr(k),
             runtime.ptr(v), runtime.ptr(prep.seqlens_array(cache_seqlens)), runtime.ptr(cache_batch_idx),
             runtime.ptr(block_table), runtime.ptr(alibi_slopes), runtime.ptr(lse),
-            bool(prep.counter_tiles) and current.is_capturing())
+            bool(prep.counter_tiles) and current.is_capturing(), runtime.ptr(rotary_cos), runtime.ptr(rotary_sin),
+            runtime.ptr(cache_leftpad))
     return (out, lse) if return_lse else out
 
 
 def run(prep: DecodeCall, stream_ptr: int, mem: int, q: int, k_cache: int, v_cache: int, k: int, v: int,
         cache_seqlens: int, cache_batch_idx: int, block_table: int, alibi_slopes: int, lse: int,
-        capturing: bool = False) -> None:
+        capturing: bool = False, rotary_cos: int = 0, rotary_sin: int = 0, cache_leftpad: int = 0) -> None:
     """The launches of a prepared call on stream `stream_ptr`, given data pointers (0 where absent), `mem`, the
-    call's allocation of ``prep.nbytes`` (out, then the split workspace), and `lse` (0: none; its place in `mem` or
-    elsewhere). prep's device must be current.
+    call's allocation of ``prep.nbytes`` (out, then the split workspace and the rotated queries), and `lse` (0: none;
+    its place in `mem` or elsewhere). prep's device must be current.
 
     ``capturing``: the stream is being captured into a CUDA graph. The split counters then live in `mem` (zeroed by
     a memset in the graph, owned by whoever owns `mem`) instead of the stream's persistent buffer, so a graph holds
@@ -404,7 +424,8 @@ def run(prep: DecodeCall, stream_ptr: int, mem: int, q: int, k_cache: int, v_cac
         else:
             counters = split_counters(prep.device_id, stream_ptr, prep.counter_tiles)
     pointers = (q, k_cache, v_cache, k, v, mem, lse, o_partial, lse_partial, cache_seqlens, cache_batch_idx,
-                block_table, alibi_slopes, counters)
+                block_table, alibi_slopes, counters, rotary_cos, rotary_sin, cache_leftpad,
+                mem + prep.q_rot_offset if prep.q_rot_offset else 0)
     if prep.maps is None:
         prep.launch(stream_ptr, *pointers)
     else:  # the TMA kernel: the caches' tensor maps (cached per address) after the struct's plain fields

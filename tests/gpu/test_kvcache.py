@@ -49,8 +49,10 @@ def make_cache(rng, *, b, capacity, hk, d, dt, page_size=None, batch_idx=False):
 
 def run_case(rng, *, b, sq, h, hk, d, dtype, capacity, lens, new_k=0, page_size=None, batch_idx=False,
              seqlens_kind="array", causal=False, window_size=(-1, -1), softcap=0.0, alibi=None,
-             softmax_scale=None, num_splits=0, check_naive=True):
-    """Runs one call on the GPU and the reference on the host; checks out, lse and the updated cache."""
+             softmax_scale=None, num_splits=0, check_naive=True, rotary=None, rotary_dim=0, leftpad=False):
+    """Runs one call on the GPU and the reference on the host; checks out, lse and the updated cache. rotary:
+    "interleaved" or "half" (rotary_dim elements rotated, tables long enough for every position); leftpad: each
+    row's keys start at a random position up to its length."""
     import cupy
     import cuflash
     dt = DTYPES[dtype]
@@ -74,22 +76,38 @@ def run_case(rng, *, b, sq, h, hk, d, dtype, capacity, lens, new_k=0, page_size=
     if alibi is not None:
         slopes = rng.uniform(0.0, 0.5, (h,) if alibi == "h" else (b, h)).astype(np.float32)
     opts = dict(causal=causal, window_size=window_size, softcap=softcap, softmax_scale=softmax_scale)
+    extra = {}  # rotary tables and leftpad, given to both
+    if rotary:
+        angle = rng.uniform(0, 2 * np.pi, (capacity + sq, rotary_dim // 2))
+        extra = dict(rotary_cos=np.cos(angle).astype(dt), rotary_sin=np.sin(angle).astype(dt),
+                     rotary_interleaved=rotary == "interleaved")
+    pads = np.zeros(b, np.int64)
+    if leftpad:
+        pads = np.array([rng.integers(0, n + 1) for n in lens])
+        extra["cache_leftpad"] = pads.astype(np.int32)
 
     dev = lambda x: None if x is None else cupy.asarray(x)  # noqa: E731
     kc_d, vc_d = dev(kc), dev(vc)
     out, lse = cuflash.attention_with_kvcache(
         dev(q), kc_d, vc_d, k=dev(kn), v=dev(vn), cache_seqlens=seqlens if seqlens_kind != "array" else dev(seqlens),
         cache_batch_idx=dev(layout.get("cache_batch_idx")), block_table=dev(layout.get("block_table")),
-        alibi_slopes=dev(slopes), num_splits=num_splits, return_lse=True, **opts)
+        alibi_slopes=dev(slopes), num_splits=num_splits, return_lse=True, **opts,
+        **{n: dev(x) if isinstance(x, np.ndarray) else x for n, x in extra.items()})
     cupy.cuda.get_current_stream().synchronize()
 
     kc_ref, vc_ref = kc.copy(), vc.copy()
     ref_out, ref_lse = reference.attention_with_kvcache(
         q, kc_ref, vc_ref, k=kn, v=vn, cache_seqlens=seqlens, alibi_slopes=slopes, return_lse=True,
-        **layout, **opts)
+        **layout, **opts, **extra)
+    q_used = q  # the queries the kernels attend with: rotated as the reference rotates them
+    if rotary:
+        per_query = causal or tuple(window_size) != (-1, -1)
+        q_used = np.stack([reference.rotary(q[i], extra["rotary_cos"], extra["rotary_sin"],
+                                            lens[i] + (np.arange(sq) if per_query else np.zeros(sq, np.int64)),
+                                            extra["rotary_interleaved"]) for i in range(b)])
     ctx = (f"b={b} sq={sq} h={h} hk={hk} d={d} {dtype} capacity={capacity} lens={lens.tolist()} new_k={new_k} "
            f"page={page_size} batch_idx={batch_idx} seqlens={seqlens_kind} {opts} alibi={alibi} "
-           f"splits={num_splits}")
+           f"splits={num_splits} rotary={rotary}/{rotary_dim} leftpad={pads.tolist()}")
     # the append, exactly; nothing else in the cache touched
     np.testing.assert_array_equal(kc_d.get().view(np.uint16), kc_ref.view(np.uint16), err_msg=ctx)
     np.testing.assert_array_equal(vc_d.get().view(np.uint16), vc_ref.view(np.uint16), err_msg=ctx)
@@ -98,10 +116,10 @@ def run_case(rng, *, b, sq, h, hk, d, dtype, capacity, lens, new_k=0, page_size=
     if check_naive:
         for i in range(b):  # the naive low-precision bound, on each row's visible keys
             n = int(lens[i]) + new_k
-            if n == 0:
+            if n - pads[i] == 0:
                 continue
-            kb, vb = _logical(kc_ref, layout, i, n), _logical(vc_ref, layout, i, n)
-            naive[i] = naive_lowp(q[i:i + 1], kb[None], vb[None], alibi_slopes=None if slopes is None else
+            kb, vb = _logical(kc_ref, layout, i, n)[pads[i]:], _logical(vc_ref, layout, i, n)[pads[i]:]
+            naive[i] = naive_lowp(q_used[i:i + 1], kb[None], vb[None], alibi_slopes=None if slopes is None else
                                   np.broadcast_to(slopes.reshape(-1, h), (b, h))[i], **opts)[0]
     assert out.shape == q.shape and out.dtype == q.dtype, ctx
     assert_close_to_reference(out.get(), ref_out, naive if check_naive else ref_out, context=ctx,
@@ -438,3 +456,20 @@ def test_page_and_cache_row_indices_outside_the_cache_touch_nothing(compiled):
     _assert_same_bits(v_after, want_v, "v cache")
     _assert_rows(out[:1], lse[:1], q, [(want_k[1, :5], want_v[1, :5])])
     assert (out[1:] == 0).all() and np.isneginf(lse[1:]).all()
+
+
+@pytest.mark.parametrize("rotary", ["interleaved", "half"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary_embedding_and_leftpad(compiled, rotary, paged, causal):
+    """Rotary embedding of the appended keys (bitwise the reference's: the cache is compared exactly) and of the
+    queries, interleaved or half split, part or all of the head dim, with GQA, splits, and cache_leftpad (on a
+    contiguous and a paged cache; the TMA kernel leaves leftpad calls to the cp.async one)."""
+    rng = np.random.default_rng(7 + 2 * paged + causal)
+    run_case(rng, b=3, sq=2, h=8, hk=2, d=128, dtype="bf16", capacity=320, lens=[100, 0, 250], new_k=2,
+             page_size=64 if paged else None, causal=causal, rotary=rotary, rotary_dim=64, leftpad=True,
+             num_splits=3)
+    run_case(rng, b=2, sq=1, h=4, hk=4, d=64, dtype="fp16", capacity=200, lens=[37, 199], new_k=1,
+             page_size=16 if paged else None, causal=causal, rotary=rotary, rotary_dim=64)
+    run_case(rng, b=2, sq=3, h=4, hk=1, d=96, dtype="bf16", capacity=128, lens=[5, 60], new_k=3,
+             window_size=(16, 0), rotary=rotary, rotary_dim=32, leftpad=True)
