@@ -138,7 +138,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, num_splits=0, return_lse=False):
+                           alibi_slopes=None, num_splits=0, return_lse=False, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=True, cache_leftpad=None):
     """:func:`cuflash.attention_with_kvcache` on torch tensors: new query rows against a KV cache (decode).
 
     Not differentiable. When ``k`` and ``v`` are given, they are written into ``k_cache``/``v_cache`` in
@@ -161,6 +162,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits
         As in :func:`cuflash.attention_with_kvcache`. Row b attends to ``L_b = cache_seqlens[b] +
         seqlen_new_k`` keys; masks are aligned bottom-right over that length.
+    rotary_cos, rotary_sin : torch.Tensor, (seqlen_ro, rotary_dim / 2), q's dtype, contiguous, optional
+        Rotary embedding of the appended keys (at positions ``cache_seqlens[b] + i``) and of the queries (the
+        same positions when causal or local, else ``cache_seqlens[b]``), as flash-attn applies it; with k, v only.
+    rotary_interleaved : bool
+        Pairs (2j, 2j + 1); False: (j, j + rotary_dim / 2).
+    cache_leftpad : torch.Tensor int32 (batch,), optional
+        Row b's keys start at cache position ``cache_leftpad[b]`` (masks and ALiBi count from there).
     return_lse : bool
         Also return the float32 log-sum-exp ``(batch, nheads, seqlen_new)``.
 
@@ -178,7 +186,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     if _eager(q, k_cache, v_cache):
         window = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
         out, lse = _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                    alibi_slopes, softmax_scale, causal, window, softcap, num_splits, return_lse)
+                                    alibi_slopes, softmax_scale, causal, window, softcap, num_splits, return_lse,
+                                    rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
         if k is not None:  # as the op's in-place bookkeeping does: autograd sees the caches as modified
             torch.autograd.graph.increment_version((k_cache, v_cache))
     else:
@@ -186,7 +195,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         seqlens, cache_len = _cache_seqlens(cache_seqlens)
         out, lse = torch.ops.cuflash.attention_with_kvcache(
             q, k_cache, v_cache, k, v, seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
-            softmax_scale, causal, left, right, softcap, num_splits, return_lse)
+            softmax_scale, causal, left, right, softcap, num_splits, return_lse, rotary_cos, rotary_sin,
+            bool(rotary_interleaved), cache_leftpad)
     return (out, lse) if return_lse else out
 
 
@@ -510,13 +520,15 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
              v: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor], cache_len: int,
              cache_batch_idx: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
              alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
-             window_right: int, softcap: float, num_splits: int,
-             return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             window_right: int, softcap: float, num_splits: int, return_lse: bool,
+             rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
+             cache_leftpad: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The op: ``cache_seqlens`` is given as a tensor, or as the int ``cache_len`` (-1: neither). Returns ``out,
     lse``; lse is empty, ``(0,)``, unless ``return_lse``."""
     seqlens = cache_seqlens if cache_seqlens is not None else None if cache_len < 0 else cache_len
     out, lse = _kvcache_compute(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, alibi_slopes,
-                                softmax_scale, causal, (window_left, window_right), softcap, num_splits, return_lse)
+                                softmax_scale, causal, (window_left, window_right), softcap, num_splits, return_lse,
+                                rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
     return out, lse if return_lse else q.new_empty((0,), dtype=torch.float32)
 
 
@@ -531,7 +543,8 @@ settings.on_change(_kv_plans.clear)
 
 
 def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
-                     softmax_scale, causal, window_size, softcap, num_splits, return_lse) -> tuple:
+                     softmax_scale, causal, window_size, softcap, num_splits, return_lse, rotary_cos=None,
+                     rotary_sin=None, rotary_interleaved=True, cache_leftpad=None) -> tuple:
     """cuflash.attention_with_kvcache on torch tensors (``cache_seqlens`` a tensor, an int or None): checks and
     plan once per signature (:func:`_kvcache_plan`), then one torch allocation (out, then the split workspace) and
     the launches on torch's stream, from data pointers. Returns ``(out, lse or None)``."""
@@ -539,17 +552,21 @@ def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
         key = (type(cache_seqlens), _signature(cache_seqlens) if type(cache_seqlens) is torch.Tensor
                else cache_seqlens, softmax_scale, causal, window_size, softcap, num_splits, return_lse,
                _signature(q), _signature(k_cache), _signature(v_cache), _signature(k), _signature(v),
-               _signature(cache_batch_idx), _signature(block_table), _signature(alibi_slopes))
+               _signature(cache_batch_idx), _signature(block_table), _signature(alibi_slopes),
+               _signature(rotary_cos), _signature(rotary_sin), rotary_interleaved, _signature(cache_leftpad))
         plan = _kv_plans.get(key)
     except (AttributeError, TypeError):  # something that is not a tensor, or unhashable: the checks say what
         key = plan = None
     if plan is None:
         plan = _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                             alibi_slopes, softmax_scale, causal, window_size, softcap, num_splits, return_lse)
+                             alibi_slopes, softmax_scale, causal, window_size, softcap, num_splits, return_lse,
+                             rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
     if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | (0 if k is None else k.data_ptr())
-            | (0 if v is None else v.data_ptr())) % 16:
+            | (0 if v is None else v.data_ptr()) | (0 if rotary_cos is None else rotary_cos.data_ptr())
+            | (0 if rotary_sin is None else rotary_sin.data_ptr())) % 16:
         _require_aligned(**{n: t for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k),
-                                              ("v", v)) if t is not None})
+                                              ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin))
+                            if t is not None})
     prep = plan.prep
     block = torch.empty(plan.elements, dtype=q.dtype, device=q.device)
     lse = torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
@@ -565,7 +582,9 @@ def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
                    0 if cache_batch_idx is None else cache_batch_idx.data_ptr(),
                    0 if block_table is None else block_table.data_ptr(),
                    0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0 if lse is None else lse.data_ptr(),
-                   bool(prep.counter_tiles) and torch.cuda.is_current_stream_capturing())
+                   bool(prep.counter_tiles) and torch.cuda.is_current_stream_capturing(),
+                   0 if rotary_cos is None else rotary_cos.data_ptr(), 0 if rotary_sin is None else rotary_sin.data_ptr(),
+                   0 if cache_leftpad is None else cache_leftpad.data_ptr())
     finally:
         if previous != index:
             _set_device(previous)
@@ -573,21 +592,25 @@ def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
 
 
 def _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
-                  softmax_scale, causal, window_size, softcap, num_splits, return_lse) -> _KvPlan:
+                  softmax_scale, causal, window_size, softcap, num_splits, return_lse, rotary_cos=None,
+                  rotary_sin=None, rotary_interleaved=True, cache_leftpad=None) -> _KvPlan:
     """Checks a kvcache call and plans it (decode.prepare on CuPy views of the tensors); remembered under `key`
     (None: not remembered)."""
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
-                   block_table=block_table, alibi_slopes=alibi_slopes)
+                   block_table=block_table, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                   cache_leftpad=cache_leftpad)
     seqlens, cache_len = _cache_seqlens(cache_seqlens)
     _check_kvcache(dict(tensors, cache_seqlens=seqlens), cache_len,
-                   dict(_options(softmax_scale, causal, *window_size, softcap), num_splits=num_splits))
+                   dict(_options(softmax_scale, causal, *window_size, softcap), num_splits=num_splits,
+                        rotary_interleaved=rotary_interleaved))
     is_tensor = seqlens is not None
     views = {name: _view(t) for name, t in tensors.items()}
     with cupy.cuda.Device(q.device.index):
         prep = decode.prepare(views["q"], views["k_cache"], views["v_cache"], views["k"], views["v"],
                               _view(cache_seqlens) if is_tensor else cache_seqlens, views["cache_batch_idx"],
                               views["block_table"], softmax_scale, causal, window_size, softcap,
-                              views["alibi_slopes"], num_splits, return_lse)
+                              views["alibi_slopes"], num_splits, return_lse, views["rotary_cos"],
+                              views["rotary_sin"], rotary_interleaved, views["cache_leftpad"])
     plan = _KvPlan(prep, -(-prep.nbytes // q.element_size()), checks.contiguous("out", q.shape, np.float16).strides)
     if key is not None:
         if len(_kv_plans) > 4096:
@@ -597,12 +620,15 @@ def _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
-                  softmax_scale, causal, window_left, window_right, softcap, num_splits, return_lse):
+                  softmax_scale, causal, window_left, window_right, softcap, num_splits, return_lse, rotary_cos,
+                  rotary_sin, rotary_interleaved, cache_leftpad):
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                   cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes)
+                   cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes,
+                   rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad)
     if _concrete(*tensors.values(), ints=(cache_len, num_splits)):
         _check_kvcache(tensors, cache_len,
-                       dict(_options(softmax_scale, causal, window_left, window_right, softcap), num_splits=num_splits))
+                       dict(_options(softmax_scale, causal, window_left, window_right, softcap), num_splits=num_splits,
+                            rotary_interleaved=rotary_interleaved))
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq) if return_lse else (0,), dtype=torch.float32)
 
@@ -655,7 +681,7 @@ _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(m
 _TORCH_DTYPES = {v: k for k, v in _NUMPY_DTYPES.items()}
 _EXPECTED_DTYPE = dict(alibi_slopes="torch.float32", lse="torch.float32", cu_seqlens_q="torch.int32",
                        cu_seqlens_k="torch.int32", cache_seqlens="torch.int32", cache_batch_idx="torch.int32",
-                       block_table="torch.int32")
+                       block_table="torch.int32", cache_leftpad="torch.int32")
 
 
 def _options(softmax_scale, causal, left, right, softcap) -> dict:
@@ -683,7 +709,8 @@ def _check_kvcache(tensors: dict, cache_len: int, options: dict) -> checks.Probl
     seqlens = s["cache_seqlens"] if s["cache_seqlens"] is not None else None if cache_len < 0 else cache_len
     problem = checks.check_kvcache(s["q"], s["k_cache"], s["v_cache"], k=s["k"], v=s["v"], cache_seqlens=seqlens,
                                    cache_batch_idx=s["cache_batch_idx"], block_table=s["block_table"],
-                                   alibi_slopes=s["alibi_slopes"], **options)
+                                   alibi_slopes=s["alibi_slopes"], rotary_cos=s.get("rotary_cos"),
+                                   rotary_sin=s.get("rotary_sin"), cache_leftpad=s.get("cache_leftpad"), **options)
     _require_cuda(**tensors)
     return problem
 

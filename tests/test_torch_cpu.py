@@ -77,10 +77,12 @@ def on_host(monkeypatch):
     monkeypatch.setattr(cuflash.torch, "_forward_launch", forward_launch)
     monkeypatch.setattr(cuflash.torch, "_backward_launch", backward_launch)
     def kvcache_torch(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
-                      softmax_scale, causal, window_size, softcap, num_splits, return_lse):  # the launch seam
+                      softmax_scale, causal, window_size, softcap, num_splits, return_lse, rotary_cos=None,
+                      rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):  # the launch seam
         options = dict(k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
                        block_table=block_table, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, causal=causal,
-                       window_size=window_size, softcap=softcap, num_splits=num_splits)
+                       window_size=window_size, softcap=softcap, num_splits=num_splits, rotary_cos=rotary_cos,
+                       rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_leftpad=cache_leftpad)
         host = {n: _host(x) if isinstance(x, torch.Tensor) else x for n, x in options.items()}
         result = kvcache(_host(q), _host(k_cache), _host(v_cache), return_lse=return_lse, **host)
         return (_tensor(result[0]), _tensor(result[1])) if return_lse else (_tensor(result), None)
@@ -379,11 +381,37 @@ def test_kvcache_paged_and_options_reach_the_call(on_host):
     assert torch.equal(pool_k[0, 4:6], k[0])  # logical positions 20, 21 of row 0: page table[0, 1] = 0, rows 4, 5
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_kvcache_rotary_and_leftpad_match_the_reference(on_host, interleaved):
+    q, k_cache, v_cache, k, v = _decode()
+    lens = torch.tensor([3, 0, 20], dtype=torch.int32)
+    pads = torch.tensor([1, 0, 5], dtype=torch.int32)
+    angle = torch.rand(64, 8, generator=torch.Generator().manual_seed(3)) * 6.28
+    cos, sin = angle.cos().half(), angle.sin().half()
+    want_k, want_v = k_cache.numpy().copy(), v_cache.numpy().copy()
+    want = reference.attention_with_kvcache(q.numpy(), want_k, want_v, k=k.numpy(), v=v.numpy(),
+                                            cache_seqlens=lens.numpy(), causal=True, rotary_cos=cos.numpy(),
+                                            rotary_sin=sin.numpy(), rotary_interleaved=interleaved,
+                                            cache_leftpad=pads.numpy())
+    out = cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens, causal=True,
+                                               rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+                                               cache_leftpad=pads)
+    assert np.array_equal(k_cache.numpy(), want_k) and np.array_equal(v_cache.numpy(), want_v)
+    assert np.abs(out.numpy() - want).max() < 4e-3
+    assert on_host[0][1]["rotary_interleaved"] is interleaved and on_host[0][1]["cache_leftpad"] is not None
+
+
 def test_kvcache_opcheck(on_host):
     q, k_cache, v_cache, k, v = _decode()
     lens = torch.tensor([3, 0, 20], dtype=torch.int32)
-    for args in ((q, k_cache, v_cache, k, v, lens, -1, None, None, None, None, True, -1, -1, 0.0, 0, True),
-                 (q, k_cache, v_cache, None, None, None, 5, None, None, None, 0.3, False, -1, -1, 0.0, 1, False)):
+    cos, sin = torch.rand(64, 8).half(), torch.rand(64, 8).half()
+    pads = torch.tensor([1, 0, 2], dtype=torch.int32)
+    for args in ((q, k_cache, v_cache, k, v, lens, -1, None, None, None, None, True, -1, -1, 0.0, 0, True, None, None,
+                  True, None),
+                 (q, k_cache, v_cache, None, None, None, 5, None, None, None, 0.3, False, -1, -1, 0.0, 1, False, None,
+                  None, True, None),
+                 (q, k_cache, v_cache, k, v, lens, -1, None, None, None, None, True, -1, -1, 0.0, 0, False, cos, sin,
+                  False, pads)):
         torch.library.opcheck(torch.ops.cuflash.attention_with_kvcache.default, args,
                               test_utils=("test_schema", "test_faketensor"))
 
@@ -394,11 +422,11 @@ def test_kvcache_fake_tensors_give_shapes_and_run_the_checks():
         q = torch.empty(2, 3, 8, 64, dtype=torch.float16, device="cuda")
         cache = torch.empty(2, 100, 2, 64, dtype=torch.float16, device="cuda")
         out, lse = torch.ops.cuflash.attention_with_kvcache(q, cache, cache, None, None, None, 10, None, None, None,
-                                                            None, True, -1, -1, 0.0, 0, True)
+                                                            None, True, -1, -1, 0.0, 0, True, None, None, True, None)
         assert out.shape == q.shape and lse.shape == (2, 8, 3)
         with pytest.raises(ValueError, match="cache_seqlens: 99 cached \\+ 3 new keys exceed the cache capacity 100"):
             torch.ops.cuflash.attention_with_kvcache(q, cache, cache, q[:, :, :2], q[:, :, :2], None, 99, None, None,
-                                                     None, None, True, -1, -1, 0.0, 0, False)
+                                                     None, None, True, -1, -1, 0.0, 0, False, None, None, True, None)
 
 
 def test_kvcache_torch_compile_has_no_graph_break_and_appends(on_host):
