@@ -6,7 +6,9 @@
 //     wait K[n] | issue V[n] | S = Q K[n]^T | mask, online softmax | wait V[n] | issue K[n-1] | O += P V[n]
 // so each tile's load overlaps the other's math. Normalization by the row sum waits for the epilogue.
 // Packed variable-length batches run the same code: seqlen.cuh says where sequence b starts and how long it is,
-// and CTAs past the end of a shorter sequence exit at once (the grid is sized for the longest).
+// and CTAs past the end of a shorter sequence exit at once (the grid is sized for the longest). A packed batch may
+// take its keys from a page pool (block_table: chunked prefill against a paged KV cache), gathered row by row, and
+// its key counts from seqused_k; both are read from device memory, so they are bounded here (seqlen_k_of).
 #include "params.cuh"
 #include "seqlen.cuh"
 #include "tile.cuh"
@@ -67,8 +69,20 @@ struct FwdBlock {
     __device__ __forceinline__ explicit FwdBlock(const FwdParams& params)
         : p(params), q_addr(0, 0, 0), k_addr(0, 0, 0), v_addr(0, 0, 0) {}
 
-    __device__ __forceinline__ void load_kv(u32 dst, const u16* gmem, i64 row_stride, int n) {
-        KVCopy::load_async(dst, gmem + (i64)n * BN * row_stride, row_stride, mask.seqlen_k - n * BN, p.headdim, tid);
+    __device__ __forceinline__ void load_kv(u32 dst, const u16* gmem, i64 row_stride, i64 page_stride, int n) {
+        if (p.block_table == nullptr) {
+            KVCopy::load_async(dst, gmem + (i64)n * BN * row_stride, row_stride, mask.seqlen_k - n * BN, p.headdim,
+                               tid);
+        } else {  // paged: each row from its page (a page the pool does not have reads as zeros)
+            const int* pages = p.block_table + (i64)blockIdx.z * p.block_table_stride;
+            KVCopy::load_rows_async(dst, [&](int r) -> const u16* {
+                const int pos = n * BN + r;
+                if (pos >= mask.seqlen_k) return nullptr;
+                const int page = pages[pos / p.page_size];
+                return page >= 0 && page < p.num_pages
+                    ? gmem + (i64)page * page_stride + (i64)(pos % p.page_size) * row_stride : nullptr;
+            }, p.headdim, gmem, tid);
+        }
         cp_async_commit();
     }
 
@@ -144,7 +158,7 @@ struct FwdBlock {
         } else {
             cp_async_wait<0>();
             __syncthreads();  // K[n] has landed, and every warp is done reading V[n+1]
-            load_kv(sV, v_gmem, p.v_row_stride, n);
+            load_kv(sV, v_gmem, p.v_row_stride, p.v_batch_stride, n);
         }
         if (FIRST && Traits::Q_IN_REGS) {  // Q landed with K[n]
 #pragma unroll
@@ -164,7 +178,7 @@ struct FwdBlock {
 
         cp_async_wait<0>();
         __syncthreads();  // V[n] has landed, and every warp is done reading K[n]
-        if (n > n_min) load_kv(sK, k_gmem, p.k_row_stride, n - 1);
+        if (n > n_min) load_kv(sK, k_gmem, p.k_row_stride, p.k_batch_stride, n - 1);
         pv(pa);
     }
 
@@ -200,10 +214,20 @@ struct FwdBlock {
         }
     }
 
+    // Keys of sequence b: its cu_seqlens_k difference or seqused_k, at most what its rows (or pages) hold.
+    static __device__ __forceinline__ int seqlen_k_of(const FwdParams& p, const SeqInfo& seq, int b) {
+        if (p.block_table != nullptr) {
+            const int used = p.seqused_k != nullptr ? p.seqused_k[b] : seq.seqlen_k;
+            return max(0, min(used, p.max_pages * p.page_size));
+        }
+        return p.seqused_k != nullptr ? max(0, min(p.seqused_k[b], seq.seqlen_k)) : seq.seqlen_k;
+    }
+
     __device__ __forceinline__ void run(char* smem) {
         const int m_block = BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // band: longest rows first
         const int h = blockIdx.y, h_kv = h / p.heads_per_kv;
-        const SeqInfo seq(p, blockIdx.z);
+        SeqInfo seq(p, blockIdx.z);
+        if (p.cu_seqlens_q != nullptr) seq.seqlen_k = seqlen_k_of(p, seq, blockIdx.z);
         row0 = m_block * BM;
         if (row0 >= seq.seqlen_q) return;  // a packed sequence shorter than the longest: the whole CTA leaves
         tid = threadIdx.x;
@@ -215,8 +239,9 @@ struct FwdBlock {
         q_addr = LdmatrixAddr<QTile>(sQ, lane % 16, lane / 16);
         k_addr = LdmatrixAddr<KVTile>(sK, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
         v_addr = LdmatrixAddr<KVTile>(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
-        k_gmem = p.k + seq.k_offset(p.k_batch_stride, p.k_row_stride) + (i64)h_kv * p.k_head_stride;
-        v_gmem = p.v + seq.k_offset(p.v_batch_stride, p.v_row_stride) + (i64)h_kv * p.v_head_stride;
+        const int k_begin = p.block_table != nullptr ? 0 : seq.k_begin;  // paged: page 0, row 0 of the KV head
+        k_gmem = p.k + SeqInfo::offset(k_begin, p.k_batch_stride, p.k_row_stride, 0) + (i64)h_kv * p.k_head_stride;
+        v_gmem = p.v + SeqInfo::offset(k_begin, p.v_batch_stride, p.v_row_stride, 0) + (i64)h_kv * p.v_head_stride;
         mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
         if (SCORE_MOD) {
             float slope = p.alibi != nullptr ? p.alibi[(i64)blockIdx.z * p.alibi_batch_stride + h] : 0.f;
@@ -237,8 +262,8 @@ struct FwdBlock {
         if (n >= n_min) {
             const u16* q_gmem = p.q + seq.q_offset(p.q_batch_stride, p.q_row_stride, row0) + (i64)h * p.q_head_stride;
             QCopy::load_async(sQ, q_gmem, p.q_row_stride, seq.seqlen_q - row0, p.headdim, tid);
-            load_kv(sK, k_gmem, p.k_row_stride, n);  // one group: Q and K[n]
-            load_kv(sV, v_gmem, p.v_row_stride, n);  // a second: the first step needs V[n] only after softmax
+            load_kv(sK, k_gmem, p.k_row_stride, p.k_batch_stride, n);  // one group: Q and K[n]
+            load_kv(sV, v_gmem, p.v_row_stride, p.v_batch_stride, n);  // a second: V[n] is needed after softmax
 
             // ---- main loop, downwards: masked diagonal blocks, unmasked interior, masked window edge ----
             if (n > range.full_hi || n < range.full_lo)

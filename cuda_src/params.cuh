@@ -15,6 +15,10 @@ struct FwdParams {
     const float* alibi;    // slopes, (nheads,) or (batch, nheads); nullptr: no ALiBi
     const int* cu_seqlens_q;  // packed sequences (seqlen.cuh): (batch + 1,) row offsets into q, o, lse; nullptr: padded
     const int* cu_seqlens_k;  // (batch + 1,) row offsets into k, v (set together with cu_seqlens_q)
+    const int* block_table;   // packed only: k, v are page pools (num_pages, page_size, nheads_k, headdim), and key
+                              // p of sequence b is row p % page_size of page block_table[b, p / page_size]
+                              // (kv_rows, FwdBlock); nullptr: k, v rows as above
+    const int* seqused_k;     // packed only: (batch,) keys of sequence b, instead of cu_seqlens_k's difference
     i64 q_batch_stride, q_row_stride, q_head_stride;  // strides in elements; packed: batch stride = row stride
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -22,7 +26,9 @@ struct FwdParams {
     i64 lse_batch_stride, lse_head_stride;  // padded (nheads * seqlen_q, seqlen_q);
                                             // packed (nheads, total_q): (1, total_q)
     i64 alibi_batch_stride;  // 0 when the slopes are shared by the batch
+    i64 block_table_stride;  // elements between rows of block_table (k/v batch stride: between pages)
     int seqlen_q, seqlen_k;    // padded: the lengths; packed: max_seqlen_q, max_seqlen_k (the grid's size only)
+    int page_size, num_pages, max_pages;  // paged (block_table): page rows, pages in the pool, block_table columns
     int nheads, heads_per_kv;  // query heads; query heads per KV head (GQA group size)
     int headdim;               // real head dim (<= the compiled one; the rest is zero padding)
     int window_left, window_right;  // -1: unbounded; causal is (-1, 0)

@@ -105,7 +105,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
-                     stream=None):
+                     block_table=None, seqused_k=None, stream=None):
     """Attention over a batch of variable-length sequences packed along one token axis (flash-attn's layout).
 
     Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
@@ -132,6 +132,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         Row ``b`` for sequence ``b``.
     return_lse : bool
         Also return the float32 log-sum-exp ``(nheads, total_q)`` (natural log).
+    block_table : cupy.ndarray, int32, (batch, max_pages), optional
+        Paged keys (chunked prefill against a KV cache): k and v are then page pools ``(num_pages, page_size,
+        nheads_k, headdim)``, page_size a multiple of 16, and key p of sequence b is row ``p % page_size`` of page
+        ``block_table[b, p // page_size]``; sequence b has ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys (or
+        ``seqused_k[b]``), at most ``max_pages * page_size``. Forward only (no backward); on sm_90a it runs on the
+        portable kernel.
+    seqused_k : cupy.ndarray, int32, (batch,), optional
+        Keys of sequence b, instead of cu_seqlens_k's difference (at most that difference when not paged).
     stream : cupy.cuda.Stream, optional
 
     Returns
@@ -140,7 +148,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     lse : cupy.ndarray, (nheads, total_q), float32 -- only if ``return_lse``
 
     A query row that sees no key (also every row of a sequence with no keys) gets ``out = 0`` and
-    ``lse = -inf``.
+    ``lse = -inf``. Key counts and pages read from device memory are bounded in the kernel: a sequence never reads
+    past its own rows or the pages of its block_table row, and a page index outside the pool reads as zeros.
 
     Examples
     --------
@@ -150,9 +159,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                  softcap=softcap, alibi_slopes=alibi_slopes)
+                                  softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
+                                  seqused_k=seqused_k)
     runtime.require_device_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                   alibi_slopes=alibi_slopes)
+    runtime.require_device_index_arrays(block_table=block_table, seqused_k=seqused_k)
     runtime.require_gpu()  # after the checks, which need no GPU; once per process
     import cupy
     with cupy.cuda.Device(q.device.id), runtime.on(stream):
@@ -160,7 +171,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         lse = cupy.empty((problem.nheads, q.shape[0]), dtype=np.float32) if return_lse else None
         forward.launch(problem, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+                       seqused_k=seqused_k)
     return (out, lse) if return_lse else out
 
 

@@ -195,30 +195,47 @@ def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None) -> Problem:
+                 alibi_slopes=None, block_table=None, seqused_k=None) -> Problem:
     """Check the arguments of ``attention_varlen``.
 
-    q ``(total_q, nheads, d)``, k/v ``(total_k, nheads_k, d)``, cu_seqlens_q/k int32
-    ``(batch + 1,)``, max_seqlen_q/k positive ints. The returned Problem has
-    ``seqlen_q = max_seqlen_q`` and ``seqlen_k = max_seqlen_k``.
+    q ``(total_q, nheads, d)``, k/v ``(total_k, nheads_k, d)`` or with block_table (int32
+    ``(batch, max_pages)``) page pools ``(num_pages, page_size, nheads_k, d)``, page_size a
+    multiple of 16; cu_seqlens_q/k int32 ``(batch + 1,)``, seqused_k int32 ``(batch,)``,
+    max_seqlen_q/k positive ints. The returned Problem has ``seqlen_q = max_seqlen_q`` and
+    ``seqlen_k = max_seqlen_k``.
     """
     q, k, v = _spec(q, "q"), _spec(k, "k"), _spec(v, "v")
     cu_q, cu_k = _spec(cu_seqlens_q, "cu_seqlens_q"), _spec(cu_seqlens_k, "cu_seqlens_k")
     alibi_slopes = _spec(alibi_slopes, "alibi_slopes", required=False)
-    _check_qkv(q, k, v, VARLEN_Q_AXES, VARLEN_K_AXES)
+    block_table = _spec(block_table, "block_table", required=False)
+    seqused_k = _spec(seqused_k, "seqused_k", required=False)
+    if block_table is not None:
+        _check_qkv(q, k, v, VARLEN_Q_AXES, PAGED_CACHE_AXES)
+        if k.shape[1] % PAGE_MULTIPLE:
+            raise ValueError(f"{k.name}: page_size (axis 1) is {k.shape[1]}; "
+                             f"must be a positive multiple of {PAGE_MULTIPLE}")
+        _check_index(block_table, ("batch", "max_pages"))
+    else:
+        _check_qkv(q, k, v, VARLEN_Q_AXES, VARLEN_K_AXES)
+    if seqused_k is not None:
+        _check_index(seqused_k, ("batch",))
     for cu in (cu_q, cu_k):
         _check_index(cu, ("batch + 1",))
         if cu.shape[0] < 2:
             raise ValueError(f"{cu.name}: expected shape (batch + 1,) with batch >= 1, "
                              f"got {cu.shape}")
     _same_axis(cu_k, 0, cu_q, 0, "length")
+    for x in (block_table, seqused_k):
+        if x is not None and x.shape[0] != cu_q.shape[0] - 1:
+            raise ValueError(f"{x.name}: batch (axis 0) is {x.shape[0]} but {cu_q.name} holds "
+                             f"{cu_q.shape[0] - 1} sequences")
     _check_int(max_seqlen_q, "max_seqlen_q", minimum=1)
     _check_int(max_seqlen_k, "max_seqlen_k", minimum=1)
     batch = cu_q.shape[0] - 1
     _, nheads, headdim = q.shape
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
-    _same_device(q, k, v, cu_q, cu_k, alibi_slopes)
-    return Problem(batch, int(max_seqlen_q), int(max_seqlen_k), nheads, k.shape[1], headdim,
+    _same_device(q, k, v, cu_q, cu_k, alibi_slopes, block_table, seqused_k)
+    return Problem(batch, int(max_seqlen_q), int(max_seqlen_k), nheads, k.shape[-2], headdim,
                    q.dtype)
 
 
@@ -382,11 +399,11 @@ def _check_qkv(q, k, v, q_axes, k_axes):
     for axis, label in enumerate(k_axes):
         _same_axis(v, axis, k, axis, label)
     _same_axis(k, -1, q, -1, "head dim")
-    heads = len(q_axes) - 2  # the head-count axis, just before the head dim
-    nheads, nheads_k = q.shape[heads], k.shape[heads]
+    heads, heads_k = len(q_axes) - 2, len(k_axes) - 2  # the head-count axes, just before the head dim
+    nheads, nheads_k = q.shape[heads], k.shape[heads_k]
     if nheads % nheads_k:
         raise ValueError(f"nheads ({q.name} axis {heads}) = {nheads} is not a multiple of "
-                         f"nheads_k ({k.name} axis {heads}) = {nheads_k}")
+                         f"nheads_k ({k.name} axis {heads_k}) = {nheads_k}")
 
 
 def _check_tensor(x: TensorSpec, axes: tuple) -> None:

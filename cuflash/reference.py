@@ -292,7 +292,7 @@ def _sequences(cu_seqlens_q, cu_seqlens_k):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
-                     stream=None):
+                     block_table=None, seqused_k=None, stream=None):
     """Attention over packed variable-length sequences; reference of :func:`cuflash.attention_varlen`.
 
     Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
@@ -308,13 +308,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         Planning hints for the GPU; ignored here.
     alibi_slopes : array, ``(nheads,)`` or ``(batch, nheads)`` (row ``b`` for sequence ``b``), optional
     softmax_scale, causal, window_size, softcap, return_lse, stream : as in :func:`attention`
+    block_table : int32 ``(batch, max_pages)``, optional
+        k, v are page pools ``(num_pages, page_size, nheads_k, d)``; key p of sequence b is row
+        ``p % page_size`` of page ``block_table[b, p // page_size]``.
+    seqused_k : int32 ``(batch,)``, optional
+        Keys of sequence b, instead of ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``.
 
     Returns
     -------
     out : float64 ``(total_q, nheads, headdim_v)``
     lse : float64 ``(nheads, total_q)``, only with ``return_lse``
     """
-    q, k, v = _f64(q), _f64(k), _f64(v)
+    q = _f64(q)
+    k_all, v_all = _f64(k), _f64(v)
+    if block_table is not None:  # the pools as one row per (page, row), and each sequence's rows among them
+        page_size = k_all.shape[1]
+        k, v = k_all.reshape(-1, *k_all.shape[2:]), v_all.reshape(-1, *v_all.shape[2:])
+    else:
+        k, v = k_all, v_all
     nheads, _ = _check_qkv(q, k, v, batch_axis=False)
     cu_q = _i64(cu_seqlens_q)
     slopes = _alibi_per_batch(alibi_slopes, max(cu_q.size - 1, 0), nheads)
@@ -322,6 +333,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     out = np.zeros(q.shape[:-1] + v.shape[-1:])
     lse = np.full((nheads, q.shape[0]), -np.inf)
     for b, sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        n = sk.stop - sk.start if seqused_k is None else int(_i64(seqused_k)[b])
+        if block_table is not None:
+            pos = np.arange(n)
+            sk = _i64(block_table)[b, pos // page_size] * page_size + pos % page_size
+        elif seqused_k is not None:
+            if n > sk.stop - sk.start:
+                raise ValueError(f"seqused_k[{b}] = {n} exceeds the sequence's {sk.stop - sk.start} keys")
+            sk = slice(sk.start, sk.start + n)
         o, l = _forward(q[None, sq], k[None, sk], v[None, sk], softmax_scale=scale, causal=causal,
                         window_size=window_size, softcap=float(softcap),
                         alibi_slopes=None if slopes is None else slopes[b:b + 1])

@@ -385,7 +385,7 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
             call(_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                  0 if lse is None else lse.data_ptr(), 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
                  0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
-                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr())
+                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(), 0, 0)
         finally:
             if previous != index:
                 _set_device(previous)

@@ -159,8 +159,8 @@ def test_packed_forward_params(no_gpu_kernels):
     problem = checks.Problem(2, 20, 40, 4, 2, 64, np.dtype(np.float16))
     opts = dict(device_id=0, softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     call = _forward_call(problem, q, k, k, q, lse, **opts)
-    p = _struct(call, forward.PARAMS_DTYPE, 0x1000, 0x2000, 0x2000, 0x1000, 0x3000, 0, 0x4000, 0x5000)
-    assert (int(p["cu_seqlens_q"]), int(p["cu_seqlens_k"])) == (0x4000, 0x5000)
+    p = _struct(call, forward.PARAMS_DTYPE, 0x1000, 0x2000, 0x2000, 0x1000, 0x3000, 0, 0x4000, 0x5000, 0, 0x6000)
+    assert (int(p["cu_seqlens_q"]), int(p["cu_seqlens_k"]), int(p["seqused_k"])) == (0x4000, 0x5000, 0x6000)
     assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (256, 256, 64)
     assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (128, 128, 64)
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (1, 30)
@@ -168,9 +168,30 @@ def test_packed_forward_params(no_gpu_kernels):
 
     qp = _FakeDeviceArray(np.zeros((2, 20, 4, 64), np.float16), 0x1000)
     lsep = checks.contiguous("lse", (2, 4, 20), np.float32)  # a TensorSpec works as well as an array
-    p = _struct(_forward_call(problem, qp, qp, qp, qp, lsep, **opts), forward.PARAMS_DTYPE, *range(8))
+    p = _struct(_forward_call(problem, qp, qp, qp, qp, lsep, **opts), forward.PARAMS_DTYPE, *range(10))
     assert (p["q_batch_stride"], p["q_row_stride"]) == (20 * 256, 256)
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (80, 20)
+
+
+def test_paged_varlen_forward_params(no_gpu_kernels, configure):
+    """block_table: the pools' page stride as the k/v batch stride, the pages' geometry, the table's row stride, and
+    the portable kernel even where the Hopper one is on."""
+    from cuflash.launcher import KernelCall
+    configure(sm90=True)
+    q = _FakeDeviceArray(np.zeros((30, 4, 64), np.float16), 0x1000)
+    pool = _FakeDeviceArray(np.zeros((9, 32, 2, 64), np.float16), 0x2000)
+    table = _FakeDeviceArray(np.zeros((2, 5), np.int32), 0x7000)
+    lse = _FakeDeviceArray(np.zeros((4, 30), np.float32), 0x3000)
+    problem = checks.check_varlen(q, pool, pool, _FakeDeviceArray(np.zeros(3, np.int32), 0x4000),
+                                  _FakeDeviceArray(np.zeros(3, np.int32), 0x5000), 20, 160, block_table=table)
+    opts = options.resolve(problem, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None)
+    call = forward.forward_call(problem, q, pool, pool, q, lse, opts, device_id=0, block_table=table)
+    assert isinstance(call, KernelCall)  # the portable kernel: the Hopper one has no paged keys
+    p = _struct(call, forward.PARAMS_DTYPE, *range(1, 11))
+    assert int(p["block_table"]) == 9 and (p["page_size"], p["num_pages"], p["max_pages"]) == (32, 9, 5)
+    assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (32 * 128, 128, 64)
+    assert p["block_table_stride"] == 5 and problem.nheads_k == 2
 
 
 def _fake_backward_call(b, sq, sk, h, hk, d, rows_k_packed, packed, deterministic, rows_packed):

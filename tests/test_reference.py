@@ -557,3 +557,29 @@ def test_kvcache_leftpad_attends_from_the_pad_on():
         want = ref.attention(q[b:b + 1], kc[b:b + 1, pads[b]:lens[b]], vc[b:b + 1, pads[b]:lens[b]],
                                    causal=True)
         np.testing.assert_allclose(got[b:b + 1], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_paged_varlen_equals_varlen_on_the_gathered_keys(page_size):
+    """attention_varlen with block_table (and seqused_k) equals attention_varlen on each sequence's keys gathered
+    from its pages into packed rows."""
+    rng = np.random.default_rng(page_size)
+    lens_q, lens_k = [3, 1, 5], [40, 7, 0]
+    pages = [-(-n // page_size) for n in lens_k]
+    num_pages = sum(pages) + 2
+    pool_k, pool_v = rng.standard_normal((2, num_pages, page_size, 2, 16))
+    order = rng.permutation(num_pages)
+    table = np.zeros((3, max(pages)), np.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[used:used + n]
+        used += n
+    q = rng.standard_normal((sum(lens_q), 4, 16))
+    cu_q = np.cumsum([0] + lens_q).astype(np.int32)
+    cu_k = np.cumsum([0] + lens_k).astype(np.int32)
+    got = ref.attention_varlen(q, pool_k, pool_v, cu_q, cu_k, 5, 40, causal=True, block_table=table,
+                               seqused_k=np.array(lens_k, np.int32))
+    gather = lambda pool: np.concatenate([  # noqa: E731
+        pool[table[b, np.arange(n) // page_size], np.arange(n) % page_size] for b, n in enumerate(lens_k)])
+    want = ref.attention_varlen(q, gather(pool_k), gather(pool_v), cu_q, cu_k, 5, 40, causal=True)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

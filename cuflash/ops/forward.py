@@ -214,17 +214,22 @@ def sm90_variant(problem, arch: str, band: bool = False) -> str | None:
 
 # FwdParams (cuda_src/params.cuh): same field order, C alignment (tests/test_plan.py checks).
 PARAMS_DTYPE = plan.struct(
-    ("q", "k", "v", "o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k"),
-    plan.stride_fields("q", "k", "v", "o") + ["lse_batch_stride", "lse_head_stride", "alibi_batch_stride"],
-    ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right"),
+    ("q", "k", "v", "o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k"),
+    plan.stride_fields("q", "k", "v", "o") + ["lse_batch_stride", "lse_head_stride", "alibi_batch_stride",
+                                              "block_table_stride"],
+    ("seqlen_q", "seqlen_k", "page_size", "num_pages", "max_pages", "nheads", "heads_per_kv", "headdim",
+     "window_left", "window_right"),
     ("scale_log2", "mod_scale", "softcap"))
-POINTERS = PARAMS_DTYPE.names[:8]   # q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k
+POINTERS = PARAMS_DTYPE.names[:10]  # q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k
 
 
-def params(problem, q, k, v, out, lse, alibi, options: AttentionOptions):
+def params(problem, q, k, v, out, lse, alibi, options: AttentionOptions, block_table=None):
     """FwdParams but its pointers (each call gives them): strides of the layouts (arrays or TensorSpecs), sizes,
-    window, scales."""
+    window, scales; with ``block_table`` (k, v page pools) the pages' geometry."""
     p = np.zeros((), dtype=PARAMS_DTYPE)
+    if block_table is not None:
+        p["block_table_stride"] = checks.elem_strides(block_table)[0]
+        p["page_size"], p["num_pages"], p["max_pages"] = k.shape[1], k.shape[0], block_table.shape[1]
     plan.set_strides(p, q=q, k=k, v=v, o=out)
     p["lse_batch_stride"], p["lse_head_stride"] = checks.lse_strides(lse)
     p["alibi_batch_stride"] = checks.alibi_batch_stride(alibi)
@@ -237,19 +242,21 @@ def params(problem, q, k, v, out, lse, alibi, options: AttentionOptions):
     return p[()]
 
 
-def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, device_id: int, alibi_slopes=None):
+def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, device_id: int, alibi_slopes=None,
+                 block_table=None):
     """The forward's :class:`~cuflash.launcher.KernelCall` for these layouts and options on device `device_id`
     (current), or where sm90_variant chooses the Hopper kernel, :class:`~cuflash.ops.forward_sm90.ForwardCall`
-    (same call). q .. lse and alibi_slopes are arrays or TensorSpecs: only shapes and strides are read, packed
-    ones ((total, heads, d); lse (nheads, total_q)) as in :func:`launch`. A call then takes the stream and the
-    pointers ``q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k`` (0 where absent)."""
+    (same call). q .. lse, alibi_slopes and block_table are arrays or TensorSpecs: only shapes and strides are read,
+    packed ones ((total, heads, d); lse (nheads, total_q)) as in :func:`launch`. A call then takes the stream and the
+    pointers ``q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k`` (0 where absent).
+    Paged keys (block_table) run on the portable kernel."""
     arch = build.device_arch(device_id)
-    variant = sm90_variant(problem, arch, options.band)
+    variant = sm90_variant(problem, arch, options.band) if block_table is None else None
     if variant is not None:
         return forward_sm90.forward_call(problem, q, k, v, out, lse, options, device_id=device_id,
                                          alibi_slopes=alibi_slopes, variant=variant)
     launch = plan_forward(problem, options.left, options.right, options.score_mod, arch)
-    p = params(problem, q, k, v, out, lse, alibi_slopes, options)
+    p = params(problem, q, k, v, out, lse, alibi_slopes, options, block_table)
     return KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, launch.block, launch.smem)],
                       p, POINTERS)
 
@@ -265,7 +272,7 @@ def _forget() -> None:
 
 
 def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           cu_seqlens_q=None, cu_seqlens_k=None):
+           cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, seqused_k=None):
     """Launch the forward into given arrays, on the current device and stream; no checks, no allocation.
 
     :func:`cuflash.attention` checks and allocates, then calls this; framework wrappers (JAX's FFI handler) call
@@ -274,22 +281,26 @@ def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
 
     Packed variable-length sequences (:func:`cuflash.attention_varlen`): give ``cu_seqlens_q`` and
     ``cu_seqlens_k`` (int32 ``(batch + 1,)`` on the device); q/out are then ``(total_q, nheads, d)``, k/v
-    ``(total_k, nheads_k, d)``, lse ``(nheads, total_q)``, and ``problem`` carries the maximum lengths.
+    ``(total_k, nheads_k, d)``, lse ``(nheads, total_q)``, and ``problem`` carries the maximum lengths. With
+    ``block_table`` k/v are page pools ``(num_pages, page_size, nheads_k, d)``; ``seqused_k`` (int32 ``(batch,)``)
+    gives each sequence's key count.
     """
     key = checks.call_signature((problem, q, k, v, out, lse, softmax_scale, causal, window_size, softcap,
-                                 alibi_slopes, cu_seqlens_q, cu_seqlens_k))
+                                 alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
     call = _launches.get(key) if key is not None else None
     if call is None:
         options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                           softcap=softcap, alibi_slopes=alibi_slopes)
-        call = forward_call(problem, q, k, v, out, lse, options, device_id=q.device.id, alibi_slopes=alibi_slopes)
+        call = forward_call(problem, q, k, v, out, lse, options, device_id=q.device.id, alibi_slopes=alibi_slopes,
+                            block_table=block_table)
         if key is not None:
             if len(_launches) >= 4096:
                 _launches.clear()
             _launches[key] = call
     import cupy
     call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, runtime.ptr(lse),
-         runtime.ptr(alibi_slopes), runtime.ptr(cu_seqlens_q), runtime.ptr(cu_seqlens_k))
+         runtime.ptr(alibi_slopes), runtime.ptr(cu_seqlens_q), runtime.ptr(cu_seqlens_k), runtime.ptr(block_table),
+         runtime.ptr(seqused_k))
 
 
 def _layout(x) -> tuple:
@@ -333,5 +344,5 @@ def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes
         out = cupy.ndarray(q.shape, q.dtype)
         lse = cupy.ndarray(lse_shape, np.float32) if return_lse else None
         call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, runtime.ptr(lse),
-             runtime.ptr(alibi_slopes), 0, 0)
+             runtime.ptr(alibi_slopes), 0, 0, 0, 0)
     return (out, lse) if return_lse else out

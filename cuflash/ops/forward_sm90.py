@@ -218,8 +218,8 @@ _POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the four map
 class ForwardCall:
     """The Hopper forward behind the call interface of the portable forward's KernelCall
     (:func:`cuflash.ops.forward.forward_call`): ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q,
-    cu_seqlens_k)`` with data pointers (0 where absent). The tensor maps embed q, k, v and o's addresses, so a call
-    encodes them (cached per pointer by cuflash.tma) into the head of the struct."""
+    cu_seqlens_k, 0, 0)`` with data pointers (0 where absent). The tensor maps embed q, k, v and o's addresses, so a
+    call encodes them (cached per pointer by cuflash.tma) into the head of the struct."""
 
     __slots__ = ("kernel_call", "maps", "spec")
 
@@ -227,7 +227,8 @@ class ForwardCall:
         self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
 
     def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
-                 cu_seqlens_k: int = 0) -> None:
+                 cu_seqlens_k: int = 0, block_table: int = 0, seqused_k: int = 0) -> None:
+        # (block_table and seqused_k: the portable call's arguments; calls with them are never planned here)
         q_map, k_map, v_map, o_map = self.maps
         self.kernel_call.launch_head(
             stream,

@@ -304,3 +304,92 @@ def test_stream_argument(compiled):
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         run_forward(np.random.default_rng(10), lens_q=[17, 64], lens_k=[33, 1], h=2, hk=2, d=64, dtype="bf16")
+
+
+# --------------------------------------------------------------------------------------------
+# Paged keys: block_table (chunked prefill against a page pool) and seqused_k
+# --------------------------------------------------------------------------------------------
+
+def _paged(rng, lens_k, page_size, hk, d, dt, spare=3):
+    """A shuffled page pool holding each sequence's keys and values (plus spare pages of noise), its block table,
+    and the keys and values gathered back into packed rows (the unpaged equivalent)."""
+    pages = [max(1, -(-n // page_size)) for n in lens_k]
+    num_pages = sum(pages) + spare
+    pool_k, pool_v = randn(rng, (num_pages, page_size, hk, d), dt), randn(rng, (num_pages, page_size, hk, d), dt)
+    order = rng.permutation(num_pages)
+    table = np.full((len(lens_k), max(pages)), num_pages - 1, np.int32)
+    start = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[start:start + n]
+        start += n
+    rows = [(table[b, np.arange(n) // page_size], np.arange(n) % page_size) for b, n in enumerate(lens_k)]
+    packed_k = np.concatenate([pool_k[r] for r in rows]) if sum(lens_k) else np.zeros((0, hk, d), dt)
+    packed_v = np.concatenate([pool_v[r] for r in rows]) if sum(lens_k) else np.zeros((0, hk, d), dt)
+    return pool_k, pool_v, table, packed_k, packed_v
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_paged_varlen_matches_the_reference(compiled, page_size, causal, dtype):
+    """Chunked prefill: new query chunks of each sequence against its keys in a page pool (the chunk's own keys
+    last, so causal masks align bottom-right as in a KV cache), GQA, lengths off the tile grid, an empty sequence;
+    equal to the reference on the pool and to the unpaged call on the gathered keys."""
+    import cupy
+    import cuflash
+    rng = np.random.default_rng(page_size + causal)
+    dt = DTYPES[dtype]
+    lens_q, lens_k = [17, 1, 64, 0, 40], [300, 33, 64, 5, 129]
+    h, hk, d = 8, 2, 128
+    pool_k, pool_v, table, packed_k, packed_v = _paged(rng, lens_k, page_size, hk, d, dt)
+    q = randn(rng, (sum(lens_q), h, d), dt)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    dev = cupy.asarray
+    out, lse = cuflash.attention_varlen(dev(q), dev(pool_k), dev(pool_v), dev(cu_q), dev(cu_k), max(lens_q),
+                                        max(lens_k), causal=causal, block_table=dev(table), return_lse=True)
+    ref, ref_lse = reference.attention_varlen(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                              causal=causal, block_table=table, return_lse=True)
+    naive = naive_varlen(q, packed_k, packed_v, cu_q, cu_k, None, dict(causal=causal))
+    assert_close_to_reference(out.get(), ref, naive, context=f"page {page_size} causal {causal}")
+    assert_lse_close(lse.get(), ref_lse)
+    unpaged = cuflash.attention_varlen(dev(q), dev(packed_k), dev(packed_v), dev(cu_q), dev(cu_k), max(lens_q),
+                                       max(lens_k), causal=causal)
+    assert_close_to_reference(out.get(), unpaged.get().astype(np.float64), naive)
+
+
+def test_paged_varlen_seqused_k_and_bounds(compiled):
+    """seqused_k gives each sequence's key count; a count past the pages of its block-table row is cut to them,
+    a negative one gives no keys (out 0, lse -inf), and a page index outside the pool reads as zero keys. The
+    unpaged call with seqused_k reads at most the sequence's own rows."""
+    import cupy
+    import cuflash
+    rng = np.random.default_rng(5)
+    dt, h, hk, d, page = DTYPES["bf16"], 4, 1, 64, 16
+    lens_q, lens_k = [2, 2, 2], [40, 20, 16]
+    pool_k, pool_v, table, packed_k, packed_v = _paged(rng, lens_k, page, hk, d, dt, spare=0)
+    q = randn(rng, (6, h, d), dt)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    used = np.array([1000, -4, 16], np.int32)  # row 0: cut to its 3 pages (48 keys); row 1: none
+    table[2, 0] = 77  # row 2's page is not in the pool: its 16 keys read as zeros
+    dev = cupy.asarray
+    out, lse = cuflash.attention_varlen(dev(q), dev(pool_k), dev(pool_v), dev(cu_q), dev(cu_k), 2, 48,
+                                        block_table=dev(table), seqused_k=dev(used), return_lse=True)
+    out, lse = out.get(), lse.get()
+    keys0 = pool_k[table[0, np.arange(48) // page], np.arange(48) % page]
+    vals0 = pool_v[table[0, np.arange(48) // page], np.arange(48) % page]
+    zeros = np.zeros((16, hk, d), dt)
+    for b, (kb, vb) in ((0, (keys0, vals0)), (2, (zeros, zeros))):
+        args = (q[None, 2 * b:2 * b + 2], kb[None], vb[None])
+        want, want_lse = reference.attention(*args, return_lse=True)
+        assert_close_to_reference(out[None, 2 * b:2 * b + 2], want, naive_lowp(*args), context=f"row {b}")
+        assert_lse_close(lse[:, 2 * b:2 * b + 2], want_lse[0])
+    assert (out[2:4] == 0).all() and np.isneginf(lse[:, 2:4]).all()
+
+    used = np.array([40, 25, 3], np.int32)  # unpaged: row 1 asks for more than its 20 rows and gets 20
+    out = cuflash.attention_varlen(dev(q), dev(packed_k), dev(packed_v), dev(cu_q), dev(cu_k), 2, 40,
+                                   seqused_k=dev(used)).get()
+    for b, n in enumerate([40, 20, 3]):
+        rows = slice(int(cu_k[b]), int(cu_k[b]) + n)
+        args = (q[None, 2 * b:2 * b + 2], packed_k[None, rows], packed_v[None, rows])
+        assert_close_to_reference(out[None, 2 * b:2 * b + 2], reference.attention(*args), naive_lowp(*args),
+                                  context=f"unpaged row {b}")
