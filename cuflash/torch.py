@@ -89,7 +89,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
-                     deterministic=False):
+                     deterministic=False, block_table=None, seqused_k=None):
     """:func:`cuflash.attention_varlen` on torch tensors (flash-attn's ``flash_attn_varlen_func`` layout),
     differentiable in q, k and v.
 
@@ -112,6 +112,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         As in :func:`attention`, per sequence; ``alibi_slopes`` row ``b`` is sequence ``b``'s.
     return_lse : bool
         Also return the float32 log-sum-exp ``(nheads, total_q)``; it is not differentiable.
+    block_table : torch.Tensor int32 (batch, max_pages), optional
+        Paged keys (chunked prefill): k, v are page pools ``(num_pages, page_size, nheads_k, headdim)`` and key p
+        of sequence b is row ``p % page_size`` of page ``block_table[b, p // page_size]``. Forward only.
+    seqused_k : torch.Tensor int32 (batch,), optional
+        Keys of sequence b instead of cu_seqlens_k's difference. Forward only.
 
     Returns
     -------
@@ -129,10 +134,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     left, right = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
     if _eager(q, k, v):
+        if block_table is not None or seqused_k is not None:  # forward only
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                _no_paged_backward(block_table)
+            out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, causal, left, right, softcap, return_lse, block_table, seqused_k)
+            return (out, lse) if return_lse else out
         return _eager_attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
                                           softmax_scale, causal, left, right, softcap), deterministic, return_lse)
-    out, lse = _attention_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                                        softmax_scale, causal, left, right, softcap, deterministic)
+    if block_table is not None or seqused_k is not None:
+        out, lse = _attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                                              alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left,
+                                              right, softcap)
+    else:
+        out, lse = _attention_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
+                                            max_seqlen_k, softmax_scale, causal, left, right, softcap, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -325,42 +341,47 @@ def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-             left, right, softcap, need_lse: bool) -> tuple:
+             left, right, softcap, need_lse: bool, block_table=None, seqused_k=None) -> tuple:
     """Dense (``cu_seqlens_q`` None) or varlen forward into a new ``out`` and ``lse`` (None unless ``need_lse``)."""
     plan = _forward_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, causal, left, right, softcap)
-    return _run_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse)
+                         softmax_scale, causal, left, right, softcap, block_table, seqused_k)
+    return _run_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse, block_table, seqused_k)
 
 
 def _forward_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
-                  causal, left, right, softcap) -> _Plan:
+                  causal, left, right, softcap, block_table=None, seqused_k=None) -> _Plan:
     """The forward's plan for the call's signature: looked up, else checked and planned."""
     try:
         key = ("fwd", max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap, _signature(q),
                _signature(k), _signature(v), _signature(alibi_slopes), _signature(cu_seqlens_q),
-               _signature(cu_seqlens_k))
+               _signature(cu_seqlens_k), _signature(block_table), _signature(seqused_k))
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # something that is not a tensor, or unhashable: the checks say what
         key = plan = None
     if plan is None:
         plan = _plan(key, lambda: _plan_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
-                                                max_seqlen_k, _options(softmax_scale, causal, left, right, softcap)))
+                                                max_seqlen_k, _options(softmax_scale, causal, left, right, softcap),
+                                                block_table, seqused_k))
     return plan
 
 
-def _run_forward(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse: bool) -> tuple:
+def _run_forward(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse: bool, block_table=None,
+                 seqused_k=None) -> tuple:
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         _require_aligned(q=q, k=k, v=v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
-    plan.launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    plan.launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
     return out, lse
 
 
-def _plan_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, options) -> _Plan:
+def _plan_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, options,
+                  block_table=None, seqused_k=None) -> _Plan:
     tensors = dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
     if cu_seqlens_q is not None:
         tensors.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if block_table is not None or seqused_k is not None:
+        tensors.update(block_table=block_table, seqused_k=seqused_k)
     problem, specs = _problem(options, tensors, max_seqlen_q, max_seqlen_k)
     lse_shape = ((problem.batch, problem.nheads, problem.seqlen_q) if cu_seqlens_q is None
                  else (problem.nheads, q.shape[0]))
@@ -368,16 +389,17 @@ def _plan_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_
 
 
 def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Callable:
-    """``launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k)``: the forward of one call signature
-    on torch's current stream, into a contiguous ``out`` and ``lse`` (or None), from data pointers."""
+    """``launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)``: the
+    forward of one call signature on torch's current stream, into a contiguous ``out`` and ``lse`` (or None), from
+    data pointers."""
     q, index = specs["q"], specs["q"].device
     with cupy.cuda.Device(index):
         call = forward.forward_call(problem, q, specs["k"], specs["v"], checks.contiguous("out", q.shape, q.dtype),
                                     checks.contiguous("lse", lse_shape, np.float32),
                                     resolve(problem, alibi_slopes=specs["alibi_slopes"], **options), device_id=index,
-                                    alibi_slopes=specs["alibi_slopes"])
+                                    alibi_slopes=specs["alibi_slopes"], block_table=specs.get("block_table"))
 
-    def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k):
+    def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k):
         previous = _get_device()
         if previous != index:
             _set_device(index)
@@ -385,7 +407,8 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
             call(_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                  0 if lse is None else lse.data_ptr(), 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
                  0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
-                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(), 0, 0)
+                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
+                 0 if block_table is None else block_table.data_ptr(), 0 if seqused_k is None else seqused_k.data_ptr())
         finally:
             if previous != index:
                 _set_device(previous)
@@ -510,6 +533,32 @@ def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                  dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k), max_seqlen_q, max_seqlen_k)
     return tuple(x.new_empty(x.shape) for x in (q, k, v))
+
+
+def _attention_varlen_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            cu_seqlens_k: torch.Tensor, block_table: Optional[torch.Tensor],
+                            seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                            max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool,
+                            window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The varlen forward with paged keys or seqused_k (forward only: its autograd raises)."""
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, window_left, window_right, softcap, True, block_table, seqused_k)
+
+
+def _attention_varlen_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes,
+                                 max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap):
+    if _concrete(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes,
+                 ints=(max_seqlen_q, max_seqlen_k)):
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+                 dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      block_table=block_table, seqused_k=seqused_k), max_seqlen_q, max_seqlen_k)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _no_paged_backward(block_table, *_):
+    name = "block_table" if block_table is not None else "seqused_k"
+    raise NotImplementedError(f"{name}: attention_varlen with paged keys or seqused_k has no backward (it serves "
+                              f"inference); call it under torch.no_grad() or on tensors that do not require grad")
 
 
 # --------------------------------------------------------------------------------------------
@@ -648,6 +697,8 @@ _attention_bwd_op = _register("attention_bwd", _attention_bwd, _attention_bwd_fa
 _attention_varlen_fwd_op = _register("attention_varlen_fwd", _attention_varlen_fwd, _attention_varlen_fwd_fake)
 _attention_varlen_bwd_op = _register("attention_varlen_bwd", _attention_varlen_bwd, _attention_varlen_bwd_fake)
 _kvcache_op = _register("attention_with_kvcache", _kvcache, _kvcache_fake, mutates_args=("k_cache", "v_cache"))
+_attention_varlen_paged_op = _register("attention_varlen_paged", _attention_varlen_paged,
+                                       _attention_varlen_paged_fake)
 
 
 def _register_autograd(forward_op, backward_op, tensors: int) -> None:
@@ -668,6 +719,9 @@ def _register_autograd(forward_op, backward_op, tensors: int) -> None:
 
 
 _register_autograd(_attention_fwd_op, torch.ops.cuflash.attention_bwd, 4)
+_attention_varlen_paged_op.register_autograd(
+    lambda ctx, dout, dlse: _no_paged_backward(ctx.block_table),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "block_table", inputs[5]))
 _register_autograd(_attention_varlen_fwd_op, torch.ops.cuflash.attention_varlen_bwd, 6)
 
 
@@ -681,7 +735,7 @@ _NUMPY_DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(m
 _TORCH_DTYPES = {v: k for k, v in _NUMPY_DTYPES.items()}
 _EXPECTED_DTYPE = dict(alibi_slopes="torch.float32", lse="torch.float32", cu_seqlens_q="torch.int32",
                        cu_seqlens_k="torch.int32", cache_seqlens="torch.int32", cache_batch_idx="torch.int32",
-                       block_table="torch.int32", cache_leftpad="torch.int32")
+                       block_table="torch.int32", cache_leftpad="torch.int32", seqused_k="torch.int32")
 
 
 def _options(softmax_scale, causal, left, right, softcap) -> dict:
@@ -695,8 +749,9 @@ def _problem(options: dict, tensors: dict, max_seqlen_q=None, max_seqlen_k=None)
     arrays = [s[n] for n in (("dout", "q", "k", "v", "out", "lse") if "dout" in s else ("q", "k", "v"))]
     if "cu_seqlens_q" in s:
         check = checks.check_varlen_backward if "dout" in s else checks.check_varlen
+        paged = {n: s[n] for n in ("block_table", "seqused_k") if n in s}  # the forward's paged keys
         problem = check(*arrays, s["cu_seqlens_q"], s["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
-                        alibi_slopes=s["alibi_slopes"], **options)
+                        alibi_slopes=s["alibi_slopes"], **options, **paged)
     else:
         check = checks.check_backward if "dout" in s else checks.check_attention
         problem = check(*arrays, alibi_slopes=s["alibi_slopes"], **options)

@@ -30,14 +30,17 @@ def on_host(monkeypatch):
     """Launch into torch-allocated CPU tensors with the float64 reference; count launches."""
     calls = []
 
-    def forward(problem, q, k, v, out, lse, *, alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, **options):
-        calls.append(("fwd", options))
+    def forward(problem, q, k, v, out, lse, *, alibi_slopes, cu_seqlens_q=None, cu_seqlens_k=None, block_table=None,
+                seqused_k=None, **options):
+        paged = {} if block_table is None and seqused_k is None else dict(block_table=block_table, seqused_k=seqused_k)
+        calls.append(("fwd", dict(options, **paged)))
         q, k, v = (x.astype(np.float64) for x in (q, k, v))
         if cu_seqlens_q is None:
             o, l = reference.attention(q, k, v, alibi_slopes=alibi_slopes, return_lse=True, **options)
         else:
             o, l = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem.seqlen_q,
-                                              problem.seqlen_k, alibi_slopes=alibi_slopes, return_lse=True, **options)
+                                              problem.seqlen_k, alibi_slopes=alibi_slopes, return_lse=True,
+                                              block_table=block_table, seqused_k=seqused_k, **options)
         out[...], lse[...] = o.astype(out.dtype), l
 
     def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, alibi_slopes, deterministic, cu_seqlens_q=None,
@@ -59,10 +62,11 @@ def on_host(monkeypatch):
         return (out, lse.astype(np.float32)) if return_lse else out
 
     def forward_launch(problem, specs, options, lse_shape):  # the ops launch by pointer: same reference underneath
-        def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k):
+        def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k):
             lse = torch.empty(lse_shape) if lse is None else lse
             forward(problem, *map(_host, (q, k, v, out, lse)), alibi_slopes=_host(alibi_slopes),
-                    cu_seqlens_q=_host(cu_seqlens_q), cu_seqlens_k=_host(cu_seqlens_k), **options)
+                    cu_seqlens_q=_host(cu_seqlens_q), cu_seqlens_k=_host(cu_seqlens_k),
+                    block_table=_host(block_table), seqused_k=_host(seqused_k), **options)
         return launch
 
     def backward_launch(problem, specs, options, deterministic, packed):
@@ -457,3 +461,28 @@ def test_kvcache_errors(monkeypatch):
         cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, cache_seqlens=3)
     with pytest.raises(ValueError, match="q: expected a CUDA tensor, got one on cpu"):
         cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=3)
+
+
+def test_varlen_paged_keys_forward_and_no_backward(on_host):
+    """block_table and seqused_k reach the forward (eager and through the op); with a gradient to track they raise
+    NotImplementedError naming the argument."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(6, 4, 32, generator=g).half()
+    pool_k, pool_v = (torch.randn(5, 16, 2, 32, generator=g).half() for _ in range(2))
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
+    cu_q = torch.tensor([0, 2, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 37], dtype=torch.int32)
+    used = torch.tensor([20, 9], dtype=torch.int32)
+    out = cuflash.torch.attention_varlen(q, pool_k, pool_v, cu_q, cu_k, 4, 20, causal=True, block_table=table,
+                                         seqused_k=used)
+    want = reference.attention_varlen(q.numpy(), pool_k.numpy(), pool_v.numpy(), cu_q.numpy(), cu_k.numpy(), 4, 20,
+                                      causal=True, block_table=table.numpy(), seqused_k=used.numpy())
+    assert np.abs(out.numpy() - want).max() < 4e-3
+    assert on_host[-1][1]["block_table"] is not None and on_host[-1][1]["seqused_k"] is not None
+    with pytest.raises(NotImplementedError, match="block_table: attention_varlen with paged keys"):
+        cuflash.torch.attention_varlen(q.requires_grad_(), pool_k, pool_v, cu_q, cu_k, 4, 20, block_table=table)
+    compiled = torch.compile(lambda *a: cuflash.torch.attention_varlen(*a, 4, 20, causal=True, block_table=table,
+                                                                       seqused_k=used), backend="aot_eager",
+                             fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(q.detach(), pool_k, pool_v, cu_q, cu_k), out)
