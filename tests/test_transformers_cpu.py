@@ -196,7 +196,8 @@ def test_options_reach_the_kernels(on_host):
 def test_dense_inputs_reach_the_kernels_without_a_copy(on_host, monkeypatch):
     seen = []
     attention = cuflash.torch.attention
-    monkeypatch.setattr(cuflash.torch, "attention", lambda q, k, v, **o: seen.append((q, k, v)) or attention(q, k, v, **o))
+    monkeypatch.setattr(cuflash.torch, "attention",
+                        lambda q, k, v, **options: seen.append((q, k, v)) or attention(q, k, v, **options))
     q, k, v = _qkv()
     cuflash.transformers.attention_forward(_Layer(), q, k, v, None)
     for given, passed in zip((q, k, v), seen[0]):
