@@ -12,8 +12,9 @@ padding mask otherwise -- and the function maps each case onto :mod:`cuflash.tor
 
 * no mask: :func:`cuflash.torch.attention` on the model's q, k, v as they are (views, no copy), causal aligned
   bottom-right. That is also decoding against a KV cache: one new query row against the cache's keys.
-* a padding mask: the valid rows are gathered into flash-attn's packed layout, attended with
-  :func:`cuflash.torch.attention_varlen`, and scattered back; padded query rows get zeros.
+* a padding mask: the valid key rows are gathered into flash-attn's packed layout and attended with
+  :func:`cuflash.torch.attention_varlen`; for causal attention the valid query rows too, scattered back after
+  (padded query rows get zeros).
 * packed sequences (padding-free batches, ``DataCollatorWithFlattening``): ``cu_seq_lens_q``/``cu_seq_lens_k``
   keyword arguments, or ``position_ids`` that restart within a row, select the varlen kernels, so no token
   attends across a sequence boundary.
@@ -112,24 +113,35 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _padded(q, k, v, attention_mask, options) -> torch.Tensor:
-    """Attention over the rows a 2-D padding mask keeps: gather them into flash-attn's packed layout, attend
-    per sequence, scatter the output back (zeros on padded query rows). The query rows are the last
-    ``seqlen_q`` key positions, whichever side the padding is on: a sequence's valid queries are then its
-    last valid keys, which is the bottom-right alignment the kernels use."""
+    """Attention over the keys a 2-D padding mask keeps: gather them into flash-attn's packed layout, attend
+    per sequence, and give the output q's shape.
+
+    Causal (self-attention, with or without a cache): the query rows are the last ``seqlen_q`` key positions,
+    whichever side the padding is on, so a sequence's valid queries are its last valid keys -- the bottom-right
+    alignment the kernels use. Only those rows are attended; padded query rows get zeros. Not causal (encoder
+    self-attention, cross-attention): a query's position does not matter, so every query row attends its
+    sequence's valid keys -- except under a sliding window, where positions matter and q must be the keys' own
+    rows (``seqlen_q == seqlen_k``, padded like them).
+    """
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] > seqlen_k:
         raise ValueError(f"attention_mask: expected a (batch, kv_len) padding mask with batch {batch} and "
                          f"kv_len <= {seqlen_k} (the keys' length), got shape {tuple(attention_mask.shape)}")
-    if attention_mask.shape[1] < seqlen_q:
-        raise ValueError(f"attention_mask: covers {attention_mask.shape[1]} key positions, fewer than the "
-                         f"{seqlen_q} query rows")
     keep_k = attention_mask.to(device=q.device, dtype=torch.bool)
     if keep_k.shape[1] < seqlen_k:  # a static cache: keys past the mask are unused slots
         seqlen_k = keep_k.shape[1]
         k, v = k[:, :seqlen_k], v[:, :seqlen_k]
+    rows_k, cu_seqlens_k = (k[keep_k], v[keep_k]), _cumulative(keep_k.sum(1))
+    causal, windowed = options["causal"], options["window_size"] != (-1, -1)
+    if not causal and not windowed:  # every query row of sequence b against its valid keys
+        cu_seqlens_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+        return _varlen(q, *rows_k, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, options)
+    if seqlen_q > seqlen_k or (not causal and seqlen_q != seqlen_k):
+        raise NotImplementedError(f"attention_mask: {seqlen_q} query rows cannot be placed among {seqlen_k} key "
+                                  f"positions ({'causal' if causal else 'bidirectional sliding-window'} attention "
+                                  "with padding needs the queries to be the last key positions)")
     keep_q = keep_k[:, -seqlen_q:]
-    out = _varlen(q[keep_q], k[keep_k], v[keep_k], _cumulative(keep_q.sum(1)), _cumulative(keep_k.sum(1)),
-                  seqlen_q, seqlen_k, options)
+    out = _varlen(q[keep_q], *rows_k, _cumulative(keep_q.sum(1)), cu_seqlens_k, seqlen_q, seqlen_k, options)
     padded = out.new_zeros(q.shape[:3] + out.shape[-1:])
     padded[keep_q] = out
     return padded

@@ -204,6 +204,38 @@ def test_dense_inputs_reach_the_kernels_without_a_copy(on_host, monkeypatch):
         assert passed.data_ptr() == given.data_ptr() and passed.shape == given.transpose(1, 2).shape
 
 
+def _masked_math(q, k, v, mask):
+    """float32 SDPA in transformers' (b, h, s, d) layout with a boolean (b, sq, sk) mask, output (b, s, h, d)."""
+    g = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1), attn_mask=mask[:, None])
+    return out.transpose(1, 2)
+
+
+class _Bidirectional(torch.nn.Module):
+    is_causal = False
+
+
+def test_padded_bidirectional_and_cross_attention(on_host):
+    """Not causal: every query row attends its sequence's valid keys (an encoder over padded rows, or a decoder
+    attending a padded encoder output, whose query rows are not key positions)."""
+    q, _, _ = _qkv(seqlen=6)
+    _, k, v = _qkv(seqlen=13)
+    keep = torch.ones(2, 13, dtype=torch.bool)
+    keep[0, :4] = keep[1, 9:] = False
+    out, _ = cuflash.transformers.attention_forward(_Bidirectional(), q, k, v, keep.long())
+    want = _masked_math(q, k, v, keep[:, None, :].expand(2, 6, 13))
+    assert (out.float() - want).abs().max().item() < 2e-2
+    q, k, v = _qkv(seqlen=13)  # encoder self-attention, and with a window (positions then matter)
+    for window, band in ((None, True), (3, (torch.arange(13)[:, None] - torch.arange(13)).abs() < 3)):
+        out, _ = cuflash.transformers.attention_forward(_Bidirectional(), q, k, v, keep, sliding_window=window)
+        want = _masked_math(q, k, v, (keep[:, None, :] & band).expand(2, 13, 13))
+        rows = keep if window else torch.ones_like(keep)  # with a window, padded query rows are zeros, unchecked
+        assert (out.float() - want)[rows].abs().max().item() < 2e-2
+    with pytest.raises(NotImplementedError, match="query rows cannot be placed"):
+        cuflash.transformers.attention_forward(_Bidirectional(), q[:, :, :6], k, v, keep, sliding_window=3)
+
+
 def test_value_head_dim_smaller_than_query_is_padded_and_cropped(on_host):
     q, k, v = _qkv()
     out, _ = cuflash.transformers.attention_forward(_Layer(), q, k, v[..., :8], None)
