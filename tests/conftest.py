@@ -6,7 +6,7 @@ import re
 import pytest
 
 NO_GPU = "needs a CUDA GPU"
-EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax"}  # missing module -> the extra that installs it
+EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "transformers": "transformers"}  # missing module -> the extra that installs it
 _SELECTED = pytest.StashKey[list]()
 
 
