@@ -15,7 +15,9 @@ Messages name the argument, the axis when there is one, what was expected and wh
 
 Nothing here touches a GPU, so all of it runs in CPU-only CI. Kernels may assume what is checked
 here: every axis is non-empty, strides are non-negative, the last dimension is contiguous, head
-dims are multiples of 8 in 8..256, and all arrays of one call live on one device.
+dims are in 1..256, and all arrays of one call live on one device. The kernels load 16 bytes at a time and
+take head dims that are multiples of 8: the public functions pad any other head dim to one
+(:func:`padded_headdim`) before they plan a launch.
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ __all__ = [
     "TensorSpec", "Problem", "spec", "window",
     "check_attention", "check_backward",
     "check_varlen", "check_varlen_backward",
-    "check_kvcache",
+    "check_kvcache", "padded_headdim",
 ]
 
 ATTENTION_DTYPES = ("float16", "bfloat16")
 MAX_HEADDIM = 256
-HEADDIM_MULTIPLE = 8
+HEADDIM_MULTIPLE = 8  # what the kernels take; the public functions pad other head dims up to it
 PAGE_MULTIPLE = 16
 
 # Axis names, used in messages. The head-count axis is always -2 and the head dim always -1.
@@ -384,9 +386,14 @@ def _check_same_dtype(x: TensorSpec, ref: TensorSpec) -> None:
 
 def _check_headdim(x: TensorSpec) -> None:
     d, axis = x.shape[-1], len(x.shape) - 1
-    if d % HEADDIM_MULTIPLE or not HEADDIM_MULTIPLE <= d <= MAX_HEADDIM:
-        raise ValueError(f"{x.name}: head dim (axis {axis}) is {d}; must be a multiple of "
-                         f"{HEADDIM_MULTIPLE} between {HEADDIM_MULTIPLE} and {MAX_HEADDIM}")
+    if not 1 <= d <= MAX_HEADDIM:
+        raise ValueError(f"{x.name}: head dim (axis {axis}) is {d}; must be between 1 and {MAX_HEADDIM}")
+
+
+def padded_headdim(headdim: int) -> int:
+    """The head dim a call runs at: ``headdim`` rounded up to a multiple of :data:`HEADDIM_MULTIPLE`. A call
+    whose head dim differs runs on zero-padded copies of its inputs and returns the leading columns."""
+    return -(-headdim // HEADDIM_MULTIPLE) * HEADDIM_MULTIPLE
 
 
 def _same_axis(x: TensorSpec, axis: int, ref: TensorSpec, ref_axis: int, label: str) -> None:
