@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 import cuflash.torch  # noqa: E402
 from cuflash import api, reference  # noqa: E402
 from cuflash import flash_attn as fa  # noqa: E402
-from test_torch_cpu import _host, on_host  # noqa: E402,F401  (on_host is a fixture)
+from test_torch_cpu import on_host  # noqa: E402,F401  (a fixture)
 
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
 
