@@ -1,6 +1,7 @@
 """The public functions on CuPy arrays. Each checks its arguments and hands the call to its operation
 (:mod:`cuflash.ops`), which resolves the options once per call signature (:mod:`cuflash.options`), chooses the
-kernels, plans and launches them."""
+kernels, plans and launches them. Head dims run from 1 to 256; one that is not a multiple of 8 runs on
+zero-padded copies, and the results are views of the padded ones (``_padded``; the cost is in docs/api.md)."""
 from __future__ import annotations
 
 import math

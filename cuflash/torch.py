@@ -22,6 +22,10 @@ checks it and plans its launches; later calls with that signature look the plan 
 the tensors' data pointers. No copy is made of anything. The one buffer outside torch's allocator is the
 KV-cache op's split counters, a few kilobytes kept per stream; a call captured into a CUDA graph keeps its
 counters in its own allocation instead, so a graph owns all the memory it uses.
+
+Head dims run from 1 to 256. One that is not a multiple of 8 runs on zero-padded copies made with torch ops, and
+``out`` is then a view of the padded result (see ``_padded_attention`` and docs/api.md for the cost); ``window_size``
+is a pair given as a tuple, a list or a 2-element integer tensor.
 """
 from __future__ import annotations
 
