@@ -62,7 +62,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     if getattr(q, "ndim", 0) and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies
         d = q.shape[-1]
         checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                               softcap=softcap, alibi_slopes=alibi_slopes)
+                               softcap=softcap, alibi_slopes=alibi_slopes, headdim_multiple=1)
         q, k, v = _padded(d, stream, q=q, k=k, v=v)
         result = forward.attention(q, k, v, _scale(softmax_scale, d), causal, window_size, softcap, alibi_slopes,
                                    return_lse, stream)
@@ -101,7 +101,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
     if getattr(q, "ndim", 0) and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies
         d = q.shape[-1]
         checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                              headdim_multiple=1)
         grads = attention_backward(*_padded(d, stream, dout=dout, q=q, k=k, v=v, out=out), lse,
                                    softmax_scale=_scale(softmax_scale, d), causal=causal, window_size=window_size,
                                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
@@ -172,7 +173,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         d = q.shape[-1]
         checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                            alibi_slopes=alibi_slopes)
+                            alibi_slopes=alibi_slopes, headdim_multiple=1)
         result = attention_varlen(*_padded(d, stream, q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=_scale(softmax_scale, d), causal=causal,
                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -224,7 +225,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         d = q.shape[-1]
         checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                     headdim_multiple=1)
         grads = attention_varlen_backward(*_padded(d, stream, dout=dout, q=q, k=k, v=v, out=out), lse, cu_seqlens_q,
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           softmax_scale=_scale(softmax_scale, d), causal=causal,
@@ -336,7 +338,7 @@ def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
     d = q.shape[-1]
     checks.check_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
                          block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                         softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits)
+                         softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits, headdim_multiple=1)
     runtime.require_device_index_arrays(cache_batch_idx=cache_batch_idx, block_table=block_table,
                                         cache_seqlens=None if checks.is_int(cache_seqlens) else cache_seqlens)
     q_padded, k_cache_padded, v_cache_padded, k_padded, v_padded = _padded(d, stream, q=q, k_cache=k_cache,

@@ -119,7 +119,8 @@ class _Options(tuple):
     def make(cls, q, k, v, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic):
         problem = checks.check_attention(*(_spec(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
                                          softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                         softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"))
+                                         softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"),
+                                         headdim_multiple=1)  # padded after, in attention
         if not isinstance(deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
         del problem  # only checked here; the handler rebuilds it from the buffer shapes
@@ -134,7 +135,8 @@ class _Options(tuple):
         specs = [_spec(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                                           (cu_seqlens_k, "cu_seqlens_k"))]
         checks.check_varlen(*specs, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-                            window_size=window_size, softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"))
+                            window_size=window_size, softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"),
+                            headdim_multiple=1)  # padded after, in attention_varlen
         if not isinstance(deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
         left, right = checks.window(causal, window_size)

@@ -249,11 +249,12 @@ def _padded_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         options = _options(softmax_scale, causal, *_window(causal, window_size), softcap)
         if cu_seqlens_q is None:
             s = _specs(tensors)
-            checks.check_attention(s["q"], s["k"], s["v"], alibi_slopes=s["alibi_slopes"], **options)
+            checks.check_attention(s["q"], s["k"], s["v"], alibi_slopes=s["alibi_slopes"], headdim_multiple=1,
+                                   **options)
         else:
             s = _specs(dict(tensors, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k))
             checks.check_varlen(s["q"], s["k"], s["v"], s["cu_seqlens_q"], s["cu_seqlens_k"], max_seqlen_q,
-                                max_seqlen_k, alibi_slopes=s["alibi_slopes"], **options)
+                                max_seqlen_k, alibi_slopes=s["alibi_slopes"], headdim_multiple=1, **options)
     padded = checks.padded_headdim(d)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     q, k, v = _pad(q, padded), _pad(k, padded), _pad(v, padded)
@@ -279,7 +280,7 @@ def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
                              cache_seqlens=s["cache_seqlens"] if seqlens is not None else
                              None if cache_len < 0 else cache_len,
                              cache_batch_idx=s["cache_batch_idx"], block_table=s["block_table"],
-                             alibi_slopes=s["alibi_slopes"], num_splits=num_splits,
+                             alibi_slopes=s["alibi_slopes"], num_splits=num_splits, headdim_multiple=1,
                              **_options(softmax_scale, causal, *_window(causal, window_size), softcap))
     padded = checks.padded_headdim(d)
     k_cache_padded, v_cache_padded = _pad(k_cache, padded), _pad(v_cache, padded)

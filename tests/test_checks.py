@@ -278,9 +278,17 @@ def test_head_dim_rule(d):
 
 
 @pytest.mark.parametrize("d", [1, 4, 59, 200, 256])
-def test_every_head_dim_up_to_256_passes(d):
+def test_every_head_dim_up_to_256_passes_before_padding(d):
     tensors = {n: spec(np.broadcast_to(arr(d), (1, 3, 2, d)), n) for n in "qkv"}
-    assert check_attention(**tensors).headdim == d
+    assert check_attention(**tensors, headdim_multiple=1).headdim == d
+
+
+@pytest.mark.parametrize("d", [4, 59])
+def test_the_kernels_take_multiples_of_8(d):
+    tensors = {n: spec(np.broadcast_to(arr(d), (1, 3, 2, d)), n) for n in "qkv"}
+    with raises(ValueError, f"q: head dim (axis 3) is {d}; the kernels take multiples of 8 (cuflash's public "
+                            "functions pad other head dims; this entry point does not)"):
+        check_attention(**tensors)
 
 
 def test_padded_headdim():
