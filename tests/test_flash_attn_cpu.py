@@ -370,3 +370,16 @@ def test_not_supported_yet_raises_naming_the_argument():
             fa.flash_attn_with_kvcache(q, k, v, k, v, **{name: cos}, cache_seqlens=0)
     with pytest.raises(NotImplementedError, match="cache_leftpad: a left-padded KV cache is not supported"):
         fa.flash_attn_with_kvcache(q, k, v, cache_leftpad=cu[1:])
+
+
+def test_odd_head_dim_kvcache_compiles_and_appends(on_host):
+    q, k_cache, v_cache, k, v = _kv_case(59)
+    lens = torch.tensor([3, 0, 20], dtype=torch.int32)
+
+    def f(q, k_cache, v_cache, k, v):
+        return fa.flash_attn_with_kvcache(q * 2, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True).float()
+
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    want = f(q, eager_k, eager_v, k, v)
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k_cache, v_cache, k, v)
+    assert torch.equal(got, want) and torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
