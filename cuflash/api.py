@@ -360,7 +360,8 @@ def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
 def _appended_rows(cache, batch: int, seqlen_new: int, cache_seqlens, cache_batch_idx, block_table) -> tuple:
     """Index arrays ``(cache rows or pages, positions or rows within the page)``, each ``(batch, seqlen_new)``, of
     the rows an append writes, computed on the device without a synchronization. Indices are clamped into the
-    cache: a clamped index names a row the call did not write, and copying it back rewrites it unchanged."""
+    cache (cache_seqlens, cache_batch_idx and block_table may hold anything): every index names a row whose padded
+    copy holds that row after the call, so copying it back is right whether or not the call wrote it."""
     xp = runtime.import_cupy().get_array_module(cache)  # cupy; numpy for host arrays
     positions = xp.broadcast_to(xp.arange(seqlen_new, dtype=np.int64), (batch, seqlen_new))
     if cache_seqlens is not None:

@@ -300,7 +300,8 @@ def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
 def _appended_rows(cache, batch: int, seqlen_new: int, cache_seqlens, cache_batch_idx, block_table) -> tuple:
     """Index tensors ``(cache rows or pages, positions or rows within the page)``, each ``(batch, seqlen_new)``, of
     the rows an append writes, computed on the cache's device without a synchronization. Indices are clamped into
-    the cache: a clamped index names a row the call did not write, and copying it back rewrites it unchanged."""
+    the cache (cache_seqlens, cache_batch_idx and block_table may hold anything): every index names a row whose
+    padded copy holds that row after the call, so copying it back is right whether or not the call wrote it."""
     device = cache.device
     positions = torch.arange(seqlen_new, device=device).expand(batch, seqlen_new)
     if isinstance(cache_seqlens, torch.Tensor):
