@@ -1,7 +1,10 @@
 """The public functions on CuPy arrays. Each checks its arguments and hands the call to its operation
 (:mod:`cuflash.ops`), which resolves the options once per call signature (:mod:`cuflash.options`), chooses the
-kernels, plans and launches them."""
+kernels, plans and launches them. Head dims run from 1 to 256; one that is not a multiple of 8 runs on
+zero-padded copies, and the results are views of the padded ones (``_padded``; the cost is in docs/api.md)."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -56,6 +59,14 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     >>> q = cupy.random.randn(2, 1024, 16, 128).astype(cupy.float16)
     >>> out = cuflash.attention(q, q, q, causal=True)
     """
+    if getattr(q, "ndim", 0) and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies
+        d = q.shape[-1]
+        checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                               softcap=softcap, alibi_slopes=alibi_slopes, headdim_multiple=1)
+        q, k, v = _padded(d, stream, q=q, k=k, v=v)
+        result = forward.attention(q, k, v, _scale(softmax_scale, d), causal, window_size, softcap, alibi_slopes,
+                                   return_lse, stream)
+        return (result[0][..., :d], result[1]) if return_lse else result[..., :d]
     return forward.attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream)
 
 
@@ -87,6 +98,16 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
         Shaped and typed like q, k, v (contiguous). With GQA, dk/dv hold the sum over the query heads
         that share each KV head. Rows that saw no key get zero gradients.
     """
+    if getattr(q, "ndim", 0) and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies
+        d = q.shape[-1]
+        checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                              headdim_multiple=1)
+        grads = attention_backward(*_padded(d, stream, dout=dout, q=q, k=k, v=v, out=out), lse,
+                                   softmax_scale=_scale(softmax_scale, d), causal=causal, window_size=window_size,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                   stream=stream)
+        return tuple(g[..., :d] for g in grads)
     problem = checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
@@ -157,6 +178,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     >>> q = cupy.random.randn(612, 16, 128).astype(cupy.float16)
     >>> out = cuflash.attention_varlen(q, q, q, cu, cu, 512, 512, causal=True)
     """
+    if getattr(q, "ndim", 0) and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies
+        d = q.shape[-1]
+        checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                            alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k,
+                            headdim_multiple=1)
+        result = attention_varlen(*_padded(d, stream, q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale=_scale(softmax_scale, d), causal=causal,
+                                  window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  return_lse=return_lse, block_table=block_table, seqused_k=seqused_k,
+                                  stream=stream)
+        return (result[0][..., :d], result[1]) if return_lse else result[..., :d]
     problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                   softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
@@ -202,6 +235,18 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         Shaped and typed like q, k, v (contiguous). Keys of a sequence without queries get zero gradients.
         Token rows outside every sequence get dq = 0; their dk, dv are not written.
     """
+    if getattr(q, "ndim", 0) and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies
+        d = q.shape[-1]
+        checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                     headdim_multiple=1)
+        grads = attention_varlen_backward(*_padded(d, stream, dout=dout, q=q, k=k, v=v, out=out), lse, cu_seqlens_q,
+                                          cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          softmax_scale=_scale(softmax_scale, d), causal=causal,
+                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                          deterministic=deterministic, stream=stream)
+        return tuple(g[..., :d] for g in grads)
     problem = checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                            max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
@@ -269,7 +314,96 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
 
     The query heads that share a KV head are processed together, so every K/V byte is read once.
     """
+    if getattr(q, "ndim", 0) and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies
+        return _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_lse,
+                               stream, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
     return decode.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                          softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
                                          return_lse, stream, rotary_cos, rotary_sin, rotary_interleaved,
                                          cache_leftpad)
+
+
+# --------------------------------------------------------------------------------------------
+# Head dims that are not multiples of 8: the call on zero-padded copies
+# --------------------------------------------------------------------------------------------
+# The kernels load 16 bytes at a time, so they take head dims that are multiples of 8. A call with any other
+# head dim d is checked as given, then runs on copies of its arrays padded with zero columns up to
+# checks.padded_headdim(d), at the default scale 1 / sqrt(d), and returns the first d columns of the padded
+# results (views). Zero columns add nothing to q . k, and zero columns of v (and of dout) give zero columns of
+# out (and of the gradients), so the result is exactly the unpadded one. A call whose head dim is a multiple
+# of 8 never comes here.
+
+def _scale(softmax_scale, headdim: int):
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else softmax_scale
+
+
+def _padded(headdim: int, stream, **arrays) -> list:
+    """Zero-padded copies of the (CuPy) arrays, made on the first one's device, on ``stream``."""
+    cupy = runtime.import_cupy()
+    for name, x in arrays.items():
+        if x is not None and not isinstance(x, cupy.ndarray):
+            runtime.require_device_arrays(**{name: x})  # the usual TypeError
+    runtime.require_gpu()
+    padded = checks.padded_headdim(headdim)
+    copies = []
+    with cupy.cuda.Device(next(iter(arrays.values())).device.id), runtime.on(stream):
+        for x in arrays.values():
+            if x is None:
+                copies.append(None)
+                continue
+            copy = cupy.zeros(x.shape[:-1] + (padded,), dtype=x.dtype)
+            copy[..., :x.shape[-1]] = x
+            copies.append(copy)
+    return copies
+
+
+def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                    window_size, softcap, alibi_slopes, num_splits, return_lse, stream, rotary_cos=None,
+                    rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):
+    """:func:`attention_with_kvcache` on padded copies of q, k, v and of both caches (whole: the rows a call reads
+    are known on the device only); the appended rows are then copied back into the caller's caches."""
+    d = q.shape[-1]
+    checks.check_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                         softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits, rotary_cos=rotary_cos,
+                         rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_leftpad=cache_leftpad,
+                         headdim_multiple=1)
+    runtime.require_device_index_arrays(cache_batch_idx=cache_batch_idx, block_table=block_table,
+                                        cache_seqlens=None if checks.is_int(cache_seqlens) else cache_seqlens)
+    q_padded, k_cache_padded, v_cache_padded, k_padded, v_padded = _padded(d, stream, q=q, k_cache=k_cache,
+                                                                           v_cache=v_cache, k=k, v=v)
+    result = attention_with_kvcache(q_padded, k_cache_padded, v_cache_padded, k=k_padded, v=v_padded,
+                                    cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                                    block_table=block_table, softmax_scale=_scale(softmax_scale, d), causal=causal,
+                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                    num_splits=num_splits, return_lse=return_lse, rotary_cos=rotary_cos,
+                                    rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                                    cache_leftpad=cache_leftpad, stream=stream)
+    if k is not None:
+        import cupy
+        with cupy.cuda.Device(q.device.id), runtime.on(stream):
+            rows = _appended_rows(k_cache, k.shape[0], k.shape[1], cache_seqlens, cache_batch_idx, block_table)
+            k_cache[rows] = k_cache_padded[rows][..., :d]
+            v_cache[rows] = v_cache_padded[rows][..., :d]
+    return (result[0][..., :d], result[1]) if return_lse else result[..., :d]
+
+
+def _appended_rows(cache, batch: int, seqlen_new: int, cache_seqlens, cache_batch_idx, block_table) -> tuple:
+    """Index arrays ``(cache rows or pages, positions or rows within the page)``, each ``(batch, seqlen_new)``, of
+    the rows an append writes, computed on the device without a synchronization. Indices are clamped into the
+    cache (cache_seqlens, cache_batch_idx and block_table may hold anything): every index names a row whose padded
+    copy holds that row after the call, so copying it back is right whether or not the call wrote it."""
+    xp = runtime.import_cupy().get_array_module(cache)  # cupy; numpy for host arrays
+    positions = xp.broadcast_to(xp.arange(seqlen_new, dtype=np.int64), (batch, seqlen_new))
+    if cache_seqlens is not None:
+        positions = positions + (cache_seqlens if checks.is_int(cache_seqlens)
+                                 else cache_seqlens.astype(np.int64)[:, None])
+    if block_table is None:
+        rows = (xp.arange(batch, dtype=np.int64) if cache_batch_idx is None
+                else xp.clip(cache_batch_idx.astype(np.int64), 0, cache.shape[0] - 1))
+        return xp.broadcast_to(rows[:, None], (batch, seqlen_new)), xp.clip(positions, 0, cache.shape[1] - 1)
+    page_size = cache.shape[1]
+    slots = xp.clip(positions // page_size, 0, block_table.shape[1] - 1)
+    pages = xp.clip(xp.take_along_axis(block_table.astype(np.int64), slots, axis=1), 0, cache.shape[0] - 1)
+    return pages, positions % page_size

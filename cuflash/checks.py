@@ -15,7 +15,9 @@ Messages name the argument, the axis when there is one, what was expected and wh
 
 Nothing here touches a GPU, so all of it runs in CPU-only CI. Kernels may assume what is checked
 here: every axis is non-empty, strides are non-negative, the last dimension is contiguous, head
-dims are multiples of 8 in 8..256, and all arrays of one call live on one device.
+dims are multiples of 8 in 8..256, and all arrays of one call live on one device. The public functions take
+every head dim in 1..256: they check a call with ``headdim_multiple=1`` first, then run it on copies padded to
+:func:`padded_headdim`, which pass the default rule.
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ __all__ = [
     "TensorSpec", "Problem", "spec", "window",
     "check_attention", "check_backward",
     "check_varlen", "check_varlen_backward",
-    "check_kvcache",
+    "check_kvcache", "padded_headdim",
 ]
 
 ATTENTION_DTYPES = ("float16", "bfloat16")
 MAX_HEADDIM = 256
-HEADDIM_MULTIPLE = 8
+HEADDIM_MULTIPLE = 8  # what the kernels take; the public functions pad other head dims up to it
 PAGE_MULTIPLE = 16
 
 # Axis names, used in messages. The head-count axis is always -2 and the head dim always -1.
@@ -159,10 +161,11 @@ def window(causal, window_size) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 def check_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None) -> Problem:
+                    softcap=0.0, alibi_slopes=None, headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention``.
 
-    q ``(batch, seqlen_q, nheads, d)``, k/v ``(batch, seqlen_k, nheads_k, d)``, fp16 or bf16.
+    q ``(batch, seqlen_q, nheads, d)``, k/v ``(batch, seqlen_k, nheads_k, d)``, fp16 or bf16;
+    d in 1..256 and a multiple of ``headdim_multiple`` (the kernels': 8; 1 before padding).
     """
     q, k, v = _spec(q, "q"), _spec(k, "k"), _spec(v, "v")
     alibi_slopes = _spec(alibi_slopes, "alibi_slopes", required=False)
@@ -171,11 +174,13 @@ def check_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     batch, seqlen_q, nheads, headdim = q.shape
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
     _same_device(q, k, v, alibi_slopes)
+    _check_headdim_multiple(q, headdim_multiple)
     return Problem(batch, seqlen_q, k.shape[1], nheads, k.shape[2], headdim, q.dtype)
 
 
 def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
-                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> Problem:
+                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                   headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention_backward``.
 
     As :func:`check_attention`, plus dout/out shaped and typed like q and float32 lse
@@ -184,7 +189,7 @@ def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     dout, out, lse = _spec(dout, "dout"), _spec(out, "out"), _spec(lse, "lse")
     problem = check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                               window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes)
+                              alibi_slopes=alibi_slopes, headdim_multiple=headdim_multiple)
     q = _spec(q, "q")
     _check_like_q(q, Q_AXES, dout, out)
     _check_lse(lse, ("batch", "nheads", "seqlen_q"),
@@ -195,7 +200,8 @@ def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None, block_table=None, seqused_k=None) -> Problem:
+                 alibi_slopes=None, block_table=None, seqused_k=None,
+                 headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention_varlen``.
 
     q ``(total_q, nheads, d)``, k/v ``(total_k, nheads_k, d)`` or with block_table (int32
@@ -235,13 +241,15 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     _, nheads, headdim = q.shape
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
     _same_device(q, k, v, cu_q, cu_k, alibi_slopes, block_table, seqused_k)
+    _check_headdim_multiple(q, headdim_multiple)
     return Problem(batch, int(max_seqlen_q), int(max_seqlen_k), nheads, k.shape[-2], headdim,
                    q.dtype)
 
 
 def check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, *, softmax_scale=None, causal=False,
-                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> Problem:
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                          headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention_varlen_backward``.
 
     As :func:`check_varlen`, plus dout/out shaped and typed like q and float32 lse
@@ -250,7 +258,7 @@ def check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     dout, out, lse = _spec(dout, "dout"), _spec(out, "out"), _spec(lse, "lse")
     problem = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           softcap=softcap, alibi_slopes=alibi_slopes)
+                           softcap=softcap, alibi_slopes=alibi_slopes, headdim_multiple=headdim_multiple)
     q = _spec(q, "q")
     _check_like_q(q, VARLEN_Q_AXES, dout, out)
     _check_lse(lse, ("nheads", "total_q"), (problem.nheads, q.shape[0]))
@@ -262,7 +270,7 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
                   cache_batch_idx=None, block_table=None, num_splits=0, softmax_scale=None,
                   causal=False, window_size=(-1, -1), softcap=0.0,
                   alibi_slopes=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                  cache_leftpad=None) -> Problem:
+                  cache_leftpad=None, headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention_with_kvcache``.
 
     q ``(batch, seqlen_new, nheads, d)``. The cache is ``(batch_cache, max_len, nheads_k, d)``,
@@ -311,6 +319,7 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
     _same_device(q, k_cache, v_cache, k, v, seqlens_array, cache_batch_idx, block_table,
                  alibi_slopes, rotary_cos, rotary_sin, cache_leftpad)
+    _check_headdim_multiple(q, headdim_multiple)
     return Problem(batch, seqlen_new, seqlen_k, nheads, k_cache.shape[2], headdim, q.dtype)
 
 
@@ -438,9 +447,22 @@ def _check_same_dtype(x: TensorSpec, ref: TensorSpec) -> None:
 
 def _check_headdim(x: TensorSpec) -> None:
     d, axis = x.shape[-1], len(x.shape) - 1
-    if d % HEADDIM_MULTIPLE or not HEADDIM_MULTIPLE <= d <= MAX_HEADDIM:
-        raise ValueError(f"{x.name}: head dim (axis {axis}) is {d}; must be a multiple of "
-                         f"{HEADDIM_MULTIPLE} between {HEADDIM_MULTIPLE} and {MAX_HEADDIM}")
+    if not 1 <= d <= MAX_HEADDIM:
+        raise ValueError(f"{x.name}: head dim (axis {axis}) is {d}; must be between 1 and {MAX_HEADDIM}")
+
+
+def _check_headdim_multiple(x: TensorSpec, multiple: int) -> None:
+    """The kernels' rule (after every other check, so a mismatch or a bad dtype is reported first)."""
+    d, axis = x.shape[-1], len(x.shape) - 1
+    if d % multiple:
+        raise ValueError(f"{x.name}: head dim (axis {axis}) is {d}; the kernels take multiples of {multiple} "
+                         "(cuflash's public functions pad other head dims; this entry point does not)")
+
+
+def padded_headdim(headdim: int) -> int:
+    """The head dim a call runs at: ``headdim`` rounded up to a multiple of :data:`HEADDIM_MULTIPLE`. A call
+    whose head dim differs runs on zero-padded copies of its inputs and returns the leading columns."""
+    return -(-headdim // HEADDIM_MULTIPLE) * HEADDIM_MULTIPLE
 
 
 def _same_axis(x: TensorSpec, axis: int, ref: TensorSpec, ref_axis: int, label: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import math
 
 import numpy as np
 
@@ -74,6 +75,9 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     >>> dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     """
     options = _Options.make(q, k, v, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
+    if q.shape[-1] % 8:  # a head dim the kernels do not take: zero-padded copies (_padded)
+        d = q.shape[-1]
+        return _attention(*_padded(q, k, v), alibi_slopes, options.at_headdim(d))[..., :d]
     return _attention(q, k, v, alibi_slopes, options)
 
 
@@ -87,7 +91,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     options = _Options.make_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                                    softmax_scale, causal, window_size, softcap, deterministic)
+    if q.shape[-1] % 8:  # a head dim the kernels do not take: zero-padded copies (_padded)
+        d = q.shape[-1]
+        return _attention_varlen(*_padded(q, k, v), cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                 options.at_headdim(d))[..., :d]
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)
+
+
+def _padded(*arrays) -> list:
+    """The kernels load 16 bytes at a time, so they take head dims that are multiples of 8. Any other head dim d
+    runs on copies of q, k, v padded with zero columns up to checks.padded_headdim(d) (jnp.pad: jax.grad slices
+    the gradients back), at the default scale 1 / sqrt(d); the caller gets the first d columns of out. Zero
+    columns add nothing to q . k and give zero columns of out, so the result is the unpadded attention."""
+    d = arrays[0].shape[-1]
+    widths = [(0, 0)] * (arrays[0].ndim - 1) + [(0, checks.padded_headdim(d) - d)]
+    return [jnp.pad(x, widths) for x in arrays]
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +119,8 @@ class _Options(tuple):
     def make(cls, q, k, v, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic):
         problem = checks.check_attention(*(_spec(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
                                          softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                         softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"))
+                                         softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"),
+                                         headdim_multiple=1)  # padded after, in attention
         if not isinstance(deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
         del problem  # only checked here; the handler rebuilds it from the buffer shapes
@@ -116,13 +135,19 @@ class _Options(tuple):
         specs = [_spec(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                                           (cu_seqlens_k, "cu_seqlens_k"))]
         checks.check_varlen(*specs, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-                            window_size=window_size, softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"))
+                            window_size=window_size, softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"),
+                            headdim_multiple=1)  # padded after, in attention_varlen
         if not isinstance(deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
         left, right = checks.window(causal, window_size)
         scale = None if softmax_scale is None else float(softmax_scale)
         return cls((scale, bool(causal), left, right, float(softcap), bool(deterministic), int(max_seqlen_q),
                     int(max_seqlen_k)))
+
+    def at_headdim(self, headdim: int) -> "_Options":
+        """The options of a call padded from ``headdim``: the default scale is ``1 / sqrt(headdim)``."""
+        scale = 1.0 / math.sqrt(headdim) if self[0] is None else self[0]
+        return _Options((scale, *self[1:]))
 
     def encode(self) -> str:
         return repr(tuple(self))

@@ -22,6 +22,10 @@ checks it and plans its launches; later calls with that signature look the plan 
 the tensors' data pointers. No copy is made of anything. The one buffer outside torch's allocator is the
 KV-cache op's split counters, a few kilobytes kept per stream; a call captured into a CUDA graph keeps its
 counters in its own allocation instead, so a graph owns all the memory it uses.
+
+Head dims run from 1 to 256. One that is not a multiple of 8 runs on zero-padded copies made with torch ops, and
+``out`` is then a view of the padded result (see ``_padded_attention`` and docs/api.md for the cost); ``window_size``
+is a pair given as a tuple, a list or a 2-element integer tensor.
 """
 from __future__ import annotations
 
@@ -79,6 +83,9 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     ...            for _ in range(3))
     >>> cuflash.torch.attention(q, k, v, causal=True).sum().backward()
     """
+    if q.ndim and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies (_padded_attention)
+        return _padded_attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size, softcap,
+                                 alibi_slopes, return_lse, deterministic)
     left, right = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
     if _eager(q, k, v):
         return _eager_attention(q, k, v, (None, None, alibi_slopes, None, None, softmax_scale, causal, left, right,
@@ -132,6 +139,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     >>> q = torch.randn(612, 16, 128, device="cuda", dtype=torch.float16, requires_grad=True)
     >>> cuflash.torch.attention_varlen(q, q, q, cu, cu, 512, 512, causal=True).sum().backward()
     """
+    if q.ndim and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies (_padded_attention)
+        return _padded_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                 causal, window_size, softcap, alibi_slopes, return_lse, deterministic, block_table,
+                                 seqused_k)
     left, right = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
     if _eager(q, k, v):
         if block_table is not None or seqused_k is not None:  # forward only
@@ -199,6 +210,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     >>> lens = torch.zeros(4, dtype=torch.int32, device="cuda")
     >>> out = cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens)
     """
+    if q.ndim and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies (_padded_kvcache)
+        return _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_lse,
+                               rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
     if _eager(q, k_cache, v_cache):
         window = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
         out, lse = _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
@@ -217,6 +232,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
 
 
 def _window(causal, window_size) -> tuple:
+    """``window_size`` as a tuple: from a tuple or list of two, or a 2-element integer tensor (read on the host,
+    once per call: a device tensor costs a synchronization). Anything else gets checks.window's TypeError."""
+    if (isinstance(window_size, torch.Tensor) and window_size.numel() == 2 and window_size.dtype != torch.bool
+            and not window_size.is_floating_point() and not window_size.is_complex()):
+        return tuple(window_size.reshape(2).tolist())
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         checks.window(causal, window_size)  # raises the usual TypeError
     return tuple(window_size)
@@ -232,6 +252,107 @@ def _cache_seqlens(cache_seqlens) -> tuple:
     if cache_seqlens < 0:
         raise ValueError(f"cache_seqlens: expected an int >= 0, got {cache_seqlens!r}")
     return None, cache_seqlens
+
+
+# --------------------------------------------------------------------------------------------
+# Head dims that are not multiples of 8: the call on zero-padded copies
+# --------------------------------------------------------------------------------------------
+# The kernels load 16 bytes at a time, so they take head dims that are multiples of 8. Any other head dim d
+# runs on copies of the inputs padded with zero columns up to checks.padded_headdim(d), made with torch ops
+# (autograd differentiates through them), at the default scale 1 / sqrt(d); the result is the first d columns
+# of the padded output (a view). Zero columns add nothing to q . k, and zero columns of v give zero columns
+# of out, so the result is exactly the unpadded attention. A call whose head dim is a multiple of 8 never
+# comes here.
+
+def _pad(x, headdim: int):
+    return None if x is None else torch.nn.functional.pad(x, (0, headdim - x.shape[-1]))
+
+
+def _padded_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                      window_size, softcap, alibi_slopes, return_lse, deterministic, block_table=None,
+                      seqused_k=None):
+    """:func:`attention` (``cu_seqlens_q`` None) or :func:`attention_varlen` on padded copies of q, k, v."""
+    d = q.shape[-1]
+    if _eager(q, k, v):  # errors name the caller's shapes (a traced call gets the ops' checks on the copies)
+        tensors = dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
+        options = _options(softmax_scale, causal, *_window(causal, window_size), softcap)
+        if cu_seqlens_q is None:
+            s = _specs(tensors)
+            checks.check_attention(s["q"], s["k"], s["v"], alibi_slopes=s["alibi_slopes"], headdim_multiple=1,
+                                   **options)
+        else:
+            s = _specs(dict(tensors, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+                            seqused_k=seqused_k))
+            checks.check_varlen(s["q"], s["k"], s["v"], s["cu_seqlens_q"], s["cu_seqlens_k"], max_seqlen_q,
+                                max_seqlen_k, alibi_slopes=s["alibi_slopes"], block_table=s["block_table"],
+                                seqused_k=s["seqused_k"], headdim_multiple=1, **options)
+    padded = checks.padded_headdim(d)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    q, k, v = _pad(q, padded), _pad(k, padded), _pad(v, padded)
+    options = dict(softmax_scale=scale, causal=causal, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, return_lse=return_lse, deterministic=deterministic)
+    if cu_seqlens_q is None:
+        result = attention(q, k, v, **options)
+    else:
+        result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options,
+                                  block_table=block_table, seqused_k=seqused_k)
+    return (result[0][..., :d], result[1]) if return_lse else result[..., :d]
+
+
+def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                    window_size, softcap, alibi_slopes, num_splits, return_lse, rotary_cos=None, rotary_sin=None,
+                    rotary_interleaved=True, cache_leftpad=None):
+    """:func:`attention_with_kvcache` on padded copies of q, k, v and of both caches (whole: the rows a call
+    reads are known on the device only); the appended rows are then copied back into the caller's caches."""
+    d = q.shape[-1]
+    if _eager(q, k_cache, v_cache):  # errors name the caller's shapes
+        seqlens, cache_len = _cache_seqlens(cache_seqlens)
+        s = _specs(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens,
+                        cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes,
+                        rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad))
+        checks.check_kvcache(s["q"], s["k_cache"], s["v_cache"], k=s["k"], v=s["v"],
+                             cache_seqlens=s["cache_seqlens"] if seqlens is not None else
+                             None if cache_len < 0 else cache_len,
+                             cache_batch_idx=s["cache_batch_idx"], block_table=s["block_table"],
+                             alibi_slopes=s["alibi_slopes"], num_splits=num_splits, rotary_cos=s["rotary_cos"],
+                             rotary_sin=s["rotary_sin"], rotary_interleaved=rotary_interleaved,
+                             cache_leftpad=s["cache_leftpad"], headdim_multiple=1,
+                             **_options(softmax_scale, causal, *_window(causal, window_size), softcap))
+    padded = checks.padded_headdim(d)
+    k_cache_padded, v_cache_padded = _pad(k_cache, padded), _pad(v_cache, padded)
+    result = attention_with_kvcache(
+        _pad(q, padded), k_cache_padded, v_cache_padded, k=_pad(k, padded), v=_pad(v, padded),
+        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table,
+        softmax_scale=1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits,
+        return_lse=return_lse, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        cache_leftpad=cache_leftpad)
+    if k is not None:
+        rows = _appended_rows(k_cache, k.shape[0], k.shape[1], cache_seqlens, cache_batch_idx, block_table)
+        k_cache[rows] = k_cache_padded[rows][..., :d]
+        v_cache[rows] = v_cache_padded[rows][..., :d]
+    return (result[0][..., :d], result[1]) if return_lse else result[..., :d]
+
+
+def _appended_rows(cache, batch: int, seqlen_new: int, cache_seqlens, cache_batch_idx, block_table) -> tuple:
+    """Index tensors ``(cache rows or pages, positions or rows within the page)``, each ``(batch, seqlen_new)``, of
+    the rows an append writes, computed on the cache's device without a synchronization. Indices are clamped into
+    the cache (cache_seqlens, cache_batch_idx and block_table may hold anything): every index names a row whose
+    padded copy holds that row after the call, so copying it back is right whether or not the call wrote it."""
+    device = cache.device
+    positions = torch.arange(seqlen_new, device=device).expand(batch, seqlen_new)
+    if isinstance(cache_seqlens, torch.Tensor):
+        positions = positions + cache_seqlens.to(device=device, dtype=torch.int64)[:, None]
+    elif cache_seqlens is not None:
+        positions = positions + cache_seqlens
+    if block_table is None:
+        rows = (torch.arange(batch, device=device) if cache_batch_idx is None
+                else cache_batch_idx.to(device=device, dtype=torch.int64).clamp(0, cache.shape[0] - 1))
+        return rows[:, None].expand(batch, seqlen_new), positions.clamp(0, cache.shape[1] - 1)
+    page_size = cache.shape[1]
+    slots = (positions // page_size).clamp(0, block_table.shape[1] - 1)
+    pages = block_table.to(dtype=torch.int64).gather(1, slots).clamp(0, cache.shape[0] - 1)
+    return pages, positions.remainder(page_size)
 
 
 # --------------------------------------------------------------------------------------------

@@ -270,12 +270,30 @@ def test_empty_axis():
         check_attention(**qkv(sk=0))
 
 
-@pytest.mark.parametrize("d", [4, 60, 264])
+@pytest.mark.parametrize("d", [257, 264])
 def test_head_dim_rule(d):
     tensors = {n: spec(np.broadcast_to(arr(d), (1, 3, 2, d)), n) for n in "qkv"}
-    with raises(ValueError, f"q: head dim (axis 3) is {d}; must be a multiple of 8 "
-                            "between 8 and 256"):
+    with raises(ValueError, f"q: head dim (axis 3) is {d}; must be between 1 and 256"):
         check_attention(**tensors)
+
+
+@pytest.mark.parametrize("d", [1, 4, 59, 200, 256])
+def test_every_head_dim_up_to_256_passes_before_padding(d):
+    tensors = {n: spec(np.broadcast_to(arr(d), (1, 3, 2, d)), n) for n in "qkv"}
+    assert check_attention(**tensors, headdim_multiple=1).headdim == d
+
+
+@pytest.mark.parametrize("d", [4, 59])
+def test_the_kernels_take_multiples_of_8(d):
+    tensors = {n: spec(np.broadcast_to(arr(d), (1, 3, 2, d)), n) for n in "qkv"}
+    with raises(ValueError, f"q: head dim (axis 3) is {d}; the kernels take multiples of 8 (cuflash's public "
+                            "functions pad other head dims; this entry point does not)"):
+        check_attention(**tensors)
+
+
+def test_padded_headdim():
+    from cuflash.checks import padded_headdim
+    assert [padded_headdim(d) for d in (1, 8, 59, 64, 111, 200, 255, 256)] == [8, 8, 64, 64, 112, 200, 256, 256]
 
 
 def test_head_dim_mismatch():

@@ -123,6 +123,24 @@ def test_jit_grad_matches_jax_xla_attention(dtype, causal):
         assert err < 4 * tol, err
 
 
+@pytest.mark.parametrize("d", [59, 1])
+def test_head_dim_not_a_multiple_of_8_runs_padded(d):
+    """Zero-padded copies inside the call: out and the gradients of the caller's shapes, at scale 1 / sqrt(d)."""
+    q, k, v, dout = _inputs(sq=21, sk=30, d=d)
+
+    def loss(q, k, v):
+        return (cuflash.jax.attention(q, k, v, causal=True).astype(jnp.float32) * dout.astype(jnp.float32)).sum()
+
+    out = cuflash.jax.attention(q, k, v, causal=True)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    q64, k64, v64, dout64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    want, lse = reference.attention(q64, k64, v64, causal=True, return_lse=True)
+    want_grads = reference.attention_backward(dout64, q64, k64, v64, want, lse, causal=True)
+    assert out.shape == q.shape and np.abs(np.asarray(out, np.float64) - want).max() < 4e-3
+    for got, ref in zip(grads, want_grads):
+        assert got.shape == ref.shape and np.abs(np.asarray(got, np.float64) - ref).max() < 2e-2
+
+
 def test_eager_forward_and_options_reach_the_handler():
     q, k, v, _ = _inputs()
     slopes = jnp.linspace(0.1, 0.5, q.shape[2], dtype=jnp.float32)
@@ -180,15 +198,16 @@ def test_deterministic_backward_is_repeatable():
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
 
 
-def test_varlen_jit_grad_matches_per_sequence_xla_attention():
+@pytest.mark.parametrize("d", [32, 59])  # 59: zero-padded copies inside the call
+def test_varlen_jit_grad_matches_per_sequence_xla_attention(d):
     """Packed sequences (lengths 5, 0, 17 against 9, 3, 17): value and gradients of jit(grad) equal those of
     jax.nn.dot_product_attention run on each sequence alone (equal lengths: is_causal agrees)."""
     lens_q, lens_k = [5, 0, 17], [5, 3, 17]
     cu_q, cu_k = (jnp.asarray(np.concatenate([[0], np.cumsum(n)]), jnp.int32) for n in (lens_q, lens_k))
     keys = jax.random.split(jax.random.PRNGKey(3), 4)
-    q = jax.random.normal(keys[0], (sum(lens_q), 4, 32), jnp.float32).astype(jnp.float16)
-    k = jax.random.normal(keys[1], (sum(lens_k), 2, 32), jnp.float32).astype(jnp.float16)
-    v = jax.random.normal(keys[2], (sum(lens_k), 2, 32), jnp.float32).astype(jnp.float16)
+    q = jax.random.normal(keys[0], (sum(lens_q), 4, d), jnp.float32).astype(jnp.float16)
+    k = jax.random.normal(keys[1], (sum(lens_k), 2, d), jnp.float32).astype(jnp.float16)
+    v = jax.random.normal(keys[2], (sum(lens_k), 2, d), jnp.float32).astype(jnp.float16)
     w = jax.random.normal(keys[3], q.shape, jnp.float32)
 
     def ours(q, k, v):
