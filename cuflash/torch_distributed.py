@@ -74,7 +74,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, softmax_scale=None, win
     >>> q, k, v = (cuflash.torch_distributed.shard(x, layout="zigzag") for x in (q_full, k_full, v_full))
     >>> out = cuflash.torch_distributed.ring_attention(q, k, v, causal=True, layout="zigzag")
     """
-    transport = ProcessGroupTransport(group)
+    transport = _transport(group)
     q, k, v, config, headdim = _prepare(q, k, v, transport.world, causal, softmax_scale, window_size, softcap,
                                         alibi_slopes, layout, deterministic)
     out, lse = _RingAttention.apply(q, k, v, transport, config)
@@ -318,6 +318,18 @@ class ProcessGroupTransport:
         for work in in_flight.works:
             work.wait()  # NCCL: the current stream waits for the transfer; gloo: the host waits
         return in_flight.received
+
+
+_transports: dict = {}  # process group -> its transport (and side streams), made once
+
+
+def _transport(group) -> ProcessGroupTransport:
+    key = group if group is not None or not dist.is_available() else dist.group.WORLD  # a new world: a new key
+    transport = _transports.get(key) if key is not None else None
+    if transport is None:
+        transport = ProcessGroupTransport(group)
+        _transports[key] = transport
+    return transport
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ except Exception:  # noqa: BLE001  (a backend already started: the tests below s
 
 import cuflash.jax_ring  # noqa: E402
 from cuflash import reference, ring  # noqa: E402
-from tests.test_jax_cpu import host_targets  # noqa: E402,F401  (the autouse fixture)
+from test_jax_cpu import host_targets  # noqa: E402,F401  (the autouse fixture; the module pytest loaded)
 
 P = jax.sharding.PartitionSpec
 
