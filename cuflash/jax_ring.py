@@ -129,8 +129,9 @@ def _by_rank(step: int, local: int, config: _Config, branch, operands):
     return jax.lax.switch(index, [branch(c) for c in distinct], *operands)
 
 
-def _options(config: _Config, blk: ring.Block, q, k):
-    return cf_jax._Options.make(q, k, k, None, config.scale, False, (blk.left, blk.right), config.softcap,
+def _options(config: _Config, blk: ring.Block, q, k, v):
+    """cuflash.jax's options of one block (checked against its slices' shapes)."""
+    return cf_jax._Options.make(q, k, v, None, config.scale, False, (blk.left, blk.right), config.softcap,
                                 config.deterministic)
 
 
@@ -152,7 +153,7 @@ def _forward(q, k, v, config):
             for blk in blocks:
                 rows, keys = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
                 qb, kb, vb = q[:, rows], k[:, keys], v[:, keys]
-                part_out, part_lse = cf_jax._forward_call(qb, kb, vb, None, _options(config, blk, qb, kb))
+                part_out, part_lse = cf_jax._forward_call(qb, kb, vb, None, _options(config, blk, qb, kb, vb))
                 merged = _merge(out[:, rows], lse[:, :, rows], part_out, part_lse)
                 out, lse = out.at[:, rows].set(merged[0]), lse.at[:, :, rows].set(merged[1])
             return out, lse
@@ -181,7 +182,7 @@ def _backward(dout, q, k, v, out, lse, config):
                 rows, keys = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
                 qb, kb, vb = q[:, rows], k[:, keys], v[:, keys]
                 part = cf_jax._backward_call(dout[:, rows], qb, kb, vb, out[:, rows], lse[:, :, rows], None,
-                                             _options(config, blk, qb, kb))
+                                             _options(config, blk, qb, kb, vb))
                 dq = dq.at[:, rows].add(part[0].astype(jnp.float32))
                 dk = dk.at[:, keys].add(part[1].astype(jnp.float32))
                 dv = dv.at[:, keys].add(part[2].astype(jnp.float32))

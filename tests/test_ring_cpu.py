@@ -171,6 +171,19 @@ def test_simulated_ring_matches_attention_on_the_gathered_sequence(on_host, worl
 
 
 @needs_torch
+def test_a_ring_that_drops_the_causal_mask_is_caught(on_host, monkeypatch):
+    """A known-wrong schedule (every block unmasked) must fail the comparison the tests above make."""
+    q, k, v, dout = _sequence(s=16)
+    blocks = ring.blocks
+    unmasked = lambda *args: tuple(b._replace(left=-1, right=-1) for b in blocks(*args))  # noqa: E731
+    monkeypatch.setattr(cfd.ring, "blocks", unmasked)
+    got_out, _, _ = _ring(2, "zigzag", q, k, v, dout, causal=True)
+    want_out, _, _ = _want(q, k, v, dout, causal=True)
+    with pytest.raises(AssertionError, match="out: relative error"):
+        _close(got_out, want_out, 4e-3, "out")
+
+
+@needs_torch
 @pytest.mark.parametrize("options", [dict(window_size=(5, 3)), dict(causal=True, window_size=(7, -1)),
                                      dict(softcap=2.0, softmax_scale=0.3, causal=True)],
                          ids=["window", "causal-window", "softcap"])
