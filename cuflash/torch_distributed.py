@@ -167,7 +167,7 @@ def _forward_program(q, k, v, rank: int, config: _Config):
     b, local, h, d = q.shape
     out = torch.zeros((b, local, h, d), dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, local), -math.inf, dtype=torch.float32, device=q.device)
-    kv = (k, v)
+    kv = (k.contiguous(), v.contiguous())  # P2P sends whole storage: views of a packed qkv are copied once
     for step in range(config.world):
         last = step + 1 == config.world
         ticket = None if last else (yield ring.Send(kv))  # the next step's keys travel while this step computes
@@ -191,7 +191,7 @@ def _backward_program(dout, q, k, v, out, lse, rank: int, config: _Config):
     the next one; after the last step the accumulator of this rank's own keys arrives home."""
     b, local = q.shape[:2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv, grads_ticket = (k, v), None
+    kv, grads_ticket = (k.contiguous(), v.contiguous()), None
     for step in range(config.world):
         last = step + 1 == config.world
         kv_ticket = None if last else (yield ring.Send(kv))
