@@ -108,7 +108,10 @@ def test_jax_ring_over_the_local_gpus():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
     import cuflash.jax_ring
-    devices = jax.devices("gpu")
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError as err:
+        pytest.skip(f"JAX has no GPU backend here: {err}")
     world = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("sp",))
     spec = jax.sharding.PartitionSpec(None, "sp")

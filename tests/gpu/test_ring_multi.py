@@ -47,7 +47,10 @@ def test_jax_ring_over_several_gpus():
 
     import cuflash.jax
     import cuflash.jax_ring
-    devices = jax.devices("gpu")
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError as err:
+        pytest.skip(f"JAX has no GPU backend here: {err}")
     world = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("sp",))
     spec = jax.sharding.PartitionSpec(None, "sp")
@@ -76,8 +79,8 @@ def test_jax_ring_over_several_gpus():
 
 def _worker(layout: str, causal: bool) -> None:
     """One torchrun rank: its shard of out and of the gradients against cuflash.torch.attention on the whole
-    sequence (computed on every rank from the same seed), within twice single-GPU attention's error against
-    float32 math plus a floor."""
+    sequence (computed on every rank from the same seed): the ring's error against float32 math is at most twice
+    single-GPU attention's plus the rounding of its merge (``world`` partial results, each rounded once to bf16)."""
     import torch
     import torch.distributed as dist
 
@@ -109,7 +112,9 @@ def _worker(layout: str, causal: bool) -> None:
     def check(name, got, single, want):
         mine_err = (got.float() - cfd.shard(want, layout=layout)).abs().max().item()
         single_err = (single.float() - want).abs().max().item()
-        assert mine_err <= 2 * single_err + 1e-2, f"rank {rank} {name}: {mine_err} vs single GPU {single_err}"
+        floor = world * 2.0 ** -8 * want.abs().max().item()
+        assert mine_err <= 2 * single_err + floor, \
+            f"rank {rank} {name}: {mine_err} vs single GPU {single_err}, merge floor {floor}"
 
     check("out", out, one, math_out.detach())
     for name, x, single, want in zip(("dq", "dk", "dv"), mine, whole, exact):
