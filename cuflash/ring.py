@@ -34,7 +34,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Iterable, NamedTuple, Sequence
 
-__all__ = ["LAYOUTS", "Block", "chunks", "positions", "blocks", "Send", "Receive", "run", "run_local"]
+__all__ = ["LAYOUTS", "Block", "check_layout", "chunks", "positions", "blocks", "schedule", "work", "Send", "Receive",
+           "run", "run_local"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
