@@ -988,3 +988,12 @@ _set_device = cupy.cuda.runtime.setDevice
 # torch's current stream on a device as a cudaStream_t handle (an int), without a torch.cuda.Stream object
 _stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda index: torch.cuda.current_stream(
     index).cuda_stream)
+
+
+def __getattr__(name: str):
+    """``cuflash.torch.distributed`` (context-parallel ring attention, :mod:`cuflash.torch_distributed`), imported
+    when first used."""
+    if name == "distributed":
+        from . import torch_distributed
+        return torch_distributed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -463,6 +463,19 @@ def test_kvcache_errors(monkeypatch):
         cuflash.torch.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=3)
 
 
+def test_varlen_paged_opcheck(on_host):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 4, 32, generator=g).half()
+    pool = torch.randn(5, 16, 2, 32, generator=g).half()
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
+    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 20, 37], dtype=torch.int32)
+    used = torch.tensor([20, 9], dtype=torch.int32)
+    for args in ((q, pool, pool, cu_q, cu_k, table, None, None, 4, 20, None, True, -1, 0, 0.0),
+                 (q, pool, pool, cu_q, cu_k, table, used, None, 4, 20, 0.2, False, 8, 8, 3.0)):
+        torch.library.opcheck(torch.ops.cuflash.attention_varlen_paged.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+
+
 def test_varlen_paged_keys_forward_and_no_backward(on_host):
     """block_table and seqused_k reach the forward (eager and through the op); with a gradient to track they raise
     NotImplementedError naming the argument."""
