@@ -17,6 +17,7 @@
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
+#include "dropout.cuh"
 
 namespace cuflash {
 
@@ -232,20 +233,33 @@ struct BwdBlock {
         if constexpr (SCORE_MOD) mod.template apply<true>(s, key0, q0, lane, dtanh);
         if (MASK) mask.apply_transposed(s, key0, q0, lane);
         const int col = half * (BM / Traits::SPLIT) + 2 * (lane % 4);
+        // dropout: out = (P M / keep) V, so dV takes P M / keep and dS = P (dP M / keep - D). The keep bits of a pair
+        // of query tiles are drawn where the pair is used, so that the generator's state is short-lived. Not in the
+        // wide configuration (d > 128), whose registers are all taken (cuflash.ops.backward refuses such calls).
+        const bool dropping = !Traits::WIDE && p.dropout_threshold < 65536;
 #pragma unroll
-        for (int nt = 0; nt < NQW; ++nt) {
-            const float2 l = *reinterpret_cast<const float2*>(s_lse + col + nt * 8);
-            const float2 dd = *reinterpret_cast<const float2*>(s_dsum + col + nt * 8);
+        for (int np = 0; np < NQW / 2; ++np) {
+            const u32 kept = dropping ? Dropout(p.dropout_seed, p.dropout_offset, blockIdx.z * p.nheads + h,
+                                                p.dropout_threshold)
+                                            .template keep_mask_cols<2>(key0 / 16, q0 / 16 + np, lane)
+                                      : ~0u;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float prob = exp2f(s[0][nt][e] * p.scale_log2 - (e % 2 ? l.y : l.x));
-                float ds = prob * (dp[0][nt][e] - (e % 2 ? dd.y : dd.x)) * p.softmax_scale;
-                if constexpr (SCORE_MOD) {
-                    const u32 pair = dtanh[0][nt][e / 2];
-                    ds *= to_float<half_t>(e % 2 ? (u16)(pair >> 16) : (u16)(pair & 0xffff));
+            for (int ch = 0; ch < 2; ++ch) {
+                const int nt = 2 * np + ch;
+                const float2 l = *reinterpret_cast<const float2*>(s_lse + col + nt * 8);
+                const float2 dd = *reinterpret_cast<const float2*>(s_dsum + col + nt * 8);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float prob = exp2f(s[0][nt][e] * p.scale_log2 - (e % 2 ? l.y : l.x));
+                    const float keep = dropping ? ((kept >> (ch * 4 + e)) & 1u ? p.dropout_scale : 0.f) : 1.f;
+                    float ds = prob * (dp[0][nt][e] * keep - (e % 2 ? dd.y : dd.x)) * p.softmax_scale;
+                    if constexpr (SCORE_MOD) {
+                        const u32 pair = dtanh[0][nt][e / 2];
+                        ds *= to_float<half_t>(e % 2 ? (u16)(pair >> 16) : (u16)(pair & 0xffff));
+                    }
+                    s[0][nt][e] = prob * keep;
+                    dp[0][nt][e] = ds;
                 }
-                s[0][nt][e] = prob;
-                dp[0][nt][e] = ds;
             }
         }
         store_keys_by_queries(Traits::OFF_P, s);

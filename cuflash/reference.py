@@ -380,9 +380,18 @@ def _sequences(cu_seqlens_q, cu_seqlens_k):
         yield b, slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
 
 
+def _sequence_dropout(dropout_p, seed, offset, b, nheads, seqlen_q, seqlen_k):
+    """The dropout of sequence b of a varlen batch (its element (b, h, i, j): query i, key j of the sequence)."""
+    if not dropout_p:
+        return None
+    keep = dropout_keep(seed, offset, b + 1, nheads, seqlen_q, seqlen_k, dropout_p)[b:b + 1]
+    return keep, dropout_threshold(dropout_p) / 65536
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
-                     block_table=None, seqused_k=None, stream=None):
+                     block_table=None, seqused_k=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
+                     stream=None):
     """Attention over packed variable-length sequences; reference of :func:`cuflash.attention_varlen`.
 
     Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
@@ -403,6 +412,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``p % page_size`` of page ``block_table[b, p // page_size]``.
     seqused_k : int32 ``(batch,)``, optional
         Keys of sequence b, instead of ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``.
+    dropout_p, dropout_seed, dropout_offset : as in :func:`attention`, element (b, h, i, j) being query i and key j
+        of sequence b
 
     Returns
     -------
@@ -433,14 +444,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             sk = slice(sk.start, sk.start + n)
         o, l = _forward(q[None, sq], k[None, sk], v[None, sk], softmax_scale=scale, causal=causal,
                         window_size=window_size, softcap=float(softcap),
-                        alibi_slopes=None if slopes is None else slopes[b:b + 1])
+                        alibi_slopes=None if slopes is None else slopes[b:b + 1],
+                        dropout=_sequence_dropout(dropout_p, dropout_seed, dropout_offset, b, nheads,
+                                                  sq.stop - sq.start, n))
         out[sq], lse[:, sq] = o[0], l[0]
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, deterministic=False, stream=None):
+                              alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=0,
+                              dropout_offset=0, stream=None):
     """Gradients of :func:`attention_varlen`; reference of :func:`cuflash.attention_varlen_backward`.
 
     Parameters
@@ -465,7 +479,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     for b, sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
         g = _backward(dout[None, sq], q[None, sq], k[None, sk], v[None, sk], out[None, sq], lse[None, :, sq],
                       softmax_scale=scale, causal=causal, window_size=window_size, softcap=float(softcap),
-                      alibi_slopes=None if slopes is None else slopes[b:b + 1])
+                      alibi_slopes=None if slopes is None else slopes[b:b + 1],
+                      dropout=_sequence_dropout(dropout_p, dropout_seed, dropout_offset, b, nheads, sq.stop - sq.start,
+                                                sk.stop - sk.start))
         dq[sq], dk[sk], dv[sk] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 

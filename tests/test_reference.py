@@ -650,3 +650,21 @@ def test_dropout_forward_and_backward_match_finite_differences():
             plus[pos], minus[pos] = x + e, x - e
             numeric = ((ref.attention(*plus, **opts) - ref.attention(*minus, **opts)) * dout).sum() / 2e-6
             assert abs(numeric - g[idx]) < 1e-6 * max(1.0, abs(numeric))
+
+
+def test_varlen_dropout_is_each_sequence_as_batch_row_b():
+    """Sequence b of a varlen batch drops as batch row b of a dense call of its lengths does."""
+    rng = np.random.default_rng(5)
+    lens = [7, 0, 20]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), 2, 8)) for _ in range(3))
+    opts = dict(dropout_p=0.25, dropout_seed=11, dropout_offset=2, causal=True)
+    got = ref.attention_varlen(q, k, v, cu, cu, 20, 20, **opts)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        dense_q, dense_k, dense_v = (np.zeros((b + 1, n, 2, 8)) for _ in range(3))
+        dense_q[b], dense_k[b], dense_v[b] = q[rows], k[rows], v[rows]
+        want = ref.attention(dense_q, dense_k, dense_v, **opts)[b]
+        np.testing.assert_allclose(got[rows], want, rtol=1e-12, atol=1e-12)
