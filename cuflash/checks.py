@@ -174,7 +174,7 @@ def check_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     _same_axis(k, 0, q, 0, "batch")
     batch, seqlen_q, nheads, headdim = q.shape
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
-    _check_dropout_p(dropout_p)
+    check_dropout_p(dropout_p)
     _same_device(q, k, v, alibi_slopes)
     _check_headdim_multiple(q, headdim_multiple)
     return Problem(batch, seqlen_q, k.shape[1], nheads, k.shape[2], headdim, q.dtype)
@@ -243,7 +243,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     batch = cu_q.shape[0] - 1
     _, nheads, headdim = q.shape
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
-    _check_dropout_p(dropout_p)
+    check_dropout_p(dropout_p)
     _same_device(q, k, v, cu_q, cu_k, alibi_slopes, block_table, seqused_k)
     _check_headdim_multiple(q, headdim_multiple)
     return Problem(batch, int(max_seqlen_q), int(max_seqlen_k), nheads, k.shape[-2], headdim,
@@ -510,7 +510,8 @@ def _check_alibi(alibi: TensorSpec, batch: int, nheads: int) -> None:
     _check_dtype(alibi, ("float32",))
 
 
-def _check_dropout_p(dropout_p) -> None:
+def check_dropout_p(dropout_p) -> None:
+    """dropout_p: a real number with 0 <= p < 1 (TypeError or ValueError naming it)."""
     _check_real(dropout_p, "dropout_p", "a float with 0 <= p < 1", lambda p: 0 <= p < 1)
 
 

@@ -96,3 +96,36 @@ def test_dropout_arguments_are_checked():
         cuflash.attention(q, q, q, dropout_p=1.0)
     with pytest.raises(ValueError, match="dropout_seed: expected 0 <= dropout_seed < 2\\*\\*64, got -1"):
         cuflash.attention(q, q, q, dropout_p=0.1, dropout_seed=-1)
+
+
+def test_torch_dropout_follows_torch_manual_seed():
+    """cuflash.torch draws the mask's seed and offset from torch's CUDA generator: torch.manual_seed repeats a
+    call bitwise (gradients too), the generator's offset advances by 4 per call, and the result is the reference's
+    with that seed and offset."""
+    torch = pytest.importorskip("torch")
+    import cuflash.torch
+    rng = np.random.default_rng(3)
+    dt = DTYPES["bf16"]
+    q, k, v = randn(rng, (2, 70, 4, 64), dt), randn(rng, (2, 90, 2, 64), dt), randn(rng, (2, 90, 2, 64), dt)
+    dout = randn(rng, q.shape, dt)
+
+    def run():
+        tensors = [torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda().requires_grad_()
+                   for x in (q, k, v)]
+        out = cuflash.torch.attention(*tensors, causal=True, dropout_p=0.25)
+        out.backward(torch.from_numpy(dout.view(np.int16)).view(torch.bfloat16).cuda())
+        return [x.detach().view(torch.int16).cpu().numpy() for x in (out, *(t.grad for t in tensors))]
+
+    torch.manual_seed(1234)
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    seed, offset = generator.initial_seed(), generator.get_offset()
+    first = run()
+    assert generator.get_offset() == offset + 4
+    torch.manual_seed(1234)
+    second = run()
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    want = reference.attention(q, k, v, causal=True, dropout_p=0.25, dropout_seed=seed, dropout_offset=offset)
+    _close(first[0].view(dt), want, "bf16", "out")
+    third = run()  # the generator moved on: another mask
+    _far(third[0].view(dt), want, "bf16", "out")
