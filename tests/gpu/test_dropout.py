@@ -116,6 +116,7 @@ def test_torch_dropout_follows_torch_manual_seed():
         out.backward(torch.from_numpy(dout.view(np.int16)).view(torch.bfloat16).cuda())
         return [x.detach().view(torch.int16).cpu().numpy() for x in (out, *(t.grad for t in tensors))]
 
+    torch.cuda.init()  # torch's CUDA generators exist once CUDA is initialized
     torch.manual_seed(1234)
     generator = torch.cuda.default_generators[torch.cuda.current_device()]
     seed, offset = generator.initial_seed(), generator.get_offset()
