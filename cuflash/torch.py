@@ -691,10 +691,12 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
              cache_batch_idx: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
              alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
              window_right: int, softcap: float, num_splits: int, return_lse: bool,
-             rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
-             cache_leftpad: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+             rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
+             rotary_interleaved: bool = False,
+             cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op: ``cache_seqlens`` is given as a tensor, or as the int ``cache_len`` (-1: neither). Returns ``out,
-    lse``; lse is empty, ``(0,)``, unless ``return_lse``."""
+    lse``; lse is empty, ``(0,)``, unless ``return_lse``. The rotary and leftpad arguments have defaults, so a call
+    written before they existed keeps working."""
     seqlens = cache_seqlens if cache_seqlens is not None else None if cache_len < 0 else cache_len
     out, lse = _kvcache_compute(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, alibi_slopes,
                                 softmax_scale, causal, (window_left, window_right), softcap, num_splits, return_lse,
