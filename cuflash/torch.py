@@ -793,8 +793,8 @@ def _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
-                  softmax_scale, causal, window_left, window_right, softcap, num_splits, return_lse, rotary_cos,
-                  rotary_sin, rotary_interleaved, cache_leftpad):
+                  softmax_scale, causal, window_left, window_right, softcap, num_splits, return_lse, rotary_cos=None,
+                  rotary_sin=None, rotary_interleaved=False, cache_leftpad=None):
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                    cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes,
                    rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad)
