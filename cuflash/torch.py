@@ -518,7 +518,8 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
         call = forward.forward_call(problem, q, specs["k"], specs["v"], checks.contiguous("out", q.shape, q.dtype),
                                     checks.contiguous("lse", lse_shape, np.float32),
                                     resolve(problem, alibi_slopes=specs["alibi_slopes"], **options), device_id=index,
-                                    alibi_slopes=specs["alibi_slopes"], block_table=specs.get("block_table"))
+                                    alibi_slopes=specs["alibi_slopes"], block_table=specs.get("block_table"),
+                                    seqused_k=specs.get("seqused_k"))
 
     def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k):
         previous = _get_device()
