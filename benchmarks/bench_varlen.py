@@ -15,7 +15,9 @@ Two parts, bf16 by default, every implementation in one process on the same data
     padded run would need a key mask on top, which SDPA's flash backend cannot take.)
 
 With --bwd, part (b) also times the backward of cuflash varlen and cuflash padded
-(2.5 x the forward's FLOPs).
+(2.5 x the forward's FLOPs). With --paged 16,256 (page sizes), part (b) also times cuflash varlen
+reading the same keys from a shuffled page pool through block_table (chunked prefill against a
+paged KV cache): the cost of paging, beside the packed call.
 
 Timing as bench_attention.py: triton.testing.do_bench (CUDA events, L2 flushed before every
 call), median. Spot check: varlen against per-sequence SDPA on a few sequences.
@@ -59,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--quick", action="store_true", help=f"part (a) at seqlen {QUICK_EQUAL_SEQLENS} only")
     p.add_argument("--bwd", action="store_true", help="also time the backward in part (b)")
+    p.add_argument("--paged", type=ba._int_list, default=[], help="page sizes for the paged varlen rows of (b)")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
@@ -95,6 +98,25 @@ def packed_and_padded(lengths, h: int, d: int, dtype):
         y[index] = x
         padded.append(y.view(len(lengths), longest, h, d))
     return packed, cu, padded
+
+
+def paged_pool(keys, cu, lengths, page_size: int, seed: int):
+    """The packed keys (total, h, d) of each sequence placed in a shuffled page pool (num_pages, page_size, h, d),
+    and the block table (batch, max_pages) that finds them."""
+    torch = ba.torch
+    pages = [-(-L // page_size) for L in lengths]
+    num_pages = sum(pages)
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).to("cuda")
+    table = torch.zeros(len(lengths), max(pages), device="cuda", dtype=torch.int32)
+    pool = torch.zeros(num_pages, page_size, *keys.shape[1:], device="cuda", dtype=keys.dtype)
+    start, first = cu.tolist(), 0
+    for b, (L, n) in enumerate(zip(lengths, pages)):
+        ids = order[first:first + n]
+        table[b, :n] = ids.to(torch.int32)
+        rows = torch.arange(L, device="cuda")
+        pool[ids[rows // page_size], rows % page_size] = keys[start[b]:start[b] + L]
+        first += n
+    return pool, table
 
 
 def _record(row, name, flops, ms=None, err=None):
@@ -176,6 +198,14 @@ def mixed_cell(d: int, causal: bool, args) -> dict:
         return cuflash.attention_varlen(qc, kc, vc, cuc, cuc, longest, longest, causal=causal, stream=stream)
 
     _timed(row, "varlen", flops, run_varlen, args)
+    for page_size in args.paged:
+        try:
+            (kpool, table), (vpool, _) = (paged_pool(x, cu, lengths, page_size, args.seed) for x in packed[1:])
+            kpc, vpc, tc = ba.to_cupy(kpool), ba.to_cupy(vpool), cupy.from_dlpack(table)
+            _timed(row, f"paged{page_size}", flops, lambda: cuflash.attention_varlen(
+                qc, kpc, vpc, cuc, cuc, longest, longest, causal=causal, block_table=tc, stream=stream), args)
+        except Exception as e:  # noqa: BLE001
+            _record(row, f"paged{page_size}", flops, err=ba.short_error(e))
     _timed(row, "padded", flops, lambda: cuflash.attention(pqc, pkc, pvc, causal=causal, stream=stream), args)
     qt, kt, vt = (x.transpose(1, 2) for x in padded)
     for name in ("flash", "cudnn"):
@@ -208,7 +238,7 @@ def mixed_cell(d: int, causal: bool, args) -> dict:
             row["max_abs_diff"], row["check_ok"] = diff, bool(math.isfinite(diff) and diff <= args.tol)
         except Exception as e:  # noqa: BLE001
             row["check_ok"], row["check_error"] = False, ba.short_error(e)
-    for name in ("padded", "flash", "cudnn"):
+    for name in ("padded", "flash", "cudnn") + tuple(f"paged{n}" for n in args.paged):
         a, p = row.get("tflops_varlen"), row.get(f"tflops_{name}")
         row[f"ratio_{name}"] = (a / p) if (a and p) else None
     return row
@@ -242,6 +272,8 @@ def print_tables(rows, args) -> None:
                     + f" {'ok' if r.get('check_ok') else 'FAIL' if r.get('check_ok') is False else 'n/a':>6}")
             if args.bwd:
                 line += f" {_f(r.get('tflops_varlen_bwd'), '10.1f'):>10} {_f(r.get('tflops_padded_bwd'), '10.1f'):>10}"
+            for n in args.paged:  # paged keys: TFLOP/s and the packed call's speed over it
+                line += f"  paged{n} {_f(r.get(f'tflops_paged{n}'), '7.1f')} ({_f(r.get(f'ratio_paged{n}'), '.2f')}x)"
             print(line)
         print()
     for r in rows:

@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(256) decode_append(const __grid_constant__ Dec
             const int head = rest % p.nheads;
             rest /= p.nheads;
             const int i = rest % p.seqlen_q, b = rest / p.seqlen_q;
-            const int pos = (p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.cache_len) + (p.rotary_q_per_row ? i : 0);
+            const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.cache_len;
+            const int pos = cached + (p.rotary_q_per_row ? i : 0);
             rotary_chunk<T>(p, p.q + b * p.q_batch_stride + i * p.q_row_stride + head * p.q_head_stride,
                             p.q_rot + (((i64)b * p.seqlen_q + i) * p.nheads + head) * p.headdim, c, pos);
             continue;

@@ -158,7 +158,7 @@ struct DecodeParams {
     int cache_rows;            // batch_cache (contiguous), or num_pages (paged)
     int rotary_dim;            // elements of a row rotated (a multiple of 16), 0: none
     int rotary_interleaved;    // pairs (2j, 2j + 1); else (j, j + rotary_dim / 2)
-    int rotary_q_per_row;      // query i at position cache_seqlens[b] + i (causal or local); else all at cache_seqlens[b]
+    int rotary_q_per_row;      // query i at position cache_seqlens[b] + i (causal or local), else cache_seqlens[b]
     int seqlen_ro;             // rows of rotary_cos / rotary_sin
     float scale_log2, mod_scale, softcap;
 };

@@ -753,7 +753,8 @@ def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
                    0 if block_table is None else block_table.data_ptr(),
                    0 if alibi_slopes is None else alibi_slopes.data_ptr(), 0 if lse is None else lse.data_ptr(),
                    bool(prep.counter_tiles) and torch.cuda.is_current_stream_capturing(),
-                   0 if rotary_cos is None else rotary_cos.data_ptr(), 0 if rotary_sin is None else rotary_sin.data_ptr(),
+                   0 if rotary_cos is None else rotary_cos.data_ptr(),
+                   0 if rotary_sin is None else rotary_sin.data_ptr(),
                    0 if cache_leftpad is None else cache_leftpad.data_ptr())
     finally:
         if previous != index:

@@ -12,9 +12,10 @@
 #   sanitize   compute-sanitizer memcheck, racecheck over scripts/sanitize_cases.py
 #                                                        (SKIP_SANITIZE=1)   -> $OUT/memcheck.log, racecheck.log
 #   bench      benchmarks/bench_attention.py --op all: forward then backward (SKIP_BENCH=1), then
-#              benchmarks/bench_varlen.py --bwd (SKIP_VARLEN=1, rows appended with op "varlen"), then
-#              benchmarks/bench_decode.py (SKIP_DECODE=1)
-#                                         -> $OUT/bench.txt (every table), bench.json, decode.json
+#              benchmarks/bench_varlen.py --bwd --paged 16,256 (SKIP_VARLEN=1, rows appended with op "varlen"), then
+#              bench_attention.py at head dims 59, 111, 200, 256 (SKIP_DIMS=1, rows appended), then
+#              benchmarks/bench_overhead.py (SKIP_OVERHEAD=1), then benchmarks/bench_decode.py (SKIP_DECODE=1)
+#                                         -> $OUT/bench.txt (every table), bench.json, overhead.json, decode.json
 # then a short summary on stdout with the tables benchmarks/report.py makes of the two JSON files. Exit status 1
 # if any step that ran failed. The plots and the docs' tables come from those files, on any machine:
 #
@@ -22,7 +23,7 @@
 #         --save docs/bench/results.json --plots docs/bench --readme README.md --docs docs/benchmarks.md
 #
 # Environment:
-#   OUT            output folder (default ./out); the device returns at most 8 files, this script writes 7.
+#   OUT            output folder (default ./out); the device returns at most 8 files, this script writes 8.
 #   SHARDS, PER_FILE   how the suite runs (above)
 #   PYTEST_ARGS    appended to the pytest call(s), e.g. PYTEST_ARGS='-k forward --hypothesis-seed=0'
 #   SANITIZE_ARGS  appended to sanitize_cases.py, e.g. SANITIZE_ARGS='--only fwd_'
@@ -229,11 +230,35 @@ else
     # Packed variable-length sequences: its log goes to the end of bench.txt and its rows into bench.json.
     if [ "${SKIP_VARLEN:-0}" != 1 ]; then
         run_step varlen "${BENCH_TIMEOUT:-}" "${TMPDIR:-/tmp}/bench_varlen.txt" \
-            python3 benchmarks/bench_varlen.py --bwd --json "$OUT/bench.json" --append
+            python3 benchmarks/bench_varlen.py --bwd --paged 16,256 --json "$OUT/bench.json" --append
         rc=$?
         cat "${TMPDIR:-/tmp}/bench_varlen.txt" >>"$OUT/bench.txt"
         if [ "$rc" = 0 ]; then record varlen ok "$LAST_DT"
         else record varlen "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
+    fi
+
+    # Head dims beyond 64 and 128 (not multiples of 8: padded copies; 256), forward and backward beside the peers:
+    # its log to bench.txt, its rows into bench.json.
+    if [ "${SKIP_DIMS:-0}" != 1 ]; then
+        run_step dims "${BENCH_TIMEOUT:-}" "${TMPDIR:-/tmp}/bench_dims.txt" \
+            python3 benchmarks/bench_attention.py --op all --dims 59,111,200,256 --seqlens 2048,8192 \
+            --json "${TMPDIR:-/tmp}/bench_dims.json"
+        rc=$?
+        cat "${TMPDIR:-/tmp}/bench_dims.txt" >>"$OUT/bench.txt"
+        python3 -c 'import json, sys; rows = json.load(open(sys.argv[1])) + json.load(open(sys.argv[2]));
+json.dump(rows, open(sys.argv[1], "w"), indent=1)' "$OUT/bench.json" "${TMPDIR:-/tmp}/bench_dims.json" || rc=1
+        if [ "$rc" = 0 ]; then record dims ok "$LAST_DT"
+        else record dims "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
+    fi
+
+    # Per-call cost of every entry point beside its peer (host and GPU together): overhead.json.
+    if [ "${SKIP_OVERHEAD:-0}" != 1 ]; then
+        run_step overhead "${BENCH_TIMEOUT:-}" "${TMPDIR:-/tmp}/bench_overhead.txt" \
+            python3 benchmarks/bench_overhead.py --json "$OUT/overhead.json"
+        rc=$?
+        cat "${TMPDIR:-/tmp}/bench_overhead.txt" >>"$OUT/bench.txt"
+        if [ "$rc" = 0 ]; then record overhead ok "$LAST_DT"
+        else record overhead "FAILED (exit $rc)" "$LAST_DT"; FAILED=1; fi
     fi
 
     # Decode (attention_with_kvcache) beside SDPA flash and cuDNN: its log to bench.txt, its rows to decode.json.

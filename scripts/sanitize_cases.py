@@ -159,6 +159,22 @@ def _kvcache_cases() -> list[dict]:
                                                   causal=True, num_splits=2)),
         dict(name="kvcache_bf16_d256_window", fn="attention_with_kvcache", dtype="bf16",
              shape=dict(decode, d=256, sq=3), opts=dict(cache_seqlens=(297, 5), window_size=(40, 0))),
+        # rotary embedding of the new keys and the queries, cache_leftpad
+        dict(name="kvcache_bf16_rotary_interleaved_leftpad", fn="attention_with_kvcache", dtype="bf16",
+             shape=dict(decode, sq=2), opts=dict(cache_seqlens=(280, 9), new_k=2, causal=True, rotary=64,
+                                                 rotary_interleaved=True, leftpad=(100, 9), num_splits=3)),
+        dict(name="kvcache_fp16_rotary_half_paged16", fn="attention_with_kvcache", dtype="fp16",
+             shape=decode, opts=dict(cache_seqlens=(120, 0), page_size=16, new_k=1, rotary=128,
+                                     rotary_interleaved=False)),
+        # values in device memory outside the cache: the kernels bound them (nothing read or written outside)
+        dict(name="kvcache_bf16_seqlens_past_capacity_append", fn="attention_with_kvcache", dtype="bf16",
+             shape=decode, opts=dict(cache_seqlens=(400, -3), new_k=2, num_splits=2)),
+        dict(name="kvcache_fp16_paged_bad_pages_append", fn="attention_with_kvcache", dtype="fp16",
+             shape=decode, opts=dict(cache_seqlens=(290, 40), page_size=32, new_k=3, bad_pages=True)),
+        dict(name="kvcache_bf16_batch_idx_outside", fn="attention_with_kvcache", dtype="bf16",
+             shape=decode, opts=dict(cache_seqlens=(100, 50), new_k=1, batch_idx=(5, -1))),
+        dict(name="kvcache_bf16_leftpad_past_seqlens", fn="attention_with_kvcache", dtype="bf16",
+             shape=decode, opts=dict(cache_seqlens=(100, 50), new_k=1, leftpad=(150, -2))),
     ]
 
 
@@ -176,6 +192,13 @@ def _varlen_cases() -> list[dict]:
              opts=dict(causal=True, deterministic=False)),
         dict(name="varlen_bwd_fp16_softcap_alibi_det", fn="attention_varlen_backward", dtype="fp16", shape=VARLEN,
              opts=dict(softcap=5.0, alibi=True, deterministic=True)),
+        # paged keys (block_table) and seqused_k, with counts and pages outside what the call holds
+        dict(name="varlen_fwd_bf16_paged16_causal", fn="attention_varlen", dtype="bf16", shape=VARLEN,
+             opts=dict(causal=True, page_size=16)),
+        dict(name="varlen_fwd_fp16_paged64_seqused_bad_pages", fn="attention_varlen", dtype="fp16", shape=VARLEN,
+             opts=dict(page_size=64, seqused=(1000, -1, 0, 1, 129), bad_pages=True)),
+        dict(name="varlen_fwd_bf16_seqused_past_rows", fn="attention_varlen", dtype="bf16", shape=VARLEN,
+             opts=dict(seqused=(40, 12, 5, 1, 500))),
     ]
 
 
@@ -194,7 +217,8 @@ def _sm90_cases() -> list[dict]:
         cases.append(dict(name=f"sm90_{variant}_bf16_d128_many_tiles", fn="attention_sm90", dtype="bf16",
                           shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=128), opts=dict(variant=variant)))
         if forward_sm90.variant_spec(variant, "bf16", 64, True, False).persistent:
-            # a persistent walk of 9-10 tiles a CTA (the tile ring, where the kernel has one, wraps); bottom-right causal leaves the first 400 rows without keys
+            # a persistent walk of 9-10 tiles a CTA (the tile ring, where the kernel has one, wraps); bottom-right
+            # causal leaves the first 400 rows without keys
             cases.append(dict(name=f"sm90_{variant}_bf16_d64_causal_many_tiles", fn="attention_sm90", dtype="bf16",
                               shape=dict(b=2, sq=1100, sk=700, h=70, hk=14, d=64),
                               opts=dict(variant=variant, causal=True)))
@@ -278,12 +302,22 @@ def run_attention_with_kvcache(rng, case, stream):
     kw = _kwargs(rng, case, stream)
     kw["cache_seqlens"] = cupy.asarray(np.array(kw["cache_seqlens"], dtype=np.int32))
     page_size, new_k = kw.pop("page_size", None), kw.pop("new_k", 0)
+    rotary, leftpad, bad_pages, batch_idx = (kw.pop(n, None) for n in ("rotary", "leftpad", "bad_pages", "batch_idx"))
+    if rotary:  # tables for positions up to the capacity plus the new rows
+        kw["rotary_cos"] = _rand(rng, (s["sk"] + s["sq"], rotary // 2), dt)
+        kw["rotary_sin"] = _rand(rng, (s["sk"] + s["sq"], rotary // 2), dt)
+    if leftpad is not None:
+        kw["cache_leftpad"] = cupy.asarray(np.array(leftpad, dtype=np.int32))
+    if batch_idx is not None:
+        kw["cache_batch_idx"] = cupy.asarray(np.array(batch_idx, dtype=np.int32))
     if page_size:  # the same capacity as pages, shuffled, plus two spare pages
         pages = -(-s["sk"] // page_size)
         k_cache = _rand(rng, (s["b"] * pages + 2, page_size, s["hk"], s["d"]), dt)
         v_cache = _rand(rng, (s["b"] * pages + 2, page_size, s["hk"], s["d"]), dt)
-        kw["block_table"] = cupy.asarray(rng.permutation(s["b"] * pages + 2)[:s["b"] * pages]
-                                         .reshape(s["b"], pages).astype(np.int32))
+        table = rng.permutation(s["b"] * pages + 2)[:s["b"] * pages].reshape(s["b"], pages).astype(np.int32)
+        if bad_pages:  # entries that name no page of the pool
+            table[0, -1], table[1, 0] = 10 ** 6, -1
+        kw["block_table"] = cupy.asarray(table)
     if new_k:
         kw["k"] = _rand(rng, (s["b"], new_k, s["hk"], s["d"]), dt)
         kw["v"] = _rand(rng, (s["b"], new_k, s["hk"], s["d"]), dt)
@@ -302,10 +336,25 @@ def _varlen_inputs(rng, case):
 
 
 def run_attention_varlen(rng, case, stream):
-    args = _varlen_inputs(rng, case)
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(rng, case)
     kw = _kwargs(rng, case, stream)
+    page_size, seqused, bad_pages = (kw.pop(n, None) for n in ("page_size", "seqused", "bad_pages"))
+    if seqused is not None:
+        kw["seqused_k"] = cupy.asarray(np.array(seqused, dtype=np.int32))
+    if page_size:  # each sequence's keys in pages of a shuffled pool, with its own block-table row
+        s = case["shape"]
+        pages = [max(1, -(-n // page_size)) for n in s["lens_k"]]
+        k = _rand(rng, (sum(pages), page_size, s["hk"], s["d"]), case["dtype"])
+        v = _rand(rng, (sum(pages), page_size, s["hk"], s["d"]), case["dtype"])
+        order = rng.permutation(sum(pages)).astype(np.int32)
+        table = np.zeros((len(pages), max(pages)), np.int32)
+        for b, n in enumerate(pages):
+            table[b, :n] = order[sum(pages[:b]):sum(pages[:b]) + n]
+        if bad_pages:
+            table[0, 0], table[-1, -1] = -5, 10 ** 6
+        kw["block_table"] = cupy.asarray(table)
     _ready()
-    return cuflash.attention_varlen(*args, **kw)
+    return cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
 def run_attention_varlen_backward(rng, case, stream):

@@ -6,7 +6,8 @@ import re
 import pytest
 
 NO_GPU = "needs a CUDA GPU"
-EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "transformers": "transformers"}  # missing module -> the extra that installs it
+# missing module -> the extra that installs it
+EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "transformers": "transformers"}
 _SELECTED = pytest.StashKey[list]()
 
 
