@@ -421,12 +421,14 @@ struct BwdSm90 {
     // DSPLIT: S^T or dP^T of all 64 keys against this warpgroup's 32 of the step's queries (A = the keys tile, B =
     // rows 32 wg .. of the queries tile, both K-major).
     __device__ __forceinline__ void issue_keys_by_query_half(float (&acc)[NT][4], u32 keys, u32 queries) const {
+        const auto desc0 = sm90::smem_desc(base);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             const u32 a_at = keys + (ks / 4) * K_PANEL + (ks % 4) * 32;
             const u32 q_at = queries + (ks / 4) * Q_PANEL + wg * 32 * 128 + (ks % 4) * 32;
-            sm90::wgmma_m64n32k16_ss<T>(*reinterpret_cast<float(*)[16]>(&acc[0][0]), sm90::smem_desc(a_at),
-                                        sm90::smem_desc(q_at), ks > 0);
+            sm90::wgmma_m64n32k16_ss<T>(*reinterpret_cast<float(*)[16]>(&acc[0][0]),
+                                        sm90::desc_advance(desc0, a_at - base),
+                                        sm90::desc_advance(desc0, q_at - base), ks > 0);
         }
         sm90::wgmma_commit();
     }
@@ -434,25 +436,27 @@ struct BwdSm90 {
     // DSPLIT: acc (+)= A B over the step's BM queries, for this warpgroup's WG_PANELS panels of the head dim: A (keys x
     // queries) a K-major tile in shared memory (P^T or dS^T), B a queries x D tile (dO or Q), MN-major.
     __device__ __forceinline__ void issue_keys_by_d_half(float (&acc)[WG_PANELS * 8][4], u32 a_tile, u32 tile) const {
+        const auto a0 = sm90::smem_desc(base), b0 = sm90::smem_desc_mn(base, Q_PANEL);
 #pragma unroll
         for (int kk = 0; kk < KK; ++kk)
 #pragma unroll
             for (int pl = 0; pl < WG_PANELS; ++pl)
-                sm90::wgmma_m64n64k16_ss_bmn<T>(*reinterpret_cast<float(*)[32]>(&acc[pl * 8][0]),
-                                                sm90::smem_desc(a_tile + kk * 32),
-                                                sm90::smem_desc_mn(tile + (wg * WG_PANELS + pl) * Q_PANEL + kk * 2048,
-                                                                   Q_PANEL), true);
+                sm90::wgmma_m64n64k16_ss_bmn<T>(
+                    *reinterpret_cast<float(*)[32]>(&acc[pl * 8][0]), sm90::desc_advance(a0, a_tile + kk * 32 - base),
+                    sm90::desc_advance(b0, tile + (wg * WG_PANELS + pl) * Q_PANEL + kk * 2048 - base), true);
         sm90::wgmma_commit();
     }
 
     // DSPLIT: dQ's panel pn (64 columns, all BM rows) over the block's 64 keys: dS (dS^T read MN-major) times K's
     // panel (MN-major).
     __device__ __forceinline__ void issue_dq_panel(float (&dq)[8][4], int pn) const {
+        static_assert(DS_PANEL == K_PANEL, "one descriptor form for dS^T and K (64-row panels)");
+        const auto desc0 = sm90::smem_desc_mn(base, K_PANEL);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk)
             sm90::wgmma_m64n64k16_ss_mn<T>(*reinterpret_cast<float(*)[32]>(&dq[0][0]),
-                                           sm90::smem_desc_mn(base + OFF_DS + kk * 2048, DS_PANEL),
-                                           sm90::smem_desc_mn(base + pn * K_PANEL + kk * 2048, K_PANEL), kk > 0);
+                                           sm90::desc_advance(desc0, OFF_DS + kk * 2048),
+                                           sm90::desc_advance(desc0, pn * K_PANEL + kk * 2048), kk > 0);
         sm90::wgmma_commit();
     }
 
