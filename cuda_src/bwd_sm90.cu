@@ -285,14 +285,15 @@ struct BwdSm90 {
 
     // P^T = exp2(S^T scale - lse), in place; MASKED: 0 where the key is not visible to the query. Per key (a
     // thread holds two), the visible queries are one interval, so an element costs two compares. st's columns are
-    // queries q_first .., whose lse start at `lse`.
+    // queries m BM + col0 .. (col0: DSPLIT's query half), whose lse start at `lse`.
     template <bool MASKED>
-    __device__ __forceinline__ void probabilities(float (&st)[NT][4], const float* lse, int key0, int q_first) const {
+    __device__ __forceinline__ void probabilities(float (&st)[NT][4], const float* lse, int key0, int m,
+                                                  int col0 = 0) const {
         const int col_lane = 2 * (lane % 4);
-        int lo[2], hi[2];  // visible columns c (query q_first + col_lane + c) of key key0 + 8 i: lo <= c < hi
+        int lo[2], hi[2];  // visible columns c (query m BM + col0 + col_lane + c) of key key0 + 8 i: lo <= c < hi
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const int key = key0 + 8 * i, q0 = q_first + col_lane;
+            const int key = key0 + 8 * i, q0 = m * BM + col0 + col_lane;
             lo[i] = 0;
             hi[i] = key < mask.seqlen_k ? NT * 8 : 0;
             if (BAND) {
@@ -349,8 +350,8 @@ struct BwdSm90 {
             sm90::a_fragments<T>(st, a);
         } else {
             sm90::wgmma_wait<1>();  // S^T (dP^T still computing)
-            if (all_visible(m)) probabilities<false>(st, lse, key0, m * BM);
-            else probabilities<true>(st, lse, key0, m * BM);
+            if (all_visible(m)) probabilities<false>(st, lse, key0, m);
+            else probabilities<true>(st, lse, key0, m);
             // P^T's fragments: BM = 128 packs them after dS, so that its floats and fragments are not both live
             if constexpr (BM == 64) sm90::a_fragments<T>(st, a);
             if constexpr (EARLY_DV) {
@@ -479,8 +480,8 @@ struct BwdSm90 {
         issue_keys_by_query_half(dpt, base + OFF_V, do_tile(0));
         const int key0 = n_key0 + warp * 16 + lane / 4, col0 = wg * 32;
         sm90::wgmma_wait<1>();  // S^T
-        if (all_visible(m)) probabilities<false>(st, lse + col0, key0, m * BM + col0);
-        else probabilities<true>(st, lse + col0, key0, m * BM + col0);
+        if (all_visible(m)) probabilities<false>(st, lse + col0, key0, m, col0);
+        else probabilities<true>(st, lse + col0, key0, m, col0);
         sm90::wgmma_wait<0>();  // dP^T
 #pragma unroll
         for (int j = 0; j < NT; ++j)
@@ -585,10 +586,9 @@ struct BwdSm90 {
 
     // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
-        const int key_base = DSPLIT ? 0 : wg * 64, col_base = DSPLIT ? wg * WG_PANELS * 64 : 0;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const int key = n_key0 + key_base + warp * 16 + lane / 4 + 8 * hh;
+            const int key = n_key0 + (DSPLIT ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * hh;
             if (key >= seqlen_k) continue;
             u16* dk =
                 p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
@@ -596,7 +596,7 @@ struct BwdSm90 {
                 p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
 #pragma unroll
             for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
-                const int col = col_base + 8 * dt + 2 * (lane % 4);
+                const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane % 4);
                 *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
                 *reinterpret_cast<u32*>(dv + col) = pack2<T>(acc_dv[dt][2 * hh], acc_dv[dt][2 * hh + 1]);
             }
