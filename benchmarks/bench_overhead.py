@@ -11,7 +11,8 @@ the same data:
   and forward + backward on equal-length sequences packed along the token axis (peer: SDPA on the same tokens
   as the dense batch), and ``attention_with_kvcache`` without append, with a one-token append, and paged
   (``block_table``, page 256, with append). The kvcache peer is SDPA of q ``(b, h, 1, d)`` on the cache's keys
-  ``(b, hk, L, d)`` with ``enable_gqa=True`` (no append: its cache update is not part of the call).
+  ``(b, hk, L, d)`` with ``enable_gqa=True``; with an append, the peer first writes the new row into its cache
+  (two slice assignments), as a decode step with SDPA must.
 - the CuPy API (``cuflash.attention`` and friends on ``cupy.from_dlpack`` views of the same memory) beside the
   torch entry point in the same row; forward with grad is ``return_lse=True``, forward + backward adds
   ``attention_backward``.
@@ -318,22 +319,30 @@ def torch_rows(timer, args) -> list[dict]:
         def sdpa_kv():
             return F.scaled_dot_product_attention(qt, k_sdpa, v_sdpa, enable_gqa=True)
 
+        k_new_t, v_new_t = k_new.transpose(1, 2), v_new.transpose(1, 2)
+
+        def sdpa_kv_append():  # what a decode step costs with SDPA: write the new row into the cache, then attend
+            k_sdpa[:, :, n - 1:n] = k_new_t
+            v_sdpa[:, :, n - 1:n] = v_new_t
+            return sdpa_kv()
+
         # one query row: causal or not is the same mask, and the peer's is_causal (top-left) would not be
         variants = [
             ("kvcache", lambda: cft.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=full),
-             lambda: cuflash.attention_with_kvcache(cq, ckc, cvc, cache_seqlens=cfull)),
+             lambda: cuflash.attention_with_kvcache(cq, ckc, cvc, cache_seqlens=cfull), sdpa_kv),
             ("kvcache, append", lambda: cft.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
                                                                    cache_seqlens=before),
-             lambda: cuflash.attention_with_kvcache(cq, ckc, cvc, k=ck_new, v=cv_new, cache_seqlens=cbefore)),
+             lambda: cuflash.attention_with_kvcache(cq, ckc, cvc, k=ck_new, v=cv_new, cache_seqlens=cbefore),
+             sdpa_kv_append),
             (f"kvcache, paged {PAGE}, append",
              lambda: cft.attention_with_kvcache(q, pool_k, pool_v, k=k_new, v=v_new, cache_seqlens=before,
                                                 block_table=table),
              lambda: cuflash.attention_with_kvcache(cq, cpool_k, cpool_v, k=ck_new, v=cv_new, cache_seqlens=cbefore,
-                                                    block_table=ctable)),
+                                                    block_table=ctable), sdpa_kv_append),
         ]
         with torch.no_grad():
-            for call, cf, cp in variants:
-                add(run_row(timer, torch, "torch", call, shape, dims, cf, sdpa_kv, cp,
+            for call, cf, cp, peer in variants:
+                add(run_row(timer, torch, "torch", call, shape, dims, cf, peer, cp,
                             lambda cf=cf: diff(cf(), sdpa_kv().transpose(1, 2)), backends))
     return rows
 

@@ -19,7 +19,8 @@
 // 64-row half at d = 64 with 128 rows, so that each dQ element gets one addition per step; at d = 64 with 64 rows
 // (score mods) each warpgroup adds its own 64 keys' part to every element, with vector reductions (add_dq_red).
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
-// waited for first) at d = 64 (at 128 that kernel spills); head dims 64 and 128.
+// waited for first) at d = 64 (at 128 that kernel spills); head dims 64, 128 and 256 (DSPLIT: 64 keys per CTA, the
+// warpgroups splitting the head dim; step_split).
 // Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
 // with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order:
 // only the FIXED kernels, which run only that mode, so that the others carry none of its code (a run-time test of
@@ -48,6 +49,7 @@ enum class BwdBarrier : int {
     Warpgroup0 = 1,  // Warpgroup0 + wg: warpgroup wg's own 128 threads (its dS^T stores, its dQ staging tile)
     Warpgroup1 = 2,
     DqOrder = 3,  // deterministic add_dq_red: warpgroup 0's reductions before warpgroup 1's (256 threads)
+    DoFree = 4,   // d = 256: both warpgroups are done with the step's dO (warpgroup 1 arrives, 0 waits, then loads)
 };
 static_assert(int(BwdBarrier::Warpgroup1) == int(BwdBarrier::Warpgroup0) + 1, "one barrier per warpgroup, by index");
 
@@ -75,17 +77,43 @@ template <int D, int BM, bool TMA_DQ> struct BwdSm90Smem {
     BwdSm90Tail<TMA_DQ> tail;
 };
 
+// d = 256 (BwdSm90::DSPLIT): 64 keys per CTA, Q double-buffered, dO single (its next load waits for the step's dV),
+// P^T beside dS^T, one dQ staging tile per warpgroup (its two 64-column panels go through it in turn), and the
+// mbarriers: K/V full, Q full per buffer, dO full.
+template <int BM> struct BwdSm90SplitTail {
+    alignas(1024) float dq[2][2][64][32];
+    unsigned long long kv_full, qd_full[2], do_full;
+};
+static_assert(offsetof(BwdSm90SplitTail<64>, do_full) == offsetof(BwdSm90SplitTail<64>, qd_full) + 16,
+              "dO's mbarrier right after Q's two (BwdSm90::OFF_DO_BAR)");
+template <int BM, bool TMA_DQ> struct BwdSm90Smem<256, BM, TMA_DQ> {
+    static constexpr int BN = 64, D = 256;
+    unsigned char k[BN * D * 2], v[BN * D * 2];
+    unsigned char q[2][BM * D * 2], dout[1][BM * D * 2];
+    unsigned char ds[BM / 64][BN * 128];  // dS^T: 64 keys x 64 queries
+    unsigned char pt[BN * 128];           // P^T, the same
+    float rows[2][3][BM];
+    BwdSm90SplitTail<BM> tail;
+};
+
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED>
 struct BwdSm90 {
-    static constexpr int BN = 128, PANELS = D / 64, THREADS = 256;
-    static constexpr int NT = BM / 8, KK = BM / 16, QH = BM / 64;  // S^T's n-tiles, k-steps over queries, halves
+    // d = 256: dK and dV of 128 keys would need 256 registers a thread, so a CTA holds 64 keys and its two warpgroups
+    // split the head dim instead of the keys: each computes S^T and dP^T for all 64 keys against its half of the
+    // step's queries, leaves P^T and dS^T in shared memory, and accumulates dK, dV and adds dQ for its 128 columns
+    // over all of them (step_split).
+    static constexpr bool DSPLIT = D == 256;
+    static constexpr int BN = DSPLIT ? 64 : 128, PANELS = D / 64, THREADS = 256;
+    static constexpr int WG_PANELS = DSPLIT ? PANELS / 2 : PANELS;  // 64-column panels of dK / dV a warpgroup holds
+    // S^T's n-tiles per warpgroup (DSPLIT: of its half of the queries), k-steps over queries, 64-query halves
+    static constexpr int NT = DSPLIT ? BM / 16 : BM / 8, KK = BM / 16, QH = BM / 64;
     // dQ by TMA wherever each dQ element has one adding thread per step (all but d = 64 with 64 rows, where both
     // warpgroups add to every element): a warpgroup's 64 x 64 fp32 tile is stored to a staging buffer (two boxes of
     // 32 columns, 128-byte swizzle; two buffers, by step parity) and one thread adds it to dq_accum with bulk tensor
     // reductions, which leave the compute threads as soon as they are issued.
     static constexpr bool TMA_DQ = !(D == 64 && BM == 64);
     using Smem = BwdSm90Smem<D, BM, TMA_DQ>;
-    using Tail = BwdSm90Tail<TMA_DQ>;
+    using Tail = decltype(Smem::tail);
     static constexpr u32 K_PANEL = BN * 128, Q_PANEL = BM * 128;  // bytes of one 64-column panel
     static constexpr u32 DS_PANEL = BN * 128;                     // dS^T: all keys x 64 queries
     static constexpr u32 KV_BYTES = sizeof(Smem::k), QD_BYTES = sizeof(Smem::q[0]);
@@ -94,14 +122,16 @@ struct BwdSm90 {
     static constexpr u32 OFF_V = offsetof(Smem, v), OFF_Q = offsetof(Smem, q), OFF_DO = offsetof(Smem, dout);
     static constexpr u32 OFF_DS = offsetof(Smem, ds), OFF_ROWS = offsetof(Smem, rows), OFF_DQ = offsetof(Smem, tail);
     static constexpr u32 OFF_KV_BAR = OFF_DQ + offsetof(Tail, kv_full), OFF_QD_BAR = OFF_DQ + offsetof(Tail, qd_full);
-    static constexpr u32 SMEM_BYTES = OFF_QD_BAR + sizeof(Tail::qd_full) + 1024;  // + room to align the base
+    static constexpr u32 OFF_PT = OFF_DS + sizeof(Smem::ds), OFF_DO_BAR = OFF_QD_BAR + sizeof(Tail::qd_full);
+    static constexpr u32 SMEM_BYTES = OFF_QD_BAR + sizeof(Tail::qd_full) + (DSPLIT ? 8 : 0) + 1024;  // + alignment
     static_assert(BN == Smem::BN && sizeof(Smem::ds[0]) == DS_PANEL && offsetof(Smem, k) == 0 &&
                   offsetof(BwdSm90Tail<true>, dq) == 0, "one layout");
     static_assert(OFF_V % 1024 == 0 && OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_DS % 1024 == 0 &&
                   QD_BYTES % 1024 == 0 && OFF_DQ % 1024 == 0, "every tile and staging panel 1024-aligned");
-    static_assert(OFF_QD_BAR == OFF_KV_BAR + 8, "the three mbarriers side by side (initialized in one loop)");
+    static_assert(OFF_QD_BAR == OFF_KV_BAR + 8, "the mbarriers side by side (initialized in one loop)");
+    static_assert(!DSPLIT || (OFF_PT % 1024 == 0 && OFF_PT + DS_PANEL <= OFF_ROWS), "P^T after dS^T, 1024-aligned");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
-    static_assert(D == 64 || D == 128, "head dims 64 and 128");
+    static_assert(D == 64 || D == 128 || (D == 256 && BM == 64 && !SCORE_MOD), "head dims 64, 128 and 256");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
@@ -121,7 +151,7 @@ struct BwdSm90 {
     int h_kv, b, q_begin, k_begin, n_key0;
     Mask<BAND> mask;
     bool backwards;  // this key block's walk in reverse (step_of)
-    float acc_dk[PANELS * 8][4], acc_dv[PANELS * 8][4];
+    float acc_dk[WG_PANELS * 8][4], acc_dv[WG_PANELS * 8][4];
 
     __device__ __forceinline__ explicit BwdSm90(const BwdSm90Params& params) : P(params), p(params.p) {}
 
@@ -132,6 +162,7 @@ struct BwdSm90 {
     }
     __device__ __forceinline__ u32 kv_bar() const { return base + OFF_KV_BAR; }
     __device__ __forceinline__ u32 qd_bar(int buf) const { return base + OFF_QD_BAR + 8 * buf; }
+    __device__ __forceinline__ u32 do_bar() const { return base + OFF_DO_BAR; }  // DSPLIT
 
     __device__ __forceinline__ void load_box(u32 dst, const sm90::TmaMap* map, int col, int head, int begin, int row,
                                              u32 bar) const {
@@ -159,6 +190,25 @@ struct BwdSm90 {
             load_box(q_tile(buf) + pn * Q_PANEL, &P.q, pn * 64, h, q_begin, m * BM, qd_bar(buf));
             load_box(do_tile(buf) + pn * Q_PANEL, &P.dout, pn * 64, h, q_begin, m * BM, qd_bar(buf));
         }
+    }
+
+    // DSPLIT (thread 0): Q of step t into buffer tt % 2 (on its Q barrier), or dO of step t into the one dO tile.
+    __device__ __forceinline__ void load_q(int t, int tt, int m_min, int m_count) const {
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        const int buf = tt % 2;
+        sm90::mbar_arrive_expect_tx(qd_bar(buf), QD_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+            load_box(q_tile(buf) + pn * Q_PANEL, &P.q, pn * 64, h, q_begin, m * BM, qd_bar(buf));
+    }
+    __device__ __forceinline__ void load_do(int t, int m_min, int m_count) const {
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        sm90::mbar_arrive_expect_tx(do_bar(), QD_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+            load_box(do_tile(0) + pn * Q_PANEL, &P.dout, pn * 64, h, q_begin, m * BM, do_bar());
     }
 
     // Threads < BM: lse_log2 and D of row `tid` of step t, read from global memory into registers a step ahead (the
@@ -234,16 +284,18 @@ struct BwdSm90 {
     }
 
     // P^T = exp2(S^T scale - lse), in place; MASKED: 0 where the key is not visible to the query. Per key (a
-    // thread holds two), the visible queries are one interval, so an element costs two compares.
+    // thread holds two), the visible queries are one interval, so an element costs two compares. st's columns are
+    // queries m BM + col0 .. (col0: DSPLIT's query half), whose lse start at `lse`.
     template <bool MASKED>
-    __device__ __forceinline__ void probabilities(float (&st)[NT][4], const float* lse, int key0, int m) const {
+    __device__ __forceinline__ void probabilities(float (&st)[NT][4], const float* lse, int key0, int m,
+                                                  int col0 = 0) const {
         const int col_lane = 2 * (lane % 4);
-        int lo[2], hi[2];  // visible columns c (query m BM + col_lane + c) of key key0 + 8 i: lo <= c < hi
+        int lo[2], hi[2];  // visible columns c (query m BM + col0 + col_lane + c) of key key0 + 8 i: lo <= c < hi
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            const int key = key0 + 8 * i, q0 = m * BM + col_lane;
+            const int key = key0 + 8 * i, q0 = m * BM + col0 + col_lane;
             lo[i] = 0;
-            hi[i] = key < mask.seqlen_k ? BM : 0;
+            hi[i] = key < mask.seqlen_k ? NT * 8 : 0;
             if (BAND) {
                 if (mask.right >= 0) lo[i] = max(lo[i], key - mask.diag - mask.right - q0);
                 if (mask.left >= 0) hi[i] = min(hi[i], key - mask.diag + mask.left + 1 - q0);
@@ -367,6 +419,111 @@ struct BwdSm90 {
         }
     }
 
+    // DSPLIT: S^T or dP^T of all 64 keys against this warpgroup's 32 of the step's queries (A = the keys tile, B =
+    // rows 32 wg .. of the queries tile, both K-major).
+    __device__ __forceinline__ void issue_keys_by_query_half(float (&acc)[NT][4], u32 keys, u32 queries) const {
+        const auto desc0 = sm90::smem_desc(base);
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const u32 a_at = keys + (ks / 4) * K_PANEL + (ks % 4) * 32;
+            const u32 q_at = queries + (ks / 4) * Q_PANEL + wg * 32 * 128 + (ks % 4) * 32;
+            sm90::wgmma_m64n32k16_ss<T>(*reinterpret_cast<float(*)[16]>(&acc[0][0]),
+                                        sm90::desc_advance(desc0, a_at - base),
+                                        sm90::desc_advance(desc0, q_at - base), ks > 0);
+        }
+        sm90::wgmma_commit();
+    }
+
+    // DSPLIT: acc (+)= A B over the step's BM queries, for this warpgroup's WG_PANELS panels of the head dim: A (keys x
+    // queries) a K-major tile in shared memory (P^T or dS^T), B a queries x D tile (dO or Q), MN-major.
+    __device__ __forceinline__ void issue_keys_by_d_half(float (&acc)[WG_PANELS * 8][4], u32 a_tile, u32 tile) const {
+        const auto a0 = sm90::smem_desc(base), b0 = sm90::smem_desc_mn(base, Q_PANEL);
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+            for (int pl = 0; pl < WG_PANELS; ++pl)
+                sm90::wgmma_m64n64k16_ss_bmn<T>(
+                    *reinterpret_cast<float(*)[32]>(&acc[pl * 8][0]), sm90::desc_advance(a0, a_tile + kk * 32 - base),
+                    sm90::desc_advance(b0, tile + (wg * WG_PANELS + pl) * Q_PANEL + kk * 2048 - base), true);
+        sm90::wgmma_commit();
+    }
+
+    // DSPLIT: dQ's panel pn (64 columns, all BM rows) over the block's 64 keys: dS (dS^T read MN-major) times K's
+    // panel (MN-major).
+    __device__ __forceinline__ void issue_dq_panel(float (&dq)[8][4], int pn) const {
+        static_assert(DS_PANEL == K_PANEL, "one descriptor form for dS^T and K (64-row panels)");
+        const auto desc0 = sm90::smem_desc_mn(base, K_PANEL);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            sm90::wgmma_m64n64k16_ss_mn<T>(*reinterpret_cast<float(*)[32]>(&dq[0][0]),
+                                           sm90::desc_advance(desc0, OFF_DS + kk * 2048),
+                                           sm90::desc_advance(desc0, pn * K_PANEL + kk * 2048), kk > 0);
+        sm90::wgmma_commit();
+    }
+
+    // One step at d = 256 (DSPLIT): S^T and dP^T for this warpgroup's 32 queries, P^T and dS^T into shared memory
+    // (both halves: a CTA barrier), then dV and dK for its 128 columns over all BM queries and dQ for them, one
+    // 64-column panel at a time through its staging tile. The next step's dO loads once both warpgroups' dV is done.
+    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps) {
+        asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
+        base = uniform(base);
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        const int buf = uniform(tt % 2);
+        const float* lse = rows(smem, buf);
+        const float* dsum = lse + BM;
+        sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);  // Q
+        sm90::mbar_wait(do_bar(), tt & 1);           // dO: one load per step
+        float st[NT][4], dpt[NT][4];
+        sm90::wgmma_fence();
+        issue_keys_by_query_half(st, base, q_tile(buf));
+        issue_keys_by_query_half(dpt, base + OFF_V, do_tile(0));
+        const int key0 = n_key0 + warp * 16 + lane / 4, col0 = wg * 32;
+        sm90::wgmma_wait<1>();  // S^T
+        if (all_visible(m)) probabilities<false>(st, lse + col0, key0, m, col0);
+        else probabilities<true>(st, lse + col0, key0, m, col0);
+        sm90::wgmma_wait<0>();  // dP^T
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                dpt[j][e] = st[j][e] * (dpt[j][e] - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
+        // P^T and dS^T, 64 keys x 64 queries each, 128-byte swizzled rows of keys: (key r, query c) at r 128 +
+        // (((c / 8) ^ (r % 8)) 16) + (c % 8) 2
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = warp * 16 + lane / 4 + 8 * hh, c = col0 + 8 * j + 2 * (lane % 4);
+                const u32 at = r * 128 + (((c / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
+                sm90::st_shared_b32(base + OFF_PT + at, pack2<T>(st[j][2 * hh], st[j][2 * hh + 1]));
+                sm90::st_shared_b32(base + OFF_DS + at, pack2<T>(dpt[j][2 * hh], dpt[j][2 * hh + 1]));
+            }
+        sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
+        __syncthreads();            // both warpgroups' queries
+        float dq[8][4];
+        sm90::wgmma_fence();
+        issue_keys_by_d_half(acc_dv, base + OFF_PT, do_tile(0));
+        issue_keys_by_d_half(acc_dk, base + OFF_DS, q_tile(buf));
+        issue_dq_panel(dq, wg * WG_PANELS);
+        sm90::wgmma_wait<2>();  // dV: this warpgroup is done with dO
+        if (wg == 1) {
+            sm90::named_arrive<BwdBarrier::DoFree, 256>();
+        } else {
+            sm90::named_sync<BwdBarrier::DoFree, 256>();
+            if (tid == 0 && t + 1 < steps) load_do(t + 1, m_min, m_count);
+        }
+        sm90::wgmma_wait<0>();  // dK and dQ's first panel
+        add_dq_tma(dq, h, m * BM, wg * WG_PANELS, tt, t == 0, lse + 2 * BM);
+        sm90::wgmma_fence();
+        issue_dq_panel(dq, wg * WG_PANELS + 1);
+        sm90::wgmma_wait<0>();
+        if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // the staging tile is read out by the first panel's add
+        sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);
+        add_dq_tma(dq, h, m * BM, wg * WG_PANELS + 1, tt, false, lse + 2 * BM);
+        if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // and by the second one's, before the next step stages
+    }
+
     // d = 64 with 64 rows (the score-mod kernel): both warpgroups add to every element of the 64 x 64 tile, each
     // over its own 64 keys, with fp32 vector reductions (two adjacent columns each: whole 32-byte sectors per quad).
     // Deterministic mode: each slot adds to its own slice, warpgroup 0 first (BwdBarrier::DqOrder: it arrives once its
@@ -398,7 +555,7 @@ struct BwdSm90 {
     // the tile as int32 fixed point (row r times scales[r]) into the one int32 accumulator, in any order.
     __device__ __forceinline__ void add_dq_tma(const float (&dq)[8][4], int h, int row0, int panel, int tt,
                                                bool first, const float* scales) const {
-        const u32 tile = base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + wg * DQ_TILE;
+        const u32 tile = base + OFF_DQ + (DSPLIT ? 0 : (tt % 2) * 2 * DQ_TILE) + wg * DQ_TILE;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = warp * 16 + lane / 4 + 8 * hh;
@@ -427,18 +584,19 @@ struct BwdSm90 {
         sm90::bulk_commit();
     }
 
+    // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const int key = n_key0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
+            const int key = n_key0 + (DSPLIT ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * hh;
             if (key >= seqlen_k) continue;
             u16* dk =
                 p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
             u16* dv =
                 p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
 #pragma unroll
-            for (int dt = 0; dt < PANELS * 8; ++dt) {
-                const int col = 8 * dt + 2 * (lane % 4);
+            for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
+                const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane % 4);
                 *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
                 *reinterpret_cast<u32*>(dv + col) = pack2<T>(acc_dv[dt][2 * hh], acc_dv[dt][2 * hh + 1]);
             }
@@ -460,7 +618,7 @@ struct BwdSm90 {
         mask = Mask<BAND>{seq.seqlen_k, diag, p.window_left, p.window_right};
         const int m_blocks = ceil_div(seq.seqlen_q, BM);  // (key blocks: in the loop's test, or ptxas spills)
         if (tid == 0) {
-            for (int i = 0; i < 3; ++i) sm90::mbar_init(kv_bar() + 8 * i, 1);  // kv_full, qd_full[2]
+            for (int i = 0; i < (DSPLIT ? 4 : 3); ++i) sm90::mbar_init(kv_bar() + 8 * i, 1);  // kv, qd[2] (, dO)
             sm90::mbar_fence_init();
         }
         __syncthreads();
@@ -482,7 +640,7 @@ struct BwdSm90 {
             }
             const int m_count = max(0, m_max - m_min), steps = m_count * p.heads_per_kv;
 #pragma unroll
-            for (int dt = 0; dt < PANELS * 8; ++dt)
+            for (int dt = 0; dt < WG_PANELS * 8; ++dt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
             if (tid == 0 && steps == 0) sm90::mbar_arrive(kv_bar());  // this key block's K/V phase
@@ -496,7 +654,12 @@ struct BwdSm90 {
                     }
                 }
                 for (int t = 0; t < 2 && t < steps; ++t) {
-                    load_step(t, tt + t, m_min, m_count);
+                    if constexpr (DSPLIT) {
+                        if (tid == 0) load_q(t, tt + t, m_min, m_count);
+                        if (tid == 0 && t == 0) load_do(t, m_min, m_count);
+                    } else {
+                        load_step(t, tt + t, m_min, m_count);
+                    }
                     if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
                 }
                 __syncthreads();  // the rows of the first two steps
@@ -505,10 +668,15 @@ struct BwdSm90 {
                     float3 next_rows;  // step t + 2's, in flight during this step
                     if (tid < BM && t + 2 < steps)
                         next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
-                    step(smem, t, tt, m_min, m_count, seq.seqlen_q);
+                    if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps);
+                    else step(smem, t, tt, m_min, m_count, seq.seqlen_q);
                     __syncthreads();  // every read of this buffer (and of dS^T) is done
                     if (t + 2 < steps) {
-                        load_step(t + 2, tt + 2, m_min, m_count);
+                        if constexpr (DSPLIT) {
+                            if (tid == 0) load_q(t + 2, tt + 2, m_min, m_count);
+                        } else {
+                            load_step(t + 2, tt + 2, m_min, m_count);
+                        }
                         if (tid < BM) store_rows(smem, tt + 2, next_rows);
                     }
                 }

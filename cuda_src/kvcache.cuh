@@ -14,7 +14,7 @@ struct CacheView {
     i64 k_page_stride, v_page_stride, k_row_stride, v_row_stride;
     int page_size, pool;  // pool: pages in the pool (paged)
     int start;            // cache_leftpad[b]: the row's position 0 is this position of its cache
-    int cached;           // keys already in the row (from `start`), before the call's append
+    int cached;           // keys already in the row (from `start`), before the call's append; 0 where not valid
     int capacity;         // keys the row can hold (from `start`)
     bool valid;           // the row has a place in the cache: its cache row exists, 0 <= start <= cache_seqlens[b]
 
@@ -25,7 +25,7 @@ struct CacheView {
         start = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
         valid = row >= 0 && row < p.cache_rows && start >= 0 && start <= seqlen;
         if (!valid) row = 0, start = 0;
-        cached = seqlen - start;
+        cached = valid ? seqlen - start : 0;  // an invalid row appends nothing: no position is below length() = 0
         capacity = p.cache_capacity - start;
         k = p.k_cache + row * p.k_batch_stride + (i64)h_kv * p.k_head_stride;
         v = p.v_cache + row * p.v_batch_stride + (i64)h_kv * p.v_head_stride;

@@ -225,6 +225,8 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
                  "}\n"                                                                                            \
                  : ACC_OPERANDS                                                                                   \
                  : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
+#define CUFLASH_ACC16 CUFLASH_ACC8(0), CUFLASH_ACC8(8)
+#define CUFLASH_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
 #define CUFLASH_ACC32 CUFLASH_ACC8(0), CUFLASH_ACC8(8), CUFLASH_ACC8(16), CUFLASH_ACC8(24)
 #define CUFLASH_ACC64 CUFLASH_ACC32, CUFLASH_ACC8(32), CUFLASH_ACC8(40), CUFLASH_ACC8(48), CUFLASH_ACC8(56)
 #define CUFLASH_ACC88 CUFLASH_ACC64, CUFLASH_ACC8(64), CUFLASH_ACC8(72), CUFLASH_ACC8(80)
@@ -236,6 +238,8 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
                     "%80, %81, %82, %83, %84, %85, %86, %87}, "
 #define CUFLASH_SS_N64(TYPE, TRANS) \
     CUFLASH_WGMMA_SS("m64n64k16", TYPE, CUFLASH_D32, CUFLASH_ACC32, "%34", "%32, %33, acc, 1, 1, " TRANS)
+#define CUFLASH_SS_N32(TYPE) \
+    CUFLASH_WGMMA_SS("m64n32k16", TYPE, CUFLASH_D16, CUFLASH_ACC16, "%18", "%16, %17, acc, 1, 1, 0, 0")
 #define CUFLASH_SS_N128(TYPE) \
     CUFLASH_WGMMA_SS("m64n128k16", TYPE, CUFLASH_D64, CUFLASH_ACC64, "%66", "%64, %65, acc, 1, 1, 0, 0")
 #define CUFLASH_SS_N176(TYPE) \
@@ -258,6 +262,22 @@ template <class T> __device__ __forceinline__ void wgmma_m64n64k16_ss_mn(float (
     else CUFLASH_SS_N64("f16", "1, 1");
 }
 
+// A K-major, B MN-major (the backward at d = 256: dV += P^T dO and dK += dS^T Q with P^T and dS^T, rows of keys, in
+// shared memory as K-major A, and dO, Q stored rows of queries with the head dim contiguous as B).
+template <class T> __device__ __forceinline__ void wgmma_m64n64k16_ss_bmn(float (&d)[32], unsigned long long a_desc,
+                                                                          unsigned long long b_desc, bool accumulate) {
+    if constexpr (T::is_bf16) CUFLASH_SS_N64("bf16", "0, 1");
+    else CUFLASH_SS_N64("f16", "0, 1");
+}
+
+// The same as wgmma_m64n64k16_ss with N = 32 (S^T of 64 keys against 32 queries: half a warpgroup pair's 64):
+// d[4j + e] for the 4 column groups j of 8.
+template <class T> __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], unsigned long long a_desc,
+                                                                      unsigned long long b_desc, bool accumulate) {
+    if constexpr (T::is_bf16) CUFLASH_SS_N32("bf16");
+    else CUFLASH_SS_N32("f16");
+}
+
 // The same as wgmma_m64n64k16_ss with N = 128 (S of a 128-key block): d[4j + e] for the 16 column groups j of 8.
 // One instruction reads Q's 64 x 16 slice once for twice the columns of the n64 form, halving the shared-memory
 // traffic of A per flop.
@@ -274,6 +294,7 @@ template <class T> __device__ __forceinline__ void wgmma_m64n176k16_ss(float (&d
 }
 #undef CUFLASH_SS_N176
 #undef CUFLASH_SS_N128
+#undef CUFLASH_SS_N32
 #undef CUFLASH_SS_N64
 #undef CUFLASH_WGMMA_SS
 
@@ -312,7 +333,9 @@ template <class T> __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d
 #undef CUFLASH_D88
 #undef CUFLASH_ACC64
 #undef CUFLASH_ACC32
+#undef CUFLASH_ACC16
 #undef CUFLASH_D64
+#undef CUFLASH_D16
 #undef CUFLASH_D32
 #undef CUFLASH_ACC8
 

@@ -177,7 +177,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``seqused_k[b]``), at most ``max_pages * page_size``. Forward only (no backward); on sm_90a it runs on the
         portable kernel.
     seqused_k : cupy.ndarray, int32, (batch,), optional
-        Keys of sequence b, instead of cu_seqlens_k's difference (at most that difference when not paged).
+        Keys of sequence b, instead of cu_seqlens_k's difference (at most that difference when not paged). Forward
+        only; on sm_90a it runs on the portable kernel.
     dropout_p, dropout_seed, dropout_offset
         As in :func:`attention`; element (b, h, i, j) is query i, key j of sequence b.
     stream : cupy.cuda.Stream, optional

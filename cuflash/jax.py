@@ -5,9 +5,11 @@
 
 Forward and backward are each one XLA custom call (``jax.ffi.ffi_call``) to a handler registered with
 XLA's typed FFI (``api_version=1``). The handler is a ctypes callback into Python: it reads the buffer
-pointers and the CUDA stream XLA hands it, wraps the buffers as CuPy arrays without copying, and launches
-:func:`cuflash.ops.forward.launch` / :func:`cuflash.ops.backward.launch` on that stream. Nothing goes
-through the host: no ``pure_callback``, no device-to-host copy, no synchronization.
+pointers and the CUDA stream XLA hands it and launches the kernels on that stream from the pointers. The
+launch (checks, plan, kernel) is built once per options, buffer layouts and stream
+(:func:`cuflash.ops.forward.forward_call`, :func:`cuflash.ops.backward.backward_call`); a call after that
+makes no CuPy object. Nothing goes through the host: no ``pure_callback``, no device-to-host copy, no
+synchronization.
 
 Options travel as one string attribute of the custom call. The backward's workspaces (fp32 dQ
 accumulator, rowsum(dO*O), lse in log2) are a fourth output of the backward call, sized at trace time by
@@ -31,7 +33,7 @@ import ml_dtypes  # noqa: E402
 
 from . import _xla_ffi as ffi  # noqa: E402
 from . import checks  # noqa: E402
-from .options import normalize_window  # noqa: E402
+from .options import normalize_window, resolve  # noqa: E402
 from .ops import backward, forward  # noqa: E402
 
 __all__ = ["attention", "attention_varlen", "backward_workspace_bytes"]
@@ -310,78 +312,91 @@ def _problem(q, k) -> checks.Problem:
     return checks.Problem(b, sq, sk, h, hk, d, _DTYPES[q[2]])
 
 
+# A call's launch depends only on its options, its buffers' shapes and dtypes and its stream: it is built once
+# (checks, plan, kernel) and then run from the buffers' pointers alone, with no CuPy object per call.
+_launchers: dict = {}  # (target, config, stream, buffer layouts) -> (device, launch(stream, inputs, outputs))
+
+
+def _run(frame, target: str, build) -> None:
+    """Run the call of `frame` through its cached launch; ``build(device, frame)`` makes one (on a miss)."""
+    config = ffi.string_attr(frame, "config")
+    ins, outs = ffi.buffers(frame.args), ffi.buffers(frame.rets)
+    stream = ffi.stream(frame)
+    key = (target, config, stream, tuple(b[1:] for b in ins), tuple(b[1:] for b in outs))
+    entry = _launchers.get(key)
+    if entry is None:
+        import cupy
+        device = cupy.cuda.runtime.pointerGetAttributes(next(b[0] for b in ins if b[0])).device
+        with cupy.cuda.Device(device):
+            entry = (device, build(device, frame))
+        if len(_launchers) >= 4096:
+            _launchers.clear()
+        _launchers[key] = entry
+    device, launch = entry
+    from . import runtime
+    with runtime.device(device):
+        launch(stream, [b[0] for b in ins], [b[0] for b in outs])
+
+
+def _buffer_spec(buf, name: str) -> checks.TensorSpec:
+    """The layout of an XLA buffer (contiguous, row-major)."""
+    return checks.contiguous(name, buf[1], _DTYPES[buf[2]])
+
+
+def _build_forward(device, frame, varlen: bool = False):
+    """The forward's launch for the call of `frame` (parsed as the CPU tests parse it: _parse, _parse_varlen)."""
+    if varlen:
+        options, _, problem, ins, outs = _parse_varlen(frame, 0)
+    else:
+        options, _, ins, outs = _parse(frame)
+        problem = _problem(ins[0], ins[1])
+    q, k, v = (_buffer_spec(b, n) for b, n in zip(ins, ("q", "k", "v")))
+    out, lse = _buffer_spec(outs[0], "out"), _buffer_spec(outs[1], "lse")
+    first_alibi = 5 if varlen else 3
+    alibi = _buffer_spec(ins[first_alibi], "alibi_slopes") if len(ins) > first_alibi else None
+    call = forward.forward_call(problem, q, k, v, out, lse, resolve(problem, alibi_slopes=alibi, **options),
+                                device_id=device, alibi_slopes=alibi)
+    if varlen:
+        return lambda stream, i, o: call(stream, i[0], i[1], i[2], o[0], o[1], i[5] if len(i) > 5 else 0, i[3], i[4])
+    return lambda stream, i, o: call(stream, i[0], i[1], i[2], o[0], o[1], i[3] if len(i) > 3 else 0)
+
+
+def _build_backward(device, frame, varlen: bool = False):
+    """The backward's launch for the call of `frame`; the workspace is its fourth output, XLA's buffer."""
+    if varlen:
+        options, deterministic, problem, ins, outs = _parse_varlen(frame, 1)
+    else:
+        options, deterministic, ins, outs = _parse(frame)
+        problem = _problem(ins[1], ins[2])
+    dout, q, k, v, out, lse = (_buffer_spec(b, n) for b, n in zip(ins, ("dout", "q", "k", "v", "out", "lse")))
+    dq, dk, dv = (_buffer_spec(b, n) for b, n in zip(outs, ("dq", "dk", "dv")))
+    first_alibi = 8 if varlen else 6
+    alibi = _buffer_spec(ins[first_alibi], "alibi_slopes") if len(ins) > first_alibi else None
+    call = backward.backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv,
+                                  resolve(problem, alibi_slopes=alibi, **options), device_id=device,
+                                  alibi_slopes=alibi, deterministic=deterministic, packed=varlen)
+    workspace = ffi.nbytes(outs[3][1], _DTYPES[outs[3][2]])
+    if workspace < call.workspace_bytes:
+        raise ValueError(f"workspace: {workspace} bytes, the backward needs {call.workspace_bytes}")
+    if varlen:
+        return lambda stream, i, o: call(stream, *i[:6], *o[:3], i[8] if len(i) > 8 else 0, i[6], i[7], o[3])
+    return lambda stream, i, o: call(stream, *i[:6], *o[:3], i[6] if len(i) > 6 else 0, 0, 0, o[3])
+
+
 def _run_forward(frame):
-    import cupy
-    options, _, ins, outs = _parse(frame)
-    device = _device_of(ins[0][0])
-    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
-        q, k, v, *alibi = (_cupy(buf, device) for buf in ins)
-        out, lse = (_cupy(buf, device) for buf in outs)
-        options["alibi_slopes"] = alibi[0] if alibi else None
-        forward.launch(_problem(ins[0], ins[1]), q, k, v, out, lse, **options)
+    _run(frame, FWD_TARGET, _build_forward)
 
 
 def _run_backward(frame):
-    import cupy
-    options, deterministic, ins, outs = _parse(frame)
-    device = _device_of(ins[1][0])
-    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
-        dout, q, k, v, out, lse, *alibi = (_cupy(buf, device) for buf in ins)
-        dq, dk, dv, workspace = (_cupy(buf, device) for buf in outs)
-        options["alibi_slopes"] = alibi[0] if alibi else None
-        backward.launch(_problem(ins[1], ins[2]), dout, q, k, v, out, lse, dq, dk, dv,
-                            deterministic=deterministic, workspace=workspace, **options)
+    _run(frame, BWD_TARGET, _build_backward)
 
 
 def _run_varlen_forward(frame):
-    import cupy
-    options, _, problem, ins, outs = _parse_varlen(frame, 0)
-    device = _device_of(ins[0][0])
-    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
-        q, k, v, cu_q, cu_k, *alibi = (_cupy(buf, device) for buf in ins)
-        out, lse = (_cupy(buf, device) for buf in outs)
-        forward.launch(problem, q, k, v, out, lse, alibi_slopes=alibi[0] if alibi else None,
-                           cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)
+    _run(frame, VARLEN_FWD_TARGET, functools.partial(_build_forward, varlen=True))
 
 
 def _run_varlen_backward(frame):
-    import cupy
-    options, deterministic, problem, ins, outs = _parse_varlen(frame, 1)
-    device = _device_of(ins[1][0])
-    with cupy.cuda.Device(device), _stream(ffi.stream(frame), device):
-        dout, q, k, v, out, lse, cu_q, cu_k, *alibi = (_cupy(buf, device) for buf in ins)
-        dq, dk, dv, workspace = (_cupy(buf, device) for buf in outs)
-        backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, deterministic=deterministic,
-                            alibi_slopes=alibi[0] if alibi else None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                            workspace=workspace, **options)
-
-
-def _cupy(buf, device: int):
-    import cupy
-    ptr, shape, dtype = buf
-    dtype = _DTYPES[dtype]
-    nbytes = max(1, ffi.nbytes(shape, dtype))
-    mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, device)
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
-
-
-def _device_of(ptr: int) -> int:
-    import cupy
-    return cupy.cuda.runtime.pointerGetAttributes(ptr).device
-
-
-_streams: dict = {}
-
-
-def _stream(handle: int, device: int):
-    import cupy
-    key = (handle, device)
-    s = _streams.get(key)
-    if s is None:
-        if len(_streams) > 64:
-            _streams.clear()
-        s = _streams[key] = cupy.cuda.ExternalStream(handle, device)
-    return s
+    _run(frame, VARLEN_BWD_TARGET, functools.partial(_build_backward, varlen=True))
 
 
 _handlers: dict = {}

@@ -566,7 +566,8 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
         call = forward.forward_call(problem, q, specs["k"], specs["v"], checks.contiguous("out", q.shape, q.dtype),
                                     checks.contiguous("lse", lse_shape, np.float32),
                                     resolve(problem, alibi_slopes=specs["alibi_slopes"], **options), device_id=index,
-                                    alibi_slopes=specs["alibi_slopes"], block_table=specs.get("block_table"))
+                                    alibi_slopes=specs["alibi_slopes"], block_table=specs.get("block_table"),
+                                    seqused_k=specs.get("seqused_k"))
 
     def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, dropout_seed,
                dropout_offset):
@@ -745,10 +746,12 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
              cache_batch_idx: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
              alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
              window_right: int, softcap: float, num_splits: int, return_lse: bool,
-             rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor], rotary_interleaved: bool,
-             cache_leftpad: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+             rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
+             rotary_interleaved: bool = False,
+             cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op: ``cache_seqlens`` is given as a tensor, or as the int ``cache_len`` (-1: neither). Returns ``out,
-    lse``; lse is empty, ``(0,)``, unless ``return_lse``."""
+    lse``; lse is empty, ``(0,)``, unless ``return_lse``. The rotary and leftpad arguments have defaults, so a call
+    written before they existed keeps working."""
     seqlens = cache_seqlens if cache_seqlens is not None else None if cache_len < 0 else cache_len
     out, lse = _kvcache_compute(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, alibi_slopes,
                                 softmax_scale, causal, (window_left, window_right), softcap, num_splits, return_lse,
@@ -845,8 +848,8 @@ def _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
-                  softmax_scale, causal, window_left, window_right, softcap, num_splits, return_lse, rotary_cos,
-                  rotary_sin, rotary_interleaved, cache_leftpad):
+                  softmax_scale, causal, window_left, window_right, softcap, num_splits, return_lse, rotary_cos=None,
+                  rotary_sin=None, rotary_interleaved=False, cache_leftpad=None):
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                    cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes,
                    rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad)

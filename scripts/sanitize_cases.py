@@ -227,10 +227,15 @@ def _sm90_cases() -> list[dict]:
                               dtype="bf16", shape=dict(b=2, sq=1000, sk=700, h=24, hk=6, d=64),
                               opts=dict(variant=variant)))
     # the Hopper backward's deterministic fixed point (the bwd_sm90_det setting "fixed": bwd_kv_bound, the int32 dQ
-    # reductions, the scaled convert), d 64 (128 query rows) and 128, causal
-    for d in (64, 128):
+    # reductions, the scaled convert), d 64 (128 query rows), 128 and 256, causal
+    for d in (64, 128, 256):
         cases.append(dict(name=f"sm90_bwd_fixed_bf16_d{d}_causal", fn="attention_backward", dtype="bf16",
                           shape=dict(BWD_S70, d=d), det_mode="fixed", opts=dict(causal=True, deterministic=True)))
+    # the Hopper backward at d = 256 (64-key blocks, the warpgroups splitting the head dim): atomic and slices
+    for det in (False, True):
+        cases.append(dict(name=f"sm90_bwd_bf16_d256_window_{'det' if det else 'atomic'}", fn="attention_backward",
+                          dtype="bf16", shape=dict(BWD_S70, d=256),
+                          opts=dict(window_size=(50, 10), deterministic=det)))
     return cases
 
 

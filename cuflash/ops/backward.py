@@ -53,7 +53,7 @@ WIDE_CONFIG = BwdConfig(64, 32, 8)
 # fixed point where the slot rule gives a head more than one slot, or from FIXED_MIN_BLOCKS key blocks on (a causal
 # mask's blocks counted as half: each sees half the query blocks on average); measured in docs/perf-notes.md,
 # "deterministic backward: slices or fixed point". A fixed slot count (bwd_sm90_det_slots > 0) keeps the slices.
-FIXED_MIN_BLOCKS = {64: 16, 128: 8}
+FIXED_MIN_BLOCKS = {64: 16, 128: 8, 256: 16}  # (d = 256: 64-key blocks)
 
 
 def bwd_config(headdim: int) -> BwdConfig:
@@ -176,7 +176,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
                          slots if deterministic else 1)
     s = settings.current()
     block_m = backward_sm90.block_m(problem.headdim, score_mod)
-    n_blocks = math.ceil(problem.seqlen_k / backward_sm90.BLOCK_N)
+    n_blocks = math.ceil(problem.seqlen_k / backward_sm90.block_n(problem.headdim))
     fixed = False
     if not deterministic:
         slots = n_blocks

@@ -1,5 +1,5 @@
-"""The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA, for head dims
-exactly 64 and 128 (softcap / ALiBi at 64). :mod:`cuflash.ops.backward` chooses it on sm_90a where
+"""The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256, where
+the two warpgroups split the head dim), for head dims exactly 64, 128 and 256 (softcap / ALiBi at 64). :mod:`cuflash.ops.backward` chooses it on sm_90a where
 :func:`applies` and launches it behind the portable main kernel's call interface, with the same preprocess,
 workspace and dQ conversion.
 """
@@ -13,9 +13,9 @@ import numpy as np
 from .. import build, plan, settings, tma
 from ..launcher import KernelCall
 
-HEADDIMS = (64, 128)
+HEADDIMS = (64, 128, 256)
 SCORE_MOD_HEADDIMS = (64,)  # at 128 the score-mod kernel spills: 255 registers are already taken without it
-BLOCK_N = 128               # keys per CTA (BwdSm90::BN)
+BLOCK_N = 128               # keys per CTA (BwdSm90::BN), 64 at d = 256 (block_n)
 BLOCK_M = 64                # query rows per step by default
 
 # Query rows per step, per head dim: 64, or 128 at d = 64 without a score mod (twice the work per step for the
@@ -23,6 +23,11 @@ BLOCK_M = 64                # query rows per step by default
 # The bwd_sm90_block_m setting overrides a head dim's.
 BLOCK_M_CHOICES = (64, 128)
 BLOCK_M_TABLE = {64: 128, 128: 64}
+
+
+def block_n(headdim: int) -> int:
+    """Keys per CTA (BwdSm90::BN): 128, or 64 at d = 256 (DSPLIT)."""
+    return 64 if headdim == 256 else BLOCK_N
 
 
 def applies(problem, score_mod: bool, arch: str) -> bool:
@@ -134,7 +139,8 @@ def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_i
     kernel = (build.get_kernel(spec, device_id), grid, (spec.threads,), build.smem_bytes(spec, device_id))
     call = KernelCall([kernel], p, ())
     m = spec.block_m
-    maps = (tma.layout_encoder(q, m), tma.layout_encoder(k, BLOCK_N), tma.layout_encoder(v, BLOCK_N),
+    n = block_n(spec.headdim)
+    maps = (tma.layout_encoder(q, m), tma.layout_encoder(k, n), tma.layout_encoder(v, n),
             tma.layout_encoder(dout, m), tma.encoder(*dq_accum_layout(inner_params, grid), swizzle=128))
     return BackwardMain(call, maps, spec)
 

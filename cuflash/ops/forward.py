@@ -258,16 +258,17 @@ def params(problem, q, k, v, out, lse, alibi, options: AttentionOptions, block_t
 
 
 def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, device_id: int, alibi_slopes=None,
-                 block_table=None):
+                 block_table=None, seqused_k=None):
     """The forward's :class:`~cuflash.launcher.KernelCall` for these layouts and options on device `device_id`
     (current), or where sm90_variant chooses the Hopper kernel, :class:`~cuflash.ops.forward_sm90.ForwardCall`
     (same call). q .. lse, alibi_slopes and block_table are arrays or TensorSpecs: only shapes and strides are read,
     packed ones ((total, heads, d); lse (nheads, total_q)) as in :func:`launch`. A call then takes the stream and the
     pointers ``q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k`` (0 where absent).
-    Paged keys (block_table) run on the portable kernel."""
+    Paged keys (block_table) and key counts (seqused_k, an array or TensorSpec; only its presence is read) run on
+    the portable kernel."""
     arch = build.device_arch(device_id)
-    # paged keys and dropout: the portable kernel only
-    variant = sm90_variant(problem, arch, options.band) if block_table is None and not options.dropout else None
+    portable_only = block_table is not None or seqused_k is not None or options.dropout  # dropout too
+    variant = sm90_variant(problem, arch, options.band) if not portable_only else None
     if variant is not None:
         return forward_sm90.forward_call(problem, q, k, v, out, lse, options, device_id=device_id,
                                          alibi_slopes=alibi_slopes, variant=variant)
@@ -310,7 +311,7 @@ def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
         options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                           softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
         call = forward_call(problem, q, k, v, out, lse, options, device_id=q.device.id, alibi_slopes=alibi_slopes,
-                            block_table=block_table)
+                            block_table=block_table, seqused_k=seqused_k)
         if key is not None:
             if len(_launches) >= 4096:
                 _launches.clear()

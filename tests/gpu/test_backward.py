@@ -227,7 +227,7 @@ def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backwa
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The Hopper backward's main kernel (the bwd_sm90 setting: on by default; sm_90a, d 64/128, score mods at 64)
+# The Hopper backward's main kernel (the bwd_sm90 setting: on by default; sm_90a, d 64/128/256, score mods at 64)
 # --------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(params=[64, 128], ids=["m64", "m128"])
@@ -243,14 +243,14 @@ def sm90_backward(configure, request):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(case=backward_cases(), d=st.sampled_from([64, 128]), seed=st.integers(0, 2**31 - 1))
+@given(case=backward_cases(), d=st.sampled_from([64, 128, 256]), seed=st.integers(0, 2**31 - 1))
 def test_sm90_backward_matches_reference(compiled, sm90_backward, case, d, seed):
-    """Every option; softcap and ALiBi run on the Hopper kernel at d = 64 (at 128 on the portable one)."""
+    """Every option; softcap and ALiBi run on the Hopper kernel at d = 64 (at 128 and 256 on the portable one)."""
     run_case(np.random.default_rng(seed), **dict(case, d=d))
 
 
 @pytest.mark.parametrize("hk", [4, 1])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_sm90_backward_several_blocks_and_repeatable(compiled, sm90_backward, hk, d):
     """Several 128-key blocks and 64-row query blocks, GQA; deterministic mode bitwise repeatable."""
     run_case(np.random.default_rng(12), b=2, sq=333, sk=300, h=4, hk=hk, d=d, dtype="bf16", causal=True)
@@ -262,7 +262,7 @@ def test_sm90_backward_several_blocks_and_repeatable(compiled, sm90_backward, hk
 
 
 @pytest.mark.parametrize("slots", [2, 3])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_sm90_deterministic_over_several_passes(configure, compiled, sm90_backward, slots, d):
     """Deterministic mode with a fixed slot count (bwd_sm90_det_slots), so that each slot takes several key blocks in
     its snake order (7 here: with 3 slots the last, odd pass leaves slots 0 and 1 without one), under causal, local and
@@ -289,7 +289,7 @@ def run_deterministic_mix(d, seeds, plain):
     assert_bitwise_repeatable(seeds[4], runs=3, b=2, sq=300, sk=850, h=4, hk=2, d=d)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_sm90_fixed_point_deterministic(configure, compiled, sm90_backward, d):
     """The bwd_sm90_det setting "fixed": dQ as int32 fixed point on the atomic grid (cuda_src/fixed_dq.cuh; not with the
     d = 64 kernel of 64 query rows, which keeps the slices), under causal, local and no masks, GQA, lengths off the
@@ -333,3 +333,5 @@ def test_sm90_backward_varlen(compiled, sm90_backward, deterministic):
                  dtype="bf16", causal=True, deterministic=deterministic)
     run_backward(np.random.default_rng(22), lens_q=[129, 64, 300], lens_k=[129, 64, 300], h=2, hk=2, d=128,
                  dtype="fp16", deterministic=deterministic)
+    run_backward(np.random.default_rng(23), lens_q=[70, 0, 190], lens_k=[129, 3, 200], h=4, hk=1, d=256,
+                 dtype="bf16", causal=True, deterministic=deterministic)

@@ -10,7 +10,10 @@ import math
 import numpy as np
 import pytest
 
-from tests.gpu import test_backward, test_forward, test_kvcache, test_varlen
+from tests.gpu import test_backward as backward_suite
+from tests.gpu import test_forward as forward_suite
+from tests.gpu import test_kvcache as kvcache_suite
+from tests.gpu import test_varlen as varlen_suite
 from tests.gpu.helpers import DTYPES, randn
 
 pytestmark = pytest.mark.gpu
@@ -21,32 +24,32 @@ HEADDIMS = [1, 3, 59, 111, 200, 255]
 @pytest.mark.parametrize("d", HEADDIMS)
 def test_forward(compiled, d):
     rng = np.random.default_rng(d)
-    test_forward.run_case(rng, b=2, sq=113, sk=97, h=4, hk=2, d=d, dtype="fp16", causal=True)
-    test_forward.run_case(rng, b=1, sq=17, sk=200, h=2, hk=1, d=d, dtype="bf16", window_size=(32, 4), softcap=9.0,
+    forward_suite.run_case(rng, b=2, sq=113, sk=97, h=4, hk=2, d=d, dtype="fp16", causal=True)
+    forward_suite.run_case(rng, b=1, sq=17, sk=200, h=2, hk=1, d=d, dtype="bf16", window_size=(32, 4), softcap=9.0,
                           alibi="bh", softmax_scale=0.2)
 
 
 @pytest.mark.parametrize("d", [59, 111])
 def test_packed_views_with_unaligned_strides(compiled, d):
     """Slices of one (b, s, 3, h, d) tensor: strides of d elements, not multiples of 8; the padded copies are."""
-    test_forward.run_case(np.random.default_rng(0), b=2, sq=65, sk=65, h=3, hk=3, d=d, dtype="bf16", causal=True,
+    forward_suite.run_case(np.random.default_rng(0), b=2, sq=65, sk=65, h=3, hk=3, d=d, dtype="bf16", causal=True,
                           views=True)
 
 
 @pytest.mark.parametrize("d", HEADDIMS)
 def test_backward(compiled, d):
     rng = np.random.default_rng(100 + d)
-    test_backward.run_case(rng, b=2, sq=97, sk=130, h=4, hk=2, d=d, dtype="bf16", causal=True)
-    test_backward.run_case(rng, b=1, sq=64, sk=33, h=2, hk=2, d=d, dtype="fp16", window_size=(8, 8), alibi="h",
+    backward_suite.run_case(rng, b=2, sq=97, sk=130, h=4, hk=2, d=d, dtype="bf16", causal=True)
+    backward_suite.run_case(rng, b=1, sq=64, sk=33, h=2, hk=2, d=d, dtype="fp16", window_size=(8, 8), alibi="h",
                            deterministic=True)
 
 
 @pytest.mark.parametrize("d", [59, 200])
 def test_varlen(compiled, d):
     rng = np.random.default_rng(200 + d)
-    test_varlen.run_forward(rng, lens_q=[1, 17, 113], lens_k=[40, 17, 130], h=4, hk=2, d=d, dtype="fp16",
+    varlen_suite.run_forward(rng, lens_q=[1, 17, 113], lens_k=[40, 17, 130], h=4, hk=2, d=d, dtype="fp16",
                             causal=True)
-    test_varlen.run_backward(rng, lens_q=[33, 0, 64], lens_k=[33, 5, 64], h=2, hk=1, d=d, dtype="bf16",
+    varlen_suite.run_backward(rng, lens_q=[33, 0, 64], lens_k=[33, 5, 64], h=2, hk=1, d=d, dtype="bf16",
                              window_size=(16, 0))
 
 
@@ -55,9 +58,9 @@ def test_varlen(compiled, d):
 def test_kvcache_append_is_copied_back(compiled, d, layout):
     """run_case compares the whole cache after the call, bit for bit, with the reference's in-place append."""
     rng = np.random.default_rng(300 + d)
-    test_kvcache.run_case(rng, b=3, sq=2, h=8, hk=2, d=d, dtype="bf16", capacity=90, lens=[0, 40, 87], new_k=2,
+    kvcache_suite.run_case(rng, b=3, sq=2, h=8, hk=2, d=d, dtype="bf16", capacity=90, lens=[0, 40, 87], new_k=2,
                           causal=True, **layout)
-    test_kvcache.run_case(rng, b=3, sq=1, h=4, hk=4, d=d, dtype="fp16", capacity=90, lens=[5, 5, 5], new_k=1,
+    kvcache_suite.run_case(rng, b=3, sq=1, h=4, hk=4, d=d, dtype="fp16", capacity=90, lens=[5, 5, 5], new_k=1,
                           seqlens_kind="int", num_splits=3, **layout)
 
 
