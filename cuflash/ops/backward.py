@@ -43,6 +43,10 @@ DOUBLE_BUFFER_HEADDIMS = (32, 64, 96)
 WIDE_HEADDIM = 256
 WIDE_ARCHS = ("sm_90a",)
 WIDE_CONFIG = BwdConfig(64, 32, 8)
+# Dropout at d = 128 on sm_90a: 32 keys per CTA. With 64 keys ptxas spills once the keep bits join dK and dV in
+# registers there (not on sm_80), so the 64-key kernels leave dropout out on sm_90a (BwdTraits::DROPOUT).
+DROPOUT_SM90_CONFIG = BwdConfig(64, 32, 8)
+DROPOUT_SM90_HEADDIM = 128
 
 # Deterministic mode on the Hopper kernel. Either each of slots_sm90 CTAs per head adds into its own fp32 dQ
 # slice, summed in order after the kernel ("slices"), or the atomic mode's grid adds dQ as int32 fixed point
@@ -143,6 +147,9 @@ def all_specs(arch: str) -> list:
                 if arch in WIDE_ARCHS and d == BWD_HEADDIMS[-1]:
                     for mod in (False, True):
                         specs.append(BwdSpec(dtype, WIDE_HEADDIM, WIDE_CONFIG, band, mod))
+                if arch == "sm_90a" and d == DROPOUT_SM90_HEADDIM:
+                    for mod in (False, True):
+                        specs.append(BwdSpec(dtype, d, DROPOUT_SM90_CONFIG, band, mod))
     return specs
 
 
@@ -167,7 +174,8 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     if dropout and d > BWD_HEADDIMS[-1]:
         raise NotImplementedError(f"attention_backward: dropout at head dim {problem.headdim} is not supported yet "
                                   f"(the backward regenerates the mask up to head dim {BWD_HEADDIMS[-1]})")
-    spec = BwdSpec(dtype, d, bwd_config(d), band, score_mod)
+    config = DROPOUT_SM90_CONFIG if dropout and arch == "sm_90a" and d == DROPOUT_SM90_HEADDIM else bwd_config(d)
+    spec = BwdSpec(dtype, d, config, band, score_mod)
     groups = problem.batch * problem.nheads_k
     if dropout or not backward_sm90.applies(problem, score_mod, arch):  # dropout: the portable kernel
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
