@@ -242,8 +242,7 @@ struct BwdBlock {
         u32 kept[NQW / 2];
 #pragma unroll
         for (int np = 0; np < NQW / 2; ++np)
-            kept[np] = dropping ? Dropout(p.dropout_seed, p.dropout_offset, blockIdx.z * p.nheads + h,
-                                          p.dropout_threshold)
+            kept[np] = dropping ? Dropout::of(p, blockIdx.z * p.nheads + h)
                                       .template keep_mask_cols<2>(key0 / 16, q0 / 16 + np, lane)
                                 : ~0u;
         float s[1][NQW][4], dp[1][NQW][4];

@@ -21,6 +21,15 @@ struct Dropout {
         : key0((u32)seed), key1((u32)((unsigned long long)seed >> 32) ^ (u32)((unsigned long long)offset_ >> 32)),
           word2(32u * (u32)bh), offset((u32)offset_), threshold((u32)threshold_) {}
 
+    // The generator of a parameter struct (FwdParams, BwdParams): its dropout_state words where set, else its
+    // dropout_seed and dropout_offset.
+    template <class Params>
+    static __device__ __forceinline__ Dropout of(const Params& p, int bh) {
+        const i64 seed = p.dropout_state != nullptr ? __ldg(p.dropout_state) : p.dropout_seed;
+        const i64 offset = p.dropout_state != nullptr ? __ldg(p.dropout_state + 1) : p.dropout_offset;
+        return Dropout(seed, offset, bh, p.dropout_threshold);
+    }
+
     // Philox 4x32-10 of counter c under (key0, key1).
     __device__ __forceinline__ uint4 philox(uint4 c) const {
         u32 k0 = key0, k1 = key1;

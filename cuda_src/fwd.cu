@@ -174,8 +174,7 @@ struct FwdBlock {
         const bool dropping = Traits::DROPOUT && p.dropout_threshold < 65536;
         u32 kept[MT][(4 * NT + 31) / 32];  // dropout's keep bits, drawn before the scores take their registers
         if (dropping) {
-            const Dropout dropout(p.dropout_seed, p.dropout_offset, blockIdx.z * p.nheads + blockIdx.y,
-                                  p.dropout_threshold);
+            const Dropout dropout = Dropout::of(p, blockIdx.z * p.nheads + blockIdx.y);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
                 dropout.keep_rows<NT>(kept[mt], (row0 + warp_row0) / 16 + mt, n * BN / 16, lane);

@@ -20,6 +20,8 @@ struct FwdParams {
                               // (kv_rows, FwdBlock); nullptr: k, v rows as above
     const int* seqused_k;     // packed only: (batch,) keys of sequence b, instead of cu_seqlens_k's difference
     i64 dropout_seed, dropout_offset;  // the dropout mask's generator (dropout.cuh; 64-bit words); set per call
+    const i64* dropout_state;  // nullptr, or (seed, offset) in device memory, read instead of the two above (a
+                               // generator state the host does not know: JAX's keys under jit)
     i64 q_batch_stride, q_row_stride, q_head_stride;  // strides in elements; packed: batch stride = row stride
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -61,6 +63,7 @@ struct BwdParams {
     const float* dq_scale;  // deterministic mode 2 (fixed point, fixed_dq.cuh): dQ scale per row, like lse_log2
     const unsigned* kv_bound; // mode 2: (nheads_k, 2) max |K| and max row norm of V, as float bits (not read here)
     i64 dropout_seed, dropout_offset;  // the forward's dropout (FwdParams); set per call
+    const i64* dropout_state;          // as in FwdParams
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;

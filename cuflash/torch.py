@@ -580,7 +580,7 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
                  0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
                  0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
                  0 if block_table is None else block_table.data_ptr(), 0 if seqused_k is None else seqused_k.data_ptr(),
-                 dropout_seed, dropout_offset)
+                 dropout_seed, dropout_offset, 0)
         finally:
             if previous != index:
                 _set_device(previous)

@@ -159,9 +159,11 @@ def test_packed_forward_params(no_gpu_kernels):
     problem = checks.Problem(2, 20, 40, 4, 2, 64, np.dtype(np.float16))
     opts = dict(device_id=0, softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     call = _forward_call(problem, q, k, k, q, lse, **opts)
-    p = _struct(call, forward.PARAMS_DTYPE, 0x1000, 0x2000, 0x2000, 0x1000, 0x3000, 0, 0x4000, 0x5000, 0, 0x6000, 7, 9)
+    p = _struct(call, forward.PARAMS_DTYPE, 0x1000, 0x2000, 0x2000, 0x1000, 0x3000, 0, 0x4000, 0x5000, 0, 0x6000, 7, 9,
+                0x7000)
     assert (int(p["cu_seqlens_q"]), int(p["cu_seqlens_k"]), int(p["seqused_k"])) == (0x4000, 0x5000, 0x6000)
     assert (int(p["dropout_seed"]), int(p["dropout_offset"])) == (7, 9) and p["dropout_threshold"] == 65536
+    assert int(p["dropout_state"]) == 0x7000
     assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (256, 256, 64)
     assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (128, 128, 64)
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (1, 30)
@@ -169,7 +171,7 @@ def test_packed_forward_params(no_gpu_kernels):
 
     qp = _FakeDeviceArray(np.zeros((2, 20, 4, 64), np.float16), 0x1000)
     lsep = checks.contiguous("lse", (2, 4, 20), np.float32)  # a TensorSpec works as well as an array
-    p = _struct(_forward_call(problem, qp, qp, qp, qp, lsep, **opts), forward.PARAMS_DTYPE, *range(12))
+    p = _struct(_forward_call(problem, qp, qp, qp, qp, lsep, **opts), forward.PARAMS_DTYPE, *range(13))
     assert (p["q_batch_stride"], p["q_row_stride"]) == (20 * 256, 256)
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (80, 20)
 
@@ -189,7 +191,7 @@ def test_paged_varlen_forward_params(no_gpu_kernels, configure):
                            alibi_slopes=None)
     call = forward.forward_call(problem, q, pool, pool, q, lse, opts, device_id=0, block_table=table)
     assert isinstance(call, KernelCall)  # the portable kernel: the Hopper one has no paged keys
-    p = _struct(call, forward.PARAMS_DTYPE, *range(1, 13))
+    p = _struct(call, forward.PARAMS_DTYPE, *range(1, 14))
     assert int(p["block_table"]) == 9 and (p["page_size"], p["num_pages"], p["max_pages"]) == (32, 9, 5)
     assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (32 * 128, 128, 64)
     assert p["block_table_stride"] == 5 and problem.nheads_k == 2
@@ -228,8 +230,8 @@ def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
     assert call.dq_bytes == slices * rows * h * d * 4 and dq_off + call.dq_bytes <= total
 
-    main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 117))
-    assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:16]] == list(range(101, 117))
+    main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 118))
+    assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:17]] == list(range(101, 118))
     assert main["dropout_threshold"] == 65536 and main["dropout_scale"] == 1.0
     assert (main["lse_batch_stride"], main["lse_head_stride"]) == ((1, rows) if packed else (h * sq, sq))
     assert main["dq_batch_stride"] == (h * d if packed else sq * h * d) and main["dq_slice_stride"] == rows * h * d
@@ -339,7 +341,7 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     assert main.main.kernel_call.launches[0][1:5] == (slots, hk, b, 256)
     got = np.frombuffer(main.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
     want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
-    ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 16))
+    ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 17))
     for name in backward.PARAMS_DTYPE.names[14:]:
         if name not in ("mod_scale", "softcap", "scale_log2"):  # the score-mod kernel's natural-log scores
             assert got[name] == ref[name] == want[name], name

@@ -251,7 +251,7 @@ def fixed_point_offsets(rows: int, nheads: int, headdim: int) -> tuple[int, int]
 # Layouts of the structs in cuda_src/params.cuh: same field order, C alignment (tests/test_plan.py checks).
 PARAMS_DTYPE = plan.struct(
     ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi", "cu_seqlens_q", "cu_seqlens_k",
-     "dq_scale", "kv_bound", "dropout_seed", "dropout_offset"),
+     "dq_scale", "kv_bound", "dropout_seed", "dropout_offset", "dropout_state"),
     plan.stride_fields("q", "k", "v", "do", "dk", "dv")
     + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
     ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
@@ -277,7 +277,7 @@ class BackwardCall(NamedTuple):
     # out, dout, lse, dsum, lse_log2, dq_accum, dq_scale, kv_bound, k, v
     preprocess: KernelCall
     # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k, dq_scale,
-    # kv_bound (not read by the kernel), dropout_seed, dropout_offset
+    # kv_bound (not read by the kernel), dropout_seed, dropout_offset, dropout_state
     main: KernelCall
     convert: KernelCall      # dQ = sum of the slices (fixed point: over the row scales), cast: dq_accum, dq, dq_scale
     lse_log2_offset: int
@@ -287,13 +287,14 @@ class BackwardCall(NamedTuple):
     fixed_offsets: tuple | None = None  # (dq_scale, kv_bound) byte offsets; None: not fixed point
 
     def __call__(self, stream, dout, q, k, v, out, lse, dq, dk, dv, alibi, cu_seqlens_q, cu_seqlens_k, workspace,
-                 dropout_seed=0, dropout_offset=0):
-        """Launch on ``stream`` with these data pointers (0 where absent), and the forward's dropout generator."""
+                 dropout_seed=0, dropout_offset=0, dropout_state=0):
+        """Launch on ``stream`` with these data pointers (0 where absent), and the forward's dropout generator: its
+        seed and offset, or a pointer to them in device memory (dropout_state)."""
         dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
         row_scale, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
         self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v)
         self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
-                  row_scale, kv_bound, dropout_seed, dropout_offset)
+                  row_scale, kv_bound, dropout_seed, dropout_offset, dropout_state)
         self.convert(stream, dq_accum, dq, row_scale)
 
 
@@ -358,7 +359,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
         main = backward_sm90.backward_main(launch.sm90, bp, q, k, v, dout, launch.grid, device_id)
     else:
         main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
-                            launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:16])
+                            launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:17])
 
     # dQ: sum the slices (fixed order), cast; fixed point: the int32 accumulator times each row's unit, grid (groups
     # of four elements of a row, rows)
@@ -385,7 +386,7 @@ def _forget() -> None:
 
 def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causal, window_size, softcap,
            alibi_slopes, deterministic, cu_seqlens_q=None, cu_seqlens_k=None, workspace=None, dropout_p=0.0,
-           dropout_seed=0, dropout_offset=0):
+           dropout_seed=0, dropout_offset=0, dropout_state=None):
     """Launch the backward into given dq/dk/dv (contiguous), on the current device and stream; no checks.
 
     The fp32 workspaces (rowsum(dO*O), lse in log2, the dQ accumulator) are one block of
@@ -393,7 +394,8 @@ def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causa
     XLA owns) or, without it, one allocation from CuPy's current allocator (a wrapper that sets one with
     ``cupy.cuda.using_allocator`` decides where it lives). With ``cu_seqlens_q`` and ``cu_seqlens_k`` the arrays
     are packed as in :func:`cuflash.ops.forward.launch`, and the workspaces too: one row per query token. The
-    forward's dropout (``dropout_p``, ``dropout_seed``, ``dropout_offset``) regenerates the same mask.
+    forward's dropout (``dropout_p``, ``dropout_seed``, ``dropout_offset`` or ``dropout_state``) regenerates the same
+    mask.
     """
     from .. import runtime
     key = checks.call_signature((problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_size,
@@ -415,4 +417,5 @@ def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causa
         raise ValueError(f"workspace: {workspace.nbytes} bytes, the backward needs {call.workspace_bytes}")
     call(cupy.cuda.get_current_stream().ptr, dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
          lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, runtime.ptr(alibi_slopes), runtime.ptr(cu_seqlens_q),
-         runtime.ptr(cu_seqlens_k), workspace.data.ptr, int(dropout_seed), int(dropout_offset))
+         runtime.ptr(cu_seqlens_k), workspace.data.ptr, int(dropout_seed), int(dropout_offset),
+         runtime.ptr(dropout_state))

@@ -228,14 +228,15 @@ def sm90_variant(problem, arch: str, band: bool = False) -> str | None:
 # FwdParams (cuda_src/params.cuh): same field order, C alignment (tests/test_plan.py checks).
 PARAMS_DTYPE = plan.struct(
     ("q", "k", "v", "o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k", "dropout_seed",
-     "dropout_offset"),
+     "dropout_offset", "dropout_state"),
     plan.stride_fields("q", "k", "v", "o") + ["lse_batch_stride", "lse_head_stride", "alibi_batch_stride",
                                               "block_table_stride"],
     ("seqlen_q", "seqlen_k", "page_size", "num_pages", "max_pages", "nheads", "heads_per_kv", "headdim",
      "window_left", "window_right", "dropout_threshold"),
     ("dropout_scale", "scale_log2", "mod_scale", "softcap"))
-# The fields a call sets: the data pointers q .. seqused_k, then the dropout generator's seed and offset
-POINTERS = PARAMS_DTYPE.names[:12]
+# The fields a call sets: the data pointers q .. seqused_k, then the dropout generator's seed and offset, or the
+# pointer to them in device memory (dropout_state)
+POINTERS = PARAMS_DTYPE.names[:13]
 
 
 def params(problem, q, k, v, out, lse, alibi, options: AttentionOptions, block_table=None):
@@ -290,7 +291,7 @@ def _forget() -> None:
 
 def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes,
            cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, seqused_k=None, dropout_p=0.0, dropout_seed=0,
-           dropout_offset=0):
+           dropout_offset=0, dropout_state=None):
     """Launch the forward into given arrays, on the current device and stream; no checks, no allocation.
 
     :func:`cuflash.attention` checks and allocates, then calls this; framework wrappers (JAX's FFI handler) call
@@ -302,7 +303,8 @@ def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
     ``(total_k, nheads_k, d)``, lse ``(nheads, total_q)``, and ``problem`` carries the maximum lengths. With
     ``block_table`` k/v are page pools ``(num_pages, page_size, nheads_k, d)``; ``seqused_k`` (int32 ``(batch,)``)
     gives each sequence's key count. ``dropout_p`` > 0 drops probabilities by the mask of ``dropout_seed`` and
-    ``dropout_offset`` (cuda_src/dropout.cuh).
+    ``dropout_offset`` (cuda_src/dropout.cuh), or of the two int64 words of ``dropout_state`` (a device array; the
+    kernels read them) where given.
     """
     key = checks.call_signature((problem, q, k, v, out, lse, softmax_scale, causal, window_size, softcap,
                                  alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, dropout_p))
@@ -319,7 +321,7 @@ def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
     import cupy
     call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, runtime.ptr(lse),
          runtime.ptr(alibi_slopes), runtime.ptr(cu_seqlens_q), runtime.ptr(cu_seqlens_k), runtime.ptr(block_table),
-         runtime.ptr(seqused_k), int(dropout_seed), int(dropout_offset))
+         runtime.ptr(seqused_k), int(dropout_seed), int(dropout_offset), runtime.ptr(dropout_state))
 
 
 def _layout(x) -> tuple:
@@ -365,5 +367,5 @@ def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes
         out = cupy.ndarray(q.shape, q.dtype)
         lse = cupy.ndarray(lse_shape, np.float32) if return_lse else None
         call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, runtime.ptr(lse),
-             runtime.ptr(alibi_slopes), 0, 0, 0, 0, *checks.dropout_generator(dropout_seed, dropout_offset))
+             runtime.ptr(alibi_slopes), 0, 0, 0, 0, *checks.dropout_generator(dropout_seed, dropout_offset), 0)
     return (out, lse) if return_lse else out

@@ -228,7 +228,7 @@ class ForwardCall:
 
     def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
                  cu_seqlens_k: int = 0, block_table: int = 0, seqused_k: int = 0, dropout_seed: int = 0,
-                 dropout_offset: int = 0) -> None:
+                 dropout_offset: int = 0, dropout_state: int = 0) -> None:
         # (block_table .. dropout_offset: the portable call's arguments; calls that use them are never planned here)
         q_map, k_map, v_map, o_map = self.maps
         self.kernel_call.launch_head(
