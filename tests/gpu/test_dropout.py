@@ -130,3 +130,36 @@ def test_torch_dropout_follows_torch_manual_seed():
     _close(first[0].view(dt), want, "bf16", "out")
     third = run()  # the generator moved on: another mask
     _far(third[0].view(dt), want, "bf16", "out")
+
+
+def test_jax_dropout_from_a_key():
+    """cuflash.jax under jit and grad with a PRNG key: the kernels read the key's four words from device memory
+    (dropout_state); the result is the reference's with that seed and offset, the same key repeats bitwise and the
+    gradients match the reference's backward."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import cuflash.jax
+    if not any(dev.platform == "gpu" for dev in jax.devices()):
+        pytest.skip("JAX has no GPU backend here")
+    rng = np.random.default_rng(4)
+    dt = DTYPES["bf16"]
+    q, k, v = randn(rng, (2, 70, 4, 64), dt), randn(rng, (2, 90, 2, 64), dt), randn(rng, (2, 90, 2, 64), dt)
+    dout = randn(rng, q.shape, dt)
+    key = jax.random.key(21)
+
+    def loss(q, k, v):
+        out = cuflash.jax.attention(q, k, v, causal=True, dropout_p=0.2, dropout_key=key)
+        return (out.astype(jnp.float32) * jnp.asarray(dout).astype(jnp.float32)).sum(), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, out), grads = step(*(jnp.asarray(x) for x in (q, k, v)))
+    (_, again), _ = step(*(jnp.asarray(x) for x in (q, k, v)))
+    assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(again).view(np.uint16))
+    w = np.asarray(jax.random.bits(key, (4,), jnp.uint32)).astype(np.uint64)
+    drop = dict(dropout_p=0.2, dropout_seed=int(w[0] | (w[1] << np.uint64(32))),
+                dropout_offset=int(w[2] | (w[3] << np.uint64(32))))
+    want, lse = reference.attention(q, k, v, causal=True, return_lse=True, **drop)
+    _close(np.asarray(out), want, "bf16", "out")
+    want_grads = reference.attention_backward(dout, q, k, v, np.asarray(out), lse, causal=True, **drop)
+    for name, g, w_ in zip(("dq", "dk", "dv"), grads, want_grads):
+        _close(np.asarray(g), w_, "bf16", name)
