@@ -100,8 +100,8 @@ def test_dropout_arguments_are_checked():
 
 def test_torch_dropout_follows_torch_manual_seed():
     """cuflash.torch draws the mask's seed and offset from torch's CUDA generator: torch.manual_seed repeats a
-    call bitwise (gradients too), the generator's offset advances by 4 per call, and the result is the reference's
-    with that seed and offset."""
+    call bitwise (gradients too, in deterministic mode), the generator's offset advances by 4 per call, and the
+    result is the reference's with that seed and offset."""
     torch = pytest.importorskip("torch")
     import cuflash.torch
     rng = np.random.default_rng(3)
@@ -112,7 +112,7 @@ def test_torch_dropout_follows_torch_manual_seed():
     def run():
         tensors = [torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda().requires_grad_()
                    for x in (q, k, v)]
-        out = cuflash.torch.attention(*tensors, causal=True, dropout_p=0.25)
+        out = cuflash.torch.attention(*tensors, causal=True, dropout_p=0.25, deterministic=True)
         out.backward(torch.from_numpy(dout.view(np.int16)).view(torch.bfloat16).cuda())
         return [x.detach().view(torch.int16).cpu().numpy() for x in (out, *(t.grad for t in tensors))]
 
