@@ -109,21 +109,6 @@ def test_deterministic_grads_are_bitwise_repeatable():
         assert all(np.array_equal(a, b) for a, b in zip(first, again))
 
 
-def test_unsupported_backward_fails_at_trace_time():
-    """The workspace is planned while tracing, so an unsupported backward fails there, not inside XLA."""
-    import cuflash.jax
-    from cuflash.ops import backward
-    try:
-        backward.bwd_headdim(256)
-    except NotImplementedError:
-        pass
-    else:
-        pytest.skip("the backward supports head dim 256 now")
-    q, k, v, dout = _inputs(jnp.float16, sq=16, sk=16, d=256)
-    with pytest.raises(NotImplementedError, match="head dim 256"):
-        jax.grad(_loss(cuflash.jax.attention, dout))(q, k, v)
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_varlen_jit_grad_matches_per_sequence_xla(dtype):
     """cuflash.jax.attention_varlen (packed lengths 0, 1, 70, 200; GQA 2:1; causal) under jit(grad) against
