@@ -336,3 +336,17 @@ def test_varlen_dropout_from_a_key_with_alibi():
     assert np.abs(np.asarray(out, np.float64) - want).max() < 4e-3
     for got, w_ in zip(grads, want_grads):
         assert np.abs(np.asarray(got, np.float64) - w_).max() < 2e-2
+
+
+def test_unsupported_dropout_backward_fails_at_trace_time():
+    """The backward's workspace is planned while tracing, so a backward the kernels do not have (dropout above head
+    dim 128) fails there, not inside XLA; the forward alone runs."""
+    q, k, v, dout = _inputs(sq=16, sk=16, d=256)
+    key = jax.random.key(0)
+    cuflash.jax.attention(q, k, v, dropout_p=0.1, dropout_key=key)
+
+    def loss(q):
+        return cuflash.jax.attention(q, k, v, dropout_p=0.1, dropout_key=key).astype(jnp.float32).sum()
+
+    with pytest.raises(NotImplementedError, match="dropout at head dim 256"):
+        jax.grad(loss)(q)
