@@ -303,17 +303,40 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     buffer; :func:`cuflash.ops.backward.workspace`: ``dsum``, ``lse_log2``, the fp32 dQ accumulator).
 
     Deterministic mode's slice count grows with the GPU's SM count and differs between the portable and the
-    Hopper main kernel, so it is planned for the largest GPU visible here and the larger of the two (an upper
-    bound for any of them), with room for the Hopper kernel's fixed point (one slice and two small pieces).
+    Hopper main kernel, so it is planned for the largest GPU visible here and every architecture among the
+    visible GPUs (both, on a machine without one), and the largest count taken (an upper bound for any of them),
+    with room for the Hopper kernel's fixed point (one slice and two small pieces). A backward that none of those
+    architectures has (head dims above 128 off sm_90a) raises NotImplementedError here, at trace time.
     `rows`: query rows of the workspaces, batch * seqlen_q by default, total_q for packed sequences.
     """
     left, right = normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
     rows = problem.batch * problem.seqlen_q if rows is None else rows  # total_q for packed sequences
-    slices = max(backward.plan_backward(problem, left, right, score_mod, deterministic, arch, _max_sm_count(),
-                                        dropout=dropout).slices for arch in ("sm_80", "sm_90a"))
+    slices, refused = [], None
+    for arch in _archs():
+        try:
+            slices.append(backward.plan_backward(problem, left, right, score_mod, deterministic, arch,
+                                                 _max_sm_count(), dropout=dropout).slices)
+        except NotImplementedError as err:
+            refused = err
+    if not slices:
+        raise refused
+    slices = max(slices)
     # room for the fixed point's pieces too in deterministic mode (whether a GPU takes it depends on its SM count)
     return backward.workspace(rows, problem.nheads, problem.headdim, slices,
                                    problem.nheads_k if deterministic else 0)[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _archs() -> tuple:
+    """The architectures of the visible GPUs, or both the kernels know where none is visible (tracing on a CPU
+    machine)."""
+    try:
+        import cupy
+        from . import build
+        archs = tuple(sorted({build.device_arch(i) for i in range(cupy.cuda.runtime.getDeviceCount())}))
+        return archs or ("sm_80", "sm_90a")
+    except Exception:
+        return ("sm_80", "sm_90a")
 
 
 @functools.lru_cache(maxsize=None)

@@ -138,6 +138,26 @@ def test_jit_grad_matches_jax_xla_attention(dtype, causal):
         assert err < 4 * tol, err
 
 
+@pytest.mark.parametrize("d", [200, 256])
+def test_wide_head_dim_backward_traces_and_matches(d, monkeypatch):
+    """Head dims above 128 have a backward on sm_90a only: with an H200 visible (or no GPU) the workspace is
+    planned for it and jit(grad) runs; with only sm_80 GPUs it fails at trace time, naming the head dim."""
+    monkeypatch.setattr(cuflash.jax, "_archs", lambda: ("sm_90a",))
+    q, k, v, dout = _inputs(sq=9, sk=14, h=2, hk=1, d=d)
+
+    def loss(q, k, v):
+        return (cuflash.jax.attention(q, k, v, causal=True).astype(jnp.float32) * dout.astype(jnp.float32)).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    q64, k64, v64, dout64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    want, lse = reference.attention(q64, k64, v64, causal=True, return_lse=True)
+    for got, ref in zip(grads, reference.attention_backward(dout64, q64, k64, v64, want, lse, causal=True)):
+        assert np.abs(np.asarray(got, np.float64) - ref).max() < 2e-2
+    monkeypatch.setattr(cuflash.jax, "_archs", lambda: ("sm_80",))
+    with pytest.raises(NotImplementedError, match=f"head dim {d}"):
+        jax.grad(loss)(q, k, v)
+
+
 @pytest.mark.parametrize("d", [59, 1])
 def test_head_dim_not_a_multiple_of_8_runs_padded(d):
     """Zero-padded copies inside the call: out and the gradients of the caller's shapes, at scale 1 / sqrt(d)."""
