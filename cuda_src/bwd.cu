@@ -37,10 +37,11 @@ struct BwdTraits {
     static constexpr int QBUF = QBUF_;       // Q/dO buffers: 2 loads the next query block while one computes
     // Above d = 128 registers are short: the k-loops of the products stay rolled (unrolled fully below).
     static constexpr bool WIDE = D > 128;
-    // Dropout's keep bits need registers the wide kernels and, on sm_90a, the 64-key d = 128 kernel do not have
-    // (ptxas spills); calls with dropout take a kernel where this holds (cuflash.ops.backward.plan_backward).
+    // Dropout's keep bits need registers the wide kernels and, on sm_90a, the double-buffered kernels and the
+    // 64-key d = 128 one do not have (ptxas spills); calls with dropout take a kernel where this holds
+    // (cuflash.ops.backward.plan_backward).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    static constexpr bool DROPOUT = !WIDE && !(D == 128 && BN == 64);
+    static constexpr bool DROPOUT = !WIDE && QBUF == 1 && !(D == 128 && BN == 64);
 #else
     static constexpr bool DROPOUT = !WIDE;
 #endif

@@ -43,8 +43,9 @@ DOUBLE_BUFFER_HEADDIMS = (32, 64, 96)
 WIDE_HEADDIM = 256
 WIDE_ARCHS = ("sm_90a",)
 WIDE_CONFIG = BwdConfig(64, 32, 8)
-# Dropout at d = 128 on sm_90a: 32 keys per CTA. With 64 keys ptxas spills once the keep bits join dK and dV in
-# registers there (not on sm_80), so the 64-key kernels leave dropout out on sm_90a (BwdTraits::DROPOUT).
+# Dropout on sm_90a: one Q/dO buffer, and at d = 128 32 keys per CTA. With two buffers, or 64 keys at d = 128,
+# ptxas spills once the keep bits join dK and dV in registers there (not on sm_80), so those kernels leave dropout
+# out on sm_90a (BwdTraits::DROPOUT).
 DROPOUT_SM90_CONFIG = BwdConfig(64, 32, 8)
 DROPOUT_SM90_HEADDIM = 128
 
@@ -174,7 +175,9 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     if dropout and d > BWD_HEADDIMS[-1]:
         raise NotImplementedError(f"attention_backward: dropout at head dim {problem.headdim} is not supported yet "
                                   f"(the backward regenerates the mask up to head dim {BWD_HEADDIMS[-1]})")
-    config = DROPOUT_SM90_CONFIG if dropout and arch == "sm_90a" and d == DROPOUT_SM90_HEADDIM else bwd_config(d)
+    config = bwd_config(d)
+    if dropout and arch == "sm_90a":
+        config = DROPOUT_SM90_CONFIG if d == DROPOUT_SM90_HEADDIM else BWD_CONFIG
     spec = BwdSpec(dtype, d, config, band, score_mod)
     groups = problem.batch * problem.nheads_k
     if dropout or not backward_sm90.applies(problem, score_mod, arch):  # dropout: the portable kernel
