@@ -502,7 +502,9 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
     every = {forward_sm90.variant_spec(variant, dtype, d, band, mod)
              for variant in forward_sm90.VARIANTS for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16")
              for band in (False, True) for mod in (False, True)}
-    assert set(specs) == every and len(specs) == len(every)
+    dropout = {forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], dtype, d, band, False, dropout=True)
+               for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)}
+    assert set(specs) == every | dropout and len(specs) == len(every) + len(dropout)
     assert {s.block_n for s in specs} == {64, 128, 176} and all(s.block_n == 64 for s in specs if s.headdim == 256)
     assert all(s.headdim == 128 for s in specs if s.block_n == 176)
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
@@ -516,9 +518,9 @@ def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
     from cuflash.ops import forward, forward_sm90
     spec = forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, False)
     assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
-    assert ", 4, 3, false, true, false, false, false, false>" in spec.template
+    assert ", 4, 3, false, true, false, false, false, false, false>" in spec.template
     split = forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, False)  # persistent, split tiles
-    assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true>")
+    assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true, false>")
     assert forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, True) == forward_sm90.variant_spec(
         "ws_n128_p", "bf16", 64, False, True)  # a score mod: two warpgroups, no split
     assert (forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, True)
@@ -578,12 +580,12 @@ def test_kernel_call_head_write_keeps_the_rest():
     p = np.zeros((), forward_sm90.PARAMS_DTYPE)
     p["seqlen_q"], p["softcap"] = 123, 2.5
     call = KernelCall((), p, ())
-    head = bytes(range(256)) * 1 + bytes(128) + bytes(range(128)) + forward_sm90._POINTERS.pack(1, 2, 3, 4, 5)
+    head = bytes(range(256)) * 1 + bytes(128) + bytes(range(128)) + forward_sm90._POINTERS.pack(1, 2, 3, 4, 5, 6, 7, 8)
     call.launch_head(0, head)  # no launches: only the struct is written
     got = np.frombuffer(call.params(), forward_sm90.PARAMS_DTYPE)[0]
     assert bytes(got["q"]) + bytes(got["k"]) == bytes(range(256)) and bytes(got["v"]) == bytes(128)
     assert bytes(got["o_map"]) == bytes(range(128))
-    assert [int(got[n]) for n in ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")] == [1, 2, 3, 4, 5]
+    assert [int(got[n]) for n in forward_sm90._POINTER_NAMES] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert got["seqlen_q"] == 123 and got["softcap"] == 2.5
 
 

@@ -268,8 +268,10 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     Paged keys (block_table) and key counts (seqused_k, an array or TensorSpec; only its presence is read) run on
     the portable kernel."""
     arch = build.device_arch(device_id)
-    portable_only = block_table is not None or seqused_k is not None or options.dropout  # dropout too
+    portable_only = block_table is not None or seqused_k is not None
     variant = sm90_variant(problem, arch, options.band) if not portable_only else None
+    if variant is not None and options.dropout:  # dropout: one Hopper variant per head dim, without a score mod
+        variant = forward_sm90.DROPOUT_VARIANTS.get(problem.headdim) if not options.score_mod else None
     if variant is not None:
         return forward_sm90.forward_call(problem, q, k, v, out, lse, options, device_id=device_id,
                                          alibi_slopes=alibi_slopes, variant=variant)
