@@ -240,14 +240,18 @@ def _sm90_cases() -> list[dict]:
 
 
 def _dropout_cases() -> list[dict]:
-    """Dropout (the portable kernels, also on sm_90a): forward, backward in both dQ modes (d 128 takes sm_90a's
-    32-key configuration), varlen."""
+    """Dropout: forward (on sm_90a the Hopper kernel at d 64, 128, 256), backward in both dQ modes (the portable
+    kernel; d 128 takes sm_90a's 32-key configuration), varlen."""
     drop = dict(dropout_p=0.2, dropout_seed=2 ** 40 + 5, dropout_offset=3)
     return [
         dict(name="dropout_fwd_bf16_d64_causal_lse", fn="attention", dtype="bf16", shape=SMALL,
              opts=dict(drop, causal=True, return_lse=True)),
         dict(name="dropout_fwd_fp16_d40_window", fn="attention", dtype="fp16", shape=SMALL40,
              opts=dict(drop, window_size=(8, 4))),
+        # the Hopper forward's dropout kernels on sm_90a (d 64 above; d 128 and 256 here)
+        dict(name="dropout_fwd_bf16_d128_causal_lse", fn="attention", dtype="bf16", shape=BWD_S70,
+             opts=dict(drop, causal=True, return_lse=True)),
+        dict(name="dropout_fwd_fp16_d256", fn="attention", dtype="fp16", shape=dict(BWD_S17, d=256), opts=drop),
         dict(name="dropout_bwd_bf16_s70_causal_atomic", fn="attention_backward", dtype="bf16", shape=BWD_S70,
              opts=dict(drop, causal=True, deterministic=False)),
         dict(name="dropout_bwd_bf16_s70_softcap_alibi_det", fn="attention_backward", dtype="bf16", shape=BWD_S70,
