@@ -166,6 +166,11 @@ def test_opcheck(on_host):
                           test_utils=("test_schema", "test_faketensor"))
 
 
+_cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                 reason="fake CUDA tensors need a CUDA build of torch (this one is CPU-only)")
+
+
+@_cuda_build
 def test_fake_tensors_give_shapes_and_run_the_checks():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
@@ -425,6 +430,7 @@ def test_kvcache_opcheck(on_host):
                               test_utils=("test_schema", "test_faketensor"))
 
 
+@_cuda_build
 def test_kvcache_fake_tensors_give_shapes_and_run_the_checks():
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
