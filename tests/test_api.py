@@ -694,3 +694,33 @@ def test_kernel_call_with_tail_writes_pointers_and_tail():
     got = np.frombuffer(call.params(*range(1, 19)), decode.TMA_PARAMS_DTYPE)[0]
     assert [int(got[n]) for n in DECODE_POINTERS] == list(range(1, 19))
     assert bytes(got["k_map"]) + bytes(got["v_map"]) == tail and got["headdim"] == 128
+
+
+def test_sm90_dropout_forward_takes_the_dropout_variant(configure, no_gpu_kernels):
+    """On sm_90a a dropout call at d 64/128/256 without a score mod takes its head dim's dropout variant (the kernel
+    with dropout compiled in) and its struct carries the threshold and the kept probabilities' scale; with a score
+    mod, or at another head dim, the portable kernel."""
+    from cuflash import checks, reference
+    from cuflash.launcher import KernelCall
+    from cuflash.ops import forward_sm90
+    configure(sm90=True)
+    for d in forward_sm90.HEADDIMS:
+        problem = checks.Problem(2, 300, 300, 4, 2, d, np.dtype(np.float16))
+        q = _FakeDeviceArray(np.zeros((2, 300, 4, d), np.float16), 0)
+        k = _FakeDeviceArray(np.zeros((2, 300, 2, d), np.float16), 0)
+        out = checks.contiguous("out", q.shape, np.float16)
+        call = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.3)
+        want = forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], "fp16", d, True, False, dropout=True)
+        assert call.spec == want and call.spec.name.endswith("_drop") and call.spec in forward_sm90.all_specs()
+        p = np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
+        threshold = reference.dropout_threshold(0.3)
+        assert p["dropout_threshold"] == threshold and p["dropout_scale"] == np.float32(65536 / threshold)
+        plain = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+        assert not plain.spec.dropout
+        p = np.frombuffer(plain.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
+        assert p["dropout_threshold"] == 65536 and p["dropout_scale"] == 1.0
+        capped = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
+                               window_size=(-1, -1), softcap=5.0, alibi_slopes=None, dropout_p=0.3)
+        assert isinstance(capped, KernelCall)  # the portable kernel
