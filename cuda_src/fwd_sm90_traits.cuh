@@ -152,6 +152,8 @@ struct FwdSm90Traits {
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, WGS = WGS_;
     static constexpr bool BAND = BAND_, WS = WS_, SCORE_MOD = SCORE_MOD_, PINGPONG = PINGPONG_,
                           PERSISTENT = PERSISTENT_, SPLIT = SPLIT_TILES_, DROPOUT = DROPOUT_;
+    // dropout indexes a warp's rows by warp_row0(), which a split tile's warpgroups 1 and 2 do not follow
+    static_assert(!(DROPOUT && SPLIT), "no dropout in the split-tile kernel");
 
     static constexpr int BM = 64 * WGS, PANELS = D / 64;  // WGS consumer warpgroups of 64 query rows each
     static constexpr int THREADS = 128 * (WGS + (WS ? 1 : 0)), CONSUMER0 = WS ? 128 : 0;  // consumers: CONSUMER0 ..
