@@ -33,6 +33,7 @@ Usage (from the repository root, on a GPU machine):
     python3 benchmarks/bench_attention.py --quick            # seqlens 1024 and 4096
     python3 benchmarks/bench_attention.py --placements 1     # one allocation per cell, a third of the time
     python3 benchmarks/bench_attention.py --dims 128 --seqlens 2048,8192 --causal true
+    python3 benchmarks/bench_attention.py --op all --dropout 0.1   # every implementation with dropout
 
 Exit status: 0 all good; 1 some cuflash cell failed to run or failed the spot
 check; 2 nothing could run (no GPU, torch/triton missing). A cuflash without
@@ -132,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"fresh allocations of each cell's tensors, each later one behind a pad of "
                         f"random size; times are medians over them (default {PLACEMENTS}; 1: one "
                         "allocation per cell)")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="dropout probability for every implementation (cuflash's mask from a fixed seed, SDPA's "
+                        "from torch's generator); the masks differ, so the spot checks are skipped")
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     p.add_argument("--png", metavar="PATH", help="write a TFLOP/s-vs-seqlen plot")
     args = p.parse_args(argv)
@@ -329,12 +333,18 @@ def forward_flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> flo
     return f / 2 if causal else f
 
 
+def _dropout(args) -> dict:
+    """cuflash's dropout arguments for --dropout (a fixed seed; one mask per cell, as a training step draws)."""
+    return dict(dropout_p=args.dropout, dropout_seed=1, dropout_offset=0) if args.dropout else {}
+
+
 def forward_cell(cell: dict, args) -> dict:
     b, s, h, d, causal = cell["batch"], cell["seqlen"], cell["nheads"], cell["d"], cell["causal"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     flops = forward_flops(b, h, s, s, d, causal)
     row = dict(op="fwd", dtype=args.dtype, d=d, causal=causal, seqlen=s, batch=b, nheads=h,
-               flops=flops)
+               flops=flops, dropout_p=args.dropout)
+    drop = _dropout(args)
 
     # Inputs: created once per call (one placement of the cell), (b, s, h, d), random
     # (never zeros: zeros flatter the matmul units and hide masking bugs).
@@ -358,7 +368,7 @@ def forward_cell(cell: dict, args) -> dict:
                 stream = cupy_stream()
 
                 def run_cuflash():
-                    return cuflash.attention(qc, kc, vc, causal=causal, stream=stream)
+                    return cuflash.attention(qc, kc, vc, causal=causal, stream=stream, **drop)
 
                 out_c = run_cuflash()  # the first call compiles
                 torch.cuda.synchronize()
@@ -380,7 +390,7 @@ def forward_cell(cell: dict, args) -> dict:
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
     def run_sdpa():
-        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, dropout_p=args.dropout)
 
     for name, backend in SDPA_BACKENDS.items():
         if name not in args.impls:
@@ -404,7 +414,7 @@ def forward_cell(cell: dict, args) -> dict:
     row["check_ref"] = ref
     row["max_abs_diff"] = None
     row["check_ok"] = False if row.get("check_error") else None
-    if "cuflash" in outs and ref is not None:
+    if "cuflash" in outs and ref is not None and not args.dropout:
         diff = max_abs_diff(outs["cuflash"], outs[ref])
         row["max_abs_diff"] = diff
         row["check_ok"] = bool(math.isfinite(diff) and diff <= args.tol)
@@ -444,7 +454,8 @@ def backward_cell(cell: dict, args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     flops = backward_flops(b, h, s, s, d, causal)
     row = dict(op="bwd", dtype=args.dtype, d=d, causal=causal, seqlen=s, batch=b, nheads=h,
-               flops=flops)
+               flops=flops, dropout_p=args.dropout)
+    drop = _dropout(args)
 
     # Inputs and the incoming gradient: random, (b, s, h, d), created once per call (placement).
     q = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
@@ -473,7 +484,7 @@ def backward_cell(cell: dict, args) -> dict:
             qc, kc, vc, doc = (to_cupy(x) for x in (q, k, v, dout))
             stream = cupy_stream()
             out_c, lse_c = cuflash.attention(qc, kc, vc, causal=causal, return_lse=True,
-                                             stream=stream)
+                                             stream=stream, **drop)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
             for name in cf_impls:
@@ -483,7 +494,7 @@ def backward_cell(cell: dict, args) -> dict:
         else:
             for name in cf_impls:
                 det = name == "cuflash_det"
-                kw = dict(causal=causal, stream=stream)
+                kw = dict(causal=causal, stream=stream, **drop)
                 if det:
                     kw["deterministic"] = True
 
@@ -523,7 +534,7 @@ def backward_cell(cell: dict, args) -> dict:
     dout_t = dout.transpose(1, 2)
 
     def run_fwd():
-        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, dropout_p=args.dropout)
 
     def run_fwd_bwd():
         for x in leaves:
@@ -582,7 +593,7 @@ def backward_cell(cell: dict, args) -> dict:
     failures = []
     if row.get("check_error"):
         failures.append(row["check_error"])
-    if ref_grads is not None:
+    if ref_grads is not None and not args.dropout:
         for name in ("cuflash", "cuflash_det"):
             if name not in grads:
                 continue

@@ -17,6 +17,7 @@
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
+#include "dropout.cuh"
 
 namespace cuflash {
 
@@ -36,6 +37,14 @@ struct BwdTraits {
     static constexpr int QBUF = QBUF_;       // Q/dO buffers: 2 loads the next query block while one computes
     // Above d = 128 registers are short: the k-loops of the products stay rolled (unrolled fully below).
     static constexpr bool WIDE = D > 128;
+    // Dropout's keep bits need registers the wide kernels and, on sm_90a, the double-buffered kernels and the
+    // 64-key d = 128 one do not have (ptxas spills); calls with dropout take a kernel where this holds
+    // (cuflash.ops.backward.plan_backward).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static constexpr bool DROPOUT = !WIDE && QBUF == 1 && !(D == 128 && BN == 64);
+#else
+    static constexpr bool DROPOUT = !WIDE;
+#endif
     static constexpr int KS_UNROLL = WIDE ? 1 : D / 16, KK_UNROLL = WIDE ? 1 : BM / 16,
                          DQ_K_UNROLL = WIDE ? 1 : BN / 16;
     using KVTile = SmemTile<BN, DP>;
@@ -224,28 +233,45 @@ struct BwdBlock {
         const float* s_dsum = s_lse + BM;
         // ---- S^T and dP^T for 16 keys x BM/2 queries; P^T and dS^T element by element, so that softcap's
         // derivative is used where it is computed ----
+        const int key0 = n * BN + kb * 16, q0 = row0 + half * (BM / Traits::SPLIT);
+        // dropout: out = (P M / keep) V, so dV takes P M / keep and dS = P (dP M / keep - D). The keep bits (one
+        // word per pair of query tiles) are drawn before S^T and dP^T occupy their registers, so that the
+        // generator's state never lives beside them. Only where Traits::DROPOUT holds: not in the wide kernels
+        // (cuflash.ops.backward refuses dropout above d = 128) nor in sm_90a's 64-key kernel at d = 128 (its dropout
+        // calls take the 32-key one).
+        const bool dropping = Traits::DROPOUT && p.dropout_threshold < 65536;
+        u32 kept[NQW / 2];
+#pragma unroll
+        for (int np = 0; np < NQW / 2; ++np)
+            kept[np] = dropping ? Dropout::of(p, blockIdx.z * p.nheads + h)
+                                      .template keep_mask_cols<2>(key0 / 16, q0 / 16 + np, lane)
+                                : ~0u;
         float s[1][NQW][4], dp[1][NQW][4];
         keys_by_queries(dp, Traits::OFF_V, Traits::do_tile(buf));
         keys_by_queries(s, Traits::OFF_K, Traits::q_tile(buf));
-        const int key0 = n * BN + kb * 16, q0 = row0 + half * (BM / Traits::SPLIT);
         u32 dtanh[1][NQW][2];  // softcap's derivative, fp16 pairs (score-mod kernels only)
         if constexpr (SCORE_MOD) mod.template apply<true>(s, key0, q0, lane, dtanh);
         if (MASK) mask.apply_transposed(s, key0, q0, lane);
         const int col = half * (BM / Traits::SPLIT) + 2 * (lane % 4);
 #pragma unroll
-        for (int nt = 0; nt < NQW; ++nt) {
-            const float2 l = *reinterpret_cast<const float2*>(s_lse + col + nt * 8);
-            const float2 dd = *reinterpret_cast<const float2*>(s_dsum + col + nt * 8);
+        for (int np = 0; np < NQW / 2; ++np) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float prob = exp2f(s[0][nt][e] * p.scale_log2 - (e % 2 ? l.y : l.x));
-                float ds = prob * (dp[0][nt][e] - (e % 2 ? dd.y : dd.x)) * p.softmax_scale;
-                if constexpr (SCORE_MOD) {
-                    const u32 pair = dtanh[0][nt][e / 2];
-                    ds *= to_float<half_t>(e % 2 ? (u16)(pair >> 16) : (u16)(pair & 0xffff));
+            for (int ch = 0; ch < 2; ++ch) {
+                const int nt = 2 * np + ch;
+                const float2 l = *reinterpret_cast<const float2*>(s_lse + col + nt * 8);
+                const float2 dd = *reinterpret_cast<const float2*>(s_dsum + col + nt * 8);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float prob = exp2f(s[0][nt][e] * p.scale_log2 - (e % 2 ? l.y : l.x));
+                    const float keep = dropping ? ((kept[np] >> (ch * 4 + e)) & 1u ? p.dropout_scale : 0.f) : 1.f;
+                    float ds = prob * (dp[0][nt][e] * keep - (e % 2 ? dd.y : dd.x)) * p.softmax_scale;
+                    if constexpr (SCORE_MOD) {
+                        const u32 pair = dtanh[0][nt][e / 2];
+                        ds *= to_float<half_t>(e % 2 ? (u16)(pair >> 16) : (u16)(pair & 0xffff));
+                    }
+                    s[0][nt][e] = prob * keep;
+                    dp[0][nt][e] = ds;
                 }
-                s[0][nt][e] = prob;
-                dp[0][nt][e] = ds;
             }
         }
         store_keys_by_queries(Traits::OFF_P, s);

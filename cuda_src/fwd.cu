@@ -15,6 +15,7 @@
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
+#include "dropout.cuh"
 
 namespace cuflash {
 
@@ -28,6 +29,9 @@ struct FwdTraits {
     static constexpr int MT = ROWS_PER_WARP / 16;     // 16-row mma tiles per warp
     static constexpr int NT = BN / 8;                 // 8-column tiles of S
     static constexpr int DT = D / 8;                  // 8-column tiles of O
+    // Dropout's keep bits beside a warp's scores: configurations with at most 16 score tiles a warp (the 128 x 128
+    // 4-warp one holds 32 and has no registers to spare; cuflash.ops.forward plans dropout calls elsewhere).
+    static constexpr bool DROPOUT = MT * NT <= 16;
     // Q's A fragments held in registers for the whole loop: halves the shared-memory traffic of S = Q K^T, at
     // D / 4 registers per 16-row tile. Pays off when a warp owns one 16-row tile (its B fragments are not reused).
     static constexpr bool Q_IN_REGS = Q_IN_REGS_;
@@ -167,12 +171,24 @@ struct FwdBlock {
                 for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(q_frag[mt][ks], q_addr(warp_row0 / 16 + mt, ks));
         }
 
+        const bool dropping = Traits::DROPOUT && p.dropout_threshold < 65536;
+        u32 kept[MT][(4 * NT + 31) / 32];  // dropout's keep bits, drawn before the scores take their registers
+        if (dropping) {
+            const Dropout dropout = Dropout::of(p, blockIdx.z * p.nheads + blockIdx.y);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                dropout.keep_rows<NT>(kept[mt], (row0 + warp_row0) / 16 + mt, n * BN / 16, lane);
+        }
         float s[MT][NT][4];
         qk(s);
         int row = row0 + warp_row0, col = n * BN;
         if (SCORE_MOD) mod.apply(s, row, col, lane);
         if (MASK) mask.apply(s, row, col, lane);
         softmax.template update<FIRST, MASK>(s, acc_o, p.scale_log2);
+        if (dropping) {  // after the row sums took every probability, before P V
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) Dropout::drop<NT>(s[mt], kept[mt]);
+        }
         u32 pa[MT][BN / 16][4];
         to_a_fragments(s, pa);
 
@@ -188,6 +204,14 @@ struct FwdBlock {
         __syncthreads();  // Q's shared memory is free for staging O
         float lse[MT][2];
         softmax.finalize(acc_o, p.scale_log2, lse);
+        if (p.dropout_threshold < 65536) {  // the kept probabilities' scale
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= p.dropout_scale;
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

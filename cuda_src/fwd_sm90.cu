@@ -27,9 +27,9 @@
 namespace cuflash {
 
 template <class T, int D, int BN, bool BAND, int STAGES, int WGS, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES = false>
+          bool PERSISTENT, bool SPLIT_TILES = false, bool DROPOUT = false>
 struct FwdSm90 {
-    using Tr = FwdSm90Traits<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES>;
+    using Tr = FwdSm90Traits<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, DROPOUT>;
     static constexpr u32 SMEM_BYTES = Tr::SMEM_BYTES;
 
     FwdSm90State<Tr> s;
@@ -225,11 +225,11 @@ struct FwdSm90 {
 };
 
 template <class T, int D, int BN, int STAGES, int WGS, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES>
+          bool PERSISTENT, bool SPLIT_TILES, bool DROPOUT>
 __global__ void __launch_bounds__(128 * (WGS + (WS ? 1 : 0)), 1)
     fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES> block(p);
+    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, DROPOUT> block(p);
     if constexpr (PERSISTENT) block.run_persistent(smem);
     else block.run(smem);
 }
@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(128 * (WGS + (WS ? 1 : 0)), 1)
 // The dynamic shared memory (bytes) a launch of fwd_sm90_kernel with the same template arguments requests: the
 // launcher reads it from the compiled module (name expression "&cuflash::fwd_sm90_smem_bytes<...>").
 template <class T, int D, int BN, int STAGES, int WGS, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES>
+          bool PERSISTENT, bool SPLIT_TILES, bool DROPOUT>
 __device__ const unsigned fwd_sm90_smem_bytes =
-    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES>::SMEM_BYTES;
+    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, DROPOUT>::SMEM_BYTES;
 
 }  // namespace cuflash

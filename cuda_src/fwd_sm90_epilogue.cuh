@@ -35,6 +35,12 @@ struct FwdSm90Epilogue {
         const FwdSm90Tile<Tr::BAND>& t = s.tile;
         float lse[1][2];
         s.softmax.finalize(s.acc_o, p.scale_log2, lse);
+        if constexpr (Tr::DROPOUT)
+            if (p.dropout_threshold < 65536)  // the kept probabilities' scale
+#pragma unroll
+                for (int dt = 0; dt < Tr::PANELS * 8; ++dt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s.acc_o[0][dt][e] *= p.dropout_scale;
         const int wg_row0 = t.row0 + s.wg * 64;
         // (OVERLAP_TILES: handed back by FwdSm90Mainloop::s_done)
         const bool arrive_q = Tr::PERSISTENT && q_loaded && !Tr::OVERLAP_TILES;

@@ -90,6 +90,19 @@ struct FwdSm90Mainloop {
             s.tile.mask.apply_row(sc[0], 1, r + 8, col_lane);
         }
         s.softmax.template update_scores<FIRST, MASK>(sc, s.p.scale_log2, alpha);
+        if constexpr (Tr::DROPOUT) drop(sc[0], n);
+    }
+
+    // Dropout (DROPOUT kernels, where the call asks for it): this warp's probabilities of block n that the mask
+    // drops set to 0, after the row sums took them (out = (P M / keep) V; the epilogue scales by 1 / keep). The keep
+    // bits of the warp's 16 rows: one Philox set per 16 x 16 tile and thread (dropout.cuh).
+    template <int NT>
+    __device__ __forceinline__ void drop(float (&p)[NT][4], int n) const {
+        if (s.p.dropout_threshold >= 65536) return;
+        u32 words[(4 * NT + 31) / 32];
+        Dropout::of(s.p, s.tile.b * s.p.nheads + s.tile.h).template keep_rows<NT>(words, s.warp_row0() / 16,
+                                                                                   n * BN / 16, s.lane);
+        Dropout::drop<NT>(p, words);
     }
 
     // probabilities() of block t of the walk (n = range.n_max - 1 - t), masked where the block needs it.

@@ -8,6 +8,7 @@
 #include "mask.cuh"
 #include "score_mod.cuh"
 #include "seqlen.cuh"
+#include "dropout.cuh"
 
 namespace cuflash {
 
@@ -23,12 +24,16 @@ struct FwdSm90Params {
     const float* alibi;    // ALiBi slopes (nheads,) or (batch, nheads), or nullptr
     const int* cu_seqlens_q;  // packed sequences (seqlen.cuh), or nullptr for a padded batch
     const int* cu_seqlens_k;
+    const i64* dropout_state;  // as in FwdParams (params.cuh): the dropout generator in device memory, or nullptr
+    i64 dropout_seed, dropout_offset;  // the dropout generator (dropout.cuh); set per call
     i64 o_batch_stride, o_row_stride, o_head_stride;  // packed: the row stride is the batch stride (seqlen.cuh)
     i64 lse_batch_stride, lse_head_stride, alibi_batch_stride;
     int seqlen_q, seqlen_k, nheads, heads_per_kv;      // packed: the maximum lengths
     int window_left, window_right;
     float scale_log2;      // log2(e) in score-mod kernels (scores leave ScoreMod in natural-log units)
     float mod_scale, softcap;  // score-mod kernels: see score_mod.cuh and plan.forward_scales
+    int dropout_threshold;     // DROPOUT kernels: 16-bit draws below it keep their element; 65536: no dropout
+    float dropout_scale;       // 65536 / dropout_threshold
     int batch;             // sequences (the persistent kernel walks query blocks x heads x batch itself)
     int o_tma;             // warp-specialized kernels: O leaves through shared memory and TMA stores (epilogue)
     // The persistent kernel's walk (FwdSm90Scheduler::tile_of; plan.sm90_walk_chunk): under a band, chunks of
@@ -39,7 +44,7 @@ struct FwdSm90Params {
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is
 // asserted).
-static_assert(sizeof(FwdSm90Params) == 704, "FwdSm90Params no longer matches cuflash/hopper.py");
+static_assert(sizeof(FwdSm90Params) == 768, "FwdSm90Params no longer matches cuflash/ops/forward_sm90.py");
 
 // ----------------------------------------------------------------------------------------- named barriers
 
@@ -138,14 +143,17 @@ struct SharedStorage : OperandTiles<Q_BYTES, KV_BYTES, STAGES>, OStagingTile<Q_B
 //  T: bf16_t / half_t; D: head dim (64, 128, 256); BN: keys per block (64, 128, 176); BAND: a causal or local mask;
 //  STAGES: K/V ring slots; WGS: consumer warpgroups of 64 query rows; WS: warp-specialized (a producer warpgroup);
 //  SCORE_MOD: softcap / ALiBi; PINGPONG: the consumer warpgroups take turns issuing GEMMs; PERSISTENT: one CTA per
-//  SM walks the tiles; SPLIT_TILES: tiles whose rows fit in 64 are worked by all three consumer warpgroups.
+//  SM walks the tiles; SPLIT_TILES: tiles whose rows fit in 64 are worked by all three consumer warpgroups;
+//  DROPOUT: dropout on the probabilities (dropout.cuh), where the call asks for it.
 template <class T_, int D_, int BN_, bool BAND_, int STAGES_, int WGS_, bool WS_, bool SCORE_MOD_, bool PINGPONG_,
-          bool PERSISTENT_, bool SPLIT_TILES_>
+          bool PERSISTENT_, bool SPLIT_TILES_, bool DROPOUT_ = false>
 struct FwdSm90Traits {
     using T = T_;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, WGS = WGS_;
     static constexpr bool BAND = BAND_, WS = WS_, SCORE_MOD = SCORE_MOD_, PINGPONG = PINGPONG_,
-                          PERSISTENT = PERSISTENT_, SPLIT = SPLIT_TILES_;
+                          PERSISTENT = PERSISTENT_, SPLIT = SPLIT_TILES_, DROPOUT = DROPOUT_;
+    // dropout indexes a warp's rows by warp_row0(), which a split tile's warpgroups 1 and 2 do not follow
+    static_assert(!(DROPOUT && SPLIT), "no dropout in the split-tile kernel");
 
     static constexpr int BM = 64 * WGS, PANELS = D / 64;  // WGS consumer warpgroups of 64 query rows each
     static constexpr int THREADS = 128 * (WGS + (WS ? 1 : 0)), CONSUMER0 = WS ? 128 : 0;  // consumers: CONSUMER0 ..

@@ -19,6 +19,9 @@ struct FwdParams {
                               // p of sequence b is row p % page_size of page block_table[b, p / page_size]
                               // (kv_rows, FwdBlock); nullptr: k, v rows as above
     const int* seqused_k;     // packed only: (batch,) keys of sequence b, instead of cu_seqlens_k's difference
+    i64 dropout_seed, dropout_offset;  // the dropout mask's generator (dropout.cuh; 64-bit words); set per call
+    const i64* dropout_state;  // nullptr, or (seed, offset) in device memory, read instead of the two above (a
+                               // generator state the host does not know: JAX's keys under jit)
     i64 q_batch_stride, q_row_stride, q_head_stride;  // strides in elements; packed: batch stride = row stride
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -32,6 +35,8 @@ struct FwdParams {
     int nheads, heads_per_kv;  // query heads; query heads per KV head (GQA group size)
     int headdim;               // real head dim (<= the compiled one; the rest is zero padding)
     int window_left, window_right;  // -1: unbounded; causal is (-1, 0)
+    int dropout_threshold;          // 16-bit draws below it keep their element; 65536: no dropout
+    float dropout_scale;            // 65536 / dropout_threshold: the kept probabilities' scale
     float scale_log2;  // multiplies raw scores inside exp2: softmax_scale*log2(e), or log2(e) if scores are pre-modded
     float mod_scale;   // score-mod kernels: s = q.k * mod_scale (softmax_scale, or softmax_scale / softcap)
     float softcap;     // score-mod kernels: s = softcap * tanh(s) when > 0
@@ -57,6 +62,8 @@ struct BwdParams {
     const int* cu_seqlens_k;
     const float* dq_scale;  // deterministic mode 2 (fixed point, fixed_dq.cuh): dQ scale per row, like lse_log2
     const unsigned* kv_bound; // mode 2: (nheads_k, 2) max |K| and max row norm of V, as float bits (not read here)
+    i64 dropout_seed, dropout_offset;  // the forward's dropout (FwdParams); set per call
+    const i64* dropout_state;          // as in FwdParams
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -72,6 +79,8 @@ struct BwdParams {
     int window_left, window_right;
     int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only; 2: every CTA adds
                            // int32 fixed point into slice 0 (the Hopper kernel only; fixed_dq.cuh)
+    int dropout_threshold;  // as in FwdParams (the portable kernel only)
+    float dropout_scale;
     float scale_log2, mod_scale, softcap, softmax_scale;
 };
 

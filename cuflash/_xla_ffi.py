@@ -24,7 +24,7 @@ ATTR_SCALAR, ATTR_STRING = 3, 4  # XLA_FFI_AttrType
 ERROR_INVALID_ARGUMENT, ERROR_INTERNAL = 3, 13  # XLA_FFI_Error_Code
 
 # XLA_FFI_DataType -> NumPy dtype name (bfloat16 is ml_dtypes')
-DATA_TYPES = {6: "uint8", 4: "int32", 10: "float16", 11: "float32", 16: "bfloat16"}
+DATA_TYPES = {6: "uint8", 4: "int32", 8: "uint32", 10: "float16", 11: "float32", 16: "bfloat16"}
 
 
 class ExtensionBase(ctypes.Structure):

@@ -16,7 +16,7 @@ __all__ = ["attention", "attention_backward", "attention_varlen", "attention_var
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, return_lse=False, stream=None):
+              alibi_slopes=None, return_lse=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0, stream=None):
     """Exact scaled-dot-product attention (FlashAttention-2 algorithm).
 
     Parameters
@@ -44,6 +44,14 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         Adds ``-slope * |i + sk - sq - j|`` to each (scaled, capped) score.
     return_lse : bool
         Also return the float32 log-sum-exp ``(batch, nheads, seqlen_q)`` (natural log).
+    dropout_p : float
+        Dropout on the attention probabilities (0 <= p < 1): element (b, h, i, j) is dropped by the mask of
+        ``dropout_seed`` and ``dropout_offset`` (:func:`cuflash.reference.dropout_keep`, regenerated in the kernels,
+        never stored), and kept ones are scaled by ``1 / (1 - p)`` (p rounded to 16 bits). The same seed and offset
+        give the same mask, bitwise; the backward takes the forward's three. The lse is that of the undropped scores.
+        Runs the portable kernels (also on sm_90a).
+    dropout_seed, dropout_offset : int
+        The mask's generator: ints in [0, 2**64).
     stream : cupy.cuda.Stream, optional
         Defaults to CuPy's current stream.
 
@@ -62,16 +70,18 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     if getattr(q, "ndim", 0) and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies
         d = q.shape[-1]
         checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                               softcap=softcap, alibi_slopes=alibi_slopes, headdim_multiple=1)
+                               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, headdim_multiple=1)
         q, k, v = _padded(d, stream, q=q, k=k, v=v)
         result = forward.attention(q, k, v, _scale(softmax_scale, d), causal, window_size, softcap, alibi_slopes,
-                                   return_lse, stream)
+                                   return_lse, stream, dropout_p, dropout_seed, dropout_offset)
         return (result[0][..., :d], result[1]) if return_lse else result[..., :d]
-    return forward.attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream)
+    return forward.attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream,
+                             dropout_p, dropout_seed, dropout_offset)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, deterministic=False, stream=None):
+                       softcap=0.0, alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=0,
+                       dropout_offset=0, stream=None):
     """Gradients of :func:`attention` (FlashAttention-2 backward, KV-block parallel).
 
     Parameters
@@ -89,6 +99,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
     deterministic : bool
         If True, dQ is accumulated in a fixed order (per-CTA slices summed in order), so repeated calls
         give bitwise-identical results; otherwise fp32 atomics (faster, last-bit nondeterministic).
+    dropout_p, dropout_seed, dropout_offset
+        The forward's: the backward regenerates its mask (head dims up to 128).
     stream : cupy.cuda.Stream, optional
         Defaults to CuPy's current stream.
 
@@ -102,14 +114,17 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
         d = q.shape[-1]
         checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                              headdim_multiple=1)
+                              dropout_p=dropout_p, headdim_multiple=1)
         grads = attention_backward(*_padded(d, stream, dout=dout, q=q, k=k, v=v, out=out), lse,
                                    softmax_scale=_scale(softmax_scale, d), causal=causal, window_size=window_size,
                                    softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                   dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
                                    stream=stream)
         return tuple(g[..., :d] for g in grads)
     problem = checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                    dropout_p=dropout_p)
+    dropout_seed, dropout_offset = checks.dropout_generator(dropout_seed, dropout_offset)
     runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
     if not lse.flags.c_contiguous:
         raise ValueError(f"lse: must be contiguous (batch, nheads, seqlen_q); got strides "
@@ -120,13 +135,15 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                        deterministic=deterministic)
+                        deterministic=deterministic, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                        dropout_offset=dropout_offset)
     return dq, dk, dv
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
-                     block_table=None, seqused_k=None, stream=None):
+                     block_table=None, seqused_k=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
+                     stream=None):
     """Attention over a batch of variable-length sequences packed along one token axis (flash-attn's layout).
 
     Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
@@ -162,6 +179,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     seqused_k : cupy.ndarray, int32, (batch,), optional
         Keys of sequence b, instead of cu_seqlens_k's difference (at most that difference when not paged). Forward
         only; on sm_90a it runs on the portable kernel.
+    dropout_p, dropout_seed, dropout_offset
+        As in :func:`attention`; element (b, h, i, j) is query i, key j of sequence b.
     stream : cupy.cuda.Stream, optional
 
     Returns
@@ -184,17 +203,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                             alibi_slopes=alibi_slopes, block_table=block_table, seqused_k=seqused_k,
-                            headdim_multiple=1)
+                            dropout_p=dropout_p, headdim_multiple=1)
         result = attention_varlen(*_padded(d, stream, q=q, k=k, v=v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale=_scale(softmax_scale, d), causal=causal,
                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                   return_lse=return_lse, block_table=block_table, seqused_k=seqused_k,
+                                  dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
                                   stream=stream)
         return (result[0][..., :d], result[1]) if return_lse else result[..., :d]
     problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                   softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
-                                  seqused_k=seqused_k)
+                                  seqused_k=seqused_k, dropout_p=dropout_p)
+    dropout_seed, dropout_offset = checks.dropout_generator(dropout_seed, dropout_offset)
     runtime.require_device_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                   alibi_slopes=alibi_slopes)
     runtime.require_device_index_arrays(block_table=block_table, seqused_k=seqused_k)
@@ -206,13 +227,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         forward.launch(problem, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
-                       seqused_k=seqused_k)
+                       seqused_k=seqused_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                       dropout_offset=dropout_offset)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, deterministic=False, stream=None):
+                              alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=0,
+                              dropout_offset=0, stream=None):
     """Gradients of :func:`attention_varlen`: the kernels of :func:`attention_backward`, per sequence.
 
     Parameters
@@ -228,6 +251,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         Exactly as given to the forward.
     deterministic : bool
         Bitwise-repeatable dQ, as in :func:`attention_backward`.
+    dropout_p, dropout_seed, dropout_offset
+        The forward's.
     stream : cupy.cuda.Stream, optional
 
     Returns
@@ -241,16 +266,19 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                     headdim_multiple=1)
+                                     dropout_p=dropout_p, headdim_multiple=1)
         grads = attention_varlen_backward(*_padded(d, stream, dout=dout, q=q, k=k, v=v, out=out), lse, cu_seqlens_q,
                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           softmax_scale=_scale(softmax_scale, d), causal=causal,
                                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                          deterministic=deterministic, stream=stream)
+                                          deterministic=deterministic, dropout_p=dropout_p,
+                                          dropout_seed=dropout_seed, dropout_offset=dropout_offset, stream=stream)
         return tuple(g[..., :d] for g in grads)
     problem = checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                            max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-                                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                           dropout_p=dropout_p)
+    dropout_seed, dropout_offset = checks.dropout_generator(dropout_seed, dropout_offset)
     runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                                   cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
     if not lse.flags.c_contiguous:
@@ -262,7 +290,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
         backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)
     return dq, dk, dv
 
 

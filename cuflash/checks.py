@@ -161,7 +161,8 @@ def window(causal, window_size) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 def check_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
+                    softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                    headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention``.
 
     q ``(batch, seqlen_q, nheads, d)``, k/v ``(batch, seqlen_k, nheads_k, d)``, fp16 or bf16;
@@ -173,13 +174,14 @@ def check_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     _same_axis(k, 0, q, 0, "batch")
     batch, seqlen_q, nheads, headdim = q.shape
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
+    check_dropout_p(dropout_p)
     _same_device(q, k, v, alibi_slopes)
     _check_headdim_multiple(q, headdim_multiple)
     return Problem(batch, seqlen_q, k.shape[1], nheads, k.shape[2], headdim, q.dtype)
 
 
 def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
-                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                    headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention_backward``.
 
@@ -189,7 +191,8 @@ def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     dout, out, lse = _spec(dout, "dout"), _spec(out, "out"), _spec(lse, "lse")
     problem = check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                               window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes, headdim_multiple=headdim_multiple)
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                              headdim_multiple=headdim_multiple)
     q = _spec(q, "q")
     _check_like_q(q, Q_AXES, dout, out)
     _check_lse(lse, ("batch", "nheads", "seqlen_q"),
@@ -200,7 +203,7 @@ def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None, block_table=None, seqused_k=None,
+                 alibi_slopes=None, block_table=None, seqused_k=None, dropout_p=0.0,
                  headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention_varlen``.
 
@@ -240,6 +243,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     batch = cu_q.shape[0] - 1
     _, nheads, headdim = q.shape
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
+    check_dropout_p(dropout_p)
     _same_device(q, k, v, cu_q, cu_k, alibi_slopes, block_table, seqused_k)
     _check_headdim_multiple(q, headdim_multiple)
     return Problem(batch, int(max_seqlen_q), int(max_seqlen_k), nheads, k.shape[-2], headdim,
@@ -248,7 +252,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 def check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, *, softmax_scale=None, causal=False,
-                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                           headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention_varlen_backward``.
 
@@ -258,7 +262,8 @@ def check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     dout, out, lse = _spec(dout, "dout"), _spec(out, "out"), _spec(lse, "lse")
     problem = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           softcap=softcap, alibi_slopes=alibi_slopes, headdim_multiple=headdim_multiple)
+                           softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                           headdim_multiple=headdim_multiple)
     q = _spec(q, "q")
     _check_like_q(q, VARLEN_Q_AXES, dout, out)
     _check_lse(lse, ("nheads", "total_q"), (problem.nheads, q.shape[0]))
@@ -503,6 +508,21 @@ def _check_alibi(alibi: TensorSpec, batch: int, nheads: int) -> None:
                          f"got {alibi.shape}")
     _check_tensor(alibi, ("nheads",) if len(alibi.shape) == 1 else ("batch", "nheads"))
     _check_dtype(alibi, ("float32",))
+
+
+def check_dropout_p(dropout_p) -> None:
+    """dropout_p: a real number with 0 <= p < 1 (TypeError or ValueError naming it)."""
+    _check_real(dropout_p, "dropout_p", "a float with 0 <= p < 1", lambda p: 0 <= p < 1)
+
+
+def dropout_generator(seed, offset) -> tuple[int, int]:
+    """(seed, offset) of the dropout mask's generator, checked: ints in [0, 2**64)."""
+    for name, value in (("dropout_seed", seed), ("dropout_offset", offset)):
+        if not is_int(value):
+            raise TypeError(f"{name}: expected an int, got {_given(value)}")
+        if not 0 <= value < 2 ** 64:
+            raise ValueError(f"{name}: expected 0 <= {name} < 2**64, got {value!r}")
+    return int(seed), int(offset)
 
 
 def _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads):

@@ -17,11 +17,14 @@ Where cuflash and flash-attn differ:
 * a query row that sees no key gets ``softmax_lse = -inf`` (the log of an empty sum); flash-attn gives
   ``+inf``. ``out`` is 0 in both;
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)`` where ``S_dmask`` is an empty tensor
-  ``(0,)`` of q's dtype: flash-attn 2.x returns the probabilities only when ``dropout_p > 0`` and an empty
-  tensor otherwise, and cuflash has no dropout yet. ``softmax_lse`` is not differentiable;
+  ``(0,)`` of q's dtype: flash-attn 2.x returns the probabilities (for its tests) when ``dropout_p > 0``,
+  cuflash never materializes them. ``softmax_lse`` is not differentiable;
 * arguments that cuflash cannot honour yet raise ``NotImplementedError`` naming the argument, never ignored:
-  ``dropout_p > 0``, and a gradient through :func:`flash_attn_varlen_func` with ``block_table`` or ``seqused_k``
-  (paged keys serve inference, as in flash-attn);
+  ``dropout_p > 0`` under torch.compile or CUDA-graph capture and in the backward at head dims above 128, and a
+  gradient through :func:`flash_attn_varlen_func` with ``block_table`` or ``seqused_k`` (paged keys serve
+  inference, as in flash-attn);
+* the dropout mask is cuflash's own Philox stream (a different mask from flash-attn's for the same seed), drawn
+  from torch's CUDA generator, so ``torch.manual_seed`` makes it repeatable;
 * values in device memory (``cache_seqlens``, ``block_table``, ``cache_batch_idx``, ``cache_leftpad``,
   ``seqused_k``) are bounded in the kernels instead of checked with a host synchronization: a call never reads or
   writes outside the row's own cache rows or pages (docs/api.md, "Bounds"), where flash-attn raises.
@@ -48,7 +51,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     k, v : torch.Tensor, (batch, seqlen_k, nheads_k, headdim); ``nheads % nheads_k == 0`` (query head h reads
         KV head ``h // (nheads // nheads_k)``)
     dropout_p : float
-        Must be 0.0 (``NotImplementedError`` otherwise).
+        Dropout on the attention probabilities, ``0 <= p < 1``, its mask drawn from torch's CUDA generator
+        (:func:`cuflash.torch.attention`); pass 0.0 in evaluation, as with flash-attn. Head dims up to 128 in the
+        backward; eager calls only.
     softmax_scale : float, optional
         Multiplies ``q . k``; default ``1 / sqrt(headdim)``.
     causal : bool
@@ -75,10 +80,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     softmax_lse : torch.Tensor, float32, (batch, nheads, seqlen_q) -- only if ``return_attn_probs``
     S_dmask : torch.Tensor, (0,), dtype of q -- only if ``return_attn_probs``
     """
-    _no_dropout(dropout_p)
     result = attention(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), softmax_scale=softmax_scale,
                        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                       return_lse=return_attn_probs, deterministic=deterministic)
+                       return_lse=return_attn_probs, deterministic=deterministic, dropout_p=dropout_p)
     return _with_probs(result, return_attn_probs)
 
 
@@ -86,11 +90,10 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_func` of ``qkv`` (batch, seqlen, 3, nheads, headdim): q, k, v are views of it, and the
     gradient is one tensor shaped like it. Returns as :func:`flash_attn_func`."""
-    _no_dropout(dropout_p)
     q, k, v = _unpack(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, headdim)")
     result = attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                        softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_attn_probs,
-                       deterministic=deterministic)
+                       deterministic=deterministic, dropout_p=dropout_p)
     return _with_probs(result, return_attn_probs)
 
 
@@ -98,11 +101,10 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_func` of q and ``kv`` (batch, seqlen_k, 2, nheads_k, headdim): k, v are views of it, and
     its gradient is one tensor shaped like it. Returns as :func:`flash_attn_func`."""
-    _no_dropout(dropout_p)
     k, v = _unpack(kv, "kv", 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     result = attention(_last_contiguous(q), k, v, softmax_scale=softmax_scale, causal=causal,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                       return_lse=return_attn_probs, deterministic=deterministic)
+                       return_lse=return_attn_probs, deterministic=deterministic, dropout_p=dropout_p)
     return _with_probs(result, return_attn_probs)
 
 
@@ -139,12 +141,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     softmax_lse : torch.Tensor, float32, (nheads, total_q) -- only if ``return_attn_probs``
     S_dmask : torch.Tensor, (0,), dtype of q -- only if ``return_attn_probs``
     """
-    _no_dropout(dropout_p)
     result = attention_varlen(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), cu_seqlens_q,
                               cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                               return_lse=return_attn_probs, deterministic=deterministic, block_table=block_table,
-                              seqused_k=seqused_k)
+                              seqused_k=seqused_k, dropout_p=dropout_p)
     return _with_probs(result, return_attn_probs)
 
 
@@ -153,11 +154,10 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      return_attn_probs=False):
     """:func:`flash_attn_varlen_func` of ``qkv`` (total, 3, nheads, headdim) with one ``cu_seqlens`` and
     ``max_seqlen`` for q and k: q, k, v are views of qkv, and the gradient is one tensor shaped like it."""
-    _no_dropout(dropout_p)
     q, k, v = _unpack(qkv, "qkv", 3, "(total, 3, nheads, headdim)")
     result = attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=softmax_scale,
                               causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                              return_lse=return_attn_probs, deterministic=deterministic)
+                              return_lse=return_attn_probs, deterministic=deterministic, dropout_p=dropout_p)
     return _with_probs(result, return_attn_probs)
 
 
@@ -166,11 +166,11 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """:func:`flash_attn_varlen_func` of q and ``kv`` (total_k, 2, nheads_k, headdim): k, v are views of kv, and
     its gradient is one tensor shaped like it."""
-    _no_dropout(dropout_p)
     k, v = _unpack(kv, "kv", 2, "(total_k, 2, nheads_k, headdim)")
     result = attention_varlen(_last_contiguous(q), k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                              alibi_slopes=alibi_slopes, return_lse=return_attn_probs, deterministic=deterministic)
+                              alibi_slopes=alibi_slopes, return_lse=return_attn_probs, deterministic=deterministic,
+                              dropout_p=dropout_p)
     return _with_probs(result, return_attn_probs)
 
 
@@ -227,12 +227,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 # Shared pieces
 # --------------------------------------------------------------------------------------------
 
-def _no_dropout(dropout_p) -> None:
-    if dropout_p != 0:
-        raise NotImplementedError(f"dropout_p={dropout_p!r}: cuflash has no dropout yet; pass dropout_p=0.0 "
-                                  "(as in evaluation)")
-
-
 def _last_contiguous(x):
     """x with a contiguous last dimension, as flash-attn accepts any strides: a copy only if it has none."""
     return x if x is None or x.stride(-1) == 1 else x.contiguous()
@@ -249,7 +243,7 @@ def _unpack(packed, name: str, count: int, layout: str) -> tuple:
 
 
 def _with_probs(result, return_attn_probs: bool):
-    """flash-attn's return: out, or (out, softmax_lse, S_dmask) with S_dmask empty (there is no dropout)."""
+    """flash-attn's return: out, or (out, softmax_lse, S_dmask) with S_dmask empty (never materialized)."""
     if not return_attn_probs:
         return result
     out, lse = result

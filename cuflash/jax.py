@@ -44,11 +44,12 @@ VARLEN_FWD_TARGET = "cuflash_attention_varlen_fwd"
 VARLEN_BWD_TARGET = "cuflash_attention_varlen_bwd"
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-           "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8), "int32": np.dtype(np.int32)}
+           "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8), "int32": np.dtype(np.int32),
+           "uint32": np.dtype(np.uint32)}
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, deterministic=False):
+              alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_key=None):
     """:func:`cuflash.attention` on jax arrays, differentiable with respect to q, k and v.
 
     Parameters
@@ -66,6 +67,12 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 
     deterministic : bool
         Backward with a fixed dQ summation order (bitwise-repeatable gradients).
+    dropout_p : float
+        Dropout on the attention probabilities (a Python float, static under ``jax.jit``), as in
+        :func:`cuflash.attention`; the backward regenerates the forward's mask. Head dims up to 128 in the backward.
+    dropout_key : jax PRNG key, required when ``dropout_p > 0``
+        The mask's seed and offset are 128 random bits drawn from it inside the computation (traced keys are
+        fine): the same key gives the same mask, bitwise.
 
     Returns
     -------
@@ -76,28 +83,43 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     >>> loss = lambda q, k, v: cuflash.jax.attention(q, k, v, causal=True).astype(jnp.float32).sum()
     >>> dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     """
-    options = _Options.make(q, k, v, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic)
+    options = _Options.make(q, k, v, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic,
+                            dropout_p)
+    state = _dropout_state(dropout_p, dropout_key)
     if q.shape[-1] % 8:  # a head dim the kernels do not take: zero-padded copies (_padded)
         d = q.shape[-1]
-        return _attention(*_padded(q, k, v), alibi_slopes, options.at_headdim(d))[..., :d]
-    return _attention(q, k, v, alibi_slopes, options)
+        return _attention(*_padded(q, k, v), alibi_slopes, state, options.at_headdim(d))[..., :d]
+    return _attention(q, k, v, alibi_slopes, state, options)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
-                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
+                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                     dropout_p=0.0, dropout_key=None):
     """:func:`cuflash.attention_varlen` on jax arrays (packed sequences), differentiable in q, k and v.
 
     q ``(total_q, nheads, headdim)``, k/v ``(total_k, nheads_k, headdim)``, cu_seqlens_q/k int32
     ``(batch + 1,)`` (traced values are fine), max_seqlen_q/k Python ints (static under ``jax.jit``: they size
-    the grid). Options as in :func:`attention`; masks are bottom-right aligned per sequence.
+    the grid). Options as in :func:`attention`; masks are bottom-right aligned per sequence, and dropout's element
+    (b, h, i, j) is query i, key j of sequence b.
     """
     options = _Options.make_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                                   softmax_scale, causal, window_size, softcap, deterministic)
+                                   softmax_scale, causal, window_size, softcap, deterministic, dropout_p)
+    state = _dropout_state(dropout_p, dropout_key)
     if q.shape[-1] % 8:  # a head dim the kernels do not take: zero-padded copies (_padded)
         d = q.shape[-1]
-        return _attention_varlen(*_padded(q, k, v), cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+        return _attention_varlen(*_padded(q, k, v), cu_seqlens_q, cu_seqlens_k, alibi_slopes, state,
                                  options.at_headdim(d))[..., :d]
-    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, state, options)
+
+
+def _dropout_state(dropout_p, key):
+    """The dropout generator's (seed, offset) as four uint32 words drawn from ``key`` (the kernels read them as two
+    64-bit words, little-endian), or None without dropout."""
+    if not dropout_p:
+        return None
+    if key is None:
+        raise ValueError("dropout_key: a PRNG key is required when dropout_p > 0 (e.g. jax.random.key(0))")
+    return jax.random.bits(key, (4,), jnp.uint32)
 
 
 def _padded(*arrays) -> list:
@@ -115,36 +137,37 @@ def _padded(*arrays) -> list:
 # --------------------------------------------------------------------------------------------
 
 class _Options(tuple):
-    """(softmax_scale or None, causal, left, right, softcap, deterministic): hashable, static under jit."""
+    """(softmax_scale or None, causal, left, right, softcap, deterministic, dropout_p), then for varlen calls
+    (max_seqlen_q, max_seqlen_k): hashable, static under jit."""
 
     @classmethod
-    def make(cls, q, k, v, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic):
+    def make(cls, q, k, v, alibi_slopes, softmax_scale, causal, window_size, softcap, deterministic, dropout_p=0.0):
         problem = checks.check_attention(*(_spec(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))),
                                          softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                          softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"),
-                                         headdim_multiple=1)  # padded after, in attention
+                                         headdim_multiple=1, dropout_p=dropout_p)  # padded after, in attention
         if not isinstance(deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
         del problem  # only checked here; the handler rebuilds it from the buffer shapes
         left, right = checks.window(causal, window_size)
         scale = None if softmax_scale is None else float(softmax_scale)
-        return cls((scale, bool(causal), left, right, float(softcap), bool(deterministic)))
+        return cls((scale, bool(causal), left, right, float(softcap), bool(deterministic), float(dropout_p)))
 
     @classmethod
     def make_varlen(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                    softmax_scale, causal, window_size, softcap, deterministic):
+                    softmax_scale, causal, window_size, softcap, deterministic, dropout_p=0.0):
         """The options plus (max_seqlen_q, max_seqlen_k), checked like cuflash.attention_varlen's."""
         specs = [_spec(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                                           (cu_seqlens_k, "cu_seqlens_k"))]
         checks.check_varlen(*specs, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                             window_size=window_size, softcap=softcap, alibi_slopes=_spec(alibi_slopes, "alibi_slopes"),
-                            headdim_multiple=1)  # padded after, in attention_varlen
+                            headdim_multiple=1, dropout_p=dropout_p)  # padded after, in attention_varlen
         if not isinstance(deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
         left, right = checks.window(causal, window_size)
         scale = None if softmax_scale is None else float(softmax_scale)
-        return cls((scale, bool(causal), left, right, float(softcap), bool(deterministic), int(max_seqlen_q),
-                    int(max_seqlen_k)))
+        return cls((scale, bool(causal), left, right, float(softcap), bool(deterministic), float(dropout_p),
+                    int(max_seqlen_q), int(max_seqlen_k)))
 
     def at_headdim(self, headdim: int) -> "_Options":
         """The options of a call padded from ``headdim``: the default scale is ``1 / sqrt(headdim)``."""
@@ -157,10 +180,12 @@ class _Options(tuple):
     @staticmethod
     @functools.lru_cache(maxsize=256)
     def decode(text: bytes) -> tuple:
-        """The launch keywords (a tuple of pairs; make a dict per call) and the deterministic flag."""
-        scale, causal, left, right, softcap, det, *max_seqlens = ast.literal_eval(text.decode())
+        """The launch keywords (a tuple of pairs; make a dict per call; dropout_p among them where it is > 0), the
+        deterministic flag and the varlen call's (max_seqlen_q, max_seqlen_k)."""
+        scale, causal, left, right, softcap, det, dropout_p, *max_seqlens = ast.literal_eval(text.decode())
+        dropout = (("dropout_p", dropout_p),) if dropout_p else ()
         return (("softmax_scale", scale), ("causal", causal), ("window_size", (left, right)),
-                ("softcap", softcap)), det, tuple(max_seqlens)
+                ("softcap", softcap)) + dropout, det, tuple(max_seqlens)
 
 
 def _spec(x, name):
@@ -178,86 +203,102 @@ def _spec(x, name):
 # custom_vjp: forward and backward are one ffi_call each
 # --------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, alibi_slopes, options):
-    return _forward_call(q, k, v, alibi_slopes, options)[0]
+# Inputs of every call: its fixed ones, then the dropout state (uint32[4]) where dropout_p > 0, then alibi_slopes
+# where given (_optional_inputs).
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, alibi_slopes, state, options):
+    return _forward_call(q, k, v, alibi_slopes, options, state)[0]
 
 
-def _attention_fwd(q, k, v, alibi_slopes, options):
-    out, lse = _forward_call(q, k, v, alibi_slopes, options)
-    return out, (q, k, v, alibi_slopes, out, lse)
+def _attention_fwd(q, k, v, alibi_slopes, state, options):
+    out, lse = _forward_call(q, k, v, alibi_slopes, options, state)
+    return out, (q, k, v, alibi_slopes, state, out, lse)
 
 
 def _attention_bwd(options, residuals, dout):
-    q, k, v, alibi_slopes, out, lse = residuals
-    dq, dk, dv = _backward_call(dout, q, k, v, out, lse, alibi_slopes, options)
-    return dq, dk, dv, None if alibi_slopes is None else jnp.zeros_like(alibi_slopes)
+    q, k, v, alibi_slopes, state, out, lse = residuals
+    dq, dk, dv = _backward_call(dout, q, k, v, out, lse, alibi_slopes, options, state)
+    return (dq, dk, dv, None if alibi_slopes is None else jnp.zeros_like(alibi_slopes),
+            None if state is None else np.zeros(state.shape, dtype=jax.dtypes.float0))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _forward_call(q, k, v, alibi_slopes, options):
+def _optional(state, alibi_slopes) -> tuple:
+    return tuple(x for x in (state, alibi_slopes) if x is not None)
+
+
+def _optional_inputs(buffers: list, fixed: int, options: dict) -> tuple:
+    """(dropout state, alibi slopes) among a call's input buffers after its `fixed` ones, each None if absent."""
+    rest = buffers[fixed:]
+    state = rest.pop(0) if options.get("dropout_p") else None
+    return state, (rest[0] if rest else None)
+
+
+def _forward_call(q, k, v, alibi_slopes, options, state=None):
     _register()
     b, sq, h, _ = q.shape
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
-    args = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
+    args = (q, k, v) + _optional(state, alibi_slopes)
     return jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="sequential")(*args, config=options.encode())
 
 
-def _backward_call(dout, q, k, v, out, lse, alibi_slopes, options):
+def _backward_call(dout, q, k, v, out, lse, alibi_slopes, options, state=None):
     _register()
     problem = checks.Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
                              np.dtype(q.dtype))
     workspace = backward_workspace_bytes(problem, options[2], options[3], options[4] > 0 or alibi_slopes is not None,
-                                         options[5])
+                                         options[5], dropout=options[6] > 0)
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-    args = (dout.astype(q.dtype), q, k, v, out, lse) + (() if alibi_slopes is None else (alibi_slopes,))
+    args = (dout.astype(q.dtype), q, k, v, out, lse) + _optional(state, alibi_slopes)
     dq, dk, dv, _ = jax.ffi.ffi_call(BWD_TARGET, results, vmap_method="sequential")(*args, config=options.encode())
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options):
-    return _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, state, options):
+    return _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options, state)[0]
 
 
-def _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options):
-    out, lse = _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options)
-    return out, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, out, lse)
+def _attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, state, options):
+    out, lse = _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options, state)
+    return out, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, state, out, lse)
 
 
 def _attention_varlen_bwd(options, residuals, dout):
-    q, k, v, cu_q, cu_k, alibi_slopes, out, lse = residuals
+    q, k, v, cu_q, cu_k, alibi_slopes, state, out, lse = residuals
     _register()
     total_q, h, d = q.shape
-    problem = checks.Problem(cu_q.shape[0] - 1, options[6], options[7], h, k.shape[1], d, np.dtype(q.dtype))
+    problem = checks.Problem(cu_q.shape[0] - 1, options[7], options[8], h, k.shape[1], d, np.dtype(q.dtype))
     workspace = backward_workspace_bytes(problem, options[2], options[3], options[4] > 0 or alibi_slopes is not None,
-                                         options[5], rows=total_q)
+                                         options[5], rows=total_q, dropout=options[6] > 0)
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-    args = (dout.astype(q.dtype), q, k, v, out, lse, cu_q, cu_k) + (() if alibi_slopes is None else (alibi_slopes,))
+    args = (dout.astype(q.dtype), q, k, v, out, lse, cu_q, cu_k) + _optional(state, alibi_slopes)
     dq, dk, dv, _ = jax.ffi.ffi_call(VARLEN_BWD_TARGET, results, vmap_method="sequential")(
         *args, config=options.encode())
     zero_int = lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0)  # noqa: E731  (integer inputs)
     return (dq, dk, dv, zero_int(cu_q), zero_int(cu_k),
-            None if alibi_slopes is None else jnp.zeros_like(alibi_slopes))
+            None if alibi_slopes is None else jnp.zeros_like(alibi_slopes),
+            None if state is None else zero_int(state))
 
 
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 
 
-def _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options):
+def _varlen_forward_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, options, state=None):
     _register()
     total_q, h, _ = q.shape
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((h, total_q), jnp.float32))
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k) + (() if alibi_slopes is None else (alibi_slopes,))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k) + _optional(state, alibi_slopes)
     return jax.ffi.ffi_call(VARLEN_FWD_TARGET, results, vmap_method="sequential")(*args, config=options.encode())
 
 
 def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, deterministic: bool,
-                             rows: int | None = None) -> int:
+                             rows: int | None = None, dropout: bool = False) -> int:
     """Bytes of the workspace :func:`cuflash.ops.backward.launch` needs, the backward call's fourth result (an XLA
     buffer; :func:`cuflash.ops.backward.workspace`: ``dsum``, ``lse_log2``, the fp32 dQ accumulator).
 
@@ -274,7 +315,7 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     for arch in _archs():
         try:
             slices.append(backward.plan_backward(problem, left, right, score_mod, deterministic, arch,
-                                                 _max_sm_count()).slices)
+                                                 _max_sm_count(), dropout=dropout).slices)
         except NotImplementedError as err:
             refused = err
     if not slices:
@@ -375,13 +416,19 @@ def _build_forward(device, frame, varlen: bool = False):
         problem = _problem(ins[0], ins[1])
     q, k, v = (_buffer_spec(b, n) for b, n in zip(ins, ("q", "k", "v")))
     out, lse = _buffer_spec(outs[0], "out"), _buffer_spec(outs[1], "lse")
-    first_alibi = 5 if varlen else 3
-    alibi = _buffer_spec(ins[first_alibi], "alibi_slopes") if len(ins) > first_alibi else None
+    fixed = 5 if varlen else 3
+    state, alibi = _optional_inputs(ins, fixed, options)
+    alibi = _buffer_spec(alibi, "alibi_slopes") if alibi is not None else None
     call = forward.forward_call(problem, q, k, v, out, lse, resolve(problem, alibi_slopes=alibi, **options),
                                 device_id=device, alibi_slopes=alibi)
-    if varlen:
-        return lambda stream, i, o: call(stream, i[0], i[1], i[2], o[0], o[1], i[5] if len(i) > 5 else 0, i[3], i[4])
-    return lambda stream, i, o: call(stream, i[0], i[1], i[2], o[0], o[1], i[3] if len(i) > 3 else 0)
+    n_state, n_alibi = (fixed, fixed + 1) if state is not None else (None, fixed)
+    has_alibi = alibi is not None
+
+    def launch(stream, i, o):
+        cu = (i[3], i[4]) if varlen else (0, 0)
+        call(stream, i[0], i[1], i[2], o[0], o[1], i[n_alibi] if has_alibi else 0, *cu, 0, 0, 0, 0,
+             i[n_state] if n_state is not None else 0)
+    return launch
 
 
 def _build_backward(device, frame, varlen: bool = False):
@@ -393,17 +440,23 @@ def _build_backward(device, frame, varlen: bool = False):
         problem = _problem(ins[1], ins[2])
     dout, q, k, v, out, lse = (_buffer_spec(b, n) for b, n in zip(ins, ("dout", "q", "k", "v", "out", "lse")))
     dq, dk, dv = (_buffer_spec(b, n) for b, n in zip(outs, ("dq", "dk", "dv")))
-    first_alibi = 8 if varlen else 6
-    alibi = _buffer_spec(ins[first_alibi], "alibi_slopes") if len(ins) > first_alibi else None
+    fixed = 8 if varlen else 6
+    state, alibi = _optional_inputs(ins, fixed, options)
+    alibi = _buffer_spec(alibi, "alibi_slopes") if alibi is not None else None
     call = backward.backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv,
                                   resolve(problem, alibi_slopes=alibi, **options), device_id=device,
                                   alibi_slopes=alibi, deterministic=deterministic, packed=varlen)
     workspace = ffi.nbytes(outs[3][1], _DTYPES[outs[3][2]])
     if workspace < call.workspace_bytes:
         raise ValueError(f"workspace: {workspace} bytes, the backward needs {call.workspace_bytes}")
-    if varlen:
-        return lambda stream, i, o: call(stream, *i[:6], *o[:3], i[8] if len(i) > 8 else 0, i[6], i[7], o[3])
-    return lambda stream, i, o: call(stream, *i[:6], *o[:3], i[6] if len(i) > 6 else 0, 0, 0, o[3])
+    n_state, n_alibi = (fixed, fixed + 1) if state is not None else (None, fixed)
+    has_alibi = alibi is not None
+
+    def launch(stream, i, o):
+        cu = (i[6], i[7]) if varlen else (0, 0)
+        call(stream, *i[:6], *o[:3], i[n_alibi] if has_alibi else 0, *cu, o[3], 0, 0,
+             i[n_state] if n_state is not None else 0)
+    return launch
 
 
 def _run_forward(frame):

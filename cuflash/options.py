@@ -1,7 +1,7 @@
 """The options of one attention call, resolved once: what every kernel path and wrapper reads.
 
 :func:`resolve` turns the public keywords (``softmax_scale``, ``causal``, ``window_size``, ``softcap``,
-``alibi_slopes``) into :class:`AttentionOptions`: the scale with its default, the window normalized against the
+``alibi_slopes``, ``dropout_p``) into :class:`AttentionOptions`: the scale with its default, the window normalized against the
 problem's lengths, and the three scalars the kernels turn ``q . k`` into ``exp2`` arguments with
 (``cuda_src/params.cuh``).
 """
@@ -24,6 +24,12 @@ def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tup
     return left, right
 
 
+def dropout_threshold(dropout_p: float) -> int:
+    """16-bit draws below the threshold keep their element (cuda_src/dropout.cuh): round((1 - p) 65536), so the keep
+    probability is threshold / 65536 exactly (p rounded to 16 bits); 65536: no dropout."""
+    return min(65536, max(1, round((1.0 - float(dropout_p)) * 65536)))
+
+
 def forward_scales(softmax_scale: float, softcap: float, score_mod: bool) -> dict:
     """The three scalars the kernel uses to turn q.k into exp2 arguments (see params.cuh)."""
     return {
@@ -43,6 +49,7 @@ class AttentionOptions:
     softcap: float         # 0: off
     alibi: bool            # ALiBi slopes given
     causal: bool           # as given (the window already holds it)
+    dropout_threshold: int = 65536  # dropout_threshold(dropout_p); 65536: no dropout
 
     @property
     def score_mod(self) -> bool:
@@ -55,14 +62,24 @@ class AttentionOptions:
         return self.left >= 0 or self.right >= 0
 
     @property
+    def dropout(self) -> bool:
+        return self.dropout_threshold < 65536
+
+    @property
+    def dropout_fields(self) -> dict:
+        """The parameter structs' dropout_threshold and dropout_scale (the kept probabilities' scale)."""
+        return {"dropout_threshold": self.dropout_threshold, "dropout_scale": 65536.0 / self.dropout_threshold}
+
+    @property
     def scales(self) -> dict:
         """scale_log2, mod_scale and softcap, the parameter struct's scalars."""
         return forward_scales(self.softmax_scale, self.softcap, self.score_mod)
 
 
 def resolve(problem, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None) -> AttentionOptions:
+            alibi_slopes=None, dropout_p=0.0) -> AttentionOptions:
     """The options of a call whose arguments passed the checks, for `problem` (a checks.Problem)."""
     scale = 1.0 / math.sqrt(problem.headdim) if softmax_scale is None else float(softmax_scale)
     left, right = normalize_window(*checks.window(causal, window_size), problem.seqlen_q, problem.seqlen_k)
-    return AttentionOptions(scale, left, right, float(softcap), alibi_slopes is not None, bool(causal))
+    return AttentionOptions(scale, left, right, float(softcap), alibi_slopes is not None, bool(causal),
+                            dropout_threshold(dropout_p))

@@ -23,6 +23,8 @@ import numpy as np
 __all__ = [
     "attention",
     "attention_backward",
+    "dropout_keep",
+    "philox4x32",
     "attention_varlen",
     "attention_varlen_backward",
     "attention_with_kvcache",
@@ -158,12 +160,78 @@ def _default_scale(softmax_scale, headdim):
 
 
 # --------------------------------------------------------------------------------------------
+# Dropout: the mask, from a counter-based generator (Philox 4x32-10)
+# --------------------------------------------------------------------------------------------
+
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32(counter, key, rounds: int = 10):
+    """Philox 4x32 (Salmon et al., SC 2011): four uint32 words of ``counter`` (a sequence of 4 arrays of one shape)
+    under the two uint32 words of ``key`` -> four uint32 arrays. Each round multiplies words 0 and 2 by the round
+    constants into 64-bit products and mixes their halves with words 1 and 3 and the key, which is bumped by the Weyl
+    constants between rounds."""
+    c = [np.asarray(x, dtype=np.uint64) & 0xFFFFFFFF for x in counter]
+    k0, k1 = (np.uint64(int(x) & 0xFFFFFFFF) for x in key)
+    mask = np.uint64(0xFFFFFFFF)
+    for r in range(rounds):
+        p0, p1 = c[0] * np.uint64(_PHILOX_M[0]), c[2] * np.uint64(_PHILOX_M[1])
+        hi0, lo0, hi1, lo1 = p0 >> np.uint64(32), p0 & mask, p1 >> np.uint64(32), p1 & mask
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+        if r + 1 < rounds:
+            k0, k1 = (k0 + np.uint64(_PHILOX_W[0])) & mask, (k1 + np.uint64(_PHILOX_W[1])) & mask
+    return [x.astype(np.uint32) for x in c]
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """A 16-bit draw u keeps its element when u < threshold = round((1 - p) 65536); the keep probability is then
+    exactly threshold / 65536, and kept probabilities are scaled by 65536 / threshold."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected 0 <= p < 1, got {dropout_p!r}")
+    return min(65536, max(1, round((1.0 - dropout_p) * 65536)))
+
+
+def dropout_keep(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
+                 dropout_p: float) -> np.ndarray:
+    """The dropout mask, bool ``(batch, nheads, seqlen_q, seqlen_k)`` (True: kept), of element (b, h, i, j) — query
+    row i, key j of sequence b, head h — as every cuflash kernel regenerates it.
+
+    The 16 x 16 tile of rows 16R.., keys 16C.. splits into 32 sets of 8 elements: rows {2a + t, 2a + t + 8} x keys
+    {2c, 2c + 1, 2c + 8, 2c + 9} (a, c in 0..3, t in 0..1). One Philox call gives a set its eight 16-bit draws, under
+    the key (seed's low word, seed's high word ^ offset's high word), from the counter
+
+        word 0 = C = j / 16            word 1 = R = i / 16
+        word 2 = 32 (b nheads + h) + 8 a + 2 c + t      (a = (i % 8) / 2, c = (j % 8) / 2, t = i % 2)
+        word 3 = offset's low word
+
+    and draw v = 4 ((i % 16) / 8) + 2 ((j % 16) / 8) + j % 2 of the set is the low (v even) or high half of output
+    word v / 2. A thread of the forward's accumulator layout holds exactly one such set per 16 x 16 tile (rows r,
+    r + 8 and key pairs 2c, 2c + 8 of the mma.sync layout); the backward's transposed one needs two, each half used.
+    """
+    threshold = dropout_threshold(dropout_p)
+    i = np.arange(seqlen_q, dtype=np.int64)[:, None]
+    j = np.arange(seqlen_k, dtype=np.int64)[None, :]
+    bh = np.arange(batch * nheads, dtype=np.int64).reshape(batch, nheads, 1, 1)
+    word2 = 32 * bh + 8 * ((i % 8) // 2) + 2 * ((j % 8) // 2) + i % 2
+    zeros = np.zeros_like(word2)
+    counter = (j // 16 + zeros, i // 16 + zeros, word2, np.full_like(word2, int(offset) & 0xFFFFFFFF))
+    key = (int(seed) & 0xFFFFFFFF, ((int(seed) >> 32) ^ (int(offset) >> 32)) & 0xFFFFFFFF)
+    words = philox4x32(counter, key)
+    v = 4 * ((i % 16) // 8) + 2 * ((j % 16) // 8) + j % 2 + zeros
+    word = np.choose(v // 2, words)
+    draw = (word >> (16 * (v % 2)).astype(np.uint32)) & 0xFFFF
+    return draw < threshold
+
+
+# --------------------------------------------------------------------------------------------
 # Dense forward and backward on float64 arrays (the workers behind every public function)
 # --------------------------------------------------------------------------------------------
 
 
-def _forward(q, k, v, *, softmax_scale, causal, window_size, softcap, alibi_slopes):
-    """q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)`` float64 -> out ``(b, sq, h, dv)``, lse ``(b, h, sq)``."""
+def _forward(q, k, v, *, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout=None):
+    """q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)`` float64 -> out ``(b, sq, h, dv)``, lse ``(b, h, sq)``. dropout:
+    (keep ``(b, h, sq, sk)``, keep probability): out from the kept probabilities over it; lse is dropout's none."""
     nheads = q.shape[2]
     k, v = _repeat_kv(k, nheads), _repeat_kv(v, nheads)
     s = _scores(q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -174,12 +242,14 @@ def _forward(q, k, v, *, softmax_scale, causal, window_size, softcap, alibi_slop
     l = p.sum(axis=-1)                          # (b, h, sq)
     with np.errstate(divide="ignore"):
         lse = np.log(l) + m[..., 0]             # log(0) = -inf for an empty row
+    if dropout is not None:
+        p = np.where(dropout[0], p / dropout[1], 0.0)
     o = _bhsd(p @ _bhsd(v))
     out = o / np.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes):
+def _backward(dout, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout=None):
     """Analytic gradients; shapes as in :func:`_forward`, lse ``(b, h, sq)``. Returns dq, dk, dv."""
     nheads, nheads_k = q.shape[2], k.shape[2]
     ke, ve = _repeat_kv(k, nheads), _repeat_kv(v, nheads)
@@ -187,8 +257,9 @@ def _backward(dout, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
                  softcap=softcap, alibi_slopes=alibi_slopes)
     lse = np.where(np.isneginf(lse), np.inf, lse)[..., None]   # empty row: exp(-inf - inf) = 0
     p = np.exp(sc.scores - lse)                 # 0 where masked (score -inf) or the row is empty
-    dv = _bhsd(p.swapaxes(-1, -2) @ _bhsd(dout))
-    dp = _bhsd(dout) @ _bhsd(ve).swapaxes(-1, -2)
+    scale = 1.0 if dropout is None else np.where(dropout[0], 1.0 / dropout[1], 0.0)  # out = (P scale) V
+    dv = _bhsd((p * scale).swapaxes(-1, -2) @ _bhsd(dout))
+    dp = _bhsd(dout) @ _bhsd(ve).swapaxes(-1, -2) * scale
     delta = np.einsum("bihd,bihd->bhi", dout, out)[..., None]
     ds = p * (dp - delta) * sc.dcap * softmax_scale
     dq = _bhsd(ds @ _bhsd(ke))
@@ -201,8 +272,16 @@ def _backward(dout, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
 # --------------------------------------------------------------------------------------------
 
 
+def _dropout(dropout_p, seed, offset, batch, nheads, seqlen_q, seqlen_k):
+    """(keep mask, keep probability) for _forward / _backward, or None without dropout."""
+    if not dropout_p:
+        return None
+    return (dropout_keep(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p),
+            dropout_threshold(dropout_p) / 65536)
+
+
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, return_lse=False, stream=None):
+              alibi_slopes=None, return_lse=False, dropout_p=0.0, dropout_seed=0, dropout_offset=0, stream=None):
     """Exact softmax attention, float64 reference of :func:`cuflash.attention`.
 
     Parameters
@@ -232,6 +311,10 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         Adds ``-slope * |i + sk - sq - j|`` to the (capped) score; not multiplied by the scale.
     return_lse : bool
         Also return the log-sum-exp of each row's scores.
+    dropout_p, dropout_seed, dropout_offset : float, int, int
+        Dropout on the probabilities: element (b, h, i, j) is kept where :func:`dropout_keep` says, and kept ones are
+        scaled by 65536 / dropout_threshold(p) (1 / (1 - p), p rounded to 16 bits). The lse is that of the scores,
+        without dropout.
     stream : ignored
 
     Returns
@@ -245,12 +328,15 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     nheads, _ = _check_qkv(q, k, v)
     out, lse = _forward(q, k, v, softmax_scale=_default_scale(softmax_scale, q.shape[-1]), causal=causal,
                         window_size=window_size, softcap=float(softcap),
-                        alibi_slopes=_alibi_per_batch(alibi_slopes, q.shape[0], nheads))
+                        alibi_slopes=_alibi_per_batch(alibi_slopes, q.shape[0], nheads),
+                        dropout=_dropout(dropout_p, dropout_seed, dropout_offset, q.shape[0], nheads, q.shape[1],
+                                         k.shape[1]))
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, deterministic=False, stream=None):
+                       softcap=0.0, alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=0,
+                       dropout_offset=0, stream=None):
     """Gradients of :func:`attention`, float64 reference of :func:`cuflash.attention_backward`.
 
     Analytic, from the saved ``out`` and ``lse``: ``P = exp(S - lse)`` (0 where masked or
@@ -265,6 +351,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
     out : array, ``(batch, seqlen_q, nheads, headdim_v)``, the forward output
     lse : array, ``(batch, nheads, seqlen_q)``, the forward log-sum-exp
     softmax_scale, causal, window_size, softcap, alibi_slopes : as in :func:`attention`
+    dropout_p, dropout_seed, dropout_offset : the forward's (the same mask: ``dV = (P M / pk)^T dO``,
+        ``dS = P * (dP M / pk - D)``)
     deterministic, stream : ignored
 
     Returns
@@ -278,7 +366,9 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
     return _backward(_f64(dout), q, k, v, _f64(out), _f64(lse),
                      softmax_scale=_default_scale(softmax_scale, q.shape[-1]), causal=causal,
                      window_size=window_size, softcap=float(softcap),
-                     alibi_slopes=_alibi_per_batch(alibi_slopes, q.shape[0], nheads))
+                     alibi_slopes=_alibi_per_batch(alibi_slopes, q.shape[0], nheads),
+                     dropout=_dropout(dropout_p, dropout_seed, dropout_offset, q.shape[0], nheads, q.shape[1],
+                                      k.shape[1]))
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k):
@@ -290,9 +380,18 @@ def _sequences(cu_seqlens_q, cu_seqlens_k):
         yield b, slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
 
 
+def _sequence_dropout(dropout_p, seed, offset, b, nheads, seqlen_q, seqlen_k):
+    """The dropout of sequence b of a varlen batch (its element (b, h, i, j): query i, key j of the sequence)."""
+    if not dropout_p:
+        return None
+    keep = dropout_keep(seed, offset, b + 1, nheads, seqlen_q, seqlen_k, dropout_p)[b:b + 1]
+    return keep, dropout_threshold(dropout_p) / 65536
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
-                     block_table=None, seqused_k=None, stream=None):
+                     block_table=None, seqused_k=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0,
+                     stream=None):
     """Attention over packed variable-length sequences; reference of :func:`cuflash.attention_varlen`.
 
     Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
@@ -313,6 +412,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``p % page_size`` of page ``block_table[b, p // page_size]``.
     seqused_k : int32 ``(batch,)``, optional
         Keys of sequence b, instead of ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]``.
+    dropout_p, dropout_seed, dropout_offset : as in :func:`attention`, element (b, h, i, j) being query i and key j
+        of sequence b
 
     Returns
     -------
@@ -343,14 +444,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             sk = slice(sk.start, sk.start + n)
         o, l = _forward(q[None, sq], k[None, sk], v[None, sk], softmax_scale=scale, causal=causal,
                         window_size=window_size, softcap=float(softcap),
-                        alibi_slopes=None if slopes is None else slopes[b:b + 1])
+                        alibi_slopes=None if slopes is None else slopes[b:b + 1],
+                        dropout=_sequence_dropout(dropout_p, dropout_seed, dropout_offset, b, nheads,
+                                                  sq.stop - sq.start, n))
         out[sq], lse[:, sq] = o[0], l[0]
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, deterministic=False, stream=None):
+                              alibi_slopes=None, deterministic=False, dropout_p=0.0, dropout_seed=0,
+                              dropout_offset=0, stream=None):
     """Gradients of :func:`attention_varlen`; reference of :func:`cuflash.attention_varlen_backward`.
 
     Parameters
@@ -375,7 +479,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     for b, sq, sk in _sequences(cu_seqlens_q, cu_seqlens_k):
         g = _backward(dout[None, sq], q[None, sq], k[None, sk], v[None, sk], out[None, sq], lse[None, :, sq],
                       softmax_scale=scale, causal=causal, window_size=window_size, softcap=float(softcap),
-                      alibi_slopes=None if slopes is None else slopes[b:b + 1])
+                      alibi_slopes=None if slopes is None else slopes[b:b + 1],
+                      dropout=_sequence_dropout(dropout_p, dropout_seed, dropout_offset, b, nheads, sq.stop - sq.start,
+                                                sk.stop - sk.start))
         dq[sq], dk[sk], dv[sk] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 

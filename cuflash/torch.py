@@ -51,7 +51,7 @@ __all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              return_lse=False, deterministic=False):
+              return_lse=False, deterministic=False, dropout_p=0.0):
     """:func:`cuflash.attention` on torch tensors, differentiable in q, k and v.
 
     Parameters
@@ -71,6 +71,11 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         Also return the float32 log-sum-exp ``(batch, nheads, seqlen_q)``; it is not differentiable.
     deterministic : bool
         Backward with a fixed dQ summation order: bitwise-repeatable gradients (a little slower).
+    dropout_p : float
+        Dropout on the attention probabilities (:func:`cuflash.attention`), its mask drawn from torch's CUDA
+        generator of q's device (its seed; its offset, which the call advances by 4, as torch's own random
+        operations do), so ``torch.manual_seed`` governs it; the backward regenerates the same mask. Eager calls
+        only (not under torch.compile, tracing or CUDA-graph capture: NotImplementedError).
 
     Returns
     -------
@@ -85,18 +90,19 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     """
     if q.ndim and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies (_padded_attention)
         return _padded_attention(q, k, v, None, None, None, None, softmax_scale, causal, window_size, softcap,
-                                 alibi_slopes, return_lse, deterministic)
+                                 alibi_slopes, return_lse, deterministic, dropout_p=dropout_p)
     left, right = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
     if _eager(q, k, v):
         return _eager_attention(q, k, v, (None, None, alibi_slopes, None, None, softmax_scale, causal, left, right,
-                                          softcap), deterministic, return_lse)
+                                          softcap), deterministic, return_lse, _dropout(q, dropout_p))
+    _no_traced_dropout(dropout_p)
     out, lse = _attention_fwd_op(q, k, v, alibi_slopes, softmax_scale, causal, left, right, softcap, deterministic)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
-                     deterministic=False, block_table=None, seqused_k=None):
+                     deterministic=False, block_table=None, seqused_k=None, dropout_p=0.0):
     """:func:`cuflash.attention_varlen` on torch tensors (flash-attn's ``flash_attn_varlen_func`` layout),
     differentiable in q, k and v.
 
@@ -142,17 +148,20 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if q.ndim and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies (_padded_attention)
         return _padded_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                  causal, window_size, softcap, alibi_slopes, return_lse, deterministic, block_table,
-                                 seqused_k)
+                                 seqused_k, dropout_p)
     left, right = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
     if _eager(q, k, v):
         if block_table is not None or seqused_k is not None:  # forward only
             if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
                 _no_paged_backward(block_table)
             out, lse = _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                                softmax_scale, causal, left, right, softcap, return_lse, block_table, seqused_k)
+                                softmax_scale, causal, left, right, softcap, return_lse, block_table, seqused_k,
+                                _dropout(q, dropout_p))
             return (out, lse) if return_lse else out
         return _eager_attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                                          softmax_scale, causal, left, right, softcap), deterministic, return_lse)
+                                          softmax_scale, causal, left, right, softcap), deterministic, return_lse,
+                                _dropout(q, dropout_p))
+    _no_traced_dropout(dropout_p)
     if block_table is not None or seqused_k is not None:
         out, lse = _attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
                                               alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left,
@@ -270,12 +279,13 @@ def _pad(x, headdim: int):
 
 def _padded_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                       window_size, softcap, alibi_slopes, return_lse, deterministic, block_table=None,
-                      seqused_k=None):
-    """:func:`attention` (``cu_seqlens_q`` None) or :func:`attention_varlen` on padded copies of q, k, v."""
+                      seqused_k=None, dropout_p=0.0):
+    """:func:`attention` (``cu_seqlens_q`` None) or :func:`attention_varlen` on padded copies of q, k, v (a
+    dropout mask is drawn per score, so the padding leaves it as it is)."""
     d = q.shape[-1]
     if _eager(q, k, v):  # errors name the caller's shapes (a traced call gets the ops' checks on the copies)
         tensors = dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
-        options = _options(softmax_scale, causal, *_window(causal, window_size), softcap)
+        options = _options(softmax_scale, causal, *_window(causal, window_size), softcap, dropout_p)
         if cu_seqlens_q is None:
             s = _specs(tensors)
             checks.check_attention(s["q"], s["k"], s["v"], alibi_slopes=s["alibi_slopes"], headdim_multiple=1,
@@ -290,7 +300,7 @@ def _padded_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     q, k, v = _pad(q, padded), _pad(k, padded), _pad(v, padded)
     options = dict(softmax_scale=scale, causal=causal, window_size=window_size, softcap=softcap,
-                   alibi_slopes=alibi_slopes, return_lse=return_lse, deterministic=deterministic)
+                   alibi_slopes=alibi_slopes, return_lse=return_lse, deterministic=deterministic, dropout_p=dropout_p)
     if cu_seqlens_q is None:
         result = attention(q, k, v, **options)
     else:
@@ -366,13 +376,43 @@ def _eager(*tensors) -> bool:
             and not torch._C._get_tracing_state())
 
 
-def _eager_attention(q, k, v, args: tuple, deterministic: bool, return_lse: bool):
-    """An eager dense or varlen call; ``args`` are :func:`_forward`'s after q, k, v. With a gradient to track, under
-    an autograd.Function (lse stays with the backward unless asked for); else the forward alone."""
+def _eager_attention(q, k, v, args: tuple, deterministic: bool, return_lse: bool, dropout=None):
+    """An eager dense or varlen call; ``args`` are :func:`_forward`'s after q, k, v, ``dropout`` its (p, seed,
+    offset) or None. With a gradient to track, under an autograd.Function (lse stays with the backward unless asked
+    for); else the forward alone."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return (_EagerAttentionLse if return_lse else _EagerAttention).apply(q, k, v, (*args, deterministic))
-    out, lse = _forward(q, k, v, *args, return_lse)
+        return (_EagerAttentionLse if return_lse else _EagerAttention).apply(q, k, v, (*args, deterministic, dropout))
+    out, lse = _forward(q, k, v, *args, return_lse, dropout=dropout)
     return (out, lse) if return_lse else out
+
+
+_DROPOUT_OFFSET_STEP = 4  # what a call takes of its generator's offset (torch's Philox consumers advance by 4s)
+
+
+def _dropout(q, dropout_p) -> tuple | None:
+    """(p, seed, offset) of an eager call's dropout, from torch's CUDA generator of q's device (advanced), or None
+    without dropout."""
+    if not dropout_p:
+        return None
+    checks.check_dropout_p(dropout_p)
+    generator = _generator(q)
+    offset = generator.get_offset()
+    generator.set_offset(offset + _DROPOUT_OFFSET_STEP)
+    return float(dropout_p), generator.initial_seed(), offset
+
+
+def _generator(q):
+    """torch's default CUDA generator of q's device (torch.manual_seed seeds it), outside graph capture."""
+    if torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError("dropout_p: dropout under CUDA graph capture is not supported yet (the mask's seed "
+                                  "and offset are read from torch's generator on the host)")
+    return torch.cuda.default_generators[q.device.index if q.device.index is not None else torch.cuda.current_device()]
+
+
+def _no_traced_dropout(dropout_p) -> None:
+    if dropout_p:
+        raise NotImplementedError("dropout_p: dropout runs in eager calls only (not under torch.compile, tracing, "
+                                  "dispatch modes or functorch) for now")
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -405,9 +445,11 @@ class _EagerAttentionLse(torch.autograd.Function):
 
 
 def _saved_forward(ctx, q, k, v, args) -> tuple:
-    """out, lse of an eager forward; what its backward needs saved in ``ctx``."""
-    plan = _forward_plan(q, k, v, *args[:-1])
-    out, lse = _run_forward(plan, q, k, v, args[0], args[1], args[2], True)
+    """out, lse of an eager forward; what its backward needs saved in ``ctx`` (args: the forward's, deterministic,
+    dropout)."""
+    dropout = args[-1]
+    plan = _forward_plan(q, k, v, *args[:-2], dropout_p=dropout[0] if dropout else 0.0)
+    out, lse = _run_forward(plan, q, k, v, args[0], args[1], args[2], True, dropout=dropout)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args, ctx.plan = args, plan
     return out, lse
@@ -418,15 +460,16 @@ def _saved_backward(ctx, dout) -> tuple:
     dout's layout and the mode, so it is looked up under those alone."""
     q, k, v, out, lse = ctx.saved_tensors
     cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, scale, causal, left, right, softcap, \
-        deterministic = ctx.args
+        deterministic, dropout = ctx.args
     dout = dout.contiguous()
     key = (ctx.plan, dout.shape, dout.stride(), dout.dtype, deterministic)
     plan = _plans.get(key)
     if plan is None:
         plan = _plan(key, lambda: _plan_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                  max_seqlen_q, max_seqlen_k, bool(deterministic),
-                                                 _options(scale, causal, left, right, softcap)))
-    return _run_backward(plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+                                                 _options(scale, causal, left, right, softcap,
+                                                          dropout[0] if dropout else 0.0)))
+    return _run_backward(plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,37 +505,42 @@ def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-             left, right, softcap, need_lse: bool, block_table=None, seqused_k=None) -> tuple:
-    """Dense (``cu_seqlens_q`` None) or varlen forward into a new ``out`` and ``lse`` (None unless ``need_lse``)."""
+             left, right, softcap, need_lse: bool, block_table=None, seqused_k=None, dropout=None) -> tuple:
+    """Dense (``cu_seqlens_q`` None) or varlen forward into a new ``out`` and ``lse`` (None unless ``need_lse``);
+    ``dropout``: (p, seed, offset) or None."""
     plan = _forward_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                         softmax_scale, causal, left, right, softcap, block_table, seqused_k)
-    return _run_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse, block_table, seqused_k)
+                         softmax_scale, causal, left, right, softcap, block_table, seqused_k,
+                         dropout[0] if dropout else 0.0)
+    return _run_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse, block_table, seqused_k,
+                        dropout)
 
 
 def _forward_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
-                  causal, left, right, softcap, block_table=None, seqused_k=None) -> _Plan:
+                  causal, left, right, softcap, block_table=None, seqused_k=None, dropout_p=0.0) -> _Plan:
     """The forward's plan for the call's signature: looked up, else checked and planned."""
     try:
         key = ("fwd", max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap, _signature(q),
                _signature(k), _signature(v), _signature(alibi_slopes), _signature(cu_seqlens_q),
-               _signature(cu_seqlens_k), _signature(block_table), _signature(seqused_k))
+               _signature(cu_seqlens_k), _signature(block_table), _signature(seqused_k), dropout_p)
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # something that is not a tensor, or unhashable: the checks say what
         key = plan = None
     if plan is None:
         plan = _plan(key, lambda: _plan_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
-                                                max_seqlen_k, _options(softmax_scale, causal, left, right, softcap),
+                                                max_seqlen_k,
+                                                _options(softmax_scale, causal, left, right, softcap, dropout_p),
                                                 block_table, seqused_k))
     return plan
 
 
 def _run_forward(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse: bool, block_table=None,
-                 seqused_k=None) -> tuple:
+                 seqused_k=None, dropout=None) -> tuple:
     if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         _require_aligned(q=q, k=k, v=v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
-    plan.launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
+    plan.launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                *(dropout[1:] if dropout else (0, 0)))
     return out, lse
 
 
@@ -521,7 +569,8 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
                                     alibi_slopes=specs["alibi_slopes"], block_table=specs.get("block_table"),
                                     seqused_k=specs.get("seqused_k"))
 
-    def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k):
+    def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, dropout_seed,
+               dropout_offset):
         previous = _get_device()
         if previous != index:
             _set_device(index)
@@ -530,7 +579,8 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
                  0 if lse is None else lse.data_ptr(), 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
                  0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
                  0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
-                 0 if block_table is None else block_table.data_ptr(), 0 if seqused_k is None else seqused_k.data_ptr())
+                 0 if block_table is None else block_table.data_ptr(), 0 if seqused_k is None else seqused_k.data_ptr(),
+                 dropout_seed, dropout_offset, 0)
         finally:
             if previous != index:
                 _set_device(previous)
@@ -589,7 +639,8 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
     return _run_backward(plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
 
 
-def _run_backward(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes) -> tuple:
+def _run_backward(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                  dropout=None) -> tuple:
     """The allocations (the workspace too, from torch's caching allocator, freed in stream order) and the
     launches."""
     if (dout.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16:
@@ -598,7 +649,8 @@ def _run_backward(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     workspace = torch.empty(plan.workspace, dtype=torch.uint8, device=q.device)
-    plan.launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace)
+    plan.launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace,
+                *(dropout[1:] if dropout else (0, 0)))
     return dq, dk, dv
 
 
@@ -624,7 +676,8 @@ def _backward_launch(problem, specs: dict, options: dict, deterministic: bool, p
                                       device_id=index, alibi_slopes=specs["alibi_slopes"],
                                       deterministic=deterministic, packed=packed)
 
-    def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace):
+    def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace,
+               dropout_seed=0, dropout_offset=0):
         previous = _get_device()
         if previous != index:
             _set_device(index)
@@ -633,7 +686,8 @@ def _backward_launch(problem, specs: dict, options: dict, deterministic: bool, p
                  lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                  0 if alibi_slopes is None else alibi_slopes.data_ptr(),
                  0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
-                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(), workspace.data_ptr())
+                 0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(), workspace.data_ptr(), dropout_seed,
+                 dropout_offset)
         finally:
             if previous != index:
                 _set_device(previous)
@@ -863,8 +917,11 @@ _EXPECTED_DTYPE = dict(alibi_slopes="torch.float32", lse="torch.float32", cu_seq
                        block_table="torch.int32", cache_leftpad="torch.int32", seqused_k="torch.int32")
 
 
-def _options(softmax_scale, causal, left, right, softcap) -> dict:
-    return dict(softmax_scale=softmax_scale, causal=causal, window_size=(left, right), softcap=softcap)
+def _options(softmax_scale, causal, left, right, softcap, dropout_p=0.0) -> dict:
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=(left, right), softcap=softcap)
+    if dropout_p:
+        options["dropout_p"] = dropout_p
+    return options
 
 
 def _problem(options: dict, tensors: dict, max_seqlen_q=None, max_seqlen_k=None) -> tuple:

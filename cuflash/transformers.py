@@ -20,9 +20,9 @@ padding mask otherwise -- and the function maps each case onto :mod:`cuflash.tor
   attends across a sequence boundary.
 
 GQA/MQA heads go to the kernels as they are; ``scaling``, ``sliding_window`` and ``softcap`` become
-``softmax_scale``, ``window_size`` and ``softcap``. What cuflash cannot compute raises instead of returning
-something else: attention dropout in training, a 4-D or block mask, attention sinks (``s_aux``), an additive
-position bias.
+``softmax_scale``, ``window_size`` and ``softcap``, and attention dropout in training ``dropout_p``. What cuflash
+cannot compute raises instead of returning something else: a 4-D or block mask, attention sinks (``s_aux``), an
+additive position bias.
 """
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         Padding mask over the key positions (nonzero = a real token), as transformers' flash-attention mask
         builder makes it; ``L < seqlen_k`` (a static cache longer than what it holds) uses the first ``L`` keys.
     scaling : float, optional -- softmax scale, default ``1 / sqrt(headdim)``
-    dropout : float -- must be 0 (cuflash has no attention dropout yet)
+    dropout : float -- attention dropout (the layer's ``attention_dropout`` in training, 0 in evaluation), drawn
+        from torch's CUDA generator as :func:`cuflash.torch.attention`'s ``dropout_p`` (eager calls only)
     sliding_window : int, optional -- each query sees the last ``sliding_window`` keys up to itself
     softcap : float, optional -- scores ``s`` become ``softcap * tanh(s / softcap)``
     **kwargs
@@ -90,7 +91,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out : torch.Tensor, (batch, seqlen_q, nheads, headdim), dtype of the kernels' inputs
     None : no attention weights (``output_attentions`` is not supported, as with flash-attention)
     """
-    _refuse_unsupported(dropout, attention_mask, kwargs)
+    _refuse_unsupported(attention_mask, kwargs)
     if any(n == 0 for n in query.shape):
         raise ValueError(f"query: shape {tuple(query.shape)} has an empty axis")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
@@ -101,6 +102,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     options = dict(softmax_scale=scaling, causal=causal, window_size=_window(sliding_window, causal),
                    softcap=0.0 if softcap is None else float(softcap),
                    deterministic=bool(kwargs.get("deterministic") or False))
+    if dropout:
+        options["dropout_p"] = float(dropout)
     if attention_mask is not None:
         out = _padded(q, k, v, attention_mask, options)
     else:
@@ -220,11 +223,7 @@ def _half(module, q, k, v) -> tuple:
                     "under torch.autocast")
 
 
-def _refuse_unsupported(dropout, attention_mask, kwargs) -> None:
-    if dropout:
-        raise NotImplementedError(f"dropout: cuflash has no attention dropout yet, got dropout={dropout} (the model "
-                                  "is in training mode with attention_dropout > 0: set config.attention_dropout = 0.0 "
-                                  "or use another attn_implementation)")
+def _refuse_unsupported(attention_mask, kwargs) -> None:
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError(f"attention_mask: a {type(attention_mask).__name__} (flex attention's block mask) "
                                   "cannot be computed by cuflash")

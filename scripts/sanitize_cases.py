@@ -239,7 +239,33 @@ def _sm90_cases() -> list[dict]:
     return cases
 
 
-CASES = _fwd_cases() + _bwd_cases() + _kvcache_cases() + _varlen_cases() + _sm90_cases()
+def _dropout_cases() -> list[dict]:
+    """Dropout: forward (on sm_90a the Hopper kernel at d 64, 128, 256), backward in both dQ modes (the portable
+    kernel; d 128 takes sm_90a's 32-key configuration), varlen."""
+    drop = dict(dropout_p=0.2, dropout_seed=2 ** 40 + 5, dropout_offset=3)
+    return [
+        dict(name="dropout_fwd_bf16_d64_causal_lse", fn="attention", dtype="bf16", shape=SMALL,
+             opts=dict(drop, causal=True, return_lse=True)),
+        dict(name="dropout_fwd_fp16_d40_window", fn="attention", dtype="fp16", shape=SMALL40,
+             opts=dict(drop, window_size=(8, 4))),
+        # the Hopper forward's dropout kernels on sm_90a (d 64 above; d 128 and 256 here)
+        dict(name="dropout_fwd_bf16_d128_causal_lse", fn="attention", dtype="bf16", shape=BWD_S70,
+             opts=dict(drop, causal=True, return_lse=True)),
+        dict(name="dropout_fwd_fp16_d256", fn="attention", dtype="fp16", shape=dict(BWD_S17, d=256), opts=drop),
+        dict(name="dropout_bwd_bf16_s70_causal_atomic", fn="attention_backward", dtype="bf16", shape=BWD_S70,
+             opts=dict(drop, causal=True, deterministic=False)),
+        dict(name="dropout_bwd_bf16_s70_softcap_alibi_det", fn="attention_backward", dtype="bf16", shape=BWD_S70,
+             opts=dict(drop, softcap=5.0, alibi=True, deterministic=True)),
+        dict(name="dropout_bwd_fp16_s17_window_atomic", fn="attention_backward", dtype="fp16", shape=BWD_S17,
+             opts=dict(drop, window_size=(8, 4), deterministic=False)),
+        dict(name="dropout_varlen_fwd_bf16_causal_lse", fn="attention_varlen", dtype="bf16", shape=VARLEN,
+             opts=dict(drop, causal=True, return_lse=True)),
+        dict(name="dropout_varlen_bwd_bf16_causal_det", fn="attention_varlen_backward", dtype="bf16", shape=VARLEN,
+             opts=dict(drop, causal=True, deterministic=True)),
+    ]
+
+
+CASES = _fwd_cases() + _bwd_cases() + _kvcache_cases() + _varlen_cases() + _sm90_cases() + _dropout_cases()
 
 
 # --------------------------------------------------------------------------- #

@@ -159,8 +159,11 @@ def test_packed_forward_params(no_gpu_kernels):
     problem = checks.Problem(2, 20, 40, 4, 2, 64, np.dtype(np.float16))
     opts = dict(device_id=0, softmax_scale=0.125, causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
     call = _forward_call(problem, q, k, k, q, lse, **opts)
-    p = _struct(call, forward.PARAMS_DTYPE, 0x1000, 0x2000, 0x2000, 0x1000, 0x3000, 0, 0x4000, 0x5000, 0, 0x6000)
+    p = _struct(call, forward.PARAMS_DTYPE, 0x1000, 0x2000, 0x2000, 0x1000, 0x3000, 0, 0x4000, 0x5000, 0, 0x6000, 7, 9,
+                0x7000)
     assert (int(p["cu_seqlens_q"]), int(p["cu_seqlens_k"]), int(p["seqused_k"])) == (0x4000, 0x5000, 0x6000)
+    assert (int(p["dropout_seed"]), int(p["dropout_offset"])) == (7, 9) and p["dropout_threshold"] == 65536
+    assert int(p["dropout_state"]) == 0x7000
     assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (256, 256, 64)
     assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (128, 128, 64)
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (1, 30)
@@ -168,7 +171,7 @@ def test_packed_forward_params(no_gpu_kernels):
 
     qp = _FakeDeviceArray(np.zeros((2, 20, 4, 64), np.float16), 0x1000)
     lsep = checks.contiguous("lse", (2, 4, 20), np.float32)  # a TensorSpec works as well as an array
-    p = _struct(_forward_call(problem, qp, qp, qp, qp, lsep, **opts), forward.PARAMS_DTYPE, *range(10))
+    p = _struct(_forward_call(problem, qp, qp, qp, qp, lsep, **opts), forward.PARAMS_DTYPE, *range(13))
     assert (p["q_batch_stride"], p["q_row_stride"]) == (20 * 256, 256)
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (80, 20)
 
@@ -188,7 +191,7 @@ def test_paged_varlen_forward_params(no_gpu_kernels, configure):
                            alibi_slopes=None)
     call = forward.forward_call(problem, q, pool, pool, q, lse, opts, device_id=0, block_table=table)
     assert isinstance(call, KernelCall)  # the portable kernel: the Hopper one has no paged keys
-    p = _struct(call, forward.PARAMS_DTYPE, *range(1, 11))
+    p = _struct(call, forward.PARAMS_DTYPE, *range(1, 14))
     assert int(p["block_table"]) == 9 and (p["page_size"], p["num_pages"], p["max_pages"]) == (32, 9, 5)
     assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (32 * 128, 128, 64)
     assert p["block_table_stride"] == 5 and problem.nheads_k == 2
@@ -227,8 +230,9 @@ def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
     assert call.dq_bytes == slices * rows * h * d * 4 and dq_off + call.dq_bytes <= total
 
-    main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 115))
-    assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:14]] == list(range(101, 115))
+    main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 118))
+    assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:17]] == list(range(101, 118))
+    assert main["dropout_threshold"] == 65536 and main["dropout_scale"] == 1.0
     assert (main["lse_batch_stride"], main["lse_head_stride"]) == ((1, rows) if packed else (h * sq, sq))
     assert main["dq_batch_stride"] == (h * d if packed else sq * h * d) and main["dq_slice_stride"] == rows * h * d
     assert (main["batch"], main["seqlen_q"], main["seqlen_k"], main["heads_per_kv"]) == (b, sq, sk, 2)
@@ -337,7 +341,7 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     assert main.main.kernel_call.launches[0][1:5] == (slots, hk, b, 256)
     got = np.frombuffer(main.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
     want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
-    ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 14))
+    ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 17))
     for name in backward.PARAMS_DTYPE.names[14:]:
         if name not in ("mod_scale", "softcap", "scale_log2"):  # the score-mod kernel's natural-log scores
             assert got[name] == ref[name] == want[name], name
@@ -498,7 +502,9 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
     every = {forward_sm90.variant_spec(variant, dtype, d, band, mod)
              for variant in forward_sm90.VARIANTS for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16")
              for band in (False, True) for mod in (False, True)}
-    assert set(specs) == every and len(specs) == len(every)
+    dropout = {forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], dtype, d, band, False, dropout=True)
+               for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)}
+    assert set(specs) == every | dropout and len(specs) == len(every) + len(dropout)
     assert {s.block_n for s in specs} == {64, 128, 176} and all(s.block_n == 64 for s in specs if s.headdim == 256)
     assert all(s.headdim == 128 for s in specs if s.block_n == 176)
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
@@ -512,9 +518,9 @@ def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
     from cuflash.ops import forward, forward_sm90
     spec = forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, False)
     assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
-    assert ", 4, 3, false, true, false, false, false, false>" in spec.template
+    assert ", 4, 3, false, true, false, false, false, false, false>" in spec.template
     split = forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, False)  # persistent, split tiles
-    assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true>")
+    assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true, false>")
     assert forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, True) == forward_sm90.variant_spec(
         "ws_n128_p", "bf16", 64, False, True)  # a score mod: two warpgroups, no split
     assert (forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, True)
@@ -574,12 +580,12 @@ def test_kernel_call_head_write_keeps_the_rest():
     p = np.zeros((), forward_sm90.PARAMS_DTYPE)
     p["seqlen_q"], p["softcap"] = 123, 2.5
     call = KernelCall((), p, ())
-    head = bytes(range(256)) * 1 + bytes(128) + bytes(range(128)) + forward_sm90._POINTERS.pack(1, 2, 3, 4, 5)
+    head = bytes(range(256)) * 1 + bytes(128) + bytes(range(128)) + forward_sm90._POINTERS.pack(1, 2, 3, 4, 5, 6, 7, 8)
     call.launch_head(0, head)  # no launches: only the struct is written
     got = np.frombuffer(call.params(), forward_sm90.PARAMS_DTYPE)[0]
     assert bytes(got["q"]) + bytes(got["k"]) == bytes(range(256)) and bytes(got["v"]) == bytes(128)
     assert bytes(got["o_map"]) == bytes(range(128))
-    assert [int(got[n]) for n in ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")] == [1, 2, 3, 4, 5]
+    assert [int(got[n]) for n in forward_sm90._POINTER_NAMES] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert got["seqlen_q"] == 123 and got["softcap"] == 2.5
 
 
@@ -688,3 +694,33 @@ def test_kernel_call_with_tail_writes_pointers_and_tail():
     got = np.frombuffer(call.params(*range(1, 19)), decode.TMA_PARAMS_DTYPE)[0]
     assert [int(got[n]) for n in DECODE_POINTERS] == list(range(1, 19))
     assert bytes(got["k_map"]) + bytes(got["v_map"]) == tail and got["headdim"] == 128
+
+
+def test_sm90_dropout_forward_takes_the_dropout_variant(configure, no_gpu_kernels):
+    """On sm_90a a dropout call at d 64/128/256 without a score mod takes its head dim's dropout variant (the kernel
+    with dropout compiled in) and its struct carries the threshold and the kept probabilities' scale; with a score
+    mod, or at another head dim, the portable kernel."""
+    from cuflash import checks, reference
+    from cuflash.launcher import KernelCall
+    from cuflash.ops import forward_sm90
+    configure(sm90=True)
+    for d in forward_sm90.HEADDIMS:
+        problem = checks.Problem(2, 300, 300, 4, 2, d, np.dtype(np.float16))
+        q = _FakeDeviceArray(np.zeros((2, 300, 4, d), np.float16), 0)
+        k = _FakeDeviceArray(np.zeros((2, 300, 2, d), np.float16), 0)
+        out = checks.contiguous("out", q.shape, np.float16)
+        call = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.3)
+        want = forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], "fp16", d, True, False, dropout=True)
+        assert call.spec == want and call.spec.name.endswith("_drop") and call.spec in forward_sm90.all_specs()
+        p = np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
+        threshold = reference.dropout_threshold(0.3)
+        assert p["dropout_threshold"] == threshold and p["dropout_scale"] == np.float32(65536 / threshold)
+        plain = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+        assert not plain.spec.dropout
+        p = np.frombuffer(plain.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
+        assert p["dropout_threshold"] == 65536 and p["dropout_scale"] == 1.0
+        capped = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
+                               window_size=(-1, -1), softcap=5.0, alibi_slopes=None, dropout_p=0.3)
+        assert isinstance(capped, KernelCall)  # the portable kernel

@@ -43,7 +43,8 @@ def on_host(monkeypatch):
     monkeypatch.setattr(runtime, "require_device_index_arrays", lambda **arrays: None)
     launched = []
 
-    def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream):
+    def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream,
+                  dropout_p=0.0, dropout_seed=0, dropout_offset=0):
         options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                        alibi_slopes=alibi_slopes)
         checks.check_attention(q, k, v, **options)  # the kernels' rule

@@ -346,19 +346,30 @@ def test_window_size_bad_forms(monkeypatch, window):
         fa.flash_attn_func(q, k, v, window_size=window)
 
 
-def test_not_supported_yet_raises_naming_the_argument():
+def test_dropout_p_reaches_the_kernels_from_every_function(on_host, monkeypatch):
+    from test_torch_cpu import _FakeCudaGenerator
+    generator = _FakeCudaGenerator(seed=11, offset=0)
+    monkeypatch.setattr(cuflash.torch, "_generator", lambda q: generator)
     q, k, v = (x.detach() for x in _dense_case(64))
     qkv, kv = torch.stack((q, q, q), 2), torch.stack((k, v), 2)
     cu = torch.tensor([0, 9], dtype=torch.int32)
     vq, vk = q[0], k[0]
-    dropout = [lambda: fa.flash_attn_func(q, k, v, 0.1), lambda: fa.flash_attn_qkvpacked_func(qkv, 0.1),
-               lambda: fa.flash_attn_kvpacked_func(q, kv, 0.1),
-               lambda: fa.flash_attn_varlen_func(vq, vk, vk, cu, cu, 9, 9, 0.1),
-               lambda: fa.flash_attn_varlen_qkvpacked_func(qkv[0], cu, 9, 0.1),
-               lambda: fa.flash_attn_varlen_kvpacked_func(vq, kv[0], cu, cu, 9, 9, 0.1)]
-    for call in dropout:
-        with pytest.raises(NotImplementedError, match=r"dropout_p=0.1: cuflash has no dropout yet"):
-            call()
+    calls = [lambda: fa.flash_attn_func(q, k, v, 0.1), lambda: fa.flash_attn_qkvpacked_func(qkv, 0.1),
+             lambda: fa.flash_attn_kvpacked_func(q, kv, 0.1),
+             lambda: fa.flash_attn_varlen_func(vq, vk, vk, cu, cu, 9, 9, 0.1),
+             lambda: fa.flash_attn_varlen_qkvpacked_func(qkv[0], cu, 9, 0.1),
+             lambda: fa.flash_attn_varlen_kvpacked_func(vq, kv[0], cu, cu, 9, 9, 0.1)]
+    for n, call in enumerate(calls):
+        call()
+        assert on_host[n][0] == "fwd", on_host
+        assert on_host[n][1]["dropout_p"] == 0.1 and on_host[n][1]["dropout_offset"] == 4 * n
+    assert generator.offset == 4 * len(calls)
+
+
+def test_not_supported_yet_raises_naming_the_argument():
+    q, k, v = (x.detach() for x in _dense_case(64))
+    vq, vk = q[0], k[0]
+    cu = torch.tensor([0, 9], dtype=torch.int32)
     table = torch.zeros(1, 1, dtype=torch.int32)
     pool = torch.zeros(1, 16, *vk.shape[1:], dtype=vk.dtype)  # one page of 16 rows
     with pytest.raises(NotImplementedError, match="block_table: attention_varlen with paged keys or seqused_k has no"):

@@ -27,19 +27,32 @@ def _np(buf):
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
+def _optional(ins, fixed, options):
+    """The alibi slopes and the dropout generator's (seed, offset) of a call, read as the CUDA handler finds them
+    (cuflash.jax._optional_inputs); the generator from the state's four uint32 words, as the kernels read them."""
+    state, alibi = cuflash.jax._optional_inputs(ins, fixed, options)
+    extra = {}
+    if state is not None:
+        w = _np(state).astype(np.uint64)
+        extra = dict(dropout_seed=int(w[0] | (w[1] << np.uint64(32))), dropout_offset=int(w[2] | (w[3] << np.uint64(32))))
+    return (None if alibi is None else _np(alibi).astype(np.float64)), extra
+
+
 def _host_forward(frame):
     options, _, ins, outs = cuflash.jax._parse(frame)
-    q, k, v, *alibi = (_np(b).astype(np.float64) for b in ins)
+    q, k, v = (_np(b).astype(np.float64) for b in ins[:3])
+    alibi, generator = _optional(ins, 3, options)
     out, lse = (_np(b) for b in outs)
-    o, l = reference.attention(q, k, v, alibi_slopes=alibi[0] if alibi else None, return_lse=True, **options)
+    o, l = reference.attention(q, k, v, alibi_slopes=alibi, return_lse=True, **options, **generator)
     out[...], lse[...] = o.astype(out.dtype), l
 
 
 def _host_backward(frame):
     options, deterministic, ins, outs = cuflash.jax._parse(frame)
-    dout, q, k, v, out, lse, *alibi = (_np(b).astype(np.float64) for b in ins)
-    grads = reference.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi[0] if alibi else None,
-                                         deterministic=deterministic, **options)
+    dout, q, k, v, out, lse = (_np(b).astype(np.float64) for b in ins[:6])
+    alibi, generator = _optional(ins, 6, options)
+    grads = reference.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi,
+                                         deterministic=deterministic, **options, **generator)
     for dst, g in zip(outs[:3], grads):
         _np(dst)[...] = g.astype(_np(dst).dtype)
     _np(outs[3])[...] = 0xAB  # the workspace is ours to scribble on
@@ -58,22 +71,24 @@ def _check_problem(problem, q, k, cu_q):
 def _host_varlen_forward(frame):
     options, _, problem, ins, outs = cuflash.jax._parse_varlen(frame, 0)
     q, k, v = (_np(b).astype(np.float64) for b in ins[:3])
-    cu_q, cu_k, *alibi = (_np(b) for b in ins[3:])
+    cu_q, cu_k = (_np(b) for b in ins[3:5])
+    alibi, generator = _optional(ins, 5, options)
     _check_problem(problem, q, k, cu_q)
     out, lse = (_np(b) for b in outs)
     o, l = reference.attention_varlen(q, k, v, cu_q, cu_k, problem.seqlen_q, problem.seqlen_k,
-                                      alibi_slopes=alibi[0] if alibi else None, return_lse=True, **options)
+                                      alibi_slopes=alibi, return_lse=True, **options, **generator)
     out[...], lse[...] = o.astype(out.dtype), l
 
 
 def _host_varlen_backward(frame):
     options, deterministic, problem, ins, outs = cuflash.jax._parse_varlen(frame, 1)
     dout, q, k, v, out, lse = (_np(b).astype(np.float64) for b in ins[:6])
-    cu_q, cu_k, *alibi = (_np(b) for b in ins[6:])
+    cu_q, cu_k = (_np(b) for b in ins[6:8])
+    alibi, generator = _optional(ins, 8, options)
     _check_problem(problem, q, k, cu_q)
     grads = reference.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, problem.seqlen_q,
-                                                problem.seqlen_k, alibi_slopes=alibi[0] if alibi else None,
-                                                deterministic=deterministic, **options)
+                                                problem.seqlen_k, alibi_slopes=alibi,
+                                                deterministic=deterministic, **options, **generator)
     for dst, g in zip(outs[:3], grads):
         _np(dst)[...] = g.astype(_np(dst).dtype)
 
@@ -265,3 +280,93 @@ def test_varlen_lowering_and_trace_time_checks():
         cuflash.jax.attention_varlen(q, k, k, cu.astype(jnp.float32), cu, 13, 13)
     with pytest.raises(ValueError, match="max_seqlen_q"):
         cuflash.jax.attention_varlen(q, k, k, cu, cu, 0, 13)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_from_a_key_under_jit_and_grad(causal):
+    """dropout_p with a traced PRNG key: the handler hands the kernels the four uint32 words the key gives, and
+    the result and gradients are the reference's with the generator of those words (seed, then offset); the
+    same key repeats bitwise, another key gives another mask."""
+    from jax import config as jax_config
+    q, k, v, dout = _inputs(sq=33, sk=47, dtype=jnp.float16)
+    p = 0.25
+
+    def loss(q, k, v, key):
+        out = cuflash.jax.attention(q, k, v, causal=causal, dropout_p=p, dropout_key=key)
+        return (out.astype(jnp.float32) * dout.astype(jnp.float32)).sum(), out
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    key = jax.random.key(7)
+    (l1, out), grads = step(q, k, v, key)
+    (l2, again), _ = step(q, k, v, key)
+    assert np.array_equal(np.asarray(out), np.asarray(again))
+    (_, other), _ = step(q, k, v, jax.random.key(8))
+    assert not np.array_equal(np.asarray(out), np.asarray(other))
+
+    w = np.asarray(jax.random.bits(key, (4,), jnp.uint32)).astype(np.uint64)
+    drop = dict(dropout_p=p, dropout_seed=int(w[0] | (w[1] << np.uint64(32))),
+                dropout_offset=int(w[2] | (w[3] << np.uint64(32))))
+    args = [np.asarray(x).astype(np.float64) for x in (q, k, v)]
+    want, lse = reference.attention(*args, causal=causal, return_lse=True, **drop)
+    want_grads = reference.attention_backward(np.asarray(dout).astype(np.float64), *args, want, lse, causal=causal,
+                                              **drop)
+    assert np.abs(np.asarray(out, np.float64) - want).max() < 4e-3
+    for got, w_ in zip(grads, want_grads):
+        assert np.abs(np.asarray(got, np.float64) - w_).max() < 2e-2
+    keep = reference.dropout_keep(drop["dropout_seed"], drop["dropout_offset"], 2, 4, 33, 47, p)
+    assert 0.6 < keep.mean() < 0.9  # the mask drops about p of the probabilities
+
+
+def test_dropout_needs_a_key_and_a_valid_p():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="dropout_key: a PRNG key is required"):
+        cuflash.jax.attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        cuflash.jax.attention(q, k, v, dropout_p=1.5, dropout_key=jax.random.key(0))
+
+
+def test_varlen_dropout_from_a_key_with_alibi():
+    """Packed sequences with dropout and ALiBi together (the state, then the slopes, after the fixed inputs): value
+    and gradients are the reference's under the key's generator."""
+    lens_q, lens_k = [5, 0, 17], [9, 3, 17]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    q = jax.random.normal(keys[0], (sum(lens_q), 4, 32), jnp.float32).astype(jnp.float16)
+    k = jax.random.normal(keys[1], (sum(lens_k), 2, 32), jnp.float32).astype(jnp.float16)
+    v = jax.random.normal(keys[2], (sum(lens_k), 2, 32), jnp.float32).astype(jnp.float16)
+    dout = jax.random.normal(keys[3], q.shape, jnp.float32).astype(jnp.float16)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+    key = jax.random.key(11)
+
+    def loss(q, k, v):
+        out = cuflash.jax.attention_varlen(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), 17, 17, causal=True,
+                                           alibi_slopes=slopes, dropout_p=0.3, dropout_key=key)
+        return (out.astype(jnp.float32) * dout.astype(jnp.float32)).sum(), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    w = np.asarray(jax.random.bits(key, (4,), jnp.uint32)).astype(np.uint64)
+    drop = dict(dropout_p=0.3, dropout_seed=int(w[0] | (w[1] << np.uint64(32))),
+                dropout_offset=int(w[2] | (w[3] << np.uint64(32))))
+    args = [np.asarray(x).astype(np.float64) for x in (q, k, v)]
+    want, lse = reference.attention_varlen(*args, cu_q, cu_k, 17, 17, causal=True, alibi_slopes=np.asarray(slopes),
+                                           return_lse=True, **drop)
+    want_grads = reference.attention_varlen_backward(np.asarray(dout).astype(np.float64), *args, want, lse, cu_q,
+                                                     cu_k, 17, 17, causal=True, alibi_slopes=np.asarray(slopes),
+                                                     **drop)
+    assert np.abs(np.asarray(out, np.float64) - want).max() < 4e-3
+    for got, w_ in zip(grads, want_grads):
+        assert np.abs(np.asarray(got, np.float64) - w_).max() < 2e-2
+
+
+def test_unsupported_dropout_backward_fails_at_trace_time():
+    """The backward's workspace is planned while tracing, so a backward the kernels do not have (dropout above head
+    dim 128) fails there, not inside XLA; the forward alone runs."""
+    q, k, v, dout = _inputs(sq=16, sk=16, d=256)
+    key = jax.random.key(0)
+    cuflash.jax.attention(q, k, v, dropout_p=0.1, dropout_key=key)
+
+    def loss(q):
+        return cuflash.jax.attention(q, k, v, dropout_p=0.1, dropout_key=key).astype(jnp.float32).sum()
+
+    with pytest.raises(NotImplementedError, match="dropout at head dim 256"):
+        jax.grad(loss)(q)

@@ -117,6 +117,26 @@ def test_backward_plan():
                                "sm_90a", 132)
 
 
+def test_dropout_backward_plan():
+    """Dropout's backward runs the portable kernel (the Hopper one has no dropout yet); on sm_90a with one Q/dO
+    buffer, and at d 128 the 32-key configuration (the kernels that would spill leave dropout out,
+    BwdTraits::DROPOUT); above 128 it raises."""
+    problem = checks.Problem(2, 300, 500, 8, 2, 128, np.dtype(np.float16))
+    assert backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).sm90 is not None
+    hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132, dropout=True)
+    assert hopper.sm90 is None and hopper.spec.config == backward.DROPOUT_SM90_CONFIG
+    assert hopper.spec in backward.all_specs("sm_90a") and hopper.grid == (16, 2, 2)
+    ampere = backward.plan_backward(problem, -1, 0, False, False, "sm_80", 108, dropout=True)
+    assert ampere.spec.config == backward.BWD_CONFIG and ampere.spec in backward.all_specs("sm_80")
+    narrow = checks.Problem(2, 300, 500, 8, 2, 64, np.dtype(np.float16))
+    assert backward.plan_backward(narrow, -1, 0, False, False, "sm_90a", 132, dropout=True).spec.config == (
+        backward.BWD_CONFIG)  # one Q/dO buffer: the double-buffered kernels leave dropout out on sm_90a
+    assert backward.plan_backward(narrow, -1, 0, False, False, "sm_80", 108, dropout=True).spec.config.q_buffers == 2
+    with pytest.raises(NotImplementedError, match="dropout at head dim 200"):
+        backward.plan_backward(checks.Problem(1, 8, 8, 1, 1, 200, np.dtype(np.float16)), -1, -1, False, False,
+                               "sm_90a", 132, dropout=True)
+
+
 def test_grid_limits_are_checked_before_launch():
     problem = checks.Problem(70000, 8, 8, 1, 1, 64, np.dtype(np.float16))
     with pytest.raises(ValueError, match="batch: 70000 exceeds"):

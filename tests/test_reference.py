@@ -583,3 +583,88 @@ def test_paged_varlen_equals_varlen_on_the_gathered_keys(page_size):
         pool[table[b, np.arange(n) // page_size], np.arange(n) % page_size] for b, n in enumerate(lens_k)])
     want = ref.attention_varlen(q, gather(pool_k), gather(pool_v), cu_q, cu_k, 5, 40, causal=True)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout: the generator and the mask
+# --------------------------------------------------------------------------------------------
+
+def test_philox_known_answers():
+    """Random123's known-answer vectors for Philox 4x32-10."""
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, want in cases:
+        assert [int(x) for x in ref.philox4x32([np.uint32(c) for c in counter], key)] == list(want)
+
+
+def test_dropout_mask_keeps_one_minus_p_independently():
+    """The kept fraction is 1 - p (to the 16-bit threshold) within 4 sigma, over batches, heads, rows and keys; masks
+    of different seeds or offsets, and of neighbouring rows, heads and batches, are uncorrelated (chi-square of the
+    2 x 2 table of pairs, 1 degree of freedom, below 15)."""
+    p = 0.3
+    keep = ref.dropout_keep(seed=1234, offset=7, batch=2, nheads=3, seqlen_q=96, seqlen_k=160, dropout_p=p)
+    pk = ref.dropout_threshold(p) / 65536
+    n = keep.size
+    assert abs(keep.mean() - pk) < 4 * math.sqrt(pk * (1 - pk) / n)
+
+    def chi2(a, b):
+        a, b = a.ravel(), b.ravel()
+        table = np.array([[np.sum(a & b), np.sum(a & ~b)], [np.sum(~a & b), np.sum(~a & ~b)]], dtype=np.float64)
+        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+        return float(((table - expected) ** 2 / expected).sum())
+
+    for a, b in ((keep[:, :, 1:], keep[:, :, :-1]), (keep[:, :, :, 1:], keep[:, :, :, :-1]),
+                 (keep[:, 1:], keep[:, :-1]), (keep[1:], keep[:-1]), (keep[:, :, 8:], keep[:, :, :-8]),
+                 (keep[:, :, :, 8:], keep[:, :, :, :-8])):
+        assert chi2(a, b) < 15
+    other_seed = ref.dropout_keep(seed=1235, offset=7, batch=2, nheads=3, seqlen_q=96, seqlen_k=160, dropout_p=p)
+    other_offset = ref.dropout_keep(seed=1234, offset=8, batch=2, nheads=3, seqlen_q=96, seqlen_k=160, dropout_p=p)
+    assert chi2(keep, other_seed) < 15 and chi2(keep, other_offset) < 15
+    again = ref.dropout_keep(seed=1234, offset=7, batch=2, nheads=3, seqlen_q=96, seqlen_k=160, dropout_p=p)
+    assert np.array_equal(keep, again)
+    # a sub-block of a bigger problem is the same mask: the index of an element is its own (b, h, i, j)
+    big = ref.dropout_keep(seed=1234, offset=7, batch=2, nheads=3, seqlen_q=200, seqlen_k=300, dropout_p=p)
+    assert np.array_equal(big[:, :, :96, :160], keep)
+
+
+def test_dropout_forward_and_backward_match_finite_differences():
+    """The reference's gradients with dropout equal central differences of its forward (float64), GQA, causal."""
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((1, 20, 2, 8)), rng.standard_normal((1, 24, 1, 8)), rng.standard_normal((1, 24, 1, 8))
+    dout = rng.standard_normal((1, 20, 2, 8))
+    opts = dict(causal=True, dropout_p=0.4, dropout_seed=99, dropout_offset=3)
+    out, lse = ref.attention(q, k, v, return_lse=True, **opts)
+    no_drop = ref.attention(q, k, v, causal=True)
+    assert not np.allclose(out, no_drop)
+    grads = ref.attention_backward(dout, q, k, v, out, lse, **opts)
+    for x, g in zip((q, k, v), grads):
+        for idx in [(0, 3, 0, 1), (0, 17, 0, 5)]:
+            idx = idx[:x.ndim] if x.shape[2] > idx[2] else idx
+            e = np.zeros_like(x)
+            e[idx] = 1e-6
+            args = [q, k, v]
+            pos = [y is x for y in args].index(True)
+            plus, minus = list(args), list(args)
+            plus[pos], minus[pos] = x + e, x - e
+            numeric = ((ref.attention(*plus, **opts) - ref.attention(*minus, **opts)) * dout).sum() / 2e-6
+            assert abs(numeric - g[idx]) < 1e-6 * max(1.0, abs(numeric))
+
+
+def test_varlen_dropout_is_each_sequence_as_batch_row_b():
+    """Sequence b of a varlen batch drops as batch row b of a dense call of its lengths does."""
+    rng = np.random.default_rng(5)
+    lens = [7, 0, 20]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), 2, 8)) for _ in range(3))
+    opts = dict(dropout_p=0.25, dropout_seed=11, dropout_offset=2, causal=True)
+    got = ref.attention_varlen(q, k, v, cu, cu, 20, 20, **opts)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        dense_q, dense_k, dense_v = (np.zeros((b + 1, n, 2, 8)) for _ in range(3))
+        dense_q[b], dense_k[b], dense_v[b] = q[rows], k[rows], v[rows]
+        want = ref.attention(dense_q, dense_k, dense_v, **opts)[b]
+        np.testing.assert_allclose(got[rows], want, rtol=1e-12, atol=1e-12)

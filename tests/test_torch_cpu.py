@@ -4,6 +4,7 @@ CPU tensors stand in for CUDA ones: the launcher is swapped for cuflash.referenc
 device check is relaxed. Everything between the public function and the launch runs as on a GPU.
 """
 import contextlib
+import math
 
 import numpy as np
 import pytest
@@ -62,18 +63,22 @@ def on_host(monkeypatch):
         return (out, lse.astype(np.float32)) if return_lse else out
 
     def forward_launch(problem, specs, options, lse_shape):  # the ops launch by pointer: same reference underneath
-        def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k):
+        def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                   dropout_seed, dropout_offset):
             lse = torch.empty(lse_shape) if lse is None else lse
+            generator = dict(dropout_seed=dropout_seed, dropout_offset=dropout_offset) if "dropout_p" in options else {}
             forward(problem, *map(_host, (q, k, v, out, lse)), alibi_slopes=_host(alibi_slopes),
                     cu_seqlens_q=_host(cu_seqlens_q), cu_seqlens_k=_host(cu_seqlens_k),
-                    block_table=_host(block_table), seqused_k=_host(seqused_k), **options)
+                    block_table=_host(block_table), seqused_k=_host(seqused_k), **options, **generator)
         return launch
 
     def backward_launch(problem, specs, options, deterministic, packed):
-        def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace):
+        def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace,
+                   dropout_seed=0, dropout_offset=0):
+            generator = dict(dropout_seed=dropout_seed, dropout_offset=dropout_offset) if "dropout_p" in options else {}
             backward(problem, *map(_host, (dout, q, k, v, out, lse, dq, dk, dv)), alibi_slopes=_host(alibi_slopes),
                      deterministic=deterministic, cu_seqlens_q=_host(cu_seqlens_q), cu_seqlens_k=_host(cu_seqlens_k),
-                     **options)
+                     **options, **generator)
         return launch, 0
 
     monkeypatch.setattr(forward_op, "launch", forward)
@@ -505,3 +510,77 @@ def test_varlen_paged_keys_forward_and_no_backward(on_host):
                              fullgraph=True)
     with torch.no_grad():
         assert torch.equal(compiled(q.detach(), pool_k, pool_v, cu_q, cu_k), out)
+
+
+# --------------------------------------------------------------------------------------------
+# dropout
+# --------------------------------------------------------------------------------------------
+
+class _FakeCudaGenerator:
+    """torch's CUDA generator as cuflash.torch reads it: a seed and an offset the call advances."""
+
+    def __init__(self, seed, offset):
+        self.seed, self.offset = seed, offset
+
+    def initial_seed(self):
+        return self.seed
+
+    def get_offset(self):
+        return self.offset
+
+    def set_offset(self, offset):
+        self.offset = offset
+
+
+def test_dropout_mask_comes_from_the_generator_and_reaches_forward_and_backward(on_host, monkeypatch):
+    generator = _FakeCudaGenerator(seed=(7 << 40) + 123, offset=8)
+    monkeypatch.setattr(cuflash.torch, "_generator", lambda q: generator)
+    q, k, v = _qkv(torch.float16)
+    p = 0.3
+    out = cuflash.torch.attention(q, k, v, causal=True, dropout_p=p)
+    assert generator.offset == 12  # the call took 4 of the generator's offsets
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    fwd, bwd = on_host[0][1], on_host[1][1]
+    for options in (fwd, bwd):  # the backward regenerates the forward's mask
+        assert (options["dropout_p"], options["dropout_seed"], options["dropout_offset"]) == (p, (7 << 40) + 123, 8)
+    # the same attention in float32 torch with the reference's mask: dropped probabilities, kept ones scaled
+    keep = torch.from_numpy(reference.dropout_keep((7 << 40) + 123, 8, 2, 4, 17, 29, p))
+    scale = 65536 / reference.dropout_threshold(p)
+    qf, kf, vf = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    kr, vr = kf.repeat_interleave(2, 1), vf.repeat_interleave(2, 1)
+    s = qf @ kr.transpose(-1, -2) / math.sqrt(32)
+    s = s.masked_fill(~(torch.arange(29)[None, :] <= torch.arange(17)[:, None] + 12), float("-inf"))
+    ref = ((s.softmax(-1) * keep * scale) @ vr).transpose(1, 2)
+    ref.backward(dout.double())
+    assert (out.double() - ref).abs().max().item() < 4e-3
+    for got, want in ((q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
+        assert (got.double() - want.transpose(1, 2)).abs().max().item() < 2e-2
+    # a second call draws a new mask
+    out2 = cuflash.torch.attention(q.detach(), k.detach(), v.detach(), causal=True, dropout_p=p)
+    assert generator.offset == 16 and on_host[2][1]["dropout_offset"] == 12 and not torch.equal(out2, out.detach())
+
+
+def test_dropout_through_varlen_and_padded_head_dims(on_host, monkeypatch):
+    generator = _FakeCudaGenerator(seed=5, offset=0)
+    monkeypatch.setattr(cuflash.torch, "_generator", lambda q: generator)
+    q, k, v, cu_q, cu_k = _packed(torch.float16)
+    cuflash.torch.attention_varlen(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), dropout_p=0.1).sum().backward()
+    assert [c[0] for c in on_host] == ["fwd", "bwd"] and generator.offset == 4
+    assert all(c[1]["dropout_p"] == 0.1 and c[1]["dropout_offset"] == 0 for c in on_host)
+    q, k, v = _qkv(torch.float16, d=20)  # padded to 24: the same mask, drawn per score
+    cuflash.torch.attention(q, k, v, dropout_p=0.1).sum().backward()
+    assert on_host[2][1]["dropout_offset"] == 4 and generator.offset == 8
+
+
+def test_dropout_is_eager_only_and_checked(on_host, monkeypatch):
+    monkeypatch.setattr(cuflash.torch, "_generator", lambda q: _FakeCudaGenerator(0, 0))
+    q, k, v = _qkv()
+    for p in (1.0, -0.1):
+        with pytest.raises(ValueError, match="dropout_p"):
+            cuflash.torch.attention(q, k, v, dropout_p=p)
+    with pytest.raises(TypeError, match="dropout_p"):
+        cuflash.torch.attention(q, k, v, dropout_p="0.1")
+    compiled = torch.compile(lambda q, k, v: cuflash.torch.attention(q, k, v, dropout_p=0.1), fullgraph=True)
+    with pytest.raises(Exception, match="dropout_p: dropout runs in eager calls only"):
+        compiled(q, k, v)

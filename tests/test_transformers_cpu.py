@@ -246,8 +246,6 @@ def test_value_head_dim_smaller_than_query_is_padded_and_cropped(on_host):
 def test_what_cuflash_cannot_compute_raises(on_host):
     q, k, v = _qkv()
     layer = _Layer()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        cuflash.transformers.attention_forward(layer, q, k, v, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="4-D"):
         cuflash.transformers.attention_forward(layer, q, k, v, torch.zeros(2, 1, 11, 11))
     for name in ("s_aux", "position_bias"):
@@ -260,14 +258,20 @@ def test_what_cuflash_cannot_compute_raises(on_host):
     assert on_host == []
 
 
-def test_dropout_in_training_names_dropout(on_host):
+def test_dropout_in_training_reaches_the_kernels(on_host, monkeypatch):
+    from tests.test_torch_cpu import _FakeCudaGenerator
+    generator = _FakeCudaGenerator(seed=3, offset=0)
+    monkeypatch.setattr(cuflash.torch, "_generator", lambda q: generator)
     model = _llama(attention_dropout=0.1)
     model.set_attn_implementation("cuflash")
     model.train()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        model(_tokens(1, 5))
+    model(_tokens(1, 5))
+    assert on_host and all(options["dropout_p"] == 0.1 for _, options in on_host)
+    assert generator.offset == 4 * len(on_host)  # a new mask per layer
+    on_host.clear()
     model.eval()
     model(_tokens(1, 5))  # evaluation passes dropout=0
+    assert on_host and all("dropout_p" not in options for _, options in on_host)
 
 
 def test_float32_under_autocast_runs_in_bfloat16(on_host):

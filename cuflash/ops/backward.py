@@ -43,6 +43,11 @@ DOUBLE_BUFFER_HEADDIMS = (32, 64, 96)
 WIDE_HEADDIM = 256
 WIDE_ARCHS = ("sm_90a",)
 WIDE_CONFIG = BwdConfig(64, 32, 8)
+# Dropout on sm_90a: one Q/dO buffer, and at d = 128 32 keys per CTA. With two buffers, or 64 keys at d = 128,
+# ptxas spills once the keep bits join dK and dV in registers there (not on sm_80), so those kernels leave dropout
+# out on sm_90a (BwdTraits::DROPOUT).
+DROPOUT_SM90_CONFIG = BwdConfig(64, 32, 8)
+DROPOUT_SM90_HEADDIM = 128
 
 # Deterministic mode on the Hopper kernel. Either each of slots_sm90 CTAs per head adds into its own fp32 dQ
 # slice, summed in order after the kernel ("slices"), or the atomic mode's grid adds dQ as int32 fixed point
@@ -143,6 +148,9 @@ def all_specs(arch: str) -> list:
                 if arch in WIDE_ARCHS and d == BWD_HEADDIMS[-1]:
                     for mod in (False, True):
                         specs.append(BwdSpec(dtype, WIDE_HEADDIM, WIDE_CONFIG, band, mod))
+                if arch == "sm_90a" and d == DROPOUT_SM90_HEADDIM:
+                    for mod in (False, True):
+                        specs.append(BwdSpec(dtype, d, DROPOUT_SM90_CONFIG, band, mod))
     return specs
 
 
@@ -156,7 +164,7 @@ class BwdLaunch:
 
 
 def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
-                  sm_count: int) -> BwdLaunch:
+                  sm_count: int, dropout: bool = False) -> BwdLaunch:
     """Main backward kernel and its grid. Where the Hopper kernel applies (backward_sm90.applies) it runs
     (`sm90`), on its own grid: 128-key blocks, and in deterministic mode slots_sm90 slots or the fixed point.
     Elsewhere deterministic mode gives each of `slots` CTAs per (KV head, batch) its own dQ slice; enough slots to
@@ -164,9 +172,15 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     band = left >= 0 or right >= 0
     dtype = plan.dtype_tag(problem.dtype)
     d = bwd_headdim(problem.headdim, arch)
-    spec = BwdSpec(dtype, d, bwd_config(d), band, score_mod)
+    if dropout and d > BWD_HEADDIMS[-1]:
+        raise NotImplementedError(f"attention_backward: dropout at head dim {problem.headdim} is not supported yet "
+                                  f"(the backward regenerates the mask up to head dim {BWD_HEADDIMS[-1]})")
+    config = bwd_config(d)
+    if dropout and arch == "sm_90a":
+        config = DROPOUT_SM90_CONFIG if d == DROPOUT_SM90_HEADDIM else BWD_CONFIG
+    spec = BwdSpec(dtype, d, config, band, score_mod)
     groups = problem.batch * problem.nheads_k
-    if not backward_sm90.applies(problem, score_mod, arch):
+    if dropout or not backward_sm90.applies(problem, score_mod, arch):  # dropout: the portable kernel
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
         slots = max(1, min(n_blocks, math.ceil(2 * sm_count / groups))) if deterministic else n_blocks
         return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)),
@@ -240,12 +254,12 @@ def fixed_point_offsets(rows: int, nheads: int, headdim: int) -> tuple[int, int]
 # Layouts of the structs in cuda_src/params.cuh: same field order, C alignment (tests/test_plan.py checks).
 PARAMS_DTYPE = plan.struct(
     ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi", "cu_seqlens_q", "cu_seqlens_k",
-     "dq_scale", "kv_bound"),
+     "dq_scale", "kv_bound", "dropout_seed", "dropout_offset", "dropout_state"),
     plan.stride_fields("q", "k", "v", "do", "dk", "dv")
     + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
     ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
-     "deterministic"),
-    ("scale_log2", "mod_scale", "softcap", "softmax_scale"))
+     "deterministic", "dropout_threshold"),
+    ("dropout_scale", "scale_log2", "mod_scale", "softcap", "softmax_scale"))
 PRE_PARAMS_DTYPE = plan.struct(
     ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v"),
     plan.stride_fields("o", "do", "k", "v") + ["dq_slice_stride"],
@@ -266,7 +280,7 @@ class BackwardCall(NamedTuple):
     # out, dout, lse, dsum, lse_log2, dq_accum, dq_scale, kv_bound, k, v
     preprocess: KernelCall
     # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k, dq_scale,
-    # kv_bound (not read by the kernel)
+    # kv_bound (not read by the kernel), dropout_seed, dropout_offset, dropout_state
     main: KernelCall
     convert: KernelCall      # dQ = sum of the slices (fixed point: over the row scales), cast: dq_accum, dq, dq_scale
     lse_log2_offset: int
@@ -275,13 +289,15 @@ class BackwardCall(NamedTuple):
     workspace_bytes: int
     fixed_offsets: tuple | None = None  # (dq_scale, kv_bound) byte offsets; None: not fixed point
 
-    def __call__(self, stream, dout, q, k, v, out, lse, dq, dk, dv, alibi, cu_seqlens_q, cu_seqlens_k, workspace):
-        """Launch on ``stream`` with these data pointers (0 where absent)."""
+    def __call__(self, stream, dout, q, k, v, out, lse, dq, dk, dv, alibi, cu_seqlens_q, cu_seqlens_k, workspace,
+                 dropout_seed=0, dropout_offset=0, dropout_state=0):
+        """Launch on ``stream`` with these data pointers (0 where absent), and the forward's dropout generator: its
+        seed and offset, or a pointer to them in device memory (dropout_state)."""
         dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
         row_scale, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
         self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v)
         self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
-                  row_scale, kv_bound)
+                  row_scale, kv_bound, dropout_seed, dropout_offset, dropout_state)
         self.convert(stream, dq_accum, dq, row_scale)
 
 
@@ -291,7 +307,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     device `device_id` (current); ``packed``: varlen layouts, as in :func:`launch`."""
     scale, left, right, score_mod = options.softmax_scale, options.left, options.right, options.score_mod
     launch = plan_backward(problem, left, right, score_mod, bool(deterministic), build.device_arch(device_id),
-                           build.sm_count(device_id))
+                           build.sm_count(device_id), dropout=options.dropout)
     dtype = launch.spec.dtype
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
     # Per-row workspaces: (b, h, sq) and (slices, b, sq, h, d); packed, one row per query token, (h, total_q) and
@@ -339,14 +355,14 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
     bp["window_left"], bp["window_right"] = left, right
     bp["deterministic"] = 2 if fixed else int(bool(deterministic))
-    for name, value in options.scales.items():
+    for name, value in {**options.scales, **options.dropout_fields}.items():
         bp[name] = value
     bp["softmax_scale"] = scale
     if launch.sm90 is not None:  # same interface, same workspace
         main = backward_sm90.backward_main(launch.sm90, bp, q, k, v, dout, launch.grid, device_id)
     else:
         main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
-                            launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:14])
+                            launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:17])
 
     # dQ: sum the slices (fixed order), cast; fixed point: the int32 accumulator times each row's unit, grid (groups
     # of four elements of a row, rows)
@@ -372,22 +388,25 @@ def _forget() -> None:
 
 
 def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causal, window_size, softcap,
-           alibi_slopes, deterministic, cu_seqlens_q=None, cu_seqlens_k=None, workspace=None):
+           alibi_slopes, deterministic, cu_seqlens_q=None, cu_seqlens_k=None, workspace=None, dropout_p=0.0,
+           dropout_seed=0, dropout_offset=0, dropout_state=None):
     """Launch the backward into given dq/dk/dv (contiguous), on the current device and stream; no checks.
 
     The fp32 workspaces (rowsum(dO*O), lse in log2, the dQ accumulator) are one block of
     ``backward_call(...).workspace_bytes`` bytes: ``workspace`` (a uint8 array at least that long, e.g. a buffer
     XLA owns) or, without it, one allocation from CuPy's current allocator (a wrapper that sets one with
     ``cupy.cuda.using_allocator`` decides where it lives). With ``cu_seqlens_q`` and ``cu_seqlens_k`` the arrays
-    are packed as in :func:`cuflash.ops.forward.launch`, and the workspaces too: one row per query token.
+    are packed as in :func:`cuflash.ops.forward.launch`, and the workspaces too: one row per query token. The
+    forward's dropout (``dropout_p``, ``dropout_seed``, ``dropout_offset`` or ``dropout_state``) regenerates the same
+    mask.
     """
     from .. import runtime
     key = checks.call_signature((problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_size,
-                                 softcap, alibi_slopes, deterministic, cu_seqlens_q, cu_seqlens_k))
+                                 softcap, alibi_slopes, deterministic, cu_seqlens_q, cu_seqlens_k, dropout_p))
     call = _launches.get(key) if key is not None else None
     if call is None:
         options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                          softcap=softcap, alibi_slopes=alibi_slopes)
+                          softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
         call = backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options, device_id=q.device.id,
                              alibi_slopes=alibi_slopes, deterministic=deterministic, packed=cu_seqlens_q is not None)
         if key is not None:
@@ -401,4 +420,5 @@ def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causa
         raise ValueError(f"workspace: {workspace.nbytes} bytes, the backward needs {call.workspace_bytes}")
     call(cupy.cuda.get_current_stream().ptr, dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
          lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, runtime.ptr(alibi_slopes), runtime.ptr(cu_seqlens_q),
-         runtime.ptr(cu_seqlens_k), workspace.data.ptr)
+         runtime.ptr(cu_seqlens_k), workspace.data.ptr, int(dropout_seed), int(dropout_offset),
+         runtime.ptr(dropout_state))

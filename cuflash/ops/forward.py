@@ -72,11 +72,20 @@ def fwd_configs(arch: str, headdim: int, band: bool) -> tuple:
     return FWD_TABLE[("sm80",) + key]
 
 
-def fwd_config(arch: str, headdim: int, band: bool, seqlen_k: int) -> FwdConfig:
+def fwd_config(arch: str, headdim: int, band: bool, seqlen_k: int, dropout: bool = False) -> FwdConfig:
     for bound, config in fwd_configs(arch, headdim, band):
         if bound is None or seqlen_k <= bound:
-            return config
+            return config if not dropout or dropout_fits(config) else DROPOUT_CONFIG
     raise LookupError(f"no forward config for d={headdim} band={band} seqlen_k={seqlen_k} on {arch}")
+
+
+# Dropout's keep bits fit beside a warp's scores where it holds at most 16 score tiles (FwdTraits::DROPOUT); the
+# tables' 128 x 128 4-warp configuration (d = 32) holds 32, and dropout calls there run this one.
+DROPOUT_CONFIG = FwdConfig(128, 64, 4, False)
+
+
+def dropout_fits(config: FwdConfig) -> bool:
+    return (config.block_m // config.warps // 16) * (config.block_n // 8) <= 16
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,10 @@ def all_specs(arch: str) -> list:
     for dtype in ("fp16", "bf16"):
         for d in plan.COMPILED_HEADDIMS:
             for band in (False, True):
-                for _, config in fwd_configs(arch, d, band):
+                configs = [config for _, config in fwd_configs(arch, d, band)]
+                if not all(dropout_fits(c) for c in configs):  # what dropout calls run instead
+                    configs.append(DROPOUT_CONFIG)
+                for config in configs:
                     for mod in (False, True):
                         specs.append(FwdSpec(dtype, d, config, band, mod))
     return specs
@@ -135,11 +147,12 @@ class Launch:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str) -> Launch:
+def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str, dropout: bool = False) -> Launch:
     """The portable kernel and its launch shape for a forward call (window already normalized)."""
     band = left >= 0 or right >= 0
     d = plan.compiled_headdim(problem.headdim)
-    spec = FwdSpec(plan.dtype_tag(problem.dtype), d, fwd_config(arch, d, band, problem.seqlen_k), band, score_mod)
+    spec = FwdSpec(plan.dtype_tag(problem.dtype), d, fwd_config(arch, d, band, problem.seqlen_k, dropout), band,
+                   score_mod)
     m_blocks = math.ceil(problem.seqlen_q / spec.config.block_m)
     return Launch(spec, plan.check_grid((m_blocks, problem.nheads, problem.batch)), (spec.threads, 1, 1),
                   spec.smem_bytes)
@@ -214,13 +227,16 @@ def sm90_variant(problem, arch: str, band: bool = False) -> str | None:
 
 # FwdParams (cuda_src/params.cuh): same field order, C alignment (tests/test_plan.py checks).
 PARAMS_DTYPE = plan.struct(
-    ("q", "k", "v", "o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k"),
+    ("q", "k", "v", "o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k", "block_table", "seqused_k", "dropout_seed",
+     "dropout_offset", "dropout_state"),
     plan.stride_fields("q", "k", "v", "o") + ["lse_batch_stride", "lse_head_stride", "alibi_batch_stride",
                                               "block_table_stride"],
     ("seqlen_q", "seqlen_k", "page_size", "num_pages", "max_pages", "nheads", "heads_per_kv", "headdim",
-     "window_left", "window_right"),
-    ("scale_log2", "mod_scale", "softcap"))
-POINTERS = PARAMS_DTYPE.names[:10]  # q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k
+     "window_left", "window_right", "dropout_threshold"),
+    ("dropout_scale", "scale_log2", "mod_scale", "softcap"))
+# The fields a call sets: the data pointers q .. seqused_k, then the dropout generator's seed and offset, or the
+# pointer to them in device memory (dropout_state)
+POINTERS = PARAMS_DTYPE.names[:13]
 
 
 def params(problem, q, k, v, out, lse, alibi, options: AttentionOptions, block_table=None):
@@ -237,7 +253,7 @@ def params(problem, q, k, v, out, lse, alibi, options: AttentionOptions, block_t
     p["nheads"], p["heads_per_kv"] = problem.nheads, problem.nheads // problem.nheads_k
     p["headdim"] = problem.headdim
     p["window_left"], p["window_right"] = options.left, options.right
-    for name, value in options.scales.items():
+    for name, value in {**options.scales, **options.dropout_fields}.items():
         p[name] = value
     return p[()]
 
@@ -254,10 +270,12 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     arch = build.device_arch(device_id)
     portable_only = block_table is not None or seqused_k is not None
     variant = sm90_variant(problem, arch, options.band) if not portable_only else None
+    if variant is not None and options.dropout:  # dropout: one Hopper variant per head dim, without a score mod
+        variant = forward_sm90.DROPOUT_VARIANTS.get(problem.headdim) if not options.score_mod else None
     if variant is not None:
         return forward_sm90.forward_call(problem, q, k, v, out, lse, options, device_id=device_id,
                                          alibi_slopes=alibi_slopes, variant=variant)
-    launch = plan_forward(problem, options.left, options.right, options.score_mod, arch)
+    launch = plan_forward(problem, options.left, options.right, options.score_mod, arch, options.dropout)
     p = params(problem, q, k, v, out, lse, alibi_slopes, options, block_table)
     return KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, launch.block, launch.smem)],
                       p, POINTERS)
@@ -274,7 +292,8 @@ def _forget() -> None:
 
 
 def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, seqused_k=None):
+           cu_seqlens_q=None, cu_seqlens_k=None, block_table=None, seqused_k=None, dropout_p=0.0, dropout_seed=0,
+           dropout_offset=0, dropout_state=None):
     """Launch the forward into given arrays, on the current device and stream; no checks, no allocation.
 
     :func:`cuflash.attention` checks and allocates, then calls this; framework wrappers (JAX's FFI handler) call
@@ -285,14 +304,16 @@ def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
     ``cu_seqlens_k`` (int32 ``(batch + 1,)`` on the device); q/out are then ``(total_q, nheads, d)``, k/v
     ``(total_k, nheads_k, d)``, lse ``(nheads, total_q)``, and ``problem`` carries the maximum lengths. With
     ``block_table`` k/v are page pools ``(num_pages, page_size, nheads_k, d)``; ``seqused_k`` (int32 ``(batch,)``)
-    gives each sequence's key count.
+    gives each sequence's key count. ``dropout_p`` > 0 drops probabilities by the mask of ``dropout_seed`` and
+    ``dropout_offset`` (cuda_src/dropout.cuh), or of the two int64 words of ``dropout_state`` (a device array; the
+    kernels read them) where given.
     """
     key = checks.call_signature((problem, q, k, v, out, lse, softmax_scale, causal, window_size, softcap,
-                                 alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k))
+                                 alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, dropout_p))
     call = _launches.get(key) if key is not None else None
     if call is None:
         options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                          softcap=softcap, alibi_slopes=alibi_slopes)
+                          softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
         call = forward_call(problem, q, k, v, out, lse, options, device_id=q.device.id, alibi_slopes=alibi_slopes,
                             block_table=block_table, seqused_k=seqused_k)
         if key is not None:
@@ -302,7 +323,7 @@ def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
     import cupy
     call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, runtime.ptr(lse),
          runtime.ptr(alibi_slopes), runtime.ptr(cu_seqlens_q), runtime.ptr(cu_seqlens_k), runtime.ptr(block_table),
-         runtime.ptr(seqused_k))
+         runtime.ptr(seqused_k), int(dropout_seed), int(dropout_offset), runtime.ptr(dropout_state))
 
 
 def _layout(x) -> tuple:
@@ -310,23 +331,25 @@ def _layout(x) -> tuple:
     return type(x), x.shape, x.strides, x.dtype, x.data.device_id
 
 
-def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream):
+def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream, dropout_p=0.0,
+              dropout_seed=0, dropout_offset=0):
     """:func:`cuflash.attention`: check, resolve the options, allocate, launch. A call with the layouts and
     options of an earlier one skips straight to the launch."""
     try:  # one key for the checks and the launch: layouts of the arrays, values of the options
         key = (_layout(q), _layout(k), _layout(v), alibi_slopes is not None and _layout(alibi_slopes),
                type(softmax_scale), softmax_scale, type(causal), causal, type(window_size), window_size,
-               type(softcap), softcap, bool(return_lse))
+               type(softcap), softcap, bool(return_lse), type(dropout_p), dropout_p)
         hit = _attention_calls.get(key)
     except (AttributeError, TypeError):  # not CuPy arrays, or an unhashable option: the checks say what is wrong
         key = hit = None
     if hit is None:
         problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                         dropout_p=dropout_p)
         runtime.require_device_arrays(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
         runtime.require_gpu()  # after the checks, which need no GPU; once per process
         options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                          softcap=softcap, alibi_slopes=alibi_slopes)
+                          softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
         lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
         device_id = q.device.id
         with runtime.device(device_id):
@@ -346,5 +369,5 @@ def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes
         out = cupy.ndarray(q.shape, q.dtype)
         lse = cupy.ndarray(lse_shape, np.float32) if return_lse else None
         call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, runtime.ptr(lse),
-             runtime.ptr(alibi_slopes), 0, 0, 0, 0)
+             runtime.ptr(alibi_slopes), 0, 0, 0, 0, *checks.dropout_generator(dropout_seed, dropout_offset), 0)
     return (out, lse) if return_lse else out

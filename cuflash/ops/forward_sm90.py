@@ -33,6 +33,7 @@ class FwdSm90Spec:
     score_mod: bool = False         # softcap / ALiBi
     pingpong: bool = False          # the consumer warpgroups take turns issuing GEMMs (warp-specialized only)
     split: bool = False             # tiles whose rows fit in 64 worked by all three consumer warpgroups (SPLIT)
+    dropout: bool = False           # dropout on the probabilities (DROPOUT), where a call asks for it
 
     source = "fwd_sm90.cu"
 
@@ -52,13 +53,13 @@ class FwdSm90Spec:
         ws += "_persistent" if self.persistent else ""
         ws += "_split" if self.split else ""
         return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
-                f"{'_mod' if self.score_mod else ''}")
+                f"{'_mod' if self.score_mod else ''}{'_drop' if self.dropout else ''}")
 
     @property
     def template(self) -> str:
         return plan.template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
                              (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent,
-                              self.split))
+                              self.split, self.dropout))
 
     @property
     def smem_symbol(self) -> str:
@@ -124,28 +125,33 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
     raise ValueError(f"variant: one of {VARIANTS}, not {variant!r}")
 
 
-def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: bool) -> FwdSm90Spec:
+def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: bool,
+                 dropout: bool = False) -> FwdSm90Spec:
     """The specialization a variant of VARIANTS compiles for these options."""
-    return FwdSm90Spec(dtype, headdim, band, score_mod=score_mod, **variant_options(variant, headdim, score_mod))
+    return FwdSm90Spec(dtype, headdim, band, score_mod=score_mod, dropout=dropout,
+                       **variant_options(variant, headdim, score_mod))
 
 
-# FwdSm90Params (fwd_sm90.cu): four 64-byte-aligned tensor maps (q, k, v, o), the pointers o, lse, alibi,
-# cu_seqlens_q, cu_seqlens_k (with the maps, the struct's head a call writes), strides, ints, scales, batch,
-# o_tma, the persistent walk's chunk sizes and divisions (multiplier, shift: fast_div); 704 bytes.
-_POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k")
+# FwdSm90Params (fwd_sm90_traits.cuh): four 64-byte-aligned tensor maps (q, k, v, o), the pointers o, lse, alibi,
+# cu_seqlens_q, cu_seqlens_k, dropout_state and the dropout generator's seed and offset (with the maps, the struct's
+# head a call writes), strides, ints, scales, dropout's threshold and scale, batch, o_tma, the persistent walk's
+# chunk sizes and divisions (multiplier, shift: fast_div); 768 bytes.
+_POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k", "dropout_state", "dropout_seed",
+                  "dropout_offset")
 _I64S = ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride", "lse_head_stride",
          "alibi_batch_stride")
 _INTS = ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "window_left", "window_right")
 _FLOATS = ("scale_log2", "mod_scale", "softcap")
+_DROPOUT = ("dropout_threshold", "dropout_scale")
 _DIVISIONS = tuple(f"by_{n}_{part}" for n in ("m_blocks", "heads", "chunk_tiles", "chunk", "chunk_last")
                    for part in ("mul", "shift"))
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "v", "o_map", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, "batch", "o_tma", "chunk",
+    "names": ["q", "k", "v", "o_map", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, *_DROPOUT, "batch", "o_tma", "chunk",
               "chunk_last", *_DIVISIONS],
-    "formats": (["V128"] * 4 + [np.uint64] * 5 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3 + [np.int32] * 4
-                + [np.uint32] * len(_DIVISIONS)),
-    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(11)] + [600 + 4 * i for i in range(15 + 10)],
-    "itemsize": 704})
+    "formats": (["V128"] * 4 + [np.uint64] * 8 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3
+                + [np.int32, np.float32] + [np.int32] * 4 + [np.uint32] * len(_DIVISIONS)),
+    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(14)] + [624 + 4 * i for i in range(17 + 10)],
+    "itemsize": 768})
 
 
 def fast_div(d: int) -> tuple:
@@ -203,13 +209,21 @@ def o_tma(headdim: int) -> int:
     return O_TMA_DEFAULT[headdim] if forced is None else int(forced)
 
 
+# Dropout runs on one variant per head dim (no score mod; a call with both takes the portable kernel): the head
+# dim's default (cuflash.ops.forward.SM90_DEFAULT_VARIANTS), but at d = 64 the two-warpgroup ws_n128 (with three
+# warpgroups of 160 registers the keep bits spill).
+DROPOUT_VARIANTS = {64: "ws_n128", 128: "pingpong_n128", 256: "lockstep"}
+
+
 def all_specs() -> list:
-    """Every Hopper forward specialization (each variant, head dim, dtype, band, score mod): what the compile test
-    checks and scripts/precompile.py --hopper compiles ahead of the GPU tests."""
+    """Every Hopper forward specialization (each variant, head dim, dtype, band, score mod; the dropout ones):
+    what the compile test checks and scripts/precompile.py --hopper compiles ahead of the GPU tests."""
     return list(dict.fromkeys(  # in order, without repeats (the _n128 variants at d = 256 are the 64-key ones)
-        variant_spec(variant, dtype, d, band, mod)
-        for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
-        for band in (False, True) for mod in (False, True)))
+        [variant_spec(variant, dtype, d, band, mod)
+         for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
+         for band in (False, True) for mod in (False, True)]
+        + [variant_spec(variant, dtype, d, band, False, dropout=True)
+           for d, variant in DROPOUT_VARIANTS.items() for dtype in ("fp16", "bf16") for band in (False, True)]))
 
 
 _POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the four maps (offset 512)
@@ -227,19 +241,21 @@ class ForwardCall:
         self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
 
     def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
-                 cu_seqlens_k: int = 0, block_table: int = 0, seqused_k: int = 0) -> None:
-        # (block_table and seqused_k: the portable call's arguments; calls with them are never planned here)
+                 cu_seqlens_k: int = 0, block_table: int = 0, seqused_k: int = 0, dropout_seed: int = 0,
+                 dropout_offset: int = 0, dropout_state: int = 0) -> None:
+        # (block_table, seqused_k: the portable call's arguments; calls with them are never planned here)
         q_map, k_map, v_map, o_map = self.maps
         self.kernel_call.launch_head(
-            stream,
-            q_map(q) + k_map(k) + v_map(v) + o_map(o) + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k))
+            stream, q_map(q) + k_map(k) + v_map(v) + o_map(o)
+            + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k, dropout_state, dropout_seed, dropout_offset))
 
 
 def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, device_id: int, alibi_slopes=None,
                  variant: str) -> ForwardCall:
     """The Hopper forward for these layouts (arrays or TensorSpecs; out and lse contiguous; padded or packed as
     :func:`cuflash.ops.forward.launch` describes) on device `device_id` (current)."""
-    spec = variant_spec(variant, plan.dtype_tag(problem.dtype), problem.headdim, options.band, options.score_mod)
+    spec = variant_spec(variant, plan.dtype_tag(problem.dtype), problem.headdim, options.band, options.score_mod,
+                        options.dropout)
     b, sq, h = problem.batch, problem.seqlen_q, problem.nheads  # packed: sq is the longest sequence
     p = np.zeros((), dtype=PARAMS_DTYPE)
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = seq_strides(out)
@@ -247,7 +263,7 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     p["seqlen_q"], p["seqlen_k"], p["nheads"] = sq, problem.seqlen_k, h
     p["heads_per_kv"], p["window_left"], p["window_right"] = h // problem.nheads_k, options.left, options.right
     p["alibi_batch_stride"] = alibi_batch_stride(alibi_slopes)
-    for name, value in options.scales.items():
+    for name, value in {**options.scales, **options.dropout_fields}.items():
         p[name] = value
     p["batch"] = b
     p["o_tma"] = o_tma(problem.headdim)  # (the SPLIT kernel ignores it: epilogue)

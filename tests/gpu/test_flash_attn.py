@@ -149,11 +149,25 @@ def test_return_attn_probs_and_lse():
     assert (lse.double() - scores.logsumexp(-1)).abs().max().item() < 1e-3
 
 
-def test_dropout_is_not_supported():
+def test_dropout_follows_torch_manual_seed():
+    """flash_attn_func's dropout_p draws its mask from torch's CUDA generator: a seed repeats the output and the
+    gradients bitwise, and p = 0.3 changes the output."""
     from cuflash.flash_attn import flash_attn_func
-    q = _randn(1, 8, 2, 64, dtype=torch.float16, seed=5)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flash_attn_func(q, q, q, dropout_p=0.1)
+    q = _randn(2, 70, 4, 64, dtype=torch.float16, seed=5).requires_grad_()
+
+    def run(p):
+        torch.manual_seed(11)
+        q.grad = None
+        out = flash_attn_func(q, q, q, dropout_p=p, causal=True)
+        out.float().square().sum().backward()
+        return out.detach(), q.grad.clone()
+
+    out1, grad1 = run(0.3)
+    out2, grad2 = run(0.3)
+    plain, _ = run(0.0)
+    assert torch.equal(out1, out2) and torch.equal(grad1, grad2)
+    assert torch.isfinite(grad1).all()
+    assert (out1.float() - plain.float()).abs().max().item() > 1e-2
 
 
 # --------------------------------------------------------------------------------------------
