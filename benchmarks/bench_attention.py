@@ -51,6 +51,7 @@ import datetime as _dt
 import gc
 import json
 import math
+import importlib.util
 import os
 import platform
 import random
@@ -63,8 +64,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)  # run from a checkout without pip install
+if importlib.util.find_spec("cuflash") is None:  # a checkout without pip install; a PYTHONPATH package (an A/B's
+    sys.path.insert(0, REPO_ROOT)                # base, scripts/gpu_ab.sh) is the one measured
 
 TOKENS_PER_BATCH = 16384
 HIDDEN = 2048
@@ -902,7 +903,8 @@ def main(argv=None) -> int:
         return 2
     meta = dict(run_meta(), placements=args.placements)
     print(f"device {meta['device']}  torch {meta['torch_version']}  triton "
-          f"{meta['triton_version']}  cupy {meta['cupy_version']}  cudnn {meta['cudnn_version']}")
+          f"{meta['triton_version']}  cupy {meta['cupy_version']}  cudnn {meta['cudnn_version']}"
+          + (f"  cuflash {os.path.dirname(cuflash.__file__)}" if cuflash is not None else ""))
     if CUFLASH_IMPORT_ERROR:
         print(f"cuflash: import failed: {CUFLASH_IMPORT_ERROR}  (peers still measured)")
     if "bwd" in args.ops and cuflash is not None and not hasattr(cuflash, "attention_backward"):

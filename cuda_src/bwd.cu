@@ -37,13 +37,15 @@ struct BwdTraits {
     static constexpr int QBUF = QBUF_;       // Q/dO buffers: 2 loads the next query block while one computes
     // Above d = 128 registers are short: the k-loops of the products stay rolled (unrolled fully below).
     static constexpr bool WIDE = D > 128;
-    // Dropout's keep bits need registers the wide kernels and, on sm_90a, the double-buffered kernels and the
-    // 64-key d = 128 one do not have (ptxas spills); calls with dropout take a kernel where this holds
-    // (cuflash.ops.backward.plan_backward).
+    // Dropout's keep bits need registers the wide kernels, the 64-key d = 128 kernels (on sm_80: the score-mod
+    // ones) and, on sm_90a, the double-buffered ones do not have (ptxas spills); calls with dropout take a kernel
+    // where DROPOUT holds (cuflash.ops.backward.dropout_config). DROPOUT_MOD: also with a score mod.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static constexpr bool DROPOUT = !WIDE && QBUF == 1 && !(D == 128 && BN == 64);
+    static constexpr bool DROPOUT_MOD = DROPOUT;
 #else
     static constexpr bool DROPOUT = !WIDE;
+    static constexpr bool DROPOUT_MOD = DROPOUT && !(D == 128 && BN == 64);
 #endif
     static constexpr int KS_UNROLL = WIDE ? 1 : D / 16, KK_UNROLL = WIDE ? 1 : BM / 16,
                          DQ_K_UNROLL = WIDE ? 1 : BN / 16;
@@ -236,10 +238,9 @@ struct BwdBlock {
         const int key0 = n * BN + kb * 16, q0 = row0 + half * (BM / Traits::SPLIT);
         // dropout: out = (P M / keep) V, so dV takes P M / keep and dS = P (dP M / keep - D). The keep bits (one
         // word per pair of query tiles) are drawn before S^T and dP^T occupy their registers, so that the
-        // generator's state never lives beside them. Only where Traits::DROPOUT holds: not in the wide kernels
-        // (cuflash.ops.backward refuses dropout above d = 128) nor in sm_90a's 64-key kernel at d = 128 (its dropout
-        // calls take the 32-key one).
-        const bool dropping = Traits::DROPOUT && p.dropout_threshold < 65536;
+        // generator's state never lives beside them. Only in the kernels that have the registers for them
+        // (BwdTraits::DROPOUT, DROPOUT_MOD).
+        const bool dropping = (SCORE_MOD ? Traits::DROPOUT_MOD : Traits::DROPOUT) && p.dropout_threshold < 65536;
         u32 kept[NQW / 2];
 #pragma unroll
         for (int np = 0; np < NQW / 2; ++np)

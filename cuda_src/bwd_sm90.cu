@@ -21,6 +21,8 @@
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
 // waited for first) at d = 64 (at 128 that kernel spills); head dims 64, 128 and 256 (DSPLIT: 64 keys per CTA, the
 // warpgroups splitting the head dim; step_split).
+// Dropout (DROPOUT kernels, d = 64 and 128 with 64 query rows, no score mod): dV takes P M / keep and
+// dS^T = P^T (dP^T M / keep - D), with M's bits regenerated per step (dropout.cuh) while S^T and dP^T compute.
 // Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
 // with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order:
 // only the FIXED kernels, which run only that mode, so that the others carry none of its code (a run-time test of
@@ -32,6 +34,7 @@
 #include "seqlen.cuh"
 #include "fixed_dq.cuh"
 #include "params.cuh"
+#include "dropout.cuh"
 
 namespace cuflash {
 
@@ -96,7 +99,7 @@ template <int BM, bool TMA_DQ> struct BwdSm90Smem<256, BM, TMA_DQ> {
     BwdSm90SplitTail<BM> tail;
 };
 
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED>
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 struct BwdSm90 {
     // d = 256: dK and dV of 128 keys would need 256 registers a thread, so a CTA holds 64 keys and its two warpgroups
     // split the head dim instead of the keys: each computes S^T and dP^T for all 64 keys against its half of the
@@ -133,9 +136,10 @@ struct BwdSm90 {
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(D == 64 || D == 128 || (D == 256 && BM == 64 && !SCORE_MOD), "head dims 64, 128 and 256");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
+    static_assert(!DROPOUT || (BM == 64 && !DSPLIT && !SCORE_MOD && !FIXED), "dropout: d 64, 128; 64 query rows");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
-    static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64;
+    static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64 && !DROPOUT;
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
@@ -311,6 +315,18 @@ struct BwdSm90 {
             }
     }
 
+    // Dropout: P^T's fragments times the keep mask M. Fragment [kk][r] packs elements [2 kk + r / 2][2 (r % 2)] and
+    // [..][2 (r % 2) + 1] (sm90::a_fragment): keep bits 8 kk + 2 r and 8 kk + 2 r + 1, its low and high halves.
+    __device__ __forceinline__ static void drop_fragments(u32 (&a)[KK][4], u32 kept) {
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const u32 bits = kept >> (8 * kk + 2 * r);
+                a[kk][r] &= (bits & 1u) * 0xFFFFu + (bits & 2u) * 0x7FFF8000u;
+            }
+    }
+
     __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
         // Opaque per step (the same values): the shared-memory descriptors derived from them are made where used,
         // not hoisted out of the step loop and kept in registers across steps
@@ -321,13 +337,21 @@ struct BwdSm90 {
         const int buf = uniform(tt % 2);
         const float* lse = rows(smem, buf);
         const float* dsum = lse + BM;
+        // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
+        const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
+        // dropout: the keep bits of this warp's 16 keys x BM queries (bit 4 j + e: element [j][e]), drawn while Q and
+        // dO load and before S^T and dP^T take their registers (beside them, at d = 128, ptxas spills)
+        u32 kept = ~0u;
+        if constexpr (DROPOUT) {
+            if (p.dropout_threshold < 65536)
+                kept = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT>((key0 - lane / 4) / 16,
+                                                                                   m * BM / 16, lane);
+        }
         sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);
         float st[NT][4], dpt[NT][4];
         sm90::wgmma_fence();
         issue_keys_by_queries(st, base, q_tile(buf));
         issue_keys_by_queries(dpt, base + OFF_V, do_tile(buf));
-        // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
-        const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
         // Issue order: dV as soon as P^T is in registers (EARLY_DV), then, once dS^T is in shared memory, dQ (then
         // dV if not yet) and dK, so that dQ's reductions overlap the wgmma after it. A fragment register an in-flight
         // wgmma reads is not touched again before the wait that ends it.
@@ -354,6 +378,7 @@ struct BwdSm90 {
             else probabilities<true>(st, lse, key0, m);
             // P^T's fragments: BM = 128 packs them after dS, so that its floats and fragments are not both live
             if constexpr (BM == 64) sm90::a_fragments<T>(st, a);
+            if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M (its 1 / keep applied in store_dkdv)
             if constexpr (EARLY_DV) {
                 sm90::wgmma_fence();
                 issue_keys_by_d(acc_dv, a, do_tile(buf));
@@ -367,7 +392,9 @@ struct BwdSm90 {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = 8 * j + 2 * (lane % 4) + e % 2;
-                    dpt[j][e] = st[j][e] * (dpt[j][e] - dsum[col]) * p.softmax_scale;  // dS^T, in place
+                    float dp = dpt[j][e];
+                    if constexpr (DROPOUT) dp = (kept >> (4 * j + e)) & 1u ? dp * p.dropout_scale : 0.f;
+                    dpt[j][e] = st[j][e] * (dp - dsum[col]) * p.softmax_scale;  // dS^T, in place
                 }
             if constexpr (BM == 128) sm90::a_fragments<T>(st, a);
         }
@@ -597,8 +624,10 @@ struct BwdSm90 {
 #pragma unroll
             for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
                 const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane % 4);
+                const float dv_scale = DROPOUT ? p.dropout_scale : 1.f;  // dropout: dV = (P M)^T dO / keep
                 *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
-                *reinterpret_cast<u32*>(dv + col) = pack2<T>(acc_dv[dt][2 * hh], acc_dv[dt][2 * hh + 1]);
+                *reinterpret_cast<u32*>(dv + col) =
+                    pack2<T>(acc_dv[dt][2 * hh] * dv_scale, acc_dv[dt][2 * hh + 1] * dv_scale);
             }
         }
     }
@@ -688,16 +717,16 @@ struct BwdSm90 {
     }
 };
 
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED>
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __global__ void __launch_bounds__(256, 1) bwd_sm90_kernel(const __grid_constant__ BwdSm90Params P) {
     extern __shared__ __align__(1024) char smem[];
-    BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED> block(P);
+    BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT> block(P);
     block.run(smem);
 }
 
 // The dynamic shared memory (bytes) a launch of bwd_sm90_kernel with the same template arguments requests: the
 // launcher reads it from the compiled module (name expression "&cuflash::bwd_sm90_smem_bytes<...>").
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED>
-__device__ const unsigned bwd_sm90_smem_bytes = BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED>::SMEM_BYTES;
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ const unsigned bwd_sm90_smem_bytes = BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::SMEM_BYTES;
 
 }  // namespace cuflash

@@ -31,7 +31,7 @@ struct FwdTraits {
     static constexpr int DT = D / 8;                  // 8-column tiles of O
     // Dropout's keep bits beside a warp's scores: configurations with at most 16 score tiles a warp (the 128 x 128
     // 4-warp one holds 32 and has no registers to spare; cuflash.ops.forward plans dropout calls elsewhere).
-    static constexpr bool DROPOUT = MT * NT <= 16;
+    static constexpr bool DROPOUT_FITS = MT * NT <= 16;
     // Q's A fragments held in registers for the whole loop: halves the shared-memory traffic of S = Q K^T, at
     // D / 4 registers per 16-row tile. Pays off when a warp owns one 16-row tile (its B fragments are not reused).
     static constexpr bool Q_IN_REGS = Q_IN_REGS_;
@@ -43,8 +43,11 @@ struct FwdTraits {
     static_assert(BN % 16 == 0 && D % 16 == 0, "ldmatrix.x4 loads 16 x 16 pieces");
 };
 
-template <class Traits, bool BAND, bool SCORE_MOD>
+// DROPOUT: the kernel applies FwdParams' dropout (a template flag: its registers and branches slow the kernels
+// without it by up to 8%, docs/perf-notes.md).
+template <class Traits, bool BAND, bool SCORE_MOD, bool DROPOUT>
 struct FwdBlock {
+    static_assert(!DROPOUT || Traits::DROPOUT_FITS, "dropout's keep bits need registers this configuration lacks");
     using T = typename Traits::T;
     static constexpr int D = Traits::HEADDIM, DP = Traits::DP, BM = Traits::BM, BN = Traits::BN;
     static constexpr int THREADS = Traits::THREADS, MT = Traits::MT, NT = Traits::NT, DT = Traits::DT;
@@ -171,7 +174,7 @@ struct FwdBlock {
                 for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(q_frag[mt][ks], q_addr(warp_row0 / 16 + mt, ks));
         }
 
-        const bool dropping = Traits::DROPOUT && p.dropout_threshold < 65536;
+        const bool dropping = DROPOUT && p.dropout_threshold < 65536;
         u32 kept[MT][(4 * NT + 31) / 32];  // dropout's keep bits, drawn before the scores take their registers
         if (dropping) {
             const Dropout dropout = Dropout::of(p, blockIdx.z * p.nheads + blockIdx.y);
@@ -204,7 +207,7 @@ struct FwdBlock {
         __syncthreads();  // Q's shared memory is free for staging O
         float lse[MT][2];
         softmax.finalize(acc_o, p.scale_log2, lse);
-        if (p.dropout_threshold < 65536) {  // the kept probabilities' scale
+        if (DROPOUT && p.dropout_threshold < 65536) {  // the kept probabilities' scale
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -304,10 +307,10 @@ struct FwdBlock {
     }
 };
 
-template <class T, int D, int BM, int BN, int WARPS, bool Q_IN_REGS, bool BAND, bool SCORE_MOD>
+template <class T, int D, int BM, int BN, int WARPS, bool Q_IN_REGS, bool BAND, bool SCORE_MOD, bool DROPOUT>
 __global__ void __launch_bounds__(WARPS * 32) fwd_kernel(const __grid_constant__ FwdParams p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdBlock<FwdTraits<T, D, BM, BN, WARPS, Q_IN_REGS>, BAND, SCORE_MOD> block(p);
+    FwdBlock<FwdTraits<T, D, BM, BN, WARPS, Q_IN_REGS>, BAND, SCORE_MOD, DROPOUT> block(p);
     block.run(smem);
 }
 

@@ -373,7 +373,7 @@ def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels):
                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, packed=False)
     spec = call.main.spec
     assert spec == backward_sm90.BwdSm90Spec("fp16", 64, False, False, 128) and spec.name.endswith("_m128")
-    assert spec.template == "cuflash::bwd_sm90_kernel<cuflash::half_t, 64, 128, false, false, false>"
+    assert spec.template == "cuflash::bwd_sm90_kernel<cuflash::half_t, 64, 128, false, false, false, false>"
     assert tma.map_layout(q, spec.block_m)[3][2] == 128
     assert spec in backward_sm90.all_specs()
     assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128) not in backward_sm90.all_specs()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cuflash import build, checks, ops, options, plan, reference
-from cuflash.ops import backward, decode, forward, forward_sm90
+from cuflash.ops import backward, backward_sm90, decode, forward, forward_sm90
 from tests.fixtures import configure  # noqa: F401  (a fixture)
 
 
@@ -117,19 +117,45 @@ def test_backward_plan():
                                "sm_90a", 132)
 
 
+@pytest.mark.parametrize("arch", plan.ARCHS)
+def test_dropout_forward_plan(arch):
+    """The portable forward compiles dropout in only where a call has it (FwdSpec.dropout, a template flag): one
+    configuration per head dim and mask, whose keep bits fit beside the scores, for every length."""
+    for d in plan.COMPILED_HEADDIMS:
+        for band in (False, True):
+            for sk in (100, 600, 5000):
+                problem = checks.Problem(1, 300, sk, 4, 2, d, np.dtype(np.float16))
+                plain = forward.plan_forward(problem, -1, 0 if band else -1, False, arch)
+                drop = forward.plan_forward(problem, -1, 0 if band else -1, False, arch, True)
+                assert not plain.spec.dropout and drop.spec.dropout
+                assert drop.spec.config == forward.dropout_config(arch, d, band)
+                assert forward.dropout_fits(drop.spec.config)
+                assert {plain.spec, drop.spec} <= set(forward.all_specs(arch))
+                assert drop.spec.template.endswith(", true>")
+
+
 def test_dropout_backward_plan():
-    """Dropout's backward runs the portable kernel (the Hopper one has no dropout yet); on sm_90a with one Q/dO
-    buffer, and at d 128 the 32-key configuration (the kernels that would spill leave dropout out,
-    BwdTraits::DROPOUT); above 128 it raises."""
+    """Dropout's backward: on sm_90a the Hopper kernel's dropout variant at d 64 and 128 (64 query rows; in
+    deterministic mode the fp32 slices), with a score mod the portable kernel with one Q/dO buffer (at d 128 the
+    32-key configuration: the kernels that would spill leave dropout out, BwdTraits::DROPOUT); above 128 it
+    raises."""
     problem = checks.Problem(2, 300, 500, 8, 2, 128, np.dtype(np.float16))
-    assert backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).sm90 is not None
+    assert backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).sm90.dropout is False
     hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132, dropout=True)
-    assert hopper.sm90 is None and hopper.spec.config == backward.DROPOUT_SM90_CONFIG
-    assert hopper.spec in backward.all_specs("sm_90a") and hopper.grid == (16, 2, 2)
+    assert hopper.sm90 == backward_sm90.BwdSm90Spec("fp16", 128, True, False, 64, False, True)
+    assert hopper.sm90 in backward_sm90.all_specs() and hopper.grid == (4, 2, 2) and hopper.slices == 1
+    det = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132, dropout=True)
+    assert det.sm90.dropout and not det.fixed_point and det.slices == det.grid[0]
+    narrow = checks.Problem(2, 300, 500, 8, 2, 64, np.dtype(np.float16))
+    assert backward.plan_backward(narrow, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90.block_m == 64
+    modded = backward.plan_backward(problem, -1, 0, True, False, "sm_90a", 132, dropout=True)
+    assert modded.sm90 is None and modded.spec.config == backward.DROPOUT_CONFIG
+    assert modded.spec in backward.all_specs("sm_90a")
     ampere = backward.plan_backward(problem, -1, 0, False, False, "sm_80", 108, dropout=True)
     assert ampere.spec.config == backward.BWD_CONFIG and ampere.spec in backward.all_specs("sm_80")
-    narrow = checks.Problem(2, 300, 500, 8, 2, 64, np.dtype(np.float16))
-    assert backward.plan_backward(narrow, -1, 0, False, False, "sm_90a", 132, dropout=True).spec.config == (
+    ampere_mod = backward.plan_backward(problem, -1, 0, True, False, "sm_80", 108, dropout=True)  # a score mod
+    assert ampere_mod.spec.config == backward.DROPOUT_CONFIG and ampere_mod.spec in backward.all_specs("sm_80")
+    assert backward.plan_backward(narrow, -1, 0, True, False, "sm_90a", 132, dropout=True).spec.config == (
         backward.BWD_CONFIG)  # one Q/dO buffer: the double-buffered kernels leave dropout out on sm_90a
     assert backward.plan_backward(narrow, -1, 0, False, False, "sm_80", 108, dropout=True).spec.config.q_buffers == 2
     with pytest.raises(NotImplementedError, match="dropout at head dim 200"):

@@ -43,11 +43,19 @@ DOUBLE_BUFFER_HEADDIMS = (32, 64, 96)
 WIDE_HEADDIM = 256
 WIDE_ARCHS = ("sm_90a",)
 WIDE_CONFIG = BwdConfig(64, 32, 8)
-# Dropout on sm_90a: one Q/dO buffer, and at d = 128 32 keys per CTA. With two buffers, or 64 keys at d = 128,
-# ptxas spills once the keep bits join dK and dV in registers there (not on sm_80), so those kernels leave dropout
-# out on sm_90a (BwdTraits::DROPOUT).
-DROPOUT_SM90_CONFIG = BwdConfig(64, 32, 8)
-DROPOUT_SM90_HEADDIM = 128
+# Dropout's keep bits spill some kernels once they join dK and dV in registers, and those kernels leave dropout
+# out (BwdTraits::DROPOUT, DROPOUT_MOD): on sm_90a the double-buffered ones and the 64-key d = 128 ones, on sm_80
+# the 64-key d = 128 score-mod ones. Calls with dropout take one Q/dO buffer on sm_90a, and at d = 128 there (and
+# with a score mod on sm_80) 32 keys per CTA (dropout_config).
+DROPOUT_CONFIG = BwdConfig(64, 32, 8)
+DROPOUT_HEADDIM = 128
+
+
+def dropout_config(headdim: int, arch: str, score_mod: bool) -> BwdConfig:
+    """The portable backward's tile configuration for a call with dropout at a compiled head dim."""
+    if headdim == DROPOUT_HEADDIM and (arch == "sm_90a" or score_mod):
+        return DROPOUT_CONFIG
+    return BWD_CONFIG if arch == "sm_90a" else bwd_config(headdim)
 
 # Deterministic mode on the Hopper kernel. Either each of slots_sm90 CTAs per head adds into its own fp32 dQ
 # slice, summed in order after the kernel ("slices"), or the atomic mode's grid adds dQ as int32 fixed point
@@ -148,9 +156,9 @@ def all_specs(arch: str) -> list:
                 if arch in WIDE_ARCHS and d == BWD_HEADDIMS[-1]:
                     for mod in (False, True):
                         specs.append(BwdSpec(dtype, WIDE_HEADDIM, WIDE_CONFIG, band, mod))
-                if arch == "sm_90a" and d == DROPOUT_SM90_HEADDIM:
-                    for mod in (False, True):
-                        specs.append(BwdSpec(dtype, d, DROPOUT_SM90_CONFIG, band, mod))
+                if d == DROPOUT_HEADDIM:
+                    for mod in ((False, True) if arch == "sm_90a" else (True,)):
+                        specs.append(BwdSpec(dtype, d, DROPOUT_CONFIG, band, mod))
     return specs
 
 
@@ -165,9 +173,9 @@ class BwdLaunch:
 
 def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
                   sm_count: int, dropout: bool = False) -> BwdLaunch:
-    """Main backward kernel and its grid. Where the Hopper kernel applies (backward_sm90.applies) it runs
-    (`sm90`), on its own grid: 128-key blocks, and in deterministic mode slots_sm90 slots or the fixed point.
-    Elsewhere deterministic mode gives each of `slots` CTAs per (KV head, batch) its own dQ slice; enough slots to
+    """Main backward kernel and its grid. Where the Hopper kernel applies (backward_sm90.applies; with dropout,
+    dropout_applies) it runs (`sm90`), on its own grid: 128-key blocks, and in deterministic mode slots_sm90 slots
+    or the fixed point (not with dropout). Elsewhere deterministic mode gives each of `slots` CTAs per (KV head, batch) its own dQ slice; enough slots to
     fill the GPU about twice, at most one per KV block."""
     band = left >= 0 or right >= 0
     dtype = plan.dtype_tag(problem.dtype)
@@ -175,18 +183,16 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     if dropout and d > BWD_HEADDIMS[-1]:
         raise NotImplementedError(f"attention_backward: dropout at head dim {problem.headdim} is not supported yet "
                                   f"(the backward regenerates the mask up to head dim {BWD_HEADDIMS[-1]})")
-    config = bwd_config(d)
-    if dropout and arch == "sm_90a":
-        config = DROPOUT_SM90_CONFIG if d == DROPOUT_SM90_HEADDIM else BWD_CONFIG
+    config = dropout_config(d, arch, score_mod) if dropout else bwd_config(d)
     spec = BwdSpec(dtype, d, config, band, score_mod)
     groups = problem.batch * problem.nheads_k
-    if dropout or not backward_sm90.applies(problem, score_mod, arch):  # dropout: the portable kernel
+    if not (backward_sm90.dropout_applies if dropout else backward_sm90.applies)(problem, score_mod, arch):
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
         slots = max(1, min(n_blocks, math.ceil(2 * sm_count / groups))) if deterministic else n_blocks
         return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)),
                          slots if deterministic else 1)
     s = settings.current()
-    block_m = backward_sm90.block_m(problem.headdim, score_mod)
+    block_m = backward_sm90.BLOCK_M if dropout else backward_sm90.block_m(problem.headdim, score_mod)
     n_blocks = math.ceil(problem.seqlen_k / backward_sm90.block_n(problem.headdim))
     fixed = False
     if not deterministic:
@@ -197,9 +203,9 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
         slots = slots_sm90(n_blocks, groups, sm_count, s.bwd_sm90_det_max_passes)
         causal = left < 0 and right == 0  # each key block's steps: half the query blocks, on average
         auto = slots > 1 or n_blocks // (2 if causal else 1) >= FIXED_MIN_BLOCKS[d]
-        fixed = backward_sm90.tma_dq(problem.headdim, block_m) and (
+        fixed = not dropout and backward_sm90.tma_dq(problem.headdim, block_m) and (
             s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det == "auto" and auto))
-    sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed)
+    sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)
     if fixed:
         return BwdLaunch(spec, plan.check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, True, sm90)
     return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1,

@@ -15,6 +15,9 @@ from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
 SCORE_MOD_HEADDIMS = (64,)  # at 128 the score-mod kernel spills: 255 registers are already taken without it
+# Dropout (BwdSm90::DROPOUT) at 64 and 128, with 64 query rows (128 at d = 64 take 255 registers without the keep
+# bits) and no fixed-point variant (deterministic mode keeps the fp32 slices); none at 256, as in the portable kernel
+DROPOUT_HEADDIMS = (64, 128)
 BLOCK_N = 128               # keys per CTA (BwdSm90::BN), 64 at d = 256 (block_n)
 BLOCK_M = 64                # query rows per step by default
 
@@ -62,6 +65,7 @@ class BwdSm90Spec:
     score_mod: bool = False
     block_m: int = BLOCK_M  # query rows per step: 64, or 128 at d = 64 without a score mod
     fixed: bool = False  # deterministic mode 2 (int32 fixed-point dQ), which runs only on these kernels
+    dropout: bool = False  # BwdSm90::DROPOUT: regenerates the forward's dropout mask (dropout_spec)
 
     source = "bwd_sm90.cu"
     threads = 256
@@ -70,12 +74,12 @@ class BwdSm90Spec:
     def name(self) -> str:
         return (f"bwd_sm90_{self.dtype}_d{self.headdim}{'_band' if self.band else ''}"
                 f"{'_mod' if self.score_mod else ''}{f'_m{self.block_m}' if self.block_m != BLOCK_M else ''}"
-                f"{'_fixed' if self.fixed else ''}")
+                f"{'_fixed' if self.fixed else ''}{'_drop' if self.dropout else ''}")
 
     @property
     def template(self) -> str:
         return plan.template("bwd_sm90_kernel", self.dtype, (self.headdim, self.block_m),
-                             (self.band, self.score_mod, self.fixed))
+                             (self.band, self.score_mod, self.fixed, self.dropout))
 
     @property
     def tma_dq(self) -> bool:  # BwdSm90::TMA_DQ: dQ added by TMA from staging buffers
@@ -88,12 +92,19 @@ class BwdSm90Spec:
         return "&" + self.template.replace("bwd_sm90_kernel<", "bwd_sm90_smem_bytes<", 1)
 
 
+def dropout_applies(problem, score_mod: bool, arch: str) -> bool:
+    """The Hopper kernel runs this backward with dropout: as :func:`applies`, at the DROPOUT_HEADDIMS, no score mod."""
+    return applies(problem, score_mod, arch) and problem.headdim in DROPOUT_HEADDIMS and not score_mod
+
+
 def all_specs() -> list:
-    """Every specialization: the fixed-point ones where dQ is added by TMA (mode 2 needs it)."""
+    """Every specialization: the fixed-point ones where dQ is added by TMA (mode 2 needs it), and dropout's."""
     return [BwdSm90Spec(dtype, d, band, mod, rows, fixed) for d in HEADDIMS for dtype in ("fp16", "bf16")
             for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))
             for rows in BLOCK_M_CHOICES if block_m_allowed(d, mod, rows)
-            for fixed in ((False, True) if tma_dq(d, rows) else (False,))]
+            for fixed in ((False, True) if tma_dq(d, rows) else (False,))] + [
+        BwdSm90Spec(dtype, d, band, dropout=True) for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
+        for band in (False, True)]
 
 
 def params_dtype(inner: np.dtype) -> np.dtype:
@@ -112,7 +123,7 @@ _POINTERS = struct.Struct("17Q")  # BwdParams' leading per-call fields, right af
 class BackwardMain:
     """The Hopper backward's main launch behind the call interface of the portable one (``BackwardCall.main``):
     ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k, dq_scale,
-    kv_bound, dropout_seed, dropout_offset, dropout_state)`` (no dropout runs here: the last three are 0)."""
+    kv_bound, dropout_seed, dropout_offset, dropout_state)``."""
 
     __slots__ = ("kernel_call", "maps", "spec")
 

@@ -73,14 +73,24 @@ def fwd_configs(arch: str, headdim: int, band: bool) -> tuple:
 
 
 def fwd_config(arch: str, headdim: int, band: bool, seqlen_k: int, dropout: bool = False) -> FwdConfig:
+    """The configuration of a call: the table's entry for its keys; with dropout, :func:`dropout_config`."""
+    if dropout:
+        return dropout_config(arch, headdim, band)
     for bound, config in fwd_configs(arch, headdim, band):
         if bound is None or seqlen_k <= bound:
-            return config if not dropout or dropout_fits(config) else DROPOUT_CONFIG
+            return config
     raise LookupError(f"no forward config for d={headdim} band={band} seqlen_k={seqlen_k} on {arch}")
 
 
-# Dropout's keep bits fit beside a warp's scores where it holds at most 16 score tiles (FwdTraits::DROPOUT); the
-# tables' 128 x 128 4-warp configuration (d = 32) holds 32, and dropout calls there run this one.
+def dropout_config(arch: str, headdim: int, band: bool) -> FwdConfig:
+    """The one configuration of the dropout kernels (FwdSpec.dropout) of a head dim: the table's for the longest
+    sequences where the keep bits fit beside the scores, else DROPOUT_CONFIG."""
+    config = fwd_configs(arch, headdim, band)[-1][1]
+    return config if dropout_fits(config) else DROPOUT_CONFIG
+
+
+# Dropout's keep bits fit beside a warp's scores where it holds at most 16 score tiles (FwdTraits::DROPOUT_FITS);
+# the tables' 128 x 128 4-warp configuration (d = 32) holds 32, and dropout calls there run this one.
 DROPOUT_CONFIG = FwdConfig(128, 64, 4, False)
 
 
@@ -97,6 +107,7 @@ class FwdSpec:
     config: FwdConfig
     band: bool        # causal / local masking compiled in
     score_mod: bool   # softcap / ALiBi compiled in
+    dropout: bool = False  # dropout compiled in (dropout_config's configuration only)
 
     source = "fwd.cu"
 
@@ -105,13 +116,13 @@ class FwdSpec:
         c = self.config
         return (f"fwd_{self.dtype}_d{self.headdim}_m{c.block_m}_n{c.block_n}_w{c.warps}"
                 + ("_qreg" if c.q_in_regs else "") + ("_causal" if self.band else "")
-                + ("_mod" if self.score_mod else ""))
+                + ("_mod" if self.score_mod else "") + ("_drop" if self.dropout else ""))
 
     @property
     def template(self) -> str:
         c = self.config
         return plan.template("fwd_kernel", self.dtype, (self.headdim, c.block_m, c.block_n, c.warps),
-                             (c.q_in_regs, self.band, self.score_mod))
+                             (c.q_in_regs, self.band, self.score_mod, self.dropout))
 
     @property
     def threads(self) -> int:
@@ -129,12 +140,9 @@ def all_specs(arch: str) -> list:
     for dtype in ("fp16", "bf16"):
         for d in plan.COMPILED_HEADDIMS:
             for band in (False, True):
-                configs = [config for _, config in fwd_configs(arch, d, band)]
-                if not all(dropout_fits(c) for c in configs):  # what dropout calls run instead
-                    configs.append(DROPOUT_CONFIG)
-                for config in configs:
-                    for mod in (False, True):
-                        specs.append(FwdSpec(dtype, d, config, band, mod))
+                for mod in (False, True):
+                    specs += [FwdSpec(dtype, d, config, band, mod) for _, config in fwd_configs(arch, d, band)]
+                    specs.append(FwdSpec(dtype, d, dropout_config(arch, d, band), band, mod, True))
     return specs
 
 
@@ -152,7 +160,7 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str, dro
     band = left >= 0 or right >= 0
     d = plan.compiled_headdim(problem.headdim)
     spec = FwdSpec(plan.dtype_tag(problem.dtype), d, fwd_config(arch, d, band, problem.seqlen_k, dropout), band,
-                   score_mod)
+                   score_mod, dropout)
     m_blocks = math.ceil(problem.seqlen_q / spec.config.block_m)
     return Launch(spec, plan.check_grid((m_blocks, problem.nheads, problem.batch)), (spec.threads, 1, 1),
                   spec.smem_bytes)
