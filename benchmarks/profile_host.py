@@ -77,6 +77,23 @@ def main(argv=None) -> int:
     row("cuflash forward with grad (Function.apply)", lambda: cf(qg, kg, vg))
     out = cf(qg, kg, vg)
     row("cuflash out.backward(dout), retained graph", lambda: out.backward(dout, retain_graph=True))
+    inside = []  # the backward's own time when the autograd engine calls it (on its device thread)
+    direct_backward = cft._saved_backward
+
+    def timed_backward(ctx, grad):
+        t0 = time.perf_counter()
+        try:
+            return direct_backward(ctx, grad)
+        finally:
+            inside.append(time.perf_counter() - t0)
+
+    cft._saved_backward = timed_backward
+    try:
+        per_call_us(torch, lambda: out.backward(dout, retain_graph=True))
+    finally:
+        cft._saved_backward = direct_backward
+    rows.append(("  of which inside cuflash's backward", statistics.median(inside) * 1e6))
+    print(f"{rows[-1][0]:<48} {rows[-1][1]:8.1f} us", flush=True)
 
     # the backward's Python layer and its launch, on the main thread, from what the forward saved
     node = out.grad_fn
