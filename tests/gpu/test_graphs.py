@@ -403,6 +403,16 @@ def _decode_layer(k_cache, v_cache, num_splits):
     return DecodeLayer()
 
 
+def _split_counter_state() -> str:
+    """What the KV-cache op keeps per stream (cuflash.ops.decode.split_counters): a counter left non-zero by one call
+    would make the next call on that stream merge its splits early. For the message of a failed comparison."""
+    from cuflash.ops import decode
+    torch.cuda.synchronize()
+    state = {stream: int((buf != 0).sum()) for (_, stream), buf in decode._counters.items()}
+    return (f"split counters per stream (non-zero entries): {state}; current stream "
+            f"{torch.cuda.current_stream().cuda_stream:#x}")
+
+
 def _run_reduce_overhead(compiled, eager, make_inputs, calls=5):
     """`compiled` (mode="reduce-overhead") and `eager` on the same new inputs, call after call: bitwise equal.
     Inductor warms up on the first call, records a CUDA graph on the second and replays it after; a skipped graph
@@ -416,7 +426,10 @@ def _run_reduce_overhead(compiled, eager, make_inputs, calls=5):
             inputs = make_inputs(n)
             torch.compiler.cudagraph_mark_step_begin()
             got = compiled(*inputs).clone()  # the graph's output is rewritten by the next replay
-            _assert_bitwise(got, eager(*inputs), f"call {n}")
+            try:
+                _assert_bitwise(got, eager(*inputs), f"call {n}")
+            except AssertionError as e:
+                raise AssertionError(f"{e}; {_split_counter_state()}") from None
     assert counters["inductor"]["cudagraph_skips"] == 0
     manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None and any(manager.roots.values()), "no CUDA graph was recorded"
