@@ -371,6 +371,15 @@ def _parse_varlen(frame, first: int):
     return dict(options), deterministic, problem, ins, outs
 
 
+def _parse_call(frame, varlen: bool, first: int):
+    """(options, deterministic, problem, inputs, outputs) of a dense or varlen call whose q and k are inputs `first`
+    and `first + 1` (0 in the forward, 1 in the backward)."""
+    if varlen:
+        return _parse_varlen(frame, first)
+    options, deterministic, ins, outs = _parse(frame)
+    return options, deterministic, _problem(ins[first], ins[first + 1]), ins, outs
+
+
 def _problem(q, k) -> checks.Problem:
     (b, sq, h, d), (sk, hk) = q[1], k[1][1:3]
     return checks.Problem(b, sq, sk, h, hk, d, _DTYPES[q[2]])
@@ -408,12 +417,8 @@ def _buffer_spec(buf, name: str) -> checks.TensorSpec:
 
 
 def _build_forward(device, frame, varlen: bool = False):
-    """The forward's launch for the call of `frame` (parsed as the CPU tests parse it: _parse, _parse_varlen)."""
-    if varlen:
-        options, _, problem, ins, outs = _parse_varlen(frame, 0)
-    else:
-        options, _, ins, outs = _parse(frame)
-        problem = _problem(ins[0], ins[1])
+    """The forward's launch for the call of `frame` (parsed as the CPU tests parse it: _parse_call)."""
+    options, _, problem, ins, outs = _parse_call(frame, varlen, 0)
     q, k, v = (_buffer_spec(b, n) for b, n in zip(ins, ("q", "k", "v")))
     out, lse = _buffer_spec(outs[0], "out"), _buffer_spec(outs[1], "lse")
     fixed = 5 if varlen else 3
@@ -433,11 +438,7 @@ def _build_forward(device, frame, varlen: bool = False):
 
 def _build_backward(device, frame, varlen: bool = False):
     """The backward's launch for the call of `frame`; the workspace is its fourth output, XLA's buffer."""
-    if varlen:
-        options, deterministic, problem, ins, outs = _parse_varlen(frame, 1)
-    else:
-        options, deterministic, ins, outs = _parse(frame)
-        problem = _problem(ins[1], ins[2])
+    options, deterministic, problem, ins, outs = _parse_call(frame, varlen, 1)
     dout, q, k, v, out, lse = (_buffer_spec(b, n) for b, n in zip(ins, ("dout", "q", "k", "v", "out", "lse")))
     dq, dk, dv = (_buffer_spec(b, n) for b, n in zip(outs, ("dq", "dk", "dv")))
     fixed = 8 if varlen else 6

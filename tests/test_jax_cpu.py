@@ -39,7 +39,7 @@ def _optional(ins, fixed, options):
 
 
 def _host_forward(frame):
-    options, _, ins, outs = cuflash.jax._parse(frame)
+    options, _, _, ins, outs = cuflash.jax._parse_call(frame, False, 0)
     q, k, v = (_np(b).astype(np.float64) for b in ins[:3])
     alibi, generator = _optional(ins, 3, options)
     out, lse = (_np(b) for b in outs)
@@ -48,7 +48,7 @@ def _host_forward(frame):
 
 
 def _host_backward(frame):
-    options, deterministic, ins, outs = cuflash.jax._parse(frame)
+    options, deterministic, _, ins, outs = cuflash.jax._parse_call(frame, False, 1)
     dout, q, k, v, out, lse = (_np(b).astype(np.float64) for b in ins[:6])
     alibi, generator = _optional(ins, 6, options)
     grads = reference.attention_backward(dout, q, k, v, out, lse, alibi_slopes=alibi,
@@ -69,7 +69,7 @@ def _check_problem(problem, q, k, cu_q):
 
 
 def _host_varlen_forward(frame):
-    options, _, problem, ins, outs = cuflash.jax._parse_varlen(frame, 0)
+    options, _, problem, ins, outs = cuflash.jax._parse_call(frame, True, 0)
     q, k, v = (_np(b).astype(np.float64) for b in ins[:3])
     cu_q, cu_k = (_np(b) for b in ins[3:5])
     alibi, generator = _optional(ins, 5, options)
@@ -81,7 +81,7 @@ def _host_varlen_forward(frame):
 
 
 def _host_varlen_backward(frame):
-    options, deterministic, problem, ins, outs = cuflash.jax._parse_varlen(frame, 1)
+    options, deterministic, problem, ins, outs = cuflash.jax._parse_call(frame, True, 1)
     dout, q, k, v, out, lse = (_np(b).astype(np.float64) for b in ins[:6])
     cu_q, cu_k = (_np(b) for b in ins[6:8])
     alibi, generator = _optional(ins, 8, options)
