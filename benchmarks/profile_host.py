@@ -7,7 +7,8 @@ on a small shape the GPU finishes each call before the host issues the next, so 
 pieces: the forward without and with a gradient to track, ``out.backward(dout)`` on a retained graph, the
 backward's Python layer called directly on the main thread, its planned launch alone, the same for SDPA (the
 backend ``--backend``), an autograd.Function that does nothing (autograd's cost for a Python function) and a
-C++ node (``torch.cat`` of q, k, v: the engine's cost for any node). ``--profile`` adds cProfile's top functions of the forward with grad and of the direct backward.
+C++ node (``torch.cat`` of q, k, v: the engine's cost for any node). ``--profile`` adds cProfile's top functions
+of the forward with grad and of the direct backward.
 """
 from __future__ import annotations
 

@@ -175,8 +175,8 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
                   sm_count: int, dropout: bool = False) -> BwdLaunch:
     """Main backward kernel and its grid. Where the Hopper kernel applies (backward_sm90.applies; with dropout,
     dropout_applies) it runs (`sm90`), on its own grid: 128-key blocks, and in deterministic mode slots_sm90 slots
-    or the fixed point (not with dropout). Elsewhere deterministic mode gives each of `slots` CTAs per (KV head, batch) its own dQ slice; enough slots to
-    fill the GPU about twice, at most one per KV block."""
+    or the fixed point (not with dropout). Elsewhere deterministic mode gives each of `slots` CTAs per (KV head,
+    batch) its own dQ slice; enough slots to fill the GPU about twice, at most one per KV block."""
     band = left >= 0 or right >= 0
     dtype = plan.dtype_tag(problem.dtype)
     d = bwd_headdim(problem.headdim, arch)

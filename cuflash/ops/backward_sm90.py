@@ -1,7 +1,8 @@
-"""The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256, where
-the two warpgroups split the head dim), for head dims exactly 64, 128 and 256 (softcap / ALiBi at 64). :mod:`cuflash.ops.backward` chooses it on sm_90a where
-:func:`applies` and launches it behind the portable main kernel's call interface, with the same preprocess,
-workspace and dQ conversion.
+"""The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256,
+where the two warpgroups split the head dim), for head dims exactly 64, 128 and 256 (softcap / ALiBi at 64; dropout
+at 64 and 128). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
+:func:`dropout_applies`) and launches it behind the portable main kernel's call interface, with the same
+preprocess, workspace and dQ conversion.
 """
 from __future__ import annotations
 
