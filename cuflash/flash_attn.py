@@ -20,7 +20,7 @@ Where cuflash and flash-attn differ:
   ``(0,)`` of q's dtype: flash-attn 2.x returns the probabilities (for its tests) when ``dropout_p > 0``,
   cuflash never materializes them. ``softmax_lse`` is not differentiable;
 * arguments that cuflash cannot honour yet raise ``NotImplementedError`` naming the argument, never ignored:
-  ``dropout_p > 0`` under torch.compile or CUDA-graph capture and in the backward at head dims above 128, and a
+  ``dropout_p > 0`` under torch.compile and in the backward at head dims above 128, and a
   gradient through :func:`flash_attn_varlen_func` with ``block_table`` or ``seqused_k`` (paged keys serve
   inference, as in flash-attn);
 * the dropout mask is cuflash's own Philox stream (a different mask from flash-attn's for the same seed), drawn

@@ -378,7 +378,7 @@ def _eager(*tensors) -> bool:
 
 def _eager_attention(q, k, v, args: tuple, deterministic: bool, return_lse: bool, dropout=None):
     """An eager dense or varlen call; ``args`` are :func:`_forward`'s after q, k, v, ``dropout`` its (p, seed,
-    offset) or None. With a gradient to track, under an autograd.Function (lse stays with the backward unless asked
+    offset, state) or None (:func:`_dropout`). With a gradient to track, under an autograd.Function (lse stays with the backward unless asked
     for); else the forward alone."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return (_EagerAttentionLse if return_lse else _EagerAttention).apply(q, k, v, (*args, deterministic, dropout))
@@ -390,23 +390,43 @@ _DROPOUT_OFFSET_STEP = 4  # what a call takes of its generator's offset (torch's
 
 
 def _dropout(q, dropout_p) -> tuple | None:
-    """(p, seed, offset) of an eager call's dropout, from torch's CUDA generator of q's device (advanced), or None
-    without dropout."""
+    """(p, seed, offset, state) of an eager call's dropout from torch's CUDA generator of q's device (torch.manual_seed
+    seeds it), or None without dropout. Outside graph capture the generator's seed and its offset (advanced by
+    _DROPOUT_OFFSET_STEP), state None. Under capture the host's values would be frozen into the graph, so the
+    seed and offset are drawn on the device instead (:func:`_device_dropout_state`): ``state``, read by the kernels,
+    is drawn anew at each replay from the generator's state then, as torch's own random ops are."""
     if not dropout_p:
         return None
     checks.check_dropout_p(dropout_p)
     generator = _generator(q)
+    if _capturing(q):
+        return float(dropout_p), 0, 0, _device_dropout_state(q.device, generator)
     offset = generator.get_offset()
     generator.set_offset(offset + _DROPOUT_OFFSET_STEP)
-    return float(dropout_p), generator.initial_seed(), offset
+    return float(dropout_p), generator.initial_seed(), offset, None
+
+
+def _capturing(q) -> bool:
+    """q's device's current stream is being captured into a CUDA graph."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _generator(q):
-    """torch's default CUDA generator of q's device (torch.manual_seed seeds it), outside graph capture."""
-    if torch.cuda.is_current_stream_capturing():
-        raise NotImplementedError("dropout_p: dropout under CUDA graph capture is not supported yet (the mask's seed "
-                                  "and offset are read from torch's generator on the host)")
+    """torch's default CUDA generator of q's device."""
     return torch.cuda.default_generators[q.device.index if q.device.index is not None else torch.cuda.current_device()]
+
+
+def _device_dropout_state(device, generator) -> torch.Tensor:
+    """The (seed, offset) words of a captured call's mask: two int64 drawn by torch's generator on the device, a
+    graph-safe random op (each replay draws new ones)."""
+    return torch.empty(2, dtype=torch.int64, device=device).random_(generator=generator)
+
+
+def _dropout_words(dropout) -> tuple:
+    """(seed, offset, state pointer) of a call's dropout (None: none), as the launches take them."""
+    if dropout is None:
+        return 0, 0, 0
+    return dropout[1], dropout[2], 0 if dropout[3] is None else dropout[3].data_ptr()
 
 
 def _no_traced_dropout(dropout_p) -> None:
@@ -507,7 +527,7 @@ def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
              left, right, softcap, need_lse: bool, block_table=None, seqused_k=None, dropout=None) -> tuple:
     """Dense (``cu_seqlens_q`` None) or varlen forward into a new ``out`` and ``lse`` (None unless ``need_lse``);
-    ``dropout``: (p, seed, offset) or None."""
+    ``dropout``: (p, seed, offset, state) or None (:func:`_dropout`)."""
     plan = _forward_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
                          softmax_scale, causal, left, right, softcap, block_table, seqused_k,
                          dropout[0] if dropout else 0.0)
@@ -540,7 +560,7 @@ def _run_forward(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     plan.launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                *(dropout[1:] if dropout else (0, 0)))
+                *_dropout_words(dropout))
     return out, lse
 
 
@@ -570,7 +590,7 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
                                     seqused_k=specs.get("seqused_k"))
 
     def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, dropout_seed,
-               dropout_offset):
+               dropout_offset, dropout_state):
         previous = _get_device()
         if previous != index:
             _set_device(index)
@@ -580,7 +600,7 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
                  0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
                  0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
                  0 if block_table is None else block_table.data_ptr(), 0 if seqused_k is None else seqused_k.data_ptr(),
-                 dropout_seed, dropout_offset, 0)
+                 dropout_seed, dropout_offset, dropout_state)
         finally:
             if previous != index:
                 _set_device(previous)
@@ -650,7 +670,7 @@ def _run_backward(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     workspace = torch.empty(plan.workspace, dtype=torch.uint8, device=q.device)
     plan.launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace,
-                *(dropout[1:] if dropout else (0, 0)))
+                *_dropout_words(dropout))
     return dq, dk, dv
 
 
@@ -677,7 +697,7 @@ def _backward_launch(problem, specs: dict, options: dict, deterministic: bool, p
                                       deterministic=deterministic, packed=packed)
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace,
-               dropout_seed=0, dropout_offset=0):
+               dropout_seed=0, dropout_offset=0, dropout_state=0):
         previous = _get_device()
         if previous != index:
             _set_device(index)
@@ -687,7 +707,7 @@ def _backward_launch(problem, specs: dict, options: dict, deterministic: bool, p
                  0 if alibi_slopes is None else alibi_slopes.data_ptr(),
                  0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
                  0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(), workspace.data_ptr(), dropout_seed,
-                 dropout_offset)
+                 dropout_offset, dropout_state)
         finally:
             if previous != index:
                 _set_device(previous)

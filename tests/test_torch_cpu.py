@@ -4,6 +4,7 @@ CPU tensors stand in for CUDA ones: the launcher is swapped for cuflash.referenc
 device check is relaxed. Everything between the public function and the launch runs as on a GPU.
 """
 import contextlib
+import ctypes
 import math
 
 import numpy as np
@@ -24,6 +25,16 @@ def _host(t):
         import ml_dtypes
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
+
+
+def _generator_words(options: dict, seed: int, offset: int, state: int) -> dict:
+    """The dropout generator a launch was given, as the reference takes it: its seed and offset, or the two int64
+    at ``state`` (a host tensor's memory here, where the kernels read device memory)."""
+    if "dropout_p" not in options:
+        return {}
+    if state:
+        seed, offset = (ctypes.c_int64 * 2).from_address(state)
+    return dict(dropout_seed=seed, dropout_offset=offset)
 
 
 @pytest.fixture
@@ -64,9 +75,9 @@ def on_host(monkeypatch):
 
     def forward_launch(problem, specs, options, lse_shape):  # the ops launch by pointer: same reference underneath
         def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                   dropout_seed, dropout_offset):
+                   dropout_seed, dropout_offset, dropout_state):
             lse = torch.empty(lse_shape) if lse is None else lse
-            generator = dict(dropout_seed=dropout_seed, dropout_offset=dropout_offset) if "dropout_p" in options else {}
+            generator = _generator_words(options, dropout_seed, dropout_offset, dropout_state)
             forward(problem, *map(_host, (q, k, v, out, lse)), alibi_slopes=_host(alibi_slopes),
                     cu_seqlens_q=_host(cu_seqlens_q), cu_seqlens_k=_host(cu_seqlens_k),
                     block_table=_host(block_table), seqused_k=_host(seqused_k), **options, **generator)
@@ -74,8 +85,8 @@ def on_host(monkeypatch):
 
     def backward_launch(problem, specs, options, deterministic, packed):
         def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace,
-                   dropout_seed=0, dropout_offset=0):
-            generator = dict(dropout_seed=dropout_seed, dropout_offset=dropout_offset) if "dropout_p" in options else {}
+                   dropout_seed=0, dropout_offset=0, dropout_state=0):
+            generator = _generator_words(options, dropout_seed, dropout_offset, dropout_state)
             backward(problem, *map(_host, (dout, q, k, v, out, lse, dq, dk, dv)), alibi_slopes=_host(alibi_slopes),
                      deterministic=deterministic, cu_seqlens_q=_host(cu_seqlens_q), cu_seqlens_k=_host(cu_seqlens_k),
                      **options, **generator)
@@ -559,6 +570,23 @@ def test_dropout_mask_comes_from_the_generator_and_reaches_forward_and_backward(
     # a second call draws a new mask
     out2 = cuflash.torch.attention(q.detach(), k.detach(), v.detach(), causal=True, dropout_p=p)
     assert generator.offset == 16 and on_host[2][1]["dropout_offset"] == 12 and not torch.equal(out2, out.detach())
+
+
+def test_dropout_under_graph_capture_reads_its_seed_from_the_device(on_host, monkeypatch):
+    """Under CUDA-graph capture a dropout call takes its seed and offset from a device tensor that torch's generator
+    fills (at every replay), not from the host's generator; the backward reads the same tensor."""
+    generator = _FakeCudaGenerator(seed=5, offset=0)
+    monkeypatch.setattr(cuflash.torch, "_generator", lambda q: generator)
+    state = torch.tensor([(3 << 40) + 1, 44], dtype=torch.int64)
+    drawn = []
+    monkeypatch.setattr(cuflash.torch, "_device_dropout_state", lambda device, gen: drawn.append(gen) or state)
+    monkeypatch.setattr(cuflash.torch, "_capturing", lambda q: True)
+    q, k, v = _qkv(torch.float16)
+    cuflash.torch.attention(q, k, v, causal=True, dropout_p=0.3).sum().backward()
+    assert drawn == [generator] and generator.offset == 0  # drawn by the generator on the device, not read here
+    assert [c[0] for c in on_host] == ["fwd", "bwd"]
+    for _, options in on_host:
+        assert (options["dropout_p"], options["dropout_seed"], options["dropout_offset"]) == (0.3, (3 << 40) + 1, 44)
 
 
 def test_dropout_through_varlen_and_padded_head_dims(on_host, monkeypatch):

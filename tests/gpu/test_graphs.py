@@ -1,7 +1,8 @@
 """CUDA graphs: each cuflash.torch op captured in torch.cuda.graph, replayed on new data copied into the same
 buffers (and new cache_seqlens, cu_seqlens and block_table values, which the kernels read from device memory), is
-bitwise equal to an eager call on that data, replay after replay; torch.compile(mode="reduce-overhead") of a decode
-step and of a forward; cuflash.jax under XLA's command buffers equals the same jitted function without them.
+bitwise equal to an eager call on that data, replay after replay; a dropout call draws a new mask at each replay;
+torch.compile(mode="reduce-overhead") of a decode step and of a forward; cuflash.jax under XLA's command buffers
+equals the same jitted function without them.
 
 Capture follows torch's recipe: a few eager calls on a side stream first (kernels compile, launches are planned,
 anything kept across calls is allocated), then the capture, on torch's own capture stream.
@@ -168,6 +169,69 @@ def test_forward_backward_graph_replays_new_data(case, deterministic):
         graph.replay()
         for name, g, w in zip(("out", "dq", "dk", "dv"), (out.detach(), *grads), got):
             check(g, w, f"{name}, trial {trial}, second replay")
+
+
+# --------------------------------------------------------------------------------------------
+# Dropout: the seed and offset drawn on the device at each replay
+# --------------------------------------------------------------------------------------------
+
+@needs_torch
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
+def test_dropout_graph_draws_a_new_mask_per_replay(backward, monkeypatch):
+    """A torch dropout call captured in a CUDA graph draws its mask's seed and offset on the device, from torch's
+    generator, at every replay: two replays drop differently, torch.manual_seed before a replay repeats it
+    bitwise, and a replay equals the CuPy API's call with the seed and offset it drew (the gradients too, in
+    deterministic mode)."""
+    import cupy
+    import cuflash
+    import cuflash.torch as cft
+    states = []  # the state tensors the capture draws into (the graph rewrites them at each replay)
+    draw = cft._device_dropout_state
+    monkeypatch.setattr(cft, "_device_dropout_state", lambda *a: states.append(draw(*a)) or states[-1])
+    gen = _generator(7)
+    q, k, v, dout = (_randn(gen, (2, 97, 4, 64), torch.bfloat16) for _ in range(4))
+    leaves = [x.clone().requires_grad_(backward) for x in (q, k, v)]
+
+    def step():
+        out = cft.attention(*leaves, causal=True, dropout_p=0.3, deterministic=True)
+        if backward:
+            out.backward(dout)
+        return out
+
+    _warm_up(step)
+    for x in leaves:
+        x.grad = None  # the captured backward allocates the gradients in the graph's pool
+    graph, out = _capture(step, warm_up=False)
+    assert len(states) == 1, "one state drawn in the capture, none in the eager warm-up"
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+        grads = [x.grad.clone() for x in leaves] if backward else []
+        return out.clone(), grads, tuple(states[0].tolist())
+
+    torch.manual_seed(11)
+    first, first_grads, (seed, offset) = replay()
+    second, _, state = replay()
+    assert state != (seed, offset) and not torch.equal(first, second), "a new mask at each replay"
+    torch.manual_seed(11)
+    again, again_grads, state = replay()
+    assert state == (seed, offset)
+    _assert_bitwise(again, first, "the same seed before the replay")
+    for g, w in zip(again_grads, first_grads):
+        _assert_bitwise(g, w, "the same seed before the replay")
+
+    cq, ck, cv, cdout = (cupy.from_dlpack(x.detach()) for x in (q, k, v, dout))
+    drop = dict(causal=True, dropout_p=0.3, dropout_seed=seed, dropout_offset=offset)
+    want, lse = cuflash.attention(cq, ck, cv, return_lse=True, **drop)
+    cupy.cuda.runtime.deviceSynchronize()
+    bits = lambda x: torch.from_dlpack(x.view(cupy.int16))  # noqa: E731  (bf16 as its 16-bit patterns)
+    _assert_bitwise(first.view(torch.int16), bits(want), "the CuPy API with the replay's seed and offset")
+    if backward:
+        want_grads = cuflash.attention_backward(cdout, cq, ck, cv, want, lse, deterministic=True, **drop)
+        cupy.cuda.runtime.deviceSynchronize()
+        for g, w in zip(first_grads, want_grads):
+            _assert_bitwise(g.view(torch.int16), bits(w), "the CuPy API's gradients")
 
 
 # --------------------------------------------------------------------------------------------
