@@ -1,10 +1,12 @@
-// Dropout on attention probabilities, regenerated wherever it is needed (no mask in memory): element (b, h, i, j)
-// -- query row i, key j of sequence b, head h -- is kept when its 16-bit draw from Philox 4x32-10 is below
+// Dropout on attention probabilities, regenerated wherever it is needed (no mask in memory): element (b, h, i, j) --
+// query row i, key j of sequence b, head h -- is kept when its 16-bit draw from Philox 4x32-10 is below
 // `threshold`. cuflash.reference.dropout_keep defines the draws; in short, the 16 x 16 tile of rows 16R.., keys
-// 16C.. splits into 32 sets of 8 elements, rows {2a + t, 2a + t + 8} x keys {2c, 2c + 1, 2c + 8, 2c + 9}, and one
-// Philox call (counter C, R, 32 (b nheads + h) + 8a + 2c + t, offset) gives a set its eight draws. The forward's
-// accumulator layout (rows = queries; mma.sync's C fragment, also each warp's rows of a wgmma accumulator) holds one
-// set per 16 x 16 tile and thread: one call; the backward's transposed one (rows = keys) holds half of two.
+// 16C.. splits into 32 sets of 8 elements, rows {2a, 2a + 1, 2a + 8, 2a + 9} x keys {k, k + 8} (a in 0..3, k in
+// 0..7), and one Philox call (counter C, R, 32 (b nheads + h) + 8a + k, offset) gives a set its eight draws. In the
+// backward's transposed accumulator layout (rows = keys; mma.sync's C fragment) a thread holds exactly one set per
+// 16 x 16 tile: one call. In the forward's (rows = queries; also each warp's rows of a wgmma accumulator) a thread
+// holds half of two sets, which it shares with the thread four lanes away: each draws one and passes the other's
+// half over (one shuffle), so the forward too costs one call per 8 elements.
 #pragma once
 #include "types.cuh"
 
@@ -44,34 +46,47 @@ struct Dropout {
         return c;
     }
 
-    // The eight draws of set (R, C, a, c, t) of this (b, h): draw v is the low (v even) or high half of word v / 2.
-    __device__ __forceinline__ uint4 set(int R, int C, int a, int c, int t) const {
-        return philox(make_uint4((u32)C, (u32)R, word2 + 8u * a + 2u * c + t, offset));
+    // The eight draws of set (R, C, a, k) of this (b, h): draw v is the low (v even) or high half of word v / 2.
+    // Draw v of the set is element (row 2a + 8 (v / 4) + (v / 2) % 2, key k + 8 (v % 2)) of the tile.
+    __device__ __forceinline__ uint4 set(int R, int C, int a, int k) const {
+        return philox(make_uint4((u32)C, (u32)R, word2 + 8u * a + k, offset));
     }
     __device__ __forceinline__ bool keep(const uint4& w, int v) const {
         const u32 word = v < 4 ? (v < 2 ? w.x : w.y) : (v < 6 ? w.z : w.w);
         return ((v % 2 ? word >> 16 : word) & 0xFFFFu) < threshold;
     }
+    // The keep bits of a set: bit v for draw v.
+    __device__ __forceinline__ u32 keep_bits(const uint4& w) const {
+        u32 bits = 0;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) bits |= (u32)keep(w, v) << v;
+        return bits;
+    }
 
     // Rows = queries (the forward): the keep bits of a warp's 16 rows from query row16 16 on, x NT 8-key tiles from
-    // key key16 16 on (NT even): bit 4 nt + e of words[0..] for element [nt][e]. Drawn before the scores exist, so
-    // that the generator's registers and the scores' are never live together.
+    // key key16 16 on (NT even): bit 4 nt + e of words[0..] for element [nt][e]. The thread (g = lane / 4,
+    // c = lane % 4) holds rows {g, g + 8} x keys {2c, 2c + 1, 2c + 8, 2c + 9} of each 16 x 16 tile: draws
+    // 2 (g % 2) + {0, 1, 4, 5} of sets (a = g / 2, k = 2c) and (a, 2c + 1). It draws set k = 2c + g % 2 and swaps
+    // half of it with lane ^ 4 (g ^ 1), which draws the other. All 32 lanes call it together (the shuffle). Drawn
+    // before the scores exist, so that the generator's registers and the scores' are never live together.
     template <int NT>
     __device__ __forceinline__ void keep_rows(u32 (&words)[(4 * NT + 31) / 32], int row16, int key16,
                                               int lane) const {
         static_assert(NT % 2 == 0, "pairs of 8-key tiles");
+        const int g = lane / 4, odd = g % 2;
 #pragma unroll
         for (int i = 0; i < (4 * NT + 31) / 32; ++i) words[i] = 0;
 #pragma unroll
         for (int m = 0; m < NT / 2; ++m) {
             asm volatile("" ::: "memory");  // one set at a time: the generator's rounds are not interleaved
-            const uint4 w = set(row16, key16 + m, (lane / 4) / 2, lane % 4, (lane / 4) % 2);
+            const u32 mine = keep_bits(set(row16, key16 + m, g / 2, 2 * (lane % 4) + odd));
+            const u32 other = __shfl_xor_sync(0xFFFFFFFFu, mine, 4);  // set k = 2c + 1 - g % 2, from lane ^ 4
 #pragma unroll
             for (int ch = 0; ch < 2; ++ch)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int bit = 4 * (2 * m + ch) + e;
-                    if (keep(w, 4 * (e / 2) + 2 * ch + e % 2)) words[bit / 32] |= 1u << (bit % 32);
+                for (int e = 0; e < 4; ++e) {  // row g + 8 (e / 2), key 8 ch + 2c + e % 2: set k = 2c + e % 2
+                    const int bit = 4 * (2 * m + ch) + e, v = 4 * (e / 2) + 2 * odd + ch;
+                    if (((e % 2 == odd ? mine : other) >> v) & 1u) words[bit / 32] |= 1u << (bit % 32);
                 }
         }
     }
@@ -89,22 +104,22 @@ struct Dropout {
     }
 
     // Rows = keys (the backward's S^T): a warp's 16 keys from key key16 16 on, x NT 8-query tiles from query row
-    // query16 16 on (NT even); bit (nt, e) of the result set where element [nt][e] is kept (NT <= 8).
+    // query16 16 on (NT even); bit (nt, e) of the result set where element [nt][e] is kept (NT <= 8). The thread
+    // (g = lane / 4, c = lane % 4) holds keys {g, g + 8} x queries {2c, 2c + 1, 2c + 8, 2c + 9} of each 16 x 16
+    // tile: set (a = c, k = g), whole.
     template <int NT>
     __device__ __forceinline__ u32 keep_mask_cols(int key16, int query16, int lane) const {
         static_assert(NT % 2 == 0 && NT <= 8, "pairs of 8-query tiles, 32 bits");
         u32 bits = 0;
 #pragma unroll
-        for (int m = 0; m < NT / 2; ++m)
+        for (int m = 0; m < NT / 2; ++m) {
+            const u32 set_bits = keep_bits(set(query16 + m, key16, lane % 4, lane / 4));
 #pragma unroll
-            for (int t = 0; t < 2; ++t) {  // the set of even (t = 0) or odd query rows: elements e % 2 == t
-                const uint4 w = set(query16 + m, key16, lane % 4, (lane / 4) / 2, t);
+            for (int ch = 0; ch < 2; ++ch)
 #pragma unroll
-                for (int ch = 0; ch < 2; ++ch)
-#pragma unroll
-                    for (int eh = 0; eh < 2; ++eh)
-                        if (keep(w, 4 * ch + 2 * eh + (lane / 4) % 2)) bits |= 1u << ((2 * m + ch) * 4 + 2 * eh + t);
-            }
+                for (int e = 0; e < 4; ++e)  // key g + 8 (e / 2), query 8 ch + 2c + e % 2: draw 4 ch + 2 (e % 2) + e / 2
+                    if ((set_bits >> (4 * ch + 2 * (e % 2) + e / 2)) & 1u) bits |= 1u << ((2 * m + ch) * 4 + e);
+        }
         return bits;
     }
 };

@@ -197,28 +197,29 @@ def dropout_keep(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int,
     """The dropout mask, bool ``(batch, nheads, seqlen_q, seqlen_k)`` (True: kept), of element (b, h, i, j) — query
     row i, key j of sequence b, head h — as every cuflash kernel regenerates it.
 
-    The 16 x 16 tile of rows 16R.., keys 16C.. splits into 32 sets of 8 elements: rows {2a + t, 2a + t + 8} x keys
-    {2c, 2c + 1, 2c + 8, 2c + 9} (a, c in 0..3, t in 0..1). One Philox call gives a set its eight 16-bit draws, under
-    the key (seed's low word, seed's high word ^ offset's high word), from the counter
+    The 16 x 16 tile of rows 16R.., keys 16C.. splits into 32 sets of 8 elements: rows {2a, 2a + 1, 2a + 8, 2a + 9} x
+    keys {k, k + 8} (a in 0..3, k in 0..7). One Philox call gives a set its eight 16-bit draws, under the key (seed's
+    low word, seed's high word ^ offset's high word), from the counter
 
         word 0 = C = j / 16            word 1 = R = i / 16
-        word 2 = 32 (b nheads + h) + 8 a + 2 c + t      (a = (i % 8) / 2, c = (j % 8) / 2, t = i % 2)
+        word 2 = 32 (b nheads + h) + 8 a + k      (a = (i % 8) / 2, k = j % 8)
         word 3 = offset's low word
 
-    and draw v = 4 ((i % 16) / 8) + 2 ((j % 16) / 8) + j % 2 of the set is the low (v even) or high half of output
-    word v / 2. A thread of the forward's accumulator layout holds exactly one such set per 16 x 16 tile (rows r,
-    r + 8 and key pairs 2c, 2c + 8 of the mma.sync layout); the backward's transposed one needs two, each half used.
+    and draw v = 4 ((i % 16) / 8) + 2 (i % 2) + (j % 16) / 8 of the set is the low (v even) or high half of output
+    word v / 2. A thread of the backward's transposed accumulator layout (rows = keys; mma.sync's C fragment) holds
+    exactly one such set per 16 x 16 tile; one of the forward's holds half of two, and shares them with its neighbour
+    (cuda_src/dropout.cuh).
     """
     threshold = dropout_threshold(dropout_p)
     i = np.arange(seqlen_q, dtype=np.int64)[:, None]
     j = np.arange(seqlen_k, dtype=np.int64)[None, :]
     bh = np.arange(batch * nheads, dtype=np.int64).reshape(batch, nheads, 1, 1)
-    word2 = 32 * bh + 8 * ((i % 8) // 2) + 2 * ((j % 8) // 2) + i % 2
+    word2 = 32 * bh + 8 * ((i % 8) // 2) + j % 8
     zeros = np.zeros_like(word2)
     counter = (j // 16 + zeros, i // 16 + zeros, word2, np.full_like(word2, int(offset) & 0xFFFFFFFF))
     key = (int(seed) & 0xFFFFFFFF, ((int(seed) >> 32) ^ (int(offset) >> 32)) & 0xFFFFFFFF)
     words = philox4x32(counter, key)
-    v = 4 * ((i % 16) // 8) + 2 * ((j % 16) // 8) + j % 2 + zeros
+    v = 4 * ((i % 16) // 8) + 2 * (i % 2) + (j % 16) // 8 + zeros
     word = np.choose(v // 2, words)
     draw = (word >> (16 * (v % 2)).astype(np.uint32)) & 0xFFFF
     return draw < threshold

@@ -629,6 +629,44 @@ def test_dropout_mask_keeps_one_minus_p_independently():
     assert np.array_equal(big[:, :, :96, :160], keep)
 
 
+def _set_bits(seed, offset, bh, R, C, a, k, threshold):
+    """The keep bits of set (R, C, a, k) as cuda_src/dropout.cuh's keep_bits computes them: bit v for draw v."""
+    key = (seed & 0xFFFFFFFF, ((seed >> 32) ^ (offset >> 32)) & 0xFFFFFFFF)
+    words = [int(w) for w in ref.philox4x32([np.uint32(C), np.uint32(R), np.uint32(32 * bh + 8 * a + k),
+                                             np.uint32(offset & 0xFFFFFFFF)], key)]
+    return sum(int(((words[v // 2] >> (16 * (v % 2))) & 0xFFFF) < threshold) << v for v in range(8))
+
+
+def test_dropout_thread_layouts_cover_the_reference_mask():
+    """The bit maps of cuda_src/dropout.cuh, lane by lane: keep_rows (the forward's layout, each lane drawing one set
+    and swapping half with lane ^ 4) and keep_mask_cols (the backward's transposed layout, one whole set per lane)
+    give every element of two 16 x 16 tiles the reference's keep bit, in the mma.sync C-fragment positions."""
+    seed, offset, bh, p = (5 << 40) + 77, (3 << 33) + 9, 7, 0.4
+    threshold = ref.dropout_threshold(p)
+    keep = ref.dropout_keep(seed, offset, 1, bh + 1, 48, 32, p)[0, bh]  # (query, key)
+    R, C = 1, 0  # the tile of queries 16.., keys 0.. and its right neighbour (NT = 4: two 16-key tiles)
+    mine = {lane: [_set_bits(seed, offset, bh, R, C + m, (lane // 4) // 2, 2 * (lane % 4) + (lane // 4) % 2,
+                             threshold) for m in range(2)] for lane in range(32)}
+    for lane in range(32):  # keep_rows<4>(words, R, C, lane)
+        g, c, odd = lane // 4, lane % 4, (lane // 4) % 2
+        for nt in range(4):
+            m, ch = nt // 2, nt % 2
+            for e in range(4):
+                v = 4 * (e // 2) + 2 * odd + ch
+                bits = mine[lane][m] if e % 2 == odd else mine[lane ^ 4][m]
+                row, col = 16 * R + g + 8 * (e // 2), 16 * C + 8 * nt + 2 * c + e % 2
+                assert bool((bits >> v) & 1) == keep[row, col], ("keep_rows", lane, nt, e)
+    for lane in range(32):  # keep_mask_cols<4>(key16 = C, query16 = R, lane): rows = keys
+        g, c = lane // 4, lane % 4
+        for nt in range(4):
+            m, ch = nt // 2, nt % 2
+            bits = _set_bits(seed, offset, bh, R + m, C, c, g, threshold)
+            for e in range(4):
+                key, query = 16 * C + g + 8 * (e // 2), 16 * (R + m) + 8 * ch + 2 * c + e % 2
+                assert bool((bits >> (4 * ch + 2 * (e % 2) + e // 2)) & 1) == keep[query, key], (
+                    "keep_mask_cols", lane, nt, e)
+
+
 def test_dropout_forward_and_backward_match_finite_differences():
     """The reference's gradients with dropout equal central differences of its forward (float64), GQA, causal."""
     rng = np.random.default_rng(3)
