@@ -81,13 +81,15 @@ struct Dropout {
             asm volatile("" ::: "memory");  // one set at a time: the generator's rounds are not interleaved
             const u32 mine = keep_bits(set(row16, key16 + m, g / 2, 2 * (lane % 4) + odd));
             const u32 other = __shfl_xor_sync(0xFFFFFFFFu, mine, 4);  // set k = 2c + 1 - g % 2, from lane ^ 4
+            // This thread's rows are draws 2 (g % 2) + {0, 1, 4, 5} of either set: after the shift, bit
+            // 4 (e / 2) + ch of x[e % 2] is the element of key 8 ch + 2c + e % 2, row g + 8 (e / 2).
+            const u32 x0 = (odd ? other : mine) >> (2 * odd), x1 = (odd ? mine : other) >> (2 * odd);
+            u32 byte = 0;
 #pragma unroll
             for (int ch = 0; ch < 2; ++ch)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {  // row g + 8 (e / 2), key 8 ch + 2c + e % 2: set k = 2c + e % 2
-                    const int bit = 4 * (2 * m + ch) + e, v = 4 * (e / 2) + 2 * odd + ch;
-                    if (((e % 2 == odd ? mine : other) >> v) & 1u) words[bit / 32] |= 1u << (bit % 32);
-                }
+                for (int e = 0; e < 4; ++e) byte |= (((e % 2 ? x1 : x0) >> (4 * (e / 2) + ch)) & 1u) << (4 * ch + e);
+            words[m / 4] |= byte << (8 * (m % 4));
         }
     }
 
