@@ -73,23 +73,34 @@ struct Dropout {
     __device__ __forceinline__ void keep_rows(u32 (&words)[(4 * NT + 31) / 32], int row16, int key16,
                                               int lane) const {
         static_assert(NT % 2 == 0, "pairs of 8-key tiles");
+        constexpr int W = (4 * NT + 31) / 32;
         const int g = lane / 4, odd = g % 2;
+        // First every set's eight bits, byte m of mine[] for tile m; then one shuffle per word of them.
+        u32 mine[W], other[W];
 #pragma unroll
-        for (int i = 0; i < (4 * NT + 31) / 32; ++i) words[i] = 0;
+        for (int i = 0; i < W; ++i) mine[i] = 0;
 #pragma unroll
         for (int m = 0; m < NT / 2; ++m) {
             asm volatile("" ::: "memory");  // one set at a time: the generator's rounds are not interleaved
-            const u32 mine = keep_bits(set(row16, key16 + m, g / 2, 2 * (lane % 4) + odd));
-            const u32 other = __shfl_xor_sync(0xFFFFFFFFu, mine, 4);  // set k = 2c + 1 - g % 2, from lane ^ 4
-            // This thread's rows are draws 2 (g % 2) + {0, 1, 4, 5} of either set: after the shift, bit
-            // 4 (e / 2) + ch of x[e % 2] is the element of key 8 ch + 2c + e % 2, row g + 8 (e / 2).
-            const u32 x0 = (odd ? other : mine) >> (2 * odd), x1 = (odd ? mine : other) >> (2 * odd);
-            u32 byte = 0;
+            mine[m / 4] |= keep_bits(set(row16, key16 + m, g / 2, 2 * (lane % 4) + odd)) << (8 * (m % 4));
+        }
 #pragma unroll
-            for (int ch = 0; ch < 2; ++ch)
+        for (int i = 0; i < W; ++i) {
+            other[i] = __shfl_xor_sync(0xFFFFFFFFu, mine[i], 4);  // sets k = 2c + 1 - g % 2, from lane ^ 4
+            words[i] = 0;
+        }
+        // This thread's rows are draws 2 (g % 2) + {0, 1, 4, 5} of either set: after the shift, bit
+        // 4 (e / 2) + ch of x[e % 2] is the element of key 8 ch + 2c + e % 2, row g + 8 (e / 2).
 #pragma unroll
-                for (int e = 0; e < 4; ++e) byte |= (((e % 2 ? x1 : x0) >> (4 * (e / 2) + ch)) & 1u) << (4 * ch + e);
-            words[m / 4] |= byte << (8 * (m % 4));
+        for (int i = 0; i < W; ++i) {
+            const u32 x0 = (odd ? other[i] : mine[i]) >> (2 * odd), x1 = (odd ? mine[i] : other[i]) >> (2 * odd);
+#pragma unroll
+            for (int m = 0; m < 4 && 4 * i + m < NT / 2; ++m)
+#pragma unroll
+                for (int ch = 0; ch < 2; ++ch)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        words[i] |= (((e % 2 ? x1 : x0) >> (8 * m + 4 * (e / 2) + ch)) & 1u) << (8 * m + 4 * ch + e);
         }
     }
 
