@@ -8,7 +8,7 @@
 // Packed variable-length batches run the same code: seqlen.cuh says where sequence b starts and how long it is,
 // and CTAs past the end of a shorter sequence exit at once (the grid is sized for the longest). A packed batch may
 // take its keys from a page pool (block_table: chunked prefill against a paged KV cache), gathered row by row, and
-// its key counts from seqused_k; both are read from device memory, so they are bounded here (seqlen_k_of).
+// its key counts from seqused_k; both are read from device memory, so they are bounded (seqlen.cuh).
 #include "params.cuh"
 #include "seqlen.cuh"
 #include "tile.cuh"
@@ -241,20 +241,11 @@ struct FwdBlock {
         }
     }
 
-    // Keys of sequence b: its cu_seqlens_k difference or seqused_k, at most what its rows (or pages) hold.
-    static __device__ __forceinline__ int seqlen_k_of(const FwdParams& p, const SeqInfo& seq, int b) {
-        if (p.block_table != nullptr) {
-            const int used = p.seqused_k != nullptr ? p.seqused_k[b] : seq.seqlen_k;
-            return max(0, min(used, p.max_pages * p.page_size));
-        }
-        return p.seqused_k != nullptr ? max(0, min(p.seqused_k[b], seq.seqlen_k)) : seq.seqlen_k;
-    }
-
     __device__ __forceinline__ void run(char* smem) {
         const int m_block = BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x;  // band: longest rows first
         const int h = blockIdx.y, h_kv = h / p.heads_per_kv;
         SeqInfo seq(p, blockIdx.z);
-        if (p.cu_seqlens_q != nullptr) seq.seqlen_k = seqlen_k_of(p, seq, blockIdx.z);
+        if (p.cu_seqlens_q != nullptr) seq.seqlen_k = SeqInfo::bounded_seqlen_k(p, seq.seqlen_k, blockIdx.z);
         row0 = m_block * BM;
         if (row0 >= seq.seqlen_q) return;  // a packed sequence shorter than the longest: the whole CTA leaves
         tid = threadIdx.x;

@@ -17,7 +17,8 @@
 //    consumer warpgroups drift apart, so one's softmax overlaps the other's GEMMs, and the copies run STAGES - 1
 //    blocks ahead. The producer gives its registers to the consumers (setmaxnreg).
 // Head dims 64, 128 and 256; softcap and ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu); padded
-// batches and packed sequences (seqlen.cuh; 3-D tensor maps over the tokens). Other head dims stay on fwd.cu.
+// batches and packed sequences (seqlen.cuh; 3-D tensor maps over the tokens), whose keys may come from page pools
+// (PAGED, lockstep only: fwd_sm90_producer.cuh). Other head dims stay on fwd.cu.
 #include "fwd_sm90_traits.cuh"
 #include "fwd_sm90_scheduler.cuh"
 #include "fwd_sm90_producer.cuh"
@@ -27,9 +28,10 @@
 namespace cuflash {
 
 template <class T, int D, int BN, bool BAND, int STAGES, int WGS, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES = false, bool DROPOUT = false>
+          bool PERSISTENT, bool SPLIT_TILES = false, bool DROPOUT = false, bool PAGED = false>
 struct FwdSm90 {
-    using Tr = FwdSm90Traits<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, DROPOUT>;
+    using Tr = FwdSm90Traits<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, DROPOUT,
+                             PAGED>;
     static constexpr u32 SMEM_BYTES = Tr::SMEM_BYTES;
 
     FwdSm90State<Tr> s;
@@ -90,6 +92,7 @@ struct FwdSm90 {
                 for (int i = 0; i < 2 && i < count; ++i) producer().issue_kv(range.n_max - 1 - i, i);
             }
             sm90::mbar_wait(s.smem.q_full(0), 0);
+            if constexpr (PAGED) zero_v_tail(range.n_max - 1);
             for (int t = 0; t < count; ++t) {
                 const int n = range.n_max - 1 - t;
                 const bool masked = n > range.full_hi || n < range.full_lo;
@@ -105,6 +108,25 @@ struct FwdSm90 {
             }
         }
         epilogue().store(count > 0);
+    }
+
+    // PAGED (lockstep): V rows past the sequence's keys in the walk's first block n (ring slot 0) set to zero. The
+    // boxes wholly past them arrive as zeros, but the rest of the box that holds the last key comes from the
+    // sequence's last page, which may hold anything there (NaN included), and P = 0 times NaN is NaN. Every thread
+    // waits for the block's V, zeroes its share of the rows, and fences, so that the wgmma (the async proxy) reads
+    // the zeros once the CTA barrier is passed.
+    __device__ __forceinline__ void zero_v_tail(int n) {
+        const int valid = max(s.tile.mask.seqlen_k - n * BN, 0);
+        if (valid >= BN) return;
+        sm90::mbar_wait(s.smem.full(0, 1), 0);
+        const u32 v = s.smem.kv_tile(0, 1);
+        constexpr int CHUNKS = Tr::PANELS * 8;  // 16-byte chunks of a row (a swizzle permutes them within it)
+        for (int i = s.tid; i < (BN - valid) * CHUNKS; i += Tr::THREADS) {
+            const int row = valid + i / CHUNKS, pn = i % CHUNKS / 8, c = i % 8;
+            st_shared_zero16(v + pn * Tr::KV_PANEL + row * 128 + c * 16);
+        }
+        sm90::fence_proxy_async();
+        __syncthreads();
     }
 
     // The persistent consumers with OVERLAP_TILES: when the next tile has key blocks, its first S = Q K^T is issued
@@ -225,11 +247,11 @@ struct FwdSm90 {
 };
 
 template <class T, int D, int BN, int STAGES, int WGS, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES, bool DROPOUT>
+          bool PERSISTENT, bool SPLIT_TILES, bool DROPOUT, bool PAGED>
 __global__ void __launch_bounds__(128 * (WGS + (WS ? 1 : 0)), 1)
     fwd_sm90_kernel(const __grid_constant__ FwdSm90Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, DROPOUT> block(p);
+    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, DROPOUT, PAGED> block(p);
     if constexpr (PERSISTENT) block.run_persistent(smem);
     else block.run(smem);
 }
@@ -237,8 +259,9 @@ __global__ void __launch_bounds__(128 * (WGS + (WS ? 1 : 0)), 1)
 // The dynamic shared memory (bytes) a launch of fwd_sm90_kernel with the same template arguments requests: the
 // launcher reads it from the compiled module (name expression "&cuflash::fwd_sm90_smem_bytes<...>").
 template <class T, int D, int BN, int STAGES, int WGS, bool BAND, bool WS, bool SCORE_MOD, bool PINGPONG,
-          bool PERSISTENT, bool SPLIT_TILES, bool DROPOUT>
+          bool PERSISTENT, bool SPLIT_TILES, bool DROPOUT, bool PAGED>
 __device__ const unsigned fwd_sm90_smem_bytes =
-    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, DROPOUT>::SMEM_BYTES;
+    FwdSm90<T, D, BN, BAND, STAGES, WGS, WS, SCORE_MOD, PINGPONG, PERSISTENT, SPLIT_TILES, DROPOUT,
+            PAGED>::SMEM_BYTES;
 
 }  // namespace cuflash

@@ -1,6 +1,7 @@
 // The Hopper forward's loads (fwd_sm90.cu): Q's tile and the K/V ring, by TMA. In the warp-specialized kernels one
 // thread of the producer warpgroup issues them, each ring slot as soon as its "empty" barrier says the consumers are
-// done with it; in the lockstep kernel thread 0 of the consumers does, after each block's CTA barrier.
+// done with it; in the lockstep kernel thread 0 of the consumers does, after each block's CTA barrier. Paged keys
+// (PAGED) come from page pools, a box of page_box rows at a time.
 #pragma once
 #include "fwd_sm90_traits.cuh"
 
@@ -32,10 +33,35 @@ struct FwdSm90Producer {
         const u32 full = s.smem.full(slot, half);
         sm90::mbar_arrive_expect_tx(full, Tr::KV_BYTES);
         const u32 dst = s.smem.kv_tile(slot, half);
+        if constexpr (Tr::PAGED) {
+            load_paged(dst, half ? &s.p.v : &s.p.k, n, full);
+            return;
+        }
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
             load_rows(dst + pn * Tr::KV_PANEL, half ? &s.p.v : &s.p.k, pn * 64, s.tile.h_kv, s.tile.k_begin,
                       n * Tr::BN, full);
+    }
+
+    // PAGED: key block n from the sequence's pages. The pool's map is 4-D (d, heads_k, page rows, pages) with boxes
+    // of page_box rows (a divisor of the page size and of BN, a multiple of 16, so that each box starts on a swizzle
+    // atom of the tile). A box past the sequence's keys, or in a page the pool does not have, reads page num_pages,
+    // one past the last, which TMA fills with zeros: no row outside the sequence's own pages is read.
+    __device__ __forceinline__ void load_paged(u32 dst, const sm90::TmaMap* map, int n, u32 bar) const {
+        const FwdSm90Params& p = s.p;
+        const int* pages = p.block_table + (i64)s.tile.b * p.block_table_stride;
+        for (int r = 0; r < Tr::BN; r += p.page_box) {
+            const int pos = n * Tr::BN + r, slot = pos / p.page_size;
+            int page = p.num_pages;
+            if (pos < s.tile.mask.seqlen_k && slot < p.max_pages) {
+                const int w = pages[slot];
+                if (w >= 0 && w < p.num_pages) page = w;
+            }
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn)
+                sm90::tma_load_4d(dst + pn * Tr::KV_PANEL + r * 128, map, pn * 64, s.tile.h_kv,
+                                  pos - slot * p.page_size, page, bar);
+        }
     }
     __device__ __forceinline__ void issue_kv(int n, int slot) {
         issue_half(n, slot, 0);

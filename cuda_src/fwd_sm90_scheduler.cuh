@@ -25,11 +25,12 @@ struct FwdSm90Scheduler {
         t.q_begin = seq.q_begin;
         t.k_begin = seq.k_begin;
         t.seqlen_q = seq.seqlen_q;
-        t.mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
+        const int seqlen_k = Tr::PAGED ? SeqInfo::bounded_seqlen_k(p, seq.seqlen_k, t.b) : seq.seqlen_k;
+        t.mask = Mask<BAND>{seqlen_k, seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
         if (SCORE_MOD)
             t.mod = ScoreMod{p.mod_scale, p.softcap,
                              p.alibi != nullptr ? p.alibi[(i64)t.b * p.alibi_batch_stride + t.h] : 0.f,
-                             seq.seqlen_k - seq.seqlen_q};
+                             seqlen_k - seq.seqlen_q};
         range = block_range<Tr::BM, Tr::BN, BAND>(t.mask, t.row0);
         return true;
     }

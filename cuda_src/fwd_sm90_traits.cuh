@@ -26,6 +26,8 @@ struct FwdSm90Params {
     const int* cu_seqlens_k;
     const i64* dropout_state;  // as in FwdParams (params.cuh): the dropout generator in device memory, or nullptr
     i64 dropout_seed, dropout_offset;  // the dropout generator (dropout.cuh); set per call
+    const int* block_table;  // PAGED kernels: (batch, max_pages) pages of each sequence's keys; k, v page pools
+    const int* seqused_k;    // PAGED kernels: each sequence's key count in place of cu_seqlens_k's, or nullptr
     i64 o_batch_stride, o_row_stride, o_head_stride;  // packed: the row stride is the batch stride (seqlen.cuh)
     i64 lse_batch_stride, lse_head_stride, alibi_batch_stride;
     int seqlen_q, seqlen_k, nheads, heads_per_kv;      // packed: the maximum lengths
@@ -41,6 +43,9 @@ struct FwdSm90Params {
     // blocks, heads, tiles per chunk, pairs per chunk and in the last chunk
     int chunk, chunk_last;
     FastDiv by_m_blocks, by_heads, by_chunk_tiles, by_chunk, by_chunk_last;
+    // PAGED kernels: block_table's row stride, the pools' geometry (k, v: (num_pages, page_size, heads_k, d)), and
+    // the rows of one TMA box of K or V, a divisor of page_size and of BN (so that no box straddles two pages)
+    int block_table_stride, page_size, num_pages, max_pages, page_box;
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is
 // asserted).
@@ -144,16 +149,19 @@ struct SharedStorage : OperandTiles<Q_BYTES, KV_BYTES, STAGES>, OStagingTile<Q_B
 //  STAGES: K/V ring slots; WGS: consumer warpgroups of 64 query rows; WS: warp-specialized (a producer warpgroup);
 //  SCORE_MOD: softcap / ALiBi; PINGPONG: the consumer warpgroups take turns issuing GEMMs; PERSISTENT: one CTA per
 //  SM walks the tiles; SPLIT_TILES: tiles whose rows fit in 64 are worked by all three consumer warpgroups;
-//  DROPOUT: dropout on the probabilities (dropout.cuh), where the call asks for it.
+//  DROPOUT: dropout on the probabilities (dropout.cuh), where the call asks for it; PAGED: a packed batch's keys
+//  from page pools (block_table), lockstep kernels only.
 template <class T_, int D_, int BN_, bool BAND_, int STAGES_, int WGS_, bool WS_, bool SCORE_MOD_, bool PINGPONG_,
-          bool PERSISTENT_, bool SPLIT_TILES_, bool DROPOUT_ = false>
+          bool PERSISTENT_, bool SPLIT_TILES_, bool DROPOUT_ = false, bool PAGED_ = false>
 struct FwdSm90Traits {
     using T = T_;
     static constexpr int D = D_, BN = BN_, STAGES = STAGES_, WGS = WGS_;
     static constexpr bool BAND = BAND_, WS = WS_, SCORE_MOD = SCORE_MOD_, PINGPONG = PINGPONG_,
-                          PERSISTENT = PERSISTENT_, SPLIT = SPLIT_TILES_, DROPOUT = DROPOUT_;
+                          PERSISTENT = PERSISTENT_, SPLIT = SPLIT_TILES_, DROPOUT = DROPOUT_, PAGED = PAGED_;
     // dropout indexes a warp's rows by warp_row0(), which a split tile's warpgroups 1 and 2 do not follow
     static_assert(!(DROPOUT && SPLIT), "no dropout in the split-tile kernel");
+    // the tail of a sequence's last V block is zeroed between the lockstep kernel's CTA barriers (FwdSm90::run)
+    static_assert(!(PAGED && WS), "paged keys in the lockstep kernel only");
 
     static constexpr int BM = 64 * WGS, PANELS = D / 64;  // WGS consumer warpgroups of 64 query rows each
     static constexpr int THREADS = 128 * (WGS + (WS ? 1 : 0)), CONSUMER0 = WS ? 128 : 0;  // consumers: CONSUMER0 ..

@@ -52,6 +52,18 @@ struct SeqInfo {
     static __device__ __forceinline__ i64 offset(int begin, i64 batch_stride, i64 row_stride, int row) {
         return (i64)begin * batch_stride + (i64)row * row_stride;
     }
+
+    // Keys of packed sequence b where a call may give paged keys (block_table) or key counts (seqused_k): seqused_k[b]
+    // or cu_seqlens_k's difference (`seqlen_k`), at most what the sequence's rows or pages hold. Both come from
+    // device memory, so they are bounded here.
+    template <class Params>
+    static __device__ __forceinline__ int bounded_seqlen_k(const Params& p, int seqlen_k, int b) {
+        if (p.block_table != nullptr) {
+            const int used = p.seqused_k != nullptr ? p.seqused_k[b] : seqlen_k;
+            return max(0, min(used, p.max_pages * p.page_size));
+        }
+        return p.seqused_k != nullptr ? max(0, min(p.seqused_k[b], seqlen_k)) : seqlen_k;
+    }
 };
 
 }  // namespace cuflash

@@ -199,6 +199,11 @@ def _varlen_cases() -> list[dict]:
              opts=dict(page_size=64, seqused=(1000, -1, 0, 1, 129), bad_pages=True)),
         dict(name="varlen_fwd_bf16_seqused_past_rows", fn="attention_varlen", dtype="bf16", shape=VARLEN,
              opts=dict(seqused=(40, 12, 5, 1, 500))),
+        # (on sm_90a the Hopper kernel's PAGED variant: boxes of 16 rows for pages of 48, d 256's 64-key blocks)
+        dict(name="varlen_fwd_fp16_d128_paged48_seqused_bad_pages", fn="attention_varlen", dtype="fp16",
+             shape=dict(VARLEN, d=128), opts=dict(page_size=48, seqused=(1000, -1, 0, 1, 129), bad_pages=True)),
+        dict(name="varlen_fwd_bf16_d256_paged32_causal", fn="attention_varlen", dtype="bf16",
+             shape=dict(VARLEN, d=256), opts=dict(causal=True, page_size=32)),
     ]
 
 

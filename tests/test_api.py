@@ -176,25 +176,72 @@ def test_packed_forward_params(no_gpu_kernels):
     assert (p["lse_batch_stride"], p["lse_head_stride"]) == (80, 20)
 
 
-def test_paged_varlen_forward_params(no_gpu_kernels, configure):
-    """block_table: the pools' page stride as the k/v batch stride, the pages' geometry, the table's row stride, and
-    the portable kernel even where the Hopper one is on."""
-    from cuflash.launcher import KernelCall
-    configure(sm90=True)
-    q = _FakeDeviceArray(np.zeros((30, 4, 64), np.float16), 0x1000)
-    pool = _FakeDeviceArray(np.zeros((9, 32, 2, 64), np.float16), 0x2000)
+def _paged_call(arch, monkeypatch, headdim=64, page_size=32, dropout_p=0.0, seqused_k=None):
+    """forward.forward_call of a paged varlen problem (9 pages of page_size rows, a (2, 5) block table) on `arch`."""
+    from cuflash import build
+    monkeypatch.setattr(build, "device_arch", lambda device_id: arch)
+    monkeypatch.setattr(build, "sm_count", lambda device_id: 132)
+    q = _FakeDeviceArray(np.zeros((30, 4, headdim), np.float16), 0x1000)
+    pool = _FakeDeviceArray(np.zeros((9, page_size, 2, headdim), np.float16), 0x2000)
     table = _FakeDeviceArray(np.zeros((2, 5), np.int32), 0x7000)
     lse = _FakeDeviceArray(np.zeros((4, 30), np.float32), 0x3000)
     problem = checks.check_varlen(q, pool, pool, _FakeDeviceArray(np.zeros(3, np.int32), 0x4000),
-                                  _FakeDeviceArray(np.zeros(3, np.int32), 0x5000), 20, 160, block_table=table)
+                                  _FakeDeviceArray(np.zeros(3, np.int32), 0x5000), 20, 160, block_table=table,
+                                  seqused_k=seqused_k, dropout_p=dropout_p)
     opts = options.resolve(problem, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, dropout_p=dropout_p)
+    call = forward.forward_call(problem, q, pool, pool, q, lse, opts, device_id=0, block_table=table,
+                                seqused_k=seqused_k)
+    return call, problem
+
+
+def test_paged_varlen_forward_params(no_gpu_kernels, configure, monkeypatch):
+    """block_table on the portable kernel (sm_80, or a dropout call on sm_90a): the pools' page stride as the k/v
+    batch stride, the pages' geometry, the table's row stride."""
+    from cuflash.launcher import KernelCall
+    configure(sm90=True)
+    for arch, dropout_p in (("sm_80", 0.0), ("sm_90a", 0.1)):
+        call, problem = _paged_call(arch, monkeypatch, dropout_p=dropout_p)
+        assert isinstance(call, KernelCall)
+        p = _struct(call, forward.PARAMS_DTYPE, *range(1, 14))
+        assert int(p["block_table"]) == 9 and (p["page_size"], p["num_pages"], p["max_pages"]) == (32, 9, 5)
+        assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (32 * 128, 128, 64)
+        assert p["block_table_stride"] == 5 and problem.nheads_k == 2
+
+
+@pytest.mark.parametrize("headdim, page_size, box", [(64, 32, 32), (128, 16, 16), (128, 256, 128), (128, 48, 16),
+                                                     (256, 256, 64), (256, 32, 32)])
+def test_paged_varlen_forward_on_hopper(no_gpu_kernels, configure, monkeypatch, headdim, page_size, box):
+    """block_table on sm_90a: the Hopper kernel's PAGED variant, the table and seqused_k in the call's head, the
+    pools' geometry, and K/V maps over (d, heads_k, page rows, pages) in boxes of a divisor of the page size and of
+    the block's keys."""
+    configure(sm90=True)
+    call, _ = _paged_call("sm_90a", monkeypatch, headdim=headdim, page_size=page_size,
+                          seqused_k=_FakeDeviceArray(np.zeros(2, np.int32), 0x6000))
+    assert isinstance(call, forward_sm90.ForwardCall)
+    assert call.spec == forward_sm90.variant_spec(forward_sm90.PAGED_VARIANT, "fp16", headdim, True, False,
+                                                  paged=True)
+    assert not call.spec.warp_specialized and call.spec in forward_sm90.all_specs()
+    p = np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
+    assert (p["page_size"], p["num_pages"], p["max_pages"], p["block_table_stride"]) == (page_size, 9, 5, 5)
+    assert p["page_box"] == box and call.spec.block_n % box == 0 and page_size % box == 0
+    assert forward_sm90.PARAMS_DTYPE.fields["seqused_k"][1] + 8 == 4 * 128 + 10 * 8  # the call's head
+    pool = np.zeros((9, page_size, 2, headdim), np.float16)
+    dtype, dims, strides, rows_box = tma.map_layout(pool, box)
+    assert dims == (headdim, 2, page_size, 9) and rows_box == (64, 1, box, 1)
+    tma.check_tiled(0x10000, dtype, dims, strides, rows_box, 128)
+    # seqused_k without pages stays on the portable kernel
+    from cuflash.launcher import KernelCall
+    monkeypatch.setattr(forward, "sm90_variant", lambda *a, **k: "lockstep")
+    q = _FakeDeviceArray(np.zeros((30, 4, headdim), np.float16), 0x1000)
+    kv = _FakeDeviceArray(np.zeros((40, 2, headdim), np.float16), 0x2000)
+    used = _FakeDeviceArray(np.zeros(2, np.int32), 0x6000)
+    cu = _FakeDeviceArray(np.zeros(3, np.int32), 0x4000)
+    problem = checks.check_varlen(q, kv, kv, cu, cu, 20, 40, seqused_k=used)
+    opts = options.resolve(problem, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None)
-    call = forward.forward_call(problem, q, pool, pool, q, lse, opts, device_id=0, block_table=table)
-    assert isinstance(call, KernelCall)  # the portable kernel: the Hopper one has no paged keys
-    p = _struct(call, forward.PARAMS_DTYPE, *range(1, 14))
-    assert int(p["block_table"]) == 9 and (p["page_size"], p["num_pages"], p["max_pages"]) == (32, 9, 5)
-    assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (32 * 128, 128, 64)
-    assert p["block_table_stride"] == 5 and problem.nheads_k == 2
+    assert isinstance(forward.forward_call(problem, q, kv, kv, q, None, opts, device_id=0, seqused_k=used),
+                      KernelCall)
 
 
 def _fake_backward_call(b, sq, sk, h, hk, d, rows_k_packed, packed, deterministic, rows_packed):
@@ -504,7 +551,10 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
              for band in (False, True) for mod in (False, True)}
     dropout = {forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], dtype, d, band, False, dropout=True)
                for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)}
-    assert set(specs) == every | dropout and len(specs) == len(every) + len(dropout)
+    paged = {forward_sm90.variant_spec(forward_sm90.PAGED_VARIANT, dtype, d, band, mod, paged=True)
+             for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)
+             for mod in (False, True)}
+    assert set(specs) == every | dropout | paged and len(specs) == len(every) + len(dropout) + len(paged)
     assert {s.block_n for s in specs} == {64, 128, 176} and all(s.block_n == 64 for s in specs if s.headdim == 256)
     assert all(s.headdim == 128 for s in specs if s.block_n == 176)
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
@@ -518,9 +568,9 @@ def test_sm90_three_consumer_tile(configure, no_gpu_kernels, monkeypatch):
     from cuflash.ops import forward, forward_sm90
     spec = forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, False)
     assert (spec.block_m, spec.threads, spec.block_n, spec.consumers) == (192, 512, 128, 3) and "_m192" in spec.name
-    assert ", 4, 3, false, true, false, false, false, false, false>" in spec.template
+    assert ", 4, 3, false, true, false, false, false, false, false, false>" in spec.template
     split = forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, False)  # persistent, split tiles
-    assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true, false>")
+    assert split.split and split.persistent and split.consumers == 3 and split.template.endswith(", true, true, false, false>")
     assert forward_sm90.variant_spec("ws3_n128_p_split", "bf16", 64, False, True) == forward_sm90.variant_spec(
         "ws_n128_p", "bf16", 64, False, True)  # a score mod: two warpgroups, no split
     assert (forward_sm90.variant_spec("ws3_n128", "bf16", 64, False, True)
@@ -580,12 +630,12 @@ def test_kernel_call_head_write_keeps_the_rest():
     p = np.zeros((), forward_sm90.PARAMS_DTYPE)
     p["seqlen_q"], p["softcap"] = 123, 2.5
     call = KernelCall((), p, ())
-    head = bytes(range(256)) * 1 + bytes(128) + bytes(range(128)) + forward_sm90._POINTERS.pack(1, 2, 3, 4, 5, 6, 7, 8)
+    head = bytes(range(256)) * 1 + bytes(128) + bytes(range(128)) + forward_sm90._POINTERS.pack(*range(1, 11))
     call.launch_head(0, head)  # no launches: only the struct is written
     got = np.frombuffer(call.params(), forward_sm90.PARAMS_DTYPE)[0]
     assert bytes(got["q"]) + bytes(got["k"]) == bytes(range(256)) and bytes(got["v"]) == bytes(128)
     assert bytes(got["o_map"]) == bytes(range(128))
-    assert [int(got[n]) for n in forward_sm90._POINTER_NAMES] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [int(got[n]) for n in forward_sm90._POINTER_NAMES] == list(range(1, 11))
     assert got["seqlen_q"] == 123 and got["softcap"] == 2.5
 
 

@@ -273,16 +273,18 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     (same call). q .. lse, alibi_slopes and block_table are arrays or TensorSpecs: only shapes and strides are read,
     packed ones ((total, heads, d); lse (nheads, total_q)) as in :func:`launch`. A call then takes the stream and the
     pointers ``q, k, v, o, lse, alibi, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k`` (0 where absent).
-    Paged keys (block_table) and key counts (seqused_k, an array or TensorSpec; only its presence is read) run on
-    the portable kernel."""
+    Paged keys (block_table, with or without seqused_k) run on the Hopper kernel's PAGED variant where it has the
+    head dim (without dropout); key counts without pages (seqused_k, an array or TensorSpec; only its presence is
+    read) on the portable kernel."""
     arch = build.device_arch(device_id)
-    portable_only = block_table is not None or seqused_k is not None
-    variant = sm90_variant(problem, arch, options.band) if not portable_only else None
-    if variant is not None and options.dropout:  # dropout: one Hopper variant per head dim, without a score mod
+    variant = sm90_variant(problem, arch, options.band) if block_table is not None or seqused_k is None else None
+    if variant is not None and block_table is not None:  # paged: the lockstep kernel, without dropout
+        variant = forward_sm90.PAGED_VARIANT if not options.dropout else None
+    elif variant is not None and options.dropout:  # dropout: one Hopper variant per head dim, without a score mod
         variant = forward_sm90.DROPOUT_VARIANTS.get(problem.headdim) if not options.score_mod else None
     if variant is not None:
         return forward_sm90.forward_call(problem, q, k, v, out, lse, options, device_id=device_id,
-                                         alibi_slopes=alibi_slopes, variant=variant)
+                                         alibi_slopes=alibi_slopes, variant=variant, block_table=block_table)
     launch = plan_forward(problem, options.left, options.right, options.score_mod, arch, options.dropout)
     p = params(problem, q, k, v, out, lse, alibi_slopes, options, block_table)
     return KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, launch.block, launch.smem)],

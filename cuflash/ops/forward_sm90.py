@@ -1,7 +1,7 @@
 """The Hopper forward (``cuda_src/fwd_sm90.cu``): its specializations and variants, its parameter struct with the
 TMA tensor maps, and its launch behind the portable forward's call interface. :mod:`cuflash.ops.forward` chooses
 it on sm_90a for head dims 64, 128 and 256 (fp16/bf16, causal and local windows, GQA, softcap, ALiBi, lse; padded
-and packed batches).
+and packed batches; a packed batch's keys from page pools).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class FwdSm90Spec:
     pingpong: bool = False          # the consumer warpgroups take turns issuing GEMMs (warp-specialized only)
     split: bool = False             # tiles whose rows fit in 64 worked by all three consumer warpgroups (SPLIT)
     dropout: bool = False           # dropout on the probabilities (DROPOUT), where a call asks for it
+    paged: bool = False             # a packed batch's keys from page pools (PAGED; lockstep only)
 
     source = "fwd_sm90.cu"
 
@@ -53,13 +54,13 @@ class FwdSm90Spec:
         ws += "_persistent" if self.persistent else ""
         ws += "_split" if self.split else ""
         return (f"fwd_sm90_{self.dtype}_d{self.headdim}{ws}{'_band' if self.band else ''}"
-                f"{'_mod' if self.score_mod else ''}{'_drop' if self.dropout else ''}")
+                f"{'_mod' if self.score_mod else ''}{'_drop' if self.dropout else ''}{'_paged' if self.paged else ''}")
 
     @property
     def template(self) -> str:
         return plan.template("fwd_sm90_kernel", self.dtype, (self.headdim, self.block_n, self.stages, self.consumers),
                              (self.band, self.warp_specialized, self.score_mod, self.pingpong, self.persistent,
-                              self.split, self.dropout))
+                              self.split, self.dropout, self.paged))
 
     @property
     def smem_symbol(self) -> str:
@@ -126,18 +127,18 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
 
 
 def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: bool,
-                 dropout: bool = False) -> FwdSm90Spec:
+                 dropout: bool = False, paged: bool = False) -> FwdSm90Spec:
     """The specialization a variant of VARIANTS compiles for these options."""
-    return FwdSm90Spec(dtype, headdim, band, score_mod=score_mod, dropout=dropout,
+    return FwdSm90Spec(dtype, headdim, band, score_mod=score_mod, dropout=dropout, paged=paged,
                        **variant_options(variant, headdim, score_mod))
 
 
 # FwdSm90Params (fwd_sm90_traits.cuh): four 64-byte-aligned tensor maps (q, k, v, o), the pointers o, lse, alibi,
-# cu_seqlens_q, cu_seqlens_k, dropout_state and the dropout generator's seed and offset (with the maps, the struct's
-# head a call writes), strides, ints, scales, dropout's threshold and scale, batch, o_tma, the persistent walk's
-# chunk sizes and divisions (multiplier, shift: fast_div); 768 bytes.
+# cu_seqlens_q, cu_seqlens_k, dropout_state, the dropout generator's seed and offset, block_table and seqused_k (with
+# the maps, the struct's head a call writes), strides, ints, scales, dropout's threshold and scale, batch, o_tma, the
+# persistent walk's chunk sizes and divisions (multiplier, shift: fast_div), the page pools' geometry; 768 bytes.
 _POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k", "dropout_state", "dropout_seed",
-                  "dropout_offset")
+                  "dropout_offset", "block_table", "seqused_k")
 _I64S = ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride", "lse_head_stride",
          "alibi_batch_stride")
 _INTS = ("seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "window_left", "window_right")
@@ -145,12 +146,13 @@ _FLOATS = ("scale_log2", "mod_scale", "softcap")
 _DROPOUT = ("dropout_threshold", "dropout_scale")
 _DIVISIONS = tuple(f"by_{n}_{part}" for n in ("m_blocks", "heads", "chunk_tiles", "chunk", "chunk_last")
                    for part in ("mul", "shift"))
+_PAGES = ("block_table_stride", "page_size", "num_pages", "max_pages", "page_box")
 PARAMS_DTYPE = np.dtype({
     "names": ["q", "k", "v", "o_map", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, *_DROPOUT, "batch", "o_tma", "chunk",
-              "chunk_last", *_DIVISIONS],
-    "formats": (["V128"] * 4 + [np.uint64] * 8 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3
-                + [np.int32, np.float32] + [np.int32] * 4 + [np.uint32] * len(_DIVISIONS)),
-    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(14)] + [624 + 4 * i for i in range(17 + 10)],
+              "chunk_last", *_DIVISIONS, *_PAGES],
+    "formats": (["V128"] * 4 + [np.uint64] * 10 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3
+                + [np.int32, np.float32] + [np.int32] * 4 + [np.uint32] * len(_DIVISIONS) + [np.int32] * 5),
+    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(16)] + [640 + 4 * i for i in range(15 + 10 + 5)],
     "itemsize": 768})
 
 
@@ -214,6 +216,16 @@ def o_tma(headdim: int) -> int:
 # warpgroups of 160 registers the keep bits spill).
 DROPOUT_VARIANTS = {64: "ws_n128", 128: "pingpong_n128", 256: "lockstep"}
 
+# Paged keys (block_table) run on the lockstep kernel (PAGED: its CTA barriers let every thread zero the tail of a
+# sequence's last V block), with 128-key blocks where the head dim has them (64 at d = 256), without dropout.
+PAGED_VARIANT = "lockstep_n128"
+
+
+def page_box(page_size: int, block_n: int) -> int:
+    """Rows per TMA box of a paged K or V block: the largest common divisor of the page size and the block's keys
+    (both multiples of 16), so that no box straddles two pages."""
+    return math.gcd(page_size, block_n)
+
 
 def all_specs() -> list:
     """Every Hopper forward specialization (each variant, head dim, dtype, band, score mod; the dropout ones):
@@ -223,7 +235,9 @@ def all_specs() -> list:
          for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
          for band in (False, True) for mod in (False, True)]
         + [variant_spec(variant, dtype, d, band, False, dropout=True)
-           for d, variant in DROPOUT_VARIANTS.items() for dtype in ("fp16", "bf16") for band in (False, True)]))
+           for d, variant in DROPOUT_VARIANTS.items() for dtype in ("fp16", "bf16") for band in (False, True)]
+        + [variant_spec(PAGED_VARIANT, dtype, d, band, mod, paged=True)
+           for d in HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True) for mod in (False, True)]))
 
 
 _POINTERS = struct.Struct(f"{len(_POINTER_NAMES)}Q")  # right after the four maps (offset 512)
@@ -243,19 +257,21 @@ class ForwardCall:
     def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
                  cu_seqlens_k: int = 0, block_table: int = 0, seqused_k: int = 0, dropout_seed: int = 0,
                  dropout_offset: int = 0, dropout_state: int = 0) -> None:
-        # (block_table, seqused_k: the portable call's arguments; calls with them are never planned here)
         q_map, k_map, v_map, o_map = self.maps
         self.kernel_call.launch_head(
             stream, q_map(q) + k_map(k) + v_map(v) + o_map(o)
-            + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k, dropout_state, dropout_seed, dropout_offset))
+            + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k, dropout_state, dropout_seed, dropout_offset,
+                             block_table, seqused_k))
 
 
 def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, device_id: int, alibi_slopes=None,
-                 variant: str) -> ForwardCall:
+                 variant: str, block_table=None) -> ForwardCall:
     """The Hopper forward for these layouts (arrays or TensorSpecs; out and lse contiguous; padded or packed as
-    :func:`cuflash.ops.forward.launch` describes) on device `device_id` (current)."""
+    :func:`cuflash.ops.forward.launch` describes) on device `device_id` (current); with ``block_table`` (an array
+    or TensorSpec) k and v are page pools ``(num_pages, page_size, nheads_k, d)`` and the variant PAGED_VARIANT."""
+    paged = block_table is not None
     spec = variant_spec(variant, plan.dtype_tag(problem.dtype), problem.headdim, options.band, options.score_mod,
-                        options.dropout)
+                        options.dropout, paged)
     b, sq, h = problem.batch, problem.seqlen_q, problem.nheads  # packed: sq is the longest sequence
     p = np.zeros((), dtype=PARAMS_DTYPE)
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = seq_strides(out)
@@ -267,13 +283,20 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
         p[name] = value
     p["batch"] = b
     p["o_tma"] = o_tma(problem.headdim)  # (the SPLIT kernel ignores it: epilogue)
+    kv_rows_box = spec.block_n
+    if paged:
+        from ..checks import elem_strides
+        p["block_table_stride"] = elem_strides(block_table)[0]
+        p["page_size"], p["num_pages"], p["max_pages"] = k.shape[1], k.shape[0], block_table.shape[1]
+        p["page_box"] = kv_rows_box = page_box(k.shape[1], spec.block_n)
     tiles = (math.ceil(sq / spec.block_m), h, b)
     grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)
     set_walk(p, spec, tiles[0], grid[0])
     kernel = (build.get_kernel(spec, device_id), grid, (spec.threads,), build.smem_bytes(spec, device_id))
     call = KernelCall([kernel], p, ())
-    maps = (tma.layout_encoder(q, spec.block_m), tma.layout_encoder(k, spec.block_n),
-            tma.layout_encoder(v, spec.block_n), tma.layout_encoder(out, 16))
+    # (a page pool (num_pages, page_size, heads_k, d) maps as a padded batch of pages: (d, heads_k, page rows, pages))
+    maps = (tma.layout_encoder(q, spec.block_m), tma.layout_encoder(k, kv_rows_box),
+            tma.layout_encoder(v, kv_rows_box), tma.layout_encoder(out, 16))
     return ForwardCall(call, maps, spec)
 
 

@@ -310,9 +310,10 @@ def test_stream_argument(compiled):
 # Paged keys: block_table (chunked prefill against a page pool) and seqused_k
 # --------------------------------------------------------------------------------------------
 
-def _paged(rng, lens_k, page_size, hk, d, dt, spare=3):
+def _paged(rng, lens_k, page_size, hk, d, dt, spare=3, poison=False):
     """A shuffled page pool holding each sequence's keys and values (plus spare pages of noise), its block table,
-    and the keys and values gathered back into packed rows (the unpaged equivalent)."""
+    and the keys and values gathered back into packed rows (the unpaged equivalent). `poison`: the rows of each
+    sequence's last page past its keys, and the spare pages, hold NaN (what an unwritten pool may hold)."""
     pages = [max(1, -(-n // page_size)) for n in lens_k]
     num_pages = sum(pages) + spare
     pool_k, pool_v = randn(rng, (num_pages, page_size, hk, d), dt), randn(rng, (num_pages, page_size, hk, d), dt)
@@ -322,26 +323,32 @@ def _paged(rng, lens_k, page_size, hk, d, dt, spare=3):
     for b, n in enumerate(pages):
         table[b, :n] = order[start:start + n]
         start += n
+    if poison:
+        for b, (n, used) in enumerate(zip(lens_k, pages)):
+            pool_k[table[b, used - 1], n - (used - 1) * page_size:] = np.nan
+            pool_v[table[b, used - 1], n - (used - 1) * page_size:] = np.nan
+        pool_k[order[start:]] = pool_v[order[start:]] = np.nan
     rows = [(table[b, np.arange(n) // page_size], np.arange(n) % page_size) for b, n in enumerate(lens_k)]
     packed_k = np.concatenate([pool_k[r] for r in rows]) if sum(lens_k) else np.zeros((0, hk, d), dt)
     packed_v = np.concatenate([pool_v[r] for r in rows]) if sum(lens_k) else np.zeros((0, hk, d), dt)
     return pool_k, pool_v, table, packed_k, packed_v
 
 
-@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_paged_varlen_matches_the_reference(compiled, page_size, causal, dtype):
     """Chunked prefill: new query chunks of each sequence against its keys in a page pool (the chunk's own keys
-    last, so causal masks align bottom-right as in a KV cache), GQA, lengths off the tile grid, an empty sequence;
-    equal to the reference on the pool and to the unpaged call on the gathered keys."""
+    last, so causal masks align bottom-right as in a KV cache), GQA, lengths off the tile grid, an empty sequence,
+    NaN in the pool past each sequence's keys; equal to the reference on the pool and to the unpaged call on the
+    gathered keys. (On sm_90a the Hopper kernel's PAGED variant, in boxes of 16 rows for pages of 48.)"""
     import cupy
     import cuflash
     rng = np.random.default_rng(page_size + causal)
     dt = DTYPES[dtype]
     lens_q, lens_k = [17, 1, 64, 0, 40], [300, 33, 64, 5, 129]
     h, hk, d = 8, 2, 128
-    pool_k, pool_v, table, packed_k, packed_v = _paged(rng, lens_k, page_size, hk, d, dt)
+    pool_k, pool_v, table, packed_k, packed_v = _paged(rng, lens_k, page_size, hk, d, dt, poison=True)
     q = randn(rng, (sum(lens_q), h, d), dt)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     dev = cupy.asarray
@@ -355,6 +362,40 @@ def test_paged_varlen_matches_the_reference(compiled, page_size, causal, dtype):
     unpaged = cuflash.attention_varlen(dev(q), dev(packed_k), dev(packed_v), dev(cu_q), dev(cu_k), max(lens_q),
                                        max(lens_k), causal=causal)
     assert_close_to_reference(out.get(), unpaged.get().astype(np.float64), naive)
+
+
+@pytest.mark.parametrize("d, page_size, opts", [(64, 32, dict(causal=True)), (64, 48, dict(window_size=(40, 8))),
+                                                 (256, 32, dict(causal=True, softcap=30.0)), (256, 128, {}),
+                                                 (96, 32, dict(causal=True))])
+def test_paged_varlen_head_dims_and_options(compiled, d, page_size, opts):
+    """Paged keys at the other head dims (the Hopper kernel's 64 and 256, the portable kernel's 96), with a local
+    window, softcap and ALiBi, seqused_k below cu_seqlens_k's counts, and NaN in the pool past the keys."""
+    import cupy
+    import cuflash
+    rng = np.random.default_rng(d + page_size)
+    dt, h, hk = DTYPES["bf16"], 4, 2
+    lens_q, lens_k = [33, 0, 70, 5], [200, 17, 70, 129]
+    used = [190, 17, 64, 129]
+    pool_k, pool_v, table, _, _ = _paged(rng, used, page_size, hk, d, dt, poison=True)
+    q = randn(rng, (sum(lens_q), h, d), dt)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    slopes = rng.uniform(0.01, 0.5, size=h).astype(np.float32) if "softcap" in opts else None
+    dev = cupy.asarray
+    out, lse = cuflash.attention_varlen(dev(q), dev(pool_k), dev(pool_v), dev(cu_q), dev(cu_k), max(lens_q),
+                                        max(lens_k), block_table=dev(table), seqused_k=dev(np.array(used, np.int32)),
+                                        alibi_slopes=None if slopes is None else dev(slopes), return_lse=True, **opts)
+    out, lse = out.get(), lse.get()
+    for b in range(len(lens_q)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        if not lens_q[b]:
+            continue
+        pos = np.arange(used[b])
+        kb, vb = (pool[table[b, pos // page_size], pos % page_size] for pool in (pool_k, pool_v))
+        args = (q[None, rows], kb[None], vb[None])
+        want, want_lse = reference.attention(*args, return_lse=True, alibi_slopes=slopes, **opts)
+        assert_close_to_reference(out[None, rows], want, naive_lowp(*args, alibi_slopes=slopes, **opts),
+                                  context=f"d {d} page {page_size} row {b}")
+        assert_lse_close(lse[:, rows], want_lse[0])
 
 
 def test_paged_varlen_seqused_k_and_bounds(compiled):
