@@ -174,8 +174,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         Paged keys (chunked prefill against a KV cache): k and v are then page pools ``(num_pages, page_size,
         nheads_k, headdim)``, page_size a multiple of 16, and key p of sequence b is row ``p % page_size`` of page
         ``block_table[b, p // page_size]``; sequence b has ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys (or
-        ``seqused_k[b]``), at most ``max_pages * page_size``. Forward only (no backward); on sm_90a it runs on the
-        portable kernel.
+        ``seqused_k[b]``), at most ``max_pages * page_size``. Forward only (no backward); on sm_90a at head dims
+        64, 128 and 256 (without dropout) the Hopper kernel's paged variant runs it.
     seqused_k : cupy.ndarray, int32, (batch,), optional
         Keys of sequence b, instead of cu_seqlens_k's difference (at most that difference when not paged). Forward
         only; on sm_90a it runs on the portable kernel.
