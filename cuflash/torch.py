@@ -75,7 +75,8 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         Dropout on the attention probabilities (:func:`cuflash.attention`), its mask drawn from torch's CUDA
         generator of q's device (its seed; its offset, which the call advances by 4, as torch's own random
         operations do), so ``torch.manual_seed`` governs it; the backward regenerates the same mask. Eager calls
-        only (not under torch.compile, tracing or CUDA-graph capture: NotImplementedError).
+        and under CUDA-graph capture (each replay draws a new mask), not under torch.compile or tracing
+        (NotImplementedError).
 
     Returns
     -------
@@ -431,8 +432,8 @@ def _dropout_words(dropout) -> tuple:
 
 def _no_traced_dropout(dropout_p) -> None:
     if dropout_p:
-        raise NotImplementedError("dropout_p: dropout runs in eager calls only (not under torch.compile, tracing, "
-                                  "dispatch modes or functorch) for now")
+        raise NotImplementedError("dropout_p: dropout runs in eager calls and under CUDA-graph capture, not under "
+                                  "torch.compile, tracing, dispatch modes or functorch")
 
 
 class _EagerAttention(torch.autograd.Function):
