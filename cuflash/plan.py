@@ -106,3 +106,11 @@ def set_strides(p, **arrays) -> None:
     from .checks import seq_strides
     for name, x in arrays.items():
         p[f"{name}_batch_stride"], p[f"{name}_row_stride"], p[f"{name}_head_stride"] = seq_strides(x)
+
+
+def set_pages(p, k, block_table) -> None:
+    """Fill a forward struct's paged-keys fields: block_table's row stride and the pools' geometry (k, v page pools
+    ``(num_pages, page_size, nheads_k, d)``, block_table ``(batch, max_pages)``)."""
+    from .checks import elem_strides
+    p["block_table_stride"] = elem_strides(block_table)[0]
+    p["page_size"], p["num_pages"], p["max_pages"] = k.shape[1], k.shape[0], block_table.shape[1]

@@ -252,8 +252,7 @@ def params(problem, q, k, v, out, lse, alibi, options: AttentionOptions, block_t
     window, scales; with ``block_table`` (k, v page pools) the pages' geometry."""
     p = np.zeros((), dtype=PARAMS_DTYPE)
     if block_table is not None:
-        p["block_table_stride"] = checks.elem_strides(block_table)[0]
-        p["page_size"], p["num_pages"], p["max_pages"] = k.shape[1], k.shape[0], block_table.shape[1]
+        plan.set_pages(p, k, block_table)
     plan.set_strides(p, q=q, k=k, v=v, o=out)
     p["lse_batch_stride"], p["lse_head_stride"] = checks.lse_strides(lse)
     p["alibi_batch_stride"] = checks.alibi_batch_stride(alibi)

@@ -285,9 +285,7 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     p["o_tma"] = o_tma(problem.headdim)  # (the SPLIT kernel ignores it: epilogue)
     kv_rows_box = spec.block_n
     if paged:
-        from ..checks import elem_strides
-        p["block_table_stride"] = elem_strides(block_table)[0]
-        p["page_size"], p["num_pages"], p["max_pages"] = k.shape[1], k.shape[0], block_table.shape[1]
+        plan.set_pages(p, k, block_table)
         p["page_box"] = kv_rows_box = page_box(k.shape[1], spec.block_n)
     tiles = (math.ceil(sq / spec.block_m), h, b)
     grid = plan.check_grid((min(math.prod(tiles), build.sm_count(device_id)), 1, 1) if spec.persistent else tiles)
