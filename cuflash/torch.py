@@ -379,8 +379,8 @@ def _eager(*tensors) -> bool:
 
 def _eager_attention(q, k, v, args: tuple, deterministic: bool, return_lse: bool, dropout=None):
     """An eager dense or varlen call; ``args`` are :func:`_forward`'s after q, k, v, ``dropout`` its (p, seed,
-    offset, state) or None (:func:`_dropout`). With a gradient to track, under an autograd.Function (lse stays with the backward unless asked
-    for); else the forward alone."""
+    offset, state) or None (:func:`_dropout`). With a gradient to track, under an autograd.Function (lse stays with
+    the backward unless asked for); else the forward alone."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return (_EagerAttentionLse if return_lse else _EagerAttention).apply(q, k, v, (*args, deterministic, dropout))
     out, lse = _forward(q, k, v, *args, return_lse, dropout=dropout)
