@@ -1,8 +1,8 @@
 """The options of one attention call, resolved once: what every kernel path and wrapper reads.
 
 :func:`resolve` turns the public keywords (``softmax_scale``, ``causal``, ``window_size``, ``softcap``,
-``alibi_slopes``, ``dropout_p``) into :class:`AttentionOptions`: the scale with its default, the window normalized against the
-problem's lengths, and the three scalars the kernels turn ``q . k`` into ``exp2`` arguments with
+``alibi_slopes``, ``dropout_p``) into :class:`AttentionOptions`: the scale with its default, the window normalized
+against the problem's lengths, and the three scalars the kernels turn ``q . k`` into ``exp2`` arguments with
 (``cuda_src/params.cuh``).
 """
 from __future__ import annotations
