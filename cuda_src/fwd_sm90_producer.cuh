@@ -33,37 +33,48 @@ struct FwdSm90Producer {
         const u32 full = s.smem.full(slot, half);
         sm90::mbar_arrive_expect_tx(full, Tr::KV_BYTES);
         const u32 dst = s.smem.kv_tile(slot, half);
-        if constexpr (Tr::PAGED) {
-            load_paged(dst, half ? &s.p.v : &s.p.k, n, full);
-            return;
-        }
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
             load_rows(dst + pn * Tr::KV_PANEL, half ? &s.p.v : &s.p.k, pn * 64, s.tile.h_kv, s.tile.k_begin,
                       n * Tr::BN, full);
     }
 
-    // PAGED: key block n from the sequence's pages. The pool's map is 4-D (d, heads_k, page rows, pages) with boxes
-    // of page_box rows (a divisor of the page size and of BN, a multiple of 16, so that each box starts on a swizzle
-    // atom of the tile). A box past the sequence's keys, or in a page the pool does not have, reads page num_pages,
-    // one past the last, which TMA fills with zeros: no row outside the sequence's own pages is read.
-    __device__ __forceinline__ void load_paged(u32 dst, const sm90::TmaMap* map, int n, u32 bar) const {
+    // PAGED (the lockstep kernel): K and V of key block n into ring slot `slot` from the sequence's pages. The
+    // pools' maps are 4-D (d, heads_k, page rows, pages) with boxes of page_box rows (a divisor of the page size and
+    // of BN, a multiple of 16, so that each box starts on a swizzle atom of the tile). A box past the sequence's
+    // keys, or in a page the pool does not have, reads page num_pages, one past the last, which TMA fills with
+    // zeros: no row outside the sequence's own pages is read. The block's page indices are loaded first, all at
+    // once (one latency, not one per box), and serve K and V.
+    __device__ __forceinline__ void issue_kv_paged(int n, int slot) {
+        constexpr int MAX_BOXES = Tr::BN / 16;
         const FwdSm90Params& p = s.p;
         const int* pages = p.block_table + (i64)s.tile.b * p.block_table_stride;
-        for (int r = 0; r < Tr::BN; r += p.page_box) {
-            const int pos = n * Tr::BN + r, slot = pos / p.page_size;
-            int page = p.num_pages;
-            if (pos < s.tile.mask.seqlen_k && slot < p.max_pages) {
-                const int w = pages[slot];
-                if (w >= 0 && w < p.num_pages) page = w;
-            }
+        int page[MAX_BOXES], row[MAX_BOXES];
 #pragma unroll
-            for (int pn = 0; pn < PANELS; ++pn)
-                sm90::tma_load_4d(dst + pn * Tr::KV_PANEL + r * 128, map, pn * 64, s.tile.h_kv,
-                                  pos - slot * p.page_size, page, bar);
+        for (int i = 0; i < MAX_BOXES; ++i) {
+            const int pos = n * Tr::BN + i * p.page_box, at = pos / p.page_size;
+            row[i] = pos - at * p.page_size;
+            const int w = i * p.page_box < Tr::BN && pos < s.tile.mask.seqlen_k && at < p.max_pages ? pages[at] : -1;
+            page[i] = w >= 0 && w < p.num_pages ? w : p.num_pages;
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 full = s.smem.full(slot, half), dst = s.smem.kv_tile(slot, half);
+            sm90::mbar_arrive_expect_tx(full, Tr::KV_BYTES);
+#pragma unroll
+            for (int i = 0; i < MAX_BOXES; ++i)
+                if (i * p.page_box < Tr::BN)
+#pragma unroll
+                    for (int pn = 0; pn < PANELS; ++pn)
+                        sm90::tma_load_4d(dst + pn * Tr::KV_PANEL + i * p.page_box * 128, half ? &p.v : &p.k,
+                                          pn * 64, s.tile.h_kv, row[i], page[i], full);
         }
     }
     __device__ __forceinline__ void issue_kv(int n, int slot) {
+        if constexpr (Tr::PAGED) {
+            issue_kv_paged(n, slot);
+            return;
+        }
         issue_half(n, slot, 0);
         issue_half(n, slot, 1);
     }
