@@ -87,8 +87,9 @@ struct FwdSm90 {
                 mainloop().consume_pipelined(range, count, 0);
             }
         } else if (count > 0) {
-            if (s.tid == 0) {
-                producer().issue_q();
+            const bool issuer = PAGED ? s.tid < 32 : s.tid == 0;  // (paged blocks: warp 0, fwd_sm90_producer.cuh)
+            if (issuer) {
+                if (s.tid == 0) producer().issue_q();
                 for (int i = 0; i < 2 && i < count; ++i) producer().issue_kv(range.n_max - 1 - i, i);
             }
             sm90::mbar_wait(s.smem.q_full(0), 0);
@@ -104,7 +105,7 @@ struct FwdSm90 {
                     else mainloop().template step<false, false>(n, t);
                 }
                 __syncthreads();  // both warpgroups are done with this slot
-                if (s.tid == 0 && t + 2 < count) producer().issue_kv(range.n_max - 1 - t - 2, t % 2);
+                if (issuer && t + 2 < count) producer().issue_kv(range.n_max - 1 - t - 2, t % 2);
             }
         }
         epilogue().store(count > 0);

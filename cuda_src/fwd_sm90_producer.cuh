@@ -39,40 +39,39 @@ struct FwdSm90Producer {
                       n * Tr::BN, full);
     }
 
-    // PAGED (the lockstep kernel): K and V of key block n into ring slot `slot` from the sequence's pages. The
-    // pools' maps are 4-D (d, heads_k, page rows, pages) with boxes of page_box rows (a divisor of the page size and
-    // of BN, a multiple of 16, so that each box starts on a swizzle atom of the tile). A box past the sequence's
-    // keys, or in a page the pool does not have, reads page num_pages, one past the last, which TMA fills with
-    // zeros: no row outside the sequence's own pages is read. The block's page indices are loaded first, all at
-    // once (one latency, not one per box), and serve K and V.
-    __device__ __forceinline__ void issue_kv_paged(int n, int slot) {
-        constexpr int MAX_BOXES = Tr::BN / 16;
+    // PAGED (the lockstep kernel): K and V of key block n into ring slot `slot` from the sequence's pages, issued by
+    // the 32 threads of warp 0 together. The pools' maps are 4-D (d, heads_k, page rows, pages) with boxes of
+    // page_box rows (a divisor of the page size and of BN, a multiple of 16, so that each box starts on a swizzle
+    // atom of the tile): BN / page_box boxes per 64-column panel, for each panel of K and of V, at most 32 in all
+    // (16 boxes of 16 rows x two panels at d 128, 4 x four at d 256). Lane i issues box i after looking its page up
+    // itself, so that small pages cost one lookup and one issue per lane rather than a serial chain of them in one
+    // thread. Lane 0 sets each half's expected bytes with its arrival; another lane's copy may complete first (the
+    // transaction count may go below zero, as with a multicast from another CTA), but the phase also waits for that
+    // arrival. No lane branches or waits for another (a predicated copy): ptxas serializes the consumers' wgmmas
+    // around a divergent path (C7520). A box past the sequence's keys, or in a page the pool does not have, reads
+    // page num_pages, one past the last, which TMA fills with zeros: no row outside the sequence's own pages is read
+    // (an idle lane's lookup stays inside the table's row too).
+    __device__ __forceinline__ void issue_kv_paged(int n, int slot, int lane) {
         const FwdSm90Params& p = s.p;
+        const int boxes = Tr::BN / p.page_box;
+        if (lane == 0) {
+            sm90::mbar_arrive_expect_tx(s.smem.full(slot, 0), Tr::KV_BYTES);
+            sm90::mbar_arrive_expect_tx(s.smem.full(slot, 1), Tr::KV_BYTES);
+        }
+        static_assert(2 * PANELS * (Tr::BN / 16) <= 32, "a box per lane");
         const int* pages = p.block_table + (i64)s.tile.b * p.block_table_stride;
-        int page[MAX_BOXES], row[MAX_BOXES];
-#pragma unroll
-        for (int i = 0; i < MAX_BOXES; ++i) {
-            const int pos = n * Tr::BN + i * p.page_box, at = pos / p.page_size;
-            row[i] = pos - at * p.page_size;
-            const int w = i * p.page_box < Tr::BN && pos < s.tile.mask.seqlen_k && at < p.max_pages ? pages[at] : -1;
-            page[i] = w >= 0 && w < p.num_pages ? w : p.num_pages;
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const u32 full = s.smem.full(slot, half), dst = s.smem.kv_tile(slot, half);
-            sm90::mbar_arrive_expect_tx(full, Tr::KV_BYTES);
-#pragma unroll
-            for (int i = 0; i < MAX_BOXES; ++i)
-                if (i * p.page_box < Tr::BN)
-#pragma unroll
-                    for (int pn = 0; pn < PANELS; ++pn)
-                        sm90::tma_load_4d(dst + pn * Tr::KV_PANEL + i * p.page_box * 128, half ? &p.v : &p.k,
-                                          pn * 64, s.tile.h_kv, row[i], page[i], full);
-        }
+        const int half = lane / (PANELS * boxes), pn = lane / boxes % PANELS, box = lane % boxes;
+        const int pos = n * Tr::BN + box * p.page_box, at = pos / p.page_size;
+        const int w = pos < s.tile.mask.seqlen_k && at < p.max_pages ? __ldg(pages + at) : -1;
+        sm90::tma_load_4d_if(lane < 2 * PANELS * boxes, s.smem.kv_tile(slot, half & 1) + pn * Tr::KV_PANEL +
+                                 box * p.page_box * 128, (half & 1) ? &p.v : &p.k, pn * 64, s.tile.h_kv,
+                             pos - at * p.page_size, w >= 0 && w < p.num_pages ? w : p.num_pages,
+                             s.smem.full(slot, half & 1));
     }
+    // K and V of key block n into ring slot `slot`: one thread, or with PAGED the 32 threads of warp 0.
     __device__ __forceinline__ void issue_kv(int n, int slot) {
         if constexpr (Tr::PAGED) {
-            issue_kv_paged(n, slot);
+            issue_kv_paged(n, slot, s.tid % 32);
             return;
         }
         issue_half(n, slot, 0);

@@ -71,6 +71,17 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int x, i
         : "memory");
 }
 
+// The same where `issue` is set (a predicate, not a branch: called by every lane of a warp that issues copies
+// together, it keeps the warp converged).
+__device__ __forceinline__ void tma_load_4d_if(bool issue, u32 dst, const TmaMap* map, int x, int y, int z, int w,
+                                               u32 bar) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %7, 0;\n"
+        "@p cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+        "%5}], [%6];\n}\n" ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z), "r"(w),
+        "r"(bar), "r"((int)issue) : "memory");
+}
+
 // The same, with an L2 eviction policy (l2_policy_evict_first) for the lines the copy brings into L2.
 __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, int x, int y, int z, int w, u32 bar,
                                             unsigned long long policy) {
