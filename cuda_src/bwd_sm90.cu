@@ -21,7 +21,7 @@
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
 // waited for first) at d = 64 (at 128 that kernel spills); head dims 64, 128 and 256 (DSPLIT: 64 keys per CTA, the
 // warpgroups splitting the head dim; step_split).
-// Dropout (DROPOUT kernels, d = 64 and 128 with 64 query rows, no score mod): dV takes P M / keep and
+// Dropout (DROPOUT kernels, d = 64 and 128 with 64 query rows; a score mod at d = 64): dV takes P M / keep and
 // dS^T = P^T (dP^T M / keep - D), with M's bits regenerated per step (dropout.cuh) while S^T and dP^T compute.
 // Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
 // with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order:
@@ -136,7 +136,8 @@ struct BwdSm90 {
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(D == 64 || D == 128 || (D == 256 && BM == 64 && !SCORE_MOD), "head dims 64, 128 and 256");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
-    static_assert(!DROPOUT || (BM == 64 && !DSPLIT && !SCORE_MOD && !FIXED), "dropout: d 64, 128; 64 query rows");
+    static_assert(!DROPOUT || (BM == 64 && !DSPLIT && !FIXED && (!SCORE_MOD || D == 64)),
+                  "dropout: d 64 (a score mod too), 128; 64 query rows");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
     static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64 && !DROPOUT;
@@ -368,10 +369,13 @@ struct BwdSm90 {
                     float dmod;
                     const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
                     const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
+                    float dp = dpt[j][e];
+                    if constexpr (DROPOUT) dp = (kept >> (4 * j + e)) & 1u ? dp * p.dropout_scale : 0.f;
                     st[j][e] = prob;
-                    dpt[j][e] = prob * (dpt[j][e] - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
+                    dpt[j][e] = prob * (dp - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
                 }
             sm90::a_fragments<T>(st, a);
+            if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M
         } else {
             sm90::wgmma_wait<1>();  // S^T (dP^T still computing)
             if (all_visible(m)) probabilities<false>(st, lse, key0, m);

@@ -549,8 +549,9 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
     every = {forward_sm90.variant_spec(variant, dtype, d, band, mod)
              for variant in forward_sm90.VARIANTS for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16")
              for band in (False, True) for mod in (False, True)}
-    dropout = {forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], dtype, d, band, False, dropout=True)
-               for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)}
+    dropout = {forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], dtype, d, band, mod, dropout=True)
+               for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)
+               for mod in (False, True)}
     paged = {forward_sm90.variant_spec(forward_sm90.PAGED_VARIANT, dtype, d, band, mod, paged=True)
              for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)
              for mod in (False, True)}
@@ -747,9 +748,9 @@ def test_kernel_call_with_tail_writes_pointers_and_tail():
 
 
 def test_sm90_dropout_forward_takes_the_dropout_variant(configure, no_gpu_kernels):
-    """On sm_90a a dropout call at d 64/128/256 without a score mod takes its head dim's dropout variant (the kernel
-    with dropout compiled in) and its struct carries the threshold and the kept probabilities' scale; with a score
-    mod, or at another head dim, the portable kernel."""
+    """On sm_90a a dropout call at d 64/128/256 takes its head dim's dropout variant (the kernel with dropout
+    compiled in; with a score mod, that variant's score-mod kernel) and its struct carries the threshold and the
+    kept probabilities' scale."""
     from cuflash import checks, reference
     from cuflash.launcher import KernelCall
     from cuflash.ops import forward_sm90
@@ -773,4 +774,6 @@ def test_sm90_dropout_forward_takes_the_dropout_variant(configure, no_gpu_kernel
         assert p["dropout_threshold"] == 65536 and p["dropout_scale"] == 1.0
         capped = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
                                window_size=(-1, -1), softcap=5.0, alibi_slopes=None, dropout_p=0.3)
-        assert isinstance(capped, KernelCall)  # the portable kernel
+        assert capped.spec == forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], "fp16", d, True, True,
+                                                        dropout=True)
+        assert capped.spec in forward_sm90.all_specs()

@@ -1,6 +1,6 @@
 """The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256,
 where the two warpgroups split the head dim), for head dims exactly 64, 128 and 256 (softcap / ALiBi at 64; dropout
-at 64 and 128). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
+at 64, with them too, and 128). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
 :func:`dropout_applies`) and launches it behind the portable main kernel's call interface, with the same
 preprocess, workspace and dQ conversion.
 """
@@ -94,8 +94,9 @@ class BwdSm90Spec:
 
 
 def dropout_applies(problem, score_mod: bool, arch: str) -> bool:
-    """The Hopper kernel runs this backward with dropout: as :func:`applies`, at the DROPOUT_HEADDIMS, no score mod."""
-    return applies(problem, score_mod, arch) and problem.headdim in DROPOUT_HEADDIMS and not score_mod
+    """The Hopper kernel runs this backward with dropout: as :func:`applies` (a score mod at SCORE_MOD_HEADDIMS),
+    at the DROPOUT_HEADDIMS."""
+    return applies(problem, score_mod, arch) and problem.headdim in DROPOUT_HEADDIMS
 
 
 def all_specs() -> list:
@@ -104,8 +105,8 @@ def all_specs() -> list:
             for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))
             for rows in BLOCK_M_CHOICES if block_m_allowed(d, mod, rows)
             for fixed in ((False, True) if tma_dq(d, rows) else (False,))] + [
-        BwdSm90Spec(dtype, d, band, dropout=True) for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
-        for band in (False, True)]
+        BwdSm90Spec(dtype, d, band, mod, dropout=True) for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
+        for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))]
 
 
 def params_dtype(inner: np.dtype) -> np.dtype:
