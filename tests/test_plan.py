@@ -162,6 +162,11 @@ def test_dropout_backward_plan():
     with pytest.raises(NotImplementedError, match="dropout at head dim 200"):
         backward.plan_backward(checks.Problem(1, 8, 8, 1, 1, 200, np.dtype(np.float16)), -1, -1, False, False,
                                "sm_90a", 132, dropout=True)
+    wide = checks.Problem(1, 8, 8, 1, 1, 256, np.dtype(np.float16))  # d 256: the Hopper kernel's DSPLIT variant
+    assert backward.plan_backward(wide, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90 == (
+        backward_sm90.BwdSm90Spec("fp16", 256, False, False, 64, False, True))
+    with pytest.raises(NotImplementedError, match="dropout at head dim 256"):  # with a score mod: none
+        backward.plan_backward(wide, -1, -1, True, False, "sm_90a", 132, dropout=True)
 
 
 def test_grid_limits_are_checked_before_launch():
