@@ -344,7 +344,7 @@ struct BwdSm90 {
         // dO load and before S^T and dP^T take their registers (beside them, at d = 128, ptxas spills)
         u32 kept = ~0u;
         if constexpr (DROPOUT) {
-            if (p.dropout_threshold < 65536)
+            if (p.dropout_threshold < (int)Dropout::LEVELS)
                 kept = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT>((key0 - lane / 4) / 16,
                                                                                    m * BM / 16, lane);
         }
@@ -508,7 +508,7 @@ struct BwdSm90 {
         // drawn while Q and dO load
         u32 kept = ~0u;
         if constexpr (DROPOUT) {
-            if (p.dropout_threshold < 65536)
+            if (p.dropout_threshold < (int)Dropout::LEVELS)
                 kept = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT>(n_key0 / 16 + warp,
                                                                                    (m * BM + col0) / 16, lane);
         }
