@@ -73,10 +73,10 @@ struct Dropout {
         return ~dropped & 0xFFFFu;
     }
 
-    // The keep bits of pairs (R0 + m, C0 + n) (m, n: tile steps of R and C) for this thread's tiles x0 .. x0 + T - 1
-    // along one axis (`along_rows`: R steps), drawn as described above: for tile x the pair's 16 bits of the call
-    // that thread (x % 2 == g % 2 ? this one : lane ^ 4) drew; a last odd tile is drawn by both. out[x / 2] holds
-    // tile x's bits at 16 (x % 2).
+    // The pair bits (keep_bits) of this thread's T tiles along one axis, pair (a, t) of each: tiles R0 .. R0 + T - 1
+    // of key tile C0 (ALONG_ROWS), or key tiles C0 .. C0 + T - 1 of R0. Of tiles 2j and 2j + 1 this thread draws
+    // tile 2j + odd and lane ^ 4 the other, and they swap the bits (one shuffle per two pairs of tiles); a last odd
+    // tile each draws itself. out[x / 2] holds tile x's sixteen bits at 16 (x % 2).
     template <int T, bool ALONG_ROWS>
     __device__ __forceinline__ void shared_pairs(u32 (&out)[(T + 1) / 2], int R0, int C0, int a, int t,
                                                  int odd) const {
