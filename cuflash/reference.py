@@ -212,10 +212,10 @@ def dropout_keep(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int,
         word 3 = offset's low word
 
     Set k % 2 of the pair takes output words 2 (k % 2) and 2 (k % 2) + 1; draw v = 4 ((i % 16) / 8) +
-    2 ((j % 16) / 8) + i % 2 of the set is byte v % 4 of the first word (v < 4) or the second. A thread of the backward's
-    transposed accumulator layout (rows = keys) holds one set per 16 x 16 tile and one of the forward's (rows =
-    queries) half of both sets of a pair; either shares a call with the thread four lanes away, each drawing the call
-    of every other tile (cuda_src/dropout.cuh).
+    2 ((j % 16) / 8) + i % 2 of the set is byte v % 4 of the first word (v < 4) or the second. A thread of the
+    backward's transposed accumulator layout (rows = keys) holds one set per 16 x 16 tile and one of the forward's
+    (rows = queries) half of both sets of a pair; either shares a call with the thread four lanes away, each drawing
+    the call of every other tile (cuda_src/dropout.cuh).
     """
     threshold = dropout_threshold(dropout_p)
     i = np.arange(seqlen_q, dtype=np.int64)[:, None]
