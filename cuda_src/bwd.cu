@@ -240,7 +240,8 @@ struct BwdBlock {
         // word per pair of query tiles) are drawn before S^T and dP^T occupy their registers, so that the
         // generator's state never lives beside them. Only in the kernels that have the registers for them
         // (BwdTraits::DROPOUT, DROPOUT_MOD).
-        const bool dropping = (SCORE_MOD ? Traits::DROPOUT_MOD : Traits::DROPOUT) && p.dropout_threshold < 65536;
+        const bool dropping =
+            (SCORE_MOD ? Traits::DROPOUT_MOD : Traits::DROPOUT) && p.dropout_threshold < (int)Dropout::LEVELS;
         u32 kept[NQW / 2];
 #pragma unroll
         for (int np = 0; np < NQW / 2; ++np)

@@ -21,7 +21,7 @@
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
 // waited for first) at d = 64 (at 128 that kernel spills); head dims 64, 128 and 256 (DSPLIT: 64 keys per CTA, the
 // warpgroups splitting the head dim; step_split).
-// Dropout (DROPOUT kernels, d = 64 and 128 with 64 query rows, no score mod): dV takes P M / keep and
+// Dropout (DROPOUT kernels, d = 64 and 128 with 64 query rows; a score mod at d = 64): dV takes P M / keep and
 // dS^T = P^T (dP^T M / keep - D), with M's bits regenerated per step (dropout.cuh) while S^T and dP^T compute.
 // Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
 // with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order:
@@ -136,7 +136,8 @@ struct BwdSm90 {
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(D == 64 || D == 128 || (D == 256 && BM == 64 && !SCORE_MOD), "head dims 64, 128 and 256");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
-    static_assert(!DROPOUT || (BM == 64 && !DSPLIT && !SCORE_MOD && !FIXED), "dropout: d 64, 128; 64 query rows");
+    static_assert(!DROPOUT || (BM == 64 && !FIXED && (!SCORE_MOD || D == 64)),
+                  "dropout: d 64 (a score mod too), 128, 256; 64 query rows");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
     static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64 && !DROPOUT;
@@ -343,7 +344,7 @@ struct BwdSm90 {
         // dO load and before S^T and dP^T take their registers (beside them, at d = 128, ptxas spills)
         u32 kept = ~0u;
         if constexpr (DROPOUT) {
-            if (p.dropout_threshold < 65536)
+            if (p.dropout_threshold < (int)Dropout::LEVELS)
                 kept = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT>((key0 - lane / 4) / 16,
                                                                                    m * BM / 16, lane);
         }
@@ -368,10 +369,13 @@ struct BwdSm90 {
                     float dmod;
                     const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
                     const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
+                    float dp = dpt[j][e];
+                    if constexpr (DROPOUT) dp = (kept >> (4 * j + e)) & 1u ? dp * p.dropout_scale : 0.f;
                     st[j][e] = prob;
-                    dpt[j][e] = prob * (dpt[j][e] - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
+                    dpt[j][e] = prob * (dp - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
                 }
             sm90::a_fragments<T>(st, a);
+            if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M
         } else {
             sm90::wgmma_wait<1>();  // S^T (dP^T still computing)
             if (all_visible(m)) probabilities<false>(st, lse, key0, m);
@@ -499,13 +503,21 @@ struct BwdSm90 {
         const int buf = uniform(tt % 2);
         const float* lse = rows(smem, buf);
         const float* dsum = lse + BM;
+        const int key0 = n_key0 + warp * 16 + lane / 4, col0 = wg * 32;
+        // dropout: the keep bits of this warp's 16 keys x the warpgroup's 32 queries (bit 4 j + e: element [j][e]),
+        // drawn while Q and dO load
+        u32 kept = ~0u;
+        if constexpr (DROPOUT) {
+            if (p.dropout_threshold < (int)Dropout::LEVELS)
+                kept = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT>(n_key0 / 16 + warp,
+                                                                                   (m * BM + col0) / 16, lane);
+        }
         sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);  // Q
         sm90::mbar_wait(do_bar(), tt & 1);           // dO: one load per step
         float st[NT][4], dpt[NT][4];
         sm90::wgmma_fence();
         issue_keys_by_query_half(st, base, q_tile(buf));
         issue_keys_by_query_half(dpt, base + OFF_V, do_tile(0));
-        const int key0 = n_key0 + warp * 16 + lane / 4, col0 = wg * 32;
         sm90::wgmma_wait<1>();  // S^T
         if (all_visible(m)) probabilities<false>(st, lse + col0, key0, m, col0);
         else probabilities<true>(st, lse + col0, key0, m, col0);
@@ -513,8 +525,17 @@ struct BwdSm90 {
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                dpt[j][e] = st[j][e] * (dpt[j][e] - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
+            for (int e = 0; e < 4; ++e) {
+                float dp = dpt[j][e];
+                if constexpr (DROPOUT) {  // dS^T from dP^T M / keep; dV takes P^T M (its 1 / keep in store_dkdv)
+                    const bool keep = (kept >> (4 * j + e)) & 1u;
+                    dp = keep ? dp * p.dropout_scale : 0.f;
+                    dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
+                    if (!keep) st[j][e] = 0.f;
+                } else {
+                    dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
+                }
+            }
         // P^T and dS^T, 64 keys x 64 queries each, 128-byte swizzled rows of keys: (key r, query c) at r 128 +
         // (((c / 8) ^ (r % 8)) 16) + (c % 8) 2
 #pragma unroll

@@ -1,12 +1,16 @@
 // Dropout on attention probabilities, regenerated wherever it is needed (no mask in memory): element (b, h, i, j) --
-// query row i, key j of sequence b, head h -- is kept when its 16-bit draw from Philox 4x32-10 is below
+// query row i, key j of sequence b, head h -- is kept when its draw, a byte of Philox 4x32-10's output, is below
 // `threshold`. cuflash.reference.dropout_keep defines the draws; in short, the 16 x 16 tile of rows 16R.., keys
 // 16C.. splits into 32 sets of 8 elements, rows {2a, 2a + 1, 2a + 8, 2a + 9} x keys {k, k + 8} (a in 0..3, k in
-// 0..7), and one Philox call (counter C, R, 32 (b nheads + h) + 8a + k, offset) gives a set its eight draws. In the
-// backward's transposed accumulator layout (rows = keys; mma.sync's C fragment) a thread holds exactly one set per
-// 16 x 16 tile: one call. In the forward's (rows = queries; also each warp's rows of a wgmma accumulator) a thread
-// holds half of two sets, which it shares with the thread four lanes away: each draws one and passes the other's
-// half over (one shuffle), so the forward too costs one call per 8 elements.
+// 0..7), and one Philox call (counter C, R, 16 (b nheads + h) + 4a + t, offset) gives the pair of sets k = 2t,
+// 2t + 1 its sixteen draws. Both accumulator layouts share each call between a thread (g = lane / 4, c = lane % 4)
+// and the thread four lanes away (g ^ 1):
+//  - rows = keys (the backward's transposed accumulators; mma.sync's C fragment): a thread holds set (a = c, k = g)
+//    of every tile, its neighbour the other set of the pair;
+//  - rows = queries (the forward's; also each warp's rows of a wgmma accumulator): a thread holds rows g and g + 8
+//    of both sets of pair (a = g / 2, t = c), its neighbour rows g ^ 1 and (g ^ 1) + 8.
+// Of every two tiles each of the two threads draws one call, and they swap the keep bits (one shuffle): one call
+// per 16 elements in either layout.
 #pragma once
 #include "types.cuh"
 
@@ -14,14 +18,16 @@ namespace cuflash {
 
 struct Dropout {
     u32 key0, key1;  // the seed's low word; its high word ^ the offset's high word
-    u32 word2;       // 32 (b nheads + h)
+    u32 word2;       // 16 (b nheads + h)
     u32 offset;      // the offset's low word
-    u32 threshold;   // a draw below it keeps its element
+    u32 threshold;   // a draw below it keeps its element (1 .. LEVELS)
+
+    static constexpr u32 LEVELS = 256;  // the draws are bytes; a threshold of LEVELS keeps every element
 
     // seed and offset as the parameter structs hold them (i64 fields: their 64 bits)
     __device__ __forceinline__ Dropout(i64 seed, i64 offset_, int bh, int threshold_)
         : key0((u32)seed), key1((u32)((unsigned long long)seed >> 32) ^ (u32)((unsigned long long)offset_ >> 32)),
-          word2(32u * (u32)bh), offset((u32)offset_), threshold((u32)threshold_) {}
+          word2(16u * (u32)bh), offset((u32)offset_), threshold((u32)threshold_) {}
 
     // The generator of a parameter struct (FwdParams, BwdParams): its dropout_state words where set, else its
     // dropout_seed and dropout_offset.
@@ -46,61 +52,83 @@ struct Dropout {
         return c;
     }
 
-    // The eight draws of set (R, C, a, k) of this (b, h): draw v is the low (v even) or high half of word v / 2.
-    // Draw v of the set is element (row 2a + 8 (v / 4) + (v / 2) % 2, key k + 8 (v % 2)) of the tile.
-    __device__ __forceinline__ uint4 set(int R, int C, int a, int k) const {
-        return philox(make_uint4((u32)C, (u32)R, word2 + 8u * a + k, offset));
+    // The sixteen draws of pair (R, C, a, t) of this (b, h): set s of the pair (k = 2t + s) takes words 2s and
+    // 2s + 1, draw u of the set is byte u % 4 of word 2s + u / 4, and draw u is element (row 2a + 8 (u / 4) + u % 2,
+    // key k + 8 ((u / 2) % 2)) of the tile.
+    __device__ __forceinline__ uint4 pair(int R, int C, int a, int t) const {
+        return philox(make_uint4((u32)C, (u32)R, word2 + 4u * a + t, offset));
     }
-    __device__ __forceinline__ bool keep(const uint4& w, int v) const {
-        const u32 word = v < 4 ? (v < 2 ? w.x : w.y) : (v < 6 ? w.z : w.w);
-        return ((v % 2 ? word >> 16 : word) & 0xFFFFu) < threshold;
-    }
-    // The keep bits of a set: bit v for draw v.
+    // The keep bits of a pair: bit 8 s + u for draw u of set s. Each word's bytes at or above the threshold carry out
+    // of their byte when 256 - threshold is added to them, the even and the odd bytes two at a time.
     __device__ __forceinline__ u32 keep_bits(const uint4& w) const {
-        u32 bits = 0;
+        const u32 add = (LEVELS - threshold) * 0x00010001u;
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+        u32 dropped = 0;
 #pragma unroll
-        for (int v = 0; v < 8; ++v) bits |= (u32)keep(w, v) << v;
-        return bits;
+        for (int q = 0; q < 4; ++q) {
+            const u32 even = (words[q] & 0x00FF00FFu) + add, odd = ((words[q] >> 8) & 0x00FF00FFu) + add;
+            u32 d = ((even >> 8) & 0x00010001u) | ((odd >> 7) & 0x00020002u);  // bytes 0, 1, 2, 3: bits 0, 1, 16, 17
+            dropped |= ((d | (d >> 14)) & 0xFu) << (4 * q);
+        }
+        return ~dropped & 0xFFFFu;
+    }
+
+    // The pair bits (keep_bits) of this thread's T tiles along one axis, pair (a, t) of each: tiles R0 .. R0 + T - 1
+    // of key tile C0 (ALONG_ROWS), or key tiles C0 .. C0 + T - 1 of R0. Of tiles 2j and 2j + 1 this thread draws
+    // tile 2j + odd and lane ^ 4 the other, and they swap the bits (one shuffle per two pairs of tiles); a last odd
+    // tile each draws itself. out[x / 2] holds tile x's sixteen bits at 16 (x % 2).
+    template <int T, bool ALONG_ROWS>
+    __device__ __forceinline__ void shared_pairs(u32 (&out)[(T + 1) / 2], int R0, int C0, int a, int t,
+                                                 int odd) const {
+        constexpr int PAIRS = T / 2, PACKED = (PAIRS + 1) / 2;
+        u32 mine[PACKED > 0 ? PACKED : 1];
+#pragma unroll
+        for (int i = 0; i < PACKED; ++i) mine[i] = 0;
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+            const int x = 2 * j + odd;
+            mine[j / 2] |= keep_bits(pair(ALONG_ROWS ? R0 + x : R0, ALONG_ROWS ? C0 : C0 + x, a, t)) << (16 * (j % 2));
+        }
+#pragma unroll
+        for (int i = 0; i < PACKED; ++i) {
+            const u32 other = __shfl_xor_sync(0xFFFFFFFFu, mine[i], 4);  // the other tile of each pair, from g ^ 1
+#pragma unroll
+            for (int h = 0; h < 2 && 2 * i + h < PAIRS; ++h) {  // pair j = 2i + h: tiles 2j (drawn by odd 0), 2j + 1
+                const u32 lo = ((odd ? other : mine[i]) >> (16 * h)) & 0xFFFFu;
+                const u32 hi = ((odd ? mine[i] : other) >> (16 * h)) & 0xFFFFu;
+                out[2 * i + h] = lo | hi << 16;
+            }
+        }
+        if constexpr (T % 2 == 1) {
+            out[T / 2] = keep_bits(pair(ALONG_ROWS ? R0 + T - 1 : R0, ALONG_ROWS ? C0 : C0 + T - 1, a, t));
+        }
     }
 
     // Rows = queries (the forward): the keep bits of a warp's 16 rows from query row16 16 on, x NT 8-key tiles from
-    // key key16 16 on (NT even): bit 4 nt + e of words[0..] for element [nt][e]. The thread (g = lane / 4,
-    // c = lane % 4) holds rows {g, g + 8} x keys {2c, 2c + 1, 2c + 8, 2c + 9} of each 16 x 16 tile: draws
-    // 2 (g % 2) + {0, 1, 4, 5} of sets (a = g / 2, k = 2c) and (a, 2c + 1). It draws set k = 2c + g % 2 and swaps
-    // half of it with lane ^ 4 (g ^ 1), which draws the other. All 32 lanes call it together (the shuffle). Drawn
-    // before the scores exist, so that the generator's registers and the scores' are never live together.
+    // key key16 16 on (NT even): bit 4 nt + e of words[0..] for element [nt][e] (row g + 8 (e / 2), key
+    // 8 nt + 2c + e % 2). That element is draw 4 (e / 2) + 2 ch + g % 2 (ch = nt % 2) of set e % 2 of pair (a = g / 2,
+    // t = c) of its tile. All 32 lanes call it together (the shuffle). Drawn before the scores exist where the
+    // kernel allows, so that the generator's registers and the scores' are not live together.
     template <int NT>
     __device__ __forceinline__ void keep_rows(u32 (&words)[(4 * NT + 31) / 32], int row16, int key16,
                                               int lane) const {
         static_assert(NT % 2 == 0, "pairs of 8-key tiles");
-        constexpr int W = (4 * NT + 31) / 32;
+        constexpr int T = NT / 2;  // 16-key tiles
         const int g = lane / 4, odd = g % 2;
-        // First every set's eight bits, byte m of mine[] for tile m; then one shuffle per word of them.
-        u32 mine[W], other[W];
+        u32 bits[(T + 1) / 2];
+        shared_pairs<T, false>(bits, row16, key16, g / 2, lane % 4, odd);
 #pragma unroll
-        for (int i = 0; i < W; ++i) mine[i] = 0;
+        for (int i = 0; i < (4 * NT + 31) / 32; ++i) words[i] = 0;
 #pragma unroll
-        for (int m = 0; m < NT / 2; ++m) {
-            asm volatile("" ::: "memory");  // one set at a time: the generator's rounds are not interleaved
-            mine[m / 4] |= keep_bits(set(row16, key16 + m, g / 2, 2 * (lane % 4) + odd)) << (8 * (m % 4));
-        }
+        for (int m = 0; m < T; ++m) {
+            // after the shift, bit 8 (e % 2) + 4 (e / 2) + 2 ch of x is element [2m + ch][e]
+            const u32 x = (bits[m / 2] >> (16 * (m % 2) + odd)) & 0xFFFFu;
+            u32 byte = 0;
 #pragma unroll
-        for (int i = 0; i < W; ++i) {
-            other[i] = __shfl_xor_sync(0xFFFFFFFFu, mine[i], 4);  // sets k = 2c + 1 - g % 2, from lane ^ 4
-            words[i] = 0;
-        }
-        // This thread's rows are draws 2 (g % 2) + {0, 1, 4, 5} of either set: after the shift, bit
-        // 4 (e / 2) + ch of x[e % 2] is the element of key 8 ch + 2c + e % 2, row g + 8 (e / 2).
+            for (int ch = 0; ch < 2; ++ch)
 #pragma unroll
-        for (int i = 0; i < W; ++i) {
-            const u32 x0 = (odd ? other[i] : mine[i]) >> (2 * odd), x1 = (odd ? mine[i] : other[i]) >> (2 * odd);
-#pragma unroll
-            for (int m = 0; m < 4 && 4 * i + m < NT / 2; ++m)
-#pragma unroll
-                for (int ch = 0; ch < 2; ++ch)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        words[i] |= (((e % 2 ? x1 : x0) >> (8 * m + 4 * (e / 2) + ch)) & 1u) << (8 * m + 4 * ch + e);
+                for (int e = 0; e < 4; ++e) byte |= ((x >> (8 * (e % 2) + 4 * (e / 2) + 2 * ch)) & 1u) << (4 * ch + e);
+            words[m / 4] |= byte << (8 * (m % 4));
         }
     }
 
@@ -117,23 +145,20 @@ struct Dropout {
     }
 
     // Rows = keys (the backward's S^T): a warp's 16 keys from key key16 16 on, x NT 8-query tiles from query row
-    // query16 16 on (NT even); bit (nt, e) of the result set where element [nt][e] is kept (NT <= 8). The thread
-    // (g = lane / 4, c = lane % 4) holds keys {g, g + 8} x queries {2c, 2c + 1, 2c + 8, 2c + 9} of each 16 x 16
-    // tile: set (a = c, k = g), whole.
+    // query16 16 on (NT even); bit 4 nt + e of the result set where element [nt][e] (key g + 8 (e / 2), query
+    // 8 nt + 2c + e % 2) is kept (NT <= 8). That element is draw 4 ch + e (ch = nt % 2) of set g % 2 of pair
+    // (a = c, t = g / 2): a tile's eight bits are its set's, in order. All 32 lanes call it together.
     template <int NT>
     __device__ __forceinline__ u32 keep_mask_cols(int key16, int query16, int lane) const {
         static_assert(NT % 2 == 0 && NT <= 8, "pairs of 8-query tiles, 32 bits");
-        u32 bits = 0;
+        constexpr int T = NT / 2;  // 16-query tiles
+        const int g = lane / 4, odd = g % 2;
+        u32 bits[(T + 1) / 2];
+        shared_pairs<T, true>(bits, query16, key16, lane % 4, g / 2, odd);
+        u32 kept = 0;
 #pragma unroll
-        for (int m = 0; m < NT / 2; ++m) {
-            const u32 set_bits = keep_bits(set(query16 + m, key16, lane % 4, lane / 4));
-#pragma unroll
-            for (int ch = 0; ch < 2; ++ch)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)  // key g + 8 (e / 2), query 8 ch + 2c + e % 2: draw 4 ch + 2 (e % 2) + e / 2
-                    if ((set_bits >> (4 * ch + 2 * (e % 2) + e / 2)) & 1u) bits |= 1u << ((2 * m + ch) * 4 + e);
-        }
-        return bits;
+        for (int m = 0; m < T; ++m) kept |= ((bits[m / 2] >> (16 * (m % 2) + 8 * odd)) & 0xFFu) << (8 * m);
+        return kept;
     }
 };
 

@@ -174,7 +174,7 @@ struct FwdBlock {
                 for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(q_frag[mt][ks], q_addr(warp_row0 / 16 + mt, ks));
         }
 
-        const bool dropping = DROPOUT && p.dropout_threshold < 65536;
+        const bool dropping = DROPOUT && p.dropout_threshold < (int)Dropout::LEVELS;
         u32 kept[MT][(4 * NT + 31) / 32];  // dropout's keep bits, drawn before the scores take their registers
         if (dropping) {
             const Dropout dropout = Dropout::of(p, blockIdx.z * p.nheads + blockIdx.y);
@@ -207,7 +207,7 @@ struct FwdBlock {
         __syncthreads();  // Q's shared memory is free for staging O
         float lse[MT][2];
         softmax.finalize(acc_o, p.scale_log2, lse);
-        if (DROPOUT && p.dropout_threshold < 65536) {  // the kept probabilities' scale
+        if (DROPOUT && p.dropout_threshold < (int)Dropout::LEVELS) {  // the kept probabilities' scale
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

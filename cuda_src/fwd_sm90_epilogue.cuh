@@ -36,7 +36,7 @@ struct FwdSm90Epilogue {
         float lse[1][2];
         s.softmax.finalize(s.acc_o, p.scale_log2, lse);
         if constexpr (Tr::DROPOUT)
-            if (p.dropout_threshold < 65536)  // the kept probabilities' scale
+            if (p.dropout_threshold < (int)Dropout::LEVELS)  // the kept probabilities' scale
 #pragma unroll
                 for (int dt = 0; dt < Tr::PANELS * 8; ++dt)
 #pragma unroll

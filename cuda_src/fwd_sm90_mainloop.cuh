@@ -98,7 +98,7 @@ struct FwdSm90Mainloop {
     // bits of the warp's 16 rows: one Philox set per 16 x 16 tile and thread (dropout.cuh).
     template <int NT>
     __device__ __forceinline__ void drop(float (&p)[NT][4], int n) const {
-        if (s.p.dropout_threshold >= 65536) return;
+        if (s.p.dropout_threshold >= (int)Dropout::LEVELS) return;
         u32 words[(4 * NT + 31) / 32];
         Dropout::of(s.p, s.tile.b * s.p.nheads + s.tile.h).template keep_rows<NT>(words, s.warp_row0() / 16,
                                                                                    n * BN / 16, s.lane);

@@ -34,8 +34,8 @@ struct FwdSm90Params {
     int window_left, window_right;
     float scale_log2;      // log2(e) in score-mod kernels (scores leave ScoreMod in natural-log units)
     float mod_scale, softcap;  // score-mod kernels: see score_mod.cuh and plan.forward_scales
-    int dropout_threshold;     // DROPOUT kernels: 16-bit draws below it keep their element; 65536: no dropout
-    float dropout_scale;       // 65536 / dropout_threshold
+    int dropout_threshold;     // DROPOUT kernels: draws (bytes) below it keep their element; 256: no dropout
+    float dropout_scale;       // 256 / dropout_threshold
     int batch;             // sequences (the persistent kernel walks query blocks x heads x batch itself)
     int o_tma;             // warp-specialized kernels: O leaves through shared memory and TMA stores (epilogue)
     // The persistent kernel's walk (FwdSm90Scheduler::tile_of; plan.sm90_walk_chunk): under a band, chunks of

@@ -35,8 +35,8 @@ struct FwdParams {
     int nheads, heads_per_kv;  // query heads; query heads per KV head (GQA group size)
     int headdim;               // real head dim (<= the compiled one; the rest is zero padding)
     int window_left, window_right;  // -1: unbounded; causal is (-1, 0)
-    int dropout_threshold;          // 16-bit draws below it keep their element; 65536: no dropout
-    float dropout_scale;            // 65536 / dropout_threshold: the kept probabilities' scale
+    int dropout_threshold;          // draws (bytes) below it keep their element; 256: no dropout
+    float dropout_scale;            // 256 / dropout_threshold: the kept probabilities' scale
     float scale_log2;  // multiplies raw scores inside exp2: softmax_scale*log2(e), or log2(e) if scores are pre-modded
     float mod_scale;   // score-mod kernels: s = q.k * mod_scale (softmax_scale, or softmax_scale / softcap)
     float softcap;     // score-mod kernels: s = softcap * tanh(s) when > 0

@@ -47,9 +47,9 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     dropout_p : float
         Dropout on the attention probabilities (0 <= p < 1): element (b, h, i, j) is dropped by the mask of
         ``dropout_seed`` and ``dropout_offset`` (:func:`cuflash.reference.dropout_keep`, regenerated in the kernels,
-        never stored), and kept ones are scaled by ``1 / (1 - p)`` (p rounded to 16 bits). The same seed and offset
-        give the same mask, bitwise; the backward takes the forward's three. The lse is that of the undropped scores.
-        Runs the portable kernels (also on sm_90a).
+        never stored), and kept ones are scaled by ``1 / (1 - p)`` (p rounded to a multiple of 1/256). The same seed
+        and offset give the same mask, bitwise; the backward takes the forward's three. The lse is that of the
+        undropped scores. On sm_90a the Hopper kernels run it at head dims 64, 128 and 256 (docs/api.md).
     dropout_seed, dropout_offset : int
         The mask's generator: ints in [0, 2**64).
     stream : cupy.cuda.Stream, optional

@@ -53,7 +53,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     dropout_p : float
         Dropout on the attention probabilities, ``0 <= p < 1``, its mask drawn from torch's CUDA generator
         (:func:`cuflash.torch.attention`); pass 0.0 in evaluation, as with flash-attn. Head dims up to 128 in the
-        backward; eager calls and CUDA-graph capture, not torch.compile.
+        backward (256 too on sm_90a); eager calls and CUDA-graph capture, not torch.compile.
     softmax_scale : float, optional
         Multiplies ``q . k``; default ``1 / sqrt(headdim)``.
     causal : bool

@@ -24,10 +24,16 @@ def normalize_window(left: int, right: int, seqlen_q: int, seqlen_k: int) -> tup
     return left, right
 
 
+DROPOUT_LEVELS = 256  # the draws are bytes (cuda_src/dropout.cuh Dropout::LEVELS); a threshold of 256: no dropout
+
+
 def dropout_threshold(dropout_p: float) -> int:
-    """16-bit draws below the threshold keep their element (cuda_src/dropout.cuh): round((1 - p) 65536), so the keep
-    probability is threshold / 65536 exactly (p rounded to 16 bits); 65536: no dropout."""
-    return min(65536, max(1, round((1.0 - float(dropout_p)) * 65536)))
+    """Draws (bytes) below the threshold keep their element (cuda_src/dropout.cuh): round((1 - p) 256), at most 255
+    where p > 0, so the keep probability is threshold / 256 exactly (p rounded to a multiple of 1/256, at least
+    1/256); 256: no dropout."""
+    if not dropout_p:
+        return DROPOUT_LEVELS
+    return min(DROPOUT_LEVELS - 1, max(1, round((1.0 - float(dropout_p)) * DROPOUT_LEVELS)))
 
 
 def forward_scales(softmax_scale: float, softcap: float, score_mod: bool) -> dict:
@@ -49,7 +55,7 @@ class AttentionOptions:
     softcap: float         # 0: off
     alibi: bool            # ALiBi slopes given
     causal: bool           # as given (the window already holds it)
-    dropout_threshold: int = 65536  # dropout_threshold(dropout_p); 65536: no dropout
+    dropout_threshold: int = DROPOUT_LEVELS  # dropout_threshold(dropout_p); DROPOUT_LEVELS: no dropout
 
     @property
     def score_mod(self) -> bool:
@@ -63,12 +69,13 @@ class AttentionOptions:
 
     @property
     def dropout(self) -> bool:
-        return self.dropout_threshold < 65536
+        return self.dropout_threshold < DROPOUT_LEVELS
 
     @property
     def dropout_fields(self) -> dict:
         """The parameter structs' dropout_threshold and dropout_scale (the kept probabilities' scale)."""
-        return {"dropout_threshold": self.dropout_threshold, "dropout_scale": 65536.0 / self.dropout_threshold}
+        return {"dropout_threshold": self.dropout_threshold,
+                "dropout_scale": float(DROPOUT_LEVELS) / self.dropout_threshold}
 
     @property
     def scales(self) -> dict:

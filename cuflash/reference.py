@@ -184,12 +184,18 @@ def philox4x32(counter, key, rounds: int = 10):
     return [x.astype(np.uint32) for x in c]
 
 
+DROPOUT_LEVELS = 256  # the draws are bytes
+
+
 def dropout_threshold(dropout_p: float) -> int:
-    """A 16-bit draw u keeps its element when u < threshold = round((1 - p) 65536); the keep probability is then
-    exactly threshold / 65536, and kept probabilities are scaled by 65536 / threshold."""
+    """A draw u (a byte) keeps its element when u < threshold = round((1 - p) 256), at most 255 where p > 0: the keep
+    probability is then exactly threshold / 256 (p rounded to a multiple of 1/256, at least 1/256), and kept
+    probabilities are scaled by 256 / threshold. 256: no dropout."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected 0 <= p < 1, got {dropout_p!r}")
-    return min(65536, max(1, round((1.0 - dropout_p) * 65536)))
+    if dropout_p == 0.0:
+        return DROPOUT_LEVELS
+    return min(DROPOUT_LEVELS - 1, max(1, round((1.0 - dropout_p) * DROPOUT_LEVELS)))
 
 
 def dropout_keep(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
@@ -198,30 +204,31 @@ def dropout_keep(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int,
     row i, key j of sequence b, head h — as every cuflash kernel regenerates it.
 
     The 16 x 16 tile of rows 16R.., keys 16C.. splits into 32 sets of 8 elements: rows {2a, 2a + 1, 2a + 8, 2a + 9} x
-    keys {k, k + 8} (a in 0..3, k in 0..7). One Philox call gives a set its eight 16-bit draws, under the key (seed's
-    low word, seed's high word ^ offset's high word), from the counter
+    keys {k, k + 8} (a in 0..3, k in 0..7), and the sets in pairs k = 2t, 2t + 1. One Philox call gives a pair its
+    sixteen draws, bytes, under the key (seed's low word, seed's high word ^ offset's high word), from the counter
 
         word 0 = C = j / 16            word 1 = R = i / 16
-        word 2 = 32 (b nheads + h) + 8 a + k      (a = (i % 8) / 2, k = j % 8)
+        word 2 = 16 (b nheads + h) + 4 a + t      (a = (i % 8) / 2, t = (j % 8) / 2)
         word 3 = offset's low word
 
-    and draw v = 4 ((i % 16) / 8) + 2 (i % 2) + (j % 16) / 8 of the set is the low (v even) or high half of output
-    word v / 2. A thread of the backward's transposed accumulator layout (rows = keys; mma.sync's C fragment) holds
-    exactly one such set per 16 x 16 tile; one of the forward's holds half of two, and shares them with its neighbour
-    (cuda_src/dropout.cuh).
+    Set k % 2 of the pair takes output words 2 (k % 2) and 2 (k % 2) + 1; draw v = 4 ((i % 16) / 8) +
+    2 ((j % 16) / 8) + i % 2 of the set is byte v % 4 of the first word (v < 4) or the second. A thread of the
+    backward's transposed accumulator layout (rows = keys) holds one set per 16 x 16 tile and one of the forward's
+    (rows = queries) half of both sets of a pair; either shares a call with the thread four lanes away, each drawing
+    the call of every other tile (cuda_src/dropout.cuh).
     """
     threshold = dropout_threshold(dropout_p)
     i = np.arange(seqlen_q, dtype=np.int64)[:, None]
     j = np.arange(seqlen_k, dtype=np.int64)[None, :]
     bh = np.arange(batch * nheads, dtype=np.int64).reshape(batch, nheads, 1, 1)
-    word2 = 32 * bh + 8 * ((i % 8) // 2) + j % 8
+    word2 = 16 * bh + 4 * ((i % 8) // 2) + (j % 8) // 2
     zeros = np.zeros_like(word2)
     counter = (j // 16 + zeros, i // 16 + zeros, word2, np.full_like(word2, int(offset) & 0xFFFFFFFF))
     key = (int(seed) & 0xFFFFFFFF, ((int(seed) >> 32) ^ (int(offset) >> 32)) & 0xFFFFFFFF)
     words = philox4x32(counter, key)
-    v = 4 * ((i % 16) // 8) + 2 * (i % 2) + (j % 16) // 8 + zeros
-    word = np.choose(v // 2, words)
-    draw = (word >> (16 * (v % 2)).astype(np.uint32)) & 0xFFFF
+    v = 4 * ((i % 16) // 8) + 2 * ((j % 16) // 8) + i % 2 + zeros
+    word = np.choose(2 * (j % 2) + v // 4, words)
+    draw = (word >> (8 * (v % 4)).astype(np.uint32)) & 0xFF
     return draw < threshold
 
 
@@ -278,7 +285,7 @@ def _dropout(dropout_p, seed, offset, batch, nheads, seqlen_q, seqlen_k):
     if not dropout_p:
         return None
     return (dropout_keep(seed, offset, batch, nheads, seqlen_q, seqlen_k, dropout_p),
-            dropout_threshold(dropout_p) / 65536)
+            dropout_threshold(dropout_p) / DROPOUT_LEVELS)
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -314,8 +321,8 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         Also return the log-sum-exp of each row's scores.
     dropout_p, dropout_seed, dropout_offset : float, int, int
         Dropout on the probabilities: element (b, h, i, j) is kept where :func:`dropout_keep` says, and kept ones are
-        scaled by 65536 / dropout_threshold(p) (1 / (1 - p), p rounded to 16 bits). The lse is that of the scores,
-        without dropout.
+        scaled by 256 / dropout_threshold(p) (1 / (1 - p), p rounded to a multiple of 1/256). The lse is that of the
+        scores, without dropout.
     stream : ignored
 
     Returns
@@ -386,7 +393,7 @@ def _sequence_dropout(dropout_p, seed, offset, b, nheads, seqlen_q, seqlen_k):
     if not dropout_p:
         return None
     keep = dropout_keep(seed, offset, b + 1, nheads, seqlen_q, seqlen_k, dropout_p)[b:b + 1]
-    return keep, dropout_threshold(dropout_p) / 65536
+    return keep, dropout_threshold(dropout_p) / DROPOUT_LEVELS
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,

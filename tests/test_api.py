@@ -162,7 +162,7 @@ def test_packed_forward_params(no_gpu_kernels):
     p = _struct(call, forward.PARAMS_DTYPE, 0x1000, 0x2000, 0x2000, 0x1000, 0x3000, 0, 0x4000, 0x5000, 0, 0x6000, 7, 9,
                 0x7000)
     assert (int(p["cu_seqlens_q"]), int(p["cu_seqlens_k"]), int(p["seqused_k"])) == (0x4000, 0x5000, 0x6000)
-    assert (int(p["dropout_seed"]), int(p["dropout_offset"])) == (7, 9) and p["dropout_threshold"] == 65536
+    assert (int(p["dropout_seed"]), int(p["dropout_offset"])) == (7, 9) and p["dropout_threshold"] == options.DROPOUT_LEVELS
     assert int(p["dropout_state"]) == 0x7000
     assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (256, 256, 64)
     assert (p["k_batch_stride"], p["k_row_stride"], p["k_head_stride"]) == (128, 128, 64)
@@ -279,7 +279,7 @@ def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
 
     main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 118))
     assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:17]] == list(range(101, 118))
-    assert main["dropout_threshold"] == 65536 and main["dropout_scale"] == 1.0
+    assert main["dropout_threshold"] == options.DROPOUT_LEVELS and main["dropout_scale"] == 1.0
     assert (main["lse_batch_stride"], main["lse_head_stride"]) == ((1, rows) if packed else (h * sq, sq))
     assert main["dq_batch_stride"] == (h * d if packed else sq * h * d) and main["dq_slice_stride"] == rows * h * d
     assert (main["batch"], main["seqlen_q"], main["seqlen_k"], main["heads_per_kv"]) == (b, sq, sk, 2)
@@ -549,8 +549,9 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
     every = {forward_sm90.variant_spec(variant, dtype, d, band, mod)
              for variant in forward_sm90.VARIANTS for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16")
              for band in (False, True) for mod in (False, True)}
-    dropout = {forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], dtype, d, band, False, dropout=True)
-               for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)}
+    dropout = {forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], dtype, d, band, mod, dropout=True)
+               for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)
+               for mod in (False, True)}
     paged = {forward_sm90.variant_spec(forward_sm90.PAGED_VARIANT, dtype, d, band, mod, paged=True)
              for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)
              for mod in (False, True)}
@@ -747,9 +748,9 @@ def test_kernel_call_with_tail_writes_pointers_and_tail():
 
 
 def test_sm90_dropout_forward_takes_the_dropout_variant(configure, no_gpu_kernels):
-    """On sm_90a a dropout call at d 64/128/256 without a score mod takes its head dim's dropout variant (the kernel
-    with dropout compiled in) and its struct carries the threshold and the kept probabilities' scale; with a score
-    mod, or at another head dim, the portable kernel."""
+    """On sm_90a a dropout call at d 64/128/256 takes its head dim's dropout variant (the kernel with dropout
+    compiled in; with a score mod, that variant's score-mod kernel) and its struct carries the threshold and the
+    kept probabilities' scale."""
     from cuflash import checks, reference
     from cuflash.launcher import KernelCall
     from cuflash.ops import forward_sm90
@@ -765,12 +766,14 @@ def test_sm90_dropout_forward_takes_the_dropout_variant(configure, no_gpu_kernel
         assert call.spec == want and call.spec.name.endswith("_drop") and call.spec in forward_sm90.all_specs()
         p = np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
         threshold = reference.dropout_threshold(0.3)
-        assert p["dropout_threshold"] == threshold and p["dropout_scale"] == np.float32(65536 / threshold)
+        assert p["dropout_threshold"] == threshold and p["dropout_scale"] == np.float32(options.DROPOUT_LEVELS / threshold)
         plain = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
         assert not plain.spec.dropout
         p = np.frombuffer(plain.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
-        assert p["dropout_threshold"] == 65536 and p["dropout_scale"] == 1.0
+        assert p["dropout_threshold"] == options.DROPOUT_LEVELS and p["dropout_scale"] == 1.0
         capped = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
                                window_size=(-1, -1), softcap=5.0, alibi_slopes=None, dropout_p=0.3)
-        assert isinstance(capped, KernelCall)  # the portable kernel
+        assert capped.spec == forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], "fp16", d, True, True,
+                                                        dropout=True)
+        assert capped.spec in forward_sm90.all_specs()

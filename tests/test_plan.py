@@ -136,9 +136,9 @@ def test_dropout_forward_plan(arch):
 
 def test_dropout_backward_plan():
     """Dropout's backward: on sm_90a the Hopper kernel's dropout variant at d 64 and 128 (64 query rows; in
-    deterministic mode the fp32 slices), with a score mod the portable kernel with one Q/dO buffer (at d 128 the
-    32-key configuration: the kernels that would spill leave dropout out, BwdTraits::DROPOUT); above 128 it
-    raises."""
+    deterministic mode the fp32 slices; with a score mod at d 64 only), elsewhere with a score mod the portable
+    kernel with one Q/dO buffer (at d 128 the 32-key configuration: the kernels that would spill leave dropout out,
+    BwdTraits::DROPOUT); above 128 it raises."""
     problem = checks.Problem(2, 300, 500, 8, 2, 128, np.dtype(np.float16))
     assert backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).sm90.dropout is False
     hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132, dropout=True)
@@ -155,12 +155,18 @@ def test_dropout_backward_plan():
     assert ampere.spec.config == backward.BWD_CONFIG and ampere.spec in backward.all_specs("sm_80")
     ampere_mod = backward.plan_backward(problem, -1, 0, True, False, "sm_80", 108, dropout=True)  # a score mod
     assert ampere_mod.spec.config == backward.DROPOUT_CONFIG and ampere_mod.spec in backward.all_specs("sm_80")
-    assert backward.plan_backward(narrow, -1, 0, True, False, "sm_90a", 132, dropout=True).spec.config == (
-        backward.BWD_CONFIG)  # one Q/dO buffer: the double-buffered kernels leave dropout out on sm_90a
+    narrow_mod = backward.plan_backward(narrow, -1, 0, True, False, "sm_90a", 132, dropout=True)
+    assert narrow_mod.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 64, False, True)
+    assert narrow_mod.sm90 in backward_sm90.all_specs()
     assert backward.plan_backward(narrow, -1, 0, False, False, "sm_80", 108, dropout=True).spec.config.q_buffers == 2
     with pytest.raises(NotImplementedError, match="dropout at head dim 200"):
         backward.plan_backward(checks.Problem(1, 8, 8, 1, 1, 200, np.dtype(np.float16)), -1, -1, False, False,
                                "sm_90a", 132, dropout=True)
+    wide = checks.Problem(1, 8, 8, 1, 1, 256, np.dtype(np.float16))  # d 256: the Hopper kernel's DSPLIT variant
+    assert backward.plan_backward(wide, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90 == (
+        backward_sm90.BwdSm90Spec("fp16", 256, False, False, 64, False, True))
+    with pytest.raises(NotImplementedError, match="dropout at head dim 256"):  # with a score mod: none
+        backward.plan_backward(wide, -1, -1, True, False, "sm_90a", 132, dropout=True)
 
 
 def test_grid_limits_are_checked_before_launch():

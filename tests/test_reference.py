@@ -600,12 +600,12 @@ def test_philox_known_answers():
 
 
 def test_dropout_mask_keeps_one_minus_p_independently():
-    """The kept fraction is 1 - p (to the 16-bit threshold) within 4 sigma, over batches, heads, rows and keys; masks
+    """The kept fraction is 1 - p (to the threshold's 1/256) within 4 sigma, over batches, heads, rows and keys; masks
     of different seeds or offsets, and of neighbouring rows, heads and batches, are uncorrelated (chi-square of the
     2 x 2 table of pairs, 1 degree of freedom, below 15)."""
     p = 0.3
     keep = ref.dropout_keep(seed=1234, offset=7, batch=2, nheads=3, seqlen_q=96, seqlen_k=160, dropout_p=p)
-    pk = ref.dropout_threshold(p) / 65536
+    pk = ref.dropout_threshold(p) / ref.DROPOUT_LEVELS
     n = keep.size
     assert abs(keep.mean() - pk) < 4 * math.sqrt(pk * (1 - pk) / n)
 
@@ -629,42 +629,64 @@ def test_dropout_mask_keeps_one_minus_p_independently():
     assert np.array_equal(big[:, :, :96, :160], keep)
 
 
-def _set_bits(seed, offset, bh, R, C, a, k, threshold):
-    """The keep bits of set (R, C, a, k) as cuda_src/dropout.cuh's keep_bits computes them: bit v for draw v."""
+def _pair_bits(seed, offset, bh, R, C, a, t, threshold):
+    """The keep bits of pair (R, C, a, t) as cuda_src/dropout.cuh's keep_bits computes them: bit 8 s + u for draw u
+    of set s (byte u % 4 of output word 2 s + u / 4)."""
     key = (seed & 0xFFFFFFFF, ((seed >> 32) ^ (offset >> 32)) & 0xFFFFFFFF)
-    words = [int(w) for w in ref.philox4x32([np.uint32(C), np.uint32(R), np.uint32(32 * bh + 8 * a + k),
+    words = [int(w) for w in ref.philox4x32([np.uint32(C), np.uint32(R), np.uint32(16 * bh + 4 * a + t),
                                              np.uint32(offset & 0xFFFFFFFF)], key)]
-    return sum(int(((words[v // 2] >> (16 * (v % 2))) & 0xFFFF) < threshold) << v for v in range(8))
+    return sum(int(((words[v // 4] >> (8 * (v % 4))) & 0xFF) < threshold) << v for v in range(16))
 
 
-def test_dropout_thread_layouts_cover_the_reference_mask():
-    """The bit maps of cuda_src/dropout.cuh, lane by lane: keep_rows (the forward's layout, each lane drawing one set
-    and swapping half with lane ^ 4) and keep_mask_cols (the backward's transposed layout, one whole set per lane)
-    give every element of two 16 x 16 tiles the reference's keep bit, in the mma.sync C-fragment positions."""
+def _shared_pairs(draw, tiles):
+    """Dropout::shared_pairs for all 32 lanes: draw(lane, x) -> the pair bits that lane computes for tile x; each lane
+    draws tiles 2j + g % 2 and takes the others from lane ^ 4 (the shuffle), a last odd tile it draws itself."""
+    out = {}
+    for lane in range(32):
+        odd, bits = (lane // 4) % 2, []
+        for x in range(tiles):
+            drawer = lane if x == tiles - 1 and tiles % 2 else (lane if x % 2 == odd else lane ^ 4)
+            bits.append(draw(drawer, x))
+        out[lane] = bits
+    return out
+
+
+@pytest.mark.parametrize("nt", [2, 4, 6, 8])
+def test_dropout_thread_layouts_cover_the_reference_mask(nt):
+    """The bit maps of cuda_src/dropout.cuh, lane by lane: keep_rows (the forward's layout) and keep_mask_cols (the
+    backward's transposed layout), each lane drawing the call of every other tile and taking the rest from lane ^ 4,
+    give every element of nt / 2 16 x 16 tiles the reference's keep bit, in the mma.sync C-fragment positions."""
     seed, offset, bh, p = (5 << 40) + 77, (3 << 33) + 9, 7, 0.4
     threshold = ref.dropout_threshold(p)
-    keep = ref.dropout_keep(seed, offset, 1, bh + 1, 48, 32, p)[0, bh]  # (query, key)
-    R, C = 1, 0  # the tile of queries 16.., keys 0.. and its right neighbour (NT = 4: two 16-key tiles)
-    mine = {lane: [_set_bits(seed, offset, bh, R, C + m, (lane // 4) // 2, 2 * (lane % 4) + (lane // 4) % 2,
-                             threshold) for m in range(2)] for lane in range(32)}
-    for lane in range(32):  # keep_rows<4>(words, R, C, lane)
+    tiles = nt // 2
+    keep = ref.dropout_keep(seed, offset, 1, bh + 1, 16 * (tiles + 2), 16 * (tiles + 2), p)[0, bh]  # (query, key)
+    R, C = 1, 1
+
+    def bit(value, i):
+        return bool((value >> i) & 1)
+
+    # keep_rows<nt>(words, R, C, lane): lane (g, c) draws pair (a = g / 2, t = c) of key tile C + x
+    rows = _shared_pairs(lambda drawer, x: _pair_bits(seed, offset, bh, R, C + x, (drawer // 4) // 2, drawer % 4,
+                                                      threshold), tiles)
+    for lane in range(32):
         g, c, odd = lane // 4, lane % 4, (lane // 4) % 2
-        for nt in range(4):
-            m, ch = nt // 2, nt % 2
+        for n in range(nt):
+            m, ch = n // 2, n % 2
             for e in range(4):
-                v = 4 * (e // 2) + 2 * odd + ch
-                bits = mine[lane][m] if e % 2 == odd else mine[lane ^ 4][m]
-                row, col = 16 * R + g + 8 * (e // 2), 16 * C + 8 * nt + 2 * c + e % 2
-                assert bool((bits >> v) & 1) == keep[row, col], ("keep_rows", lane, nt, e)
-    for lane in range(32):  # keep_mask_cols<4>(key16 = C, query16 = R, lane): rows = keys
-        g, c = lane // 4, lane % 4
-        for nt in range(4):
-            m, ch = nt // 2, nt % 2
-            bits = _set_bits(seed, offset, bh, R + m, C, c, g, threshold)
+                row, col = 16 * R + g + 8 * (e // 2), 16 * (C + m) + 8 * ch + 2 * c + e % 2
+                got = bit(rows[lane][m] >> odd, 8 * (e % 2) + 4 * (e // 2) + 2 * ch)
+                assert got == keep[row, col], ("keep_rows", nt, lane, n, e)
+    # keep_mask_cols<nt>(key16 = C, query16 = R, lane): lane (g, c) draws pair (a = c, t = g / 2) of query tile R + x
+    cols = _shared_pairs(lambda drawer, x: _pair_bits(seed, offset, bh, R + x, C, drawer % 4, (drawer // 4) // 2,
+                                                      threshold), tiles)
+    for lane in range(32):
+        g, c, odd = lane // 4, lane % 4, (lane // 4) % 2
+        for n in range(nt):
+            m, ch = n // 2, n % 2
             for e in range(4):
                 key, query = 16 * C + g + 8 * (e // 2), 16 * (R + m) + 8 * ch + 2 * c + e % 2
-                assert bool((bits >> (4 * ch + 2 * (e % 2) + e // 2)) & 1) == keep[query, key], (
-                    "keep_mask_cols", lane, nt, e)
+                assert bit(cols[lane][m] >> (8 * odd), 4 * ch + e) == keep[query, key], (
+                    "keep_mask_cols", nt, lane, n, e)
 
 
 def test_dropout_forward_and_backward_match_finite_differences():

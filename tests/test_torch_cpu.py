@@ -557,7 +557,7 @@ def test_dropout_mask_comes_from_the_generator_and_reaches_forward_and_backward(
         assert (options["dropout_p"], options["dropout_seed"], options["dropout_offset"]) == (p, (7 << 40) + 123, 8)
     # the same attention in float32 torch with the reference's mask: dropped probabilities, kept ones scaled
     keep = torch.from_numpy(reference.dropout_keep((7 << 40) + 123, 8, 2, 4, 17, 29, p))
-    scale = 65536 / reference.dropout_threshold(p)
+    scale = reference.DROPOUT_LEVELS / reference.dropout_threshold(p)
     qf, kf, vf = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
     kr, vr = kf.repeat_interleave(2, 1), vf.repeat_interleave(2, 1)
     s = qf @ kr.transpose(-1, -2) / math.sqrt(32)

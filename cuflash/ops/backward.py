@@ -180,13 +180,15 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     band = left >= 0 or right >= 0
     dtype = plan.dtype_tag(problem.dtype)
     d = bwd_headdim(problem.headdim, arch)
-    if dropout and d > BWD_HEADDIMS[-1]:
-        raise NotImplementedError(f"attention_backward: dropout at head dim {problem.headdim} is not supported yet "
-                                  f"(the backward regenerates the mask up to head dim {BWD_HEADDIMS[-1]})")
-    config = dropout_config(d, arch, score_mod) if dropout else bwd_config(d)
+    hopper = (backward_sm90.dropout_applies if dropout else backward_sm90.applies)(problem, score_mod, arch)
+    if dropout and d > BWD_HEADDIMS[-1] and not hopper:
+        raise NotImplementedError(f"attention_backward: dropout at head dim {problem.headdim} is not supported here "
+                                  f"(the portable backward regenerates the mask up to head dim {BWD_HEADDIMS[-1]}, "
+                                  f"the Hopper one (sm_90a) at head dims {backward_sm90.DROPOUT_HEADDIMS})")
+    config = dropout_config(d, arch, score_mod) if dropout and not hopper else bwd_config(d)
     spec = BwdSpec(dtype, d, config, band, score_mod)
     groups = problem.batch * problem.nheads_k
-    if not (backward_sm90.dropout_applies if dropout else backward_sm90.applies)(problem, score_mod, arch):
+    if not hopper:
         n_blocks = math.ceil(problem.seqlen_k / spec.config.block_n)
         slots = max(1, min(n_blocks, math.ceil(2 * sm_count / groups))) if deterministic else n_blocks
         return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)),

@@ -1,6 +1,6 @@
 """The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256,
 where the two warpgroups split the head dim), for head dims exactly 64, 128 and 256 (softcap / ALiBi at 64; dropout
-at 64 and 128). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
+at each, with softcap / ALiBi at 64). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
 :func:`dropout_applies`) and launches it behind the portable main kernel's call interface, with the same
 preprocess, workspace and dQ conversion.
 """
@@ -16,9 +16,9 @@ from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
 SCORE_MOD_HEADDIMS = (64,)  # at 128 the score-mod kernel spills: 255 registers are already taken without it
-# Dropout (BwdSm90::DROPOUT) at 64 and 128, with 64 query rows (128 at d = 64 take 255 registers without the keep
-# bits) and no fixed-point variant (deterministic mode keeps the fp32 slices); none at 256, as in the portable kernel
-DROPOUT_HEADDIMS = (64, 128)
+# Dropout (BwdSm90::DROPOUT) at every head dim, with 64 query rows (128 at d = 64 take 255 registers without the keep
+# bits) and no fixed-point variant (deterministic mode keeps the fp32 slices)
+DROPOUT_HEADDIMS = (64, 128, 256)
 BLOCK_N = 128               # keys per CTA (BwdSm90::BN), 64 at d = 256 (block_n)
 BLOCK_M = 64                # query rows per step by default
 
@@ -94,8 +94,9 @@ class BwdSm90Spec:
 
 
 def dropout_applies(problem, score_mod: bool, arch: str) -> bool:
-    """The Hopper kernel runs this backward with dropout: as :func:`applies`, at the DROPOUT_HEADDIMS, no score mod."""
-    return applies(problem, score_mod, arch) and problem.headdim in DROPOUT_HEADDIMS and not score_mod
+    """The Hopper kernel runs this backward with dropout: as :func:`applies` (a score mod at SCORE_MOD_HEADDIMS),
+    at the DROPOUT_HEADDIMS."""
+    return applies(problem, score_mod, arch) and problem.headdim in DROPOUT_HEADDIMS
 
 
 def all_specs() -> list:
@@ -104,8 +105,8 @@ def all_specs() -> list:
             for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))
             for rows in BLOCK_M_CHOICES if block_m_allowed(d, mod, rows)
             for fixed in ((False, True) if tma_dq(d, rows) else (False,))] + [
-        BwdSm90Spec(dtype, d, band, dropout=True) for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
-        for band in (False, True)]
+        BwdSm90Spec(dtype, d, band, mod, dropout=True) for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
+        for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))]
 
 
 def params_dtype(inner: np.dtype) -> np.dtype:

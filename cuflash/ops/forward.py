@@ -279,8 +279,8 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     variant = sm90_variant(problem, arch, options.band) if block_table is not None or seqused_k is None else None
     if variant is not None and block_table is not None:  # paged: the lockstep kernel, without dropout
         variant = forward_sm90.PAGED_VARIANT if not options.dropout else None
-    elif variant is not None and options.dropout:  # dropout: one Hopper variant per head dim, without a score mod
-        variant = forward_sm90.DROPOUT_VARIANTS.get(problem.headdim) if not options.score_mod else None
+    elif variant is not None and options.dropout:  # dropout: one Hopper variant per head dim
+        variant = forward_sm90.DROPOUT_VARIANTS.get(problem.headdim)
     if variant is not None:
         return forward_sm90.forward_call(problem, q, k, v, out, lse, options, device_id=device_id,
                                          alibi_slopes=alibi_slopes, variant=variant, block_table=block_table)

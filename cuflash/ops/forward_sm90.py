@@ -211,9 +211,9 @@ def o_tma(headdim: int) -> int:
     return O_TMA_DEFAULT[headdim] if forced is None else int(forced)
 
 
-# Dropout runs on one variant per head dim (no score mod; a call with both takes the portable kernel): the head
-# dim's default (cuflash.ops.forward.SM90_DEFAULT_VARIANTS), but at d = 64 the two-warpgroup ws_n128 (with three
-# warpgroups of 160 registers the keep bits spill).
+# Dropout runs on one variant per head dim, with or without a score mod: the head dim's default
+# (cuflash.ops.forward.SM90_DEFAULT_VARIANTS), but at d = 64 the two-warpgroup ws_n128 (with three warpgroups of 160
+# registers the keep bits spill).
 DROPOUT_VARIANTS = {64: "ws_n128", 128: "pingpong_n128", 256: "lockstep"}
 
 # Paged keys (block_table) run on the lockstep kernel (PAGED: its CTA barriers let every thread zero the tail of a
@@ -234,8 +234,9 @@ def all_specs() -> list:
         [variant_spec(variant, dtype, d, band, mod)
          for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
          for band in (False, True) for mod in (False, True)]
-        + [variant_spec(variant, dtype, d, band, False, dropout=True)
-           for d, variant in DROPOUT_VARIANTS.items() for dtype in ("fp16", "bf16") for band in (False, True)]
+        + [variant_spec(variant, dtype, d, band, mod, dropout=True)
+           for d, variant in DROPOUT_VARIANTS.items() for dtype in ("fp16", "bf16") for band in (False, True)
+           for mod in (False, True)]
         + [variant_spec(PAGED_VARIANT, dtype, d, band, mod, paged=True)
            for d in HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True) for mod in (False, True)]))
 
