@@ -1,6 +1,7 @@
 """The public functions on CuPy arrays. Each checks its arguments and hands the call to its operation
 (:mod:`cuflash.ops`), which resolves the options once per call signature (:mod:`cuflash.options`), chooses the
-kernels, plans and launches them. Head dims run from 1 to 256; one that is not a multiple of 8 runs on
+kernels, plans and launches them (``attention`` and ``attention_backward`` hand it over unchecked: their operation
+checks a call signature once, with its plan). Head dims run from 1 to 256; one that is not a multiple of 8 runs on
 zero-padded copies, and the results are views of the padded ones (``_padded``; the cost is in docs/api.md)."""
 from __future__ import annotations
 
@@ -121,23 +122,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
                                    dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
                                    stream=stream)
         return tuple(g[..., :d] for g in grads)
-    problem = checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                    dropout_p=dropout_p)
-    dropout_seed, dropout_offset = checks.dropout_generator(dropout_seed, dropout_offset)
-    runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
-    if not lse.flags.c_contiguous:
-        raise ValueError(f"lse: must be contiguous (batch, nheads, seqlen_q); got strides "
-                         f"{checks.elem_strides(lse)} elements")
-    runtime.require_gpu()  # after the checks, which need no GPU; once per process
-    import cupy
-    with cupy.cuda.Device(q.device.id), runtime.on(stream):
-        dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-        backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                        deterministic=deterministic, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                        dropout_offset=dropout_offset)
-    return dq, dk, dv
+    return backward.attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap,
+                                       alibi_slopes, deterministic, stream, dropout_p, dropout_seed, dropout_offset)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,

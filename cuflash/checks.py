@@ -597,25 +597,26 @@ _MEMO_SIZE = 4096
 _VALUE_TYPES = (type(None), bool, int, float, str)
 
 
-def _signature(x):
-    """What a check can depend on: an array's type, shape, byte strides, dtype and device; a value.
-    (Ordered for speed: this runs on every call of a public function.)"""
+def signature(x):
+    """What a check can depend on: an array's type, shape, byte strides, dtype and device; a value with its type (a
+    tuple's or list's elements with theirs: ``(3, -1)`` and ``(3.0, -1)`` are equal, but only one is a window).
+    TypeError for anything else. (Ordered for speed: this runs on every call of a public function.)"""
     t = type(x)
     if t in _VALUE_TYPES or t is TensorSpec or t is Problem or isinstance(x, np.generic):  # NumPy scalars too
         return (t, x)
     if hasattr(x, "shape"):
         return (t, tuple(x.shape), tuple(x.strides), x.dtype, getattr(getattr(x, "device", None), "id", None))
     if isinstance(x, (tuple, list)):
-        return (t,) + tuple(_signature(v) for v in x)
+        return (t,) + tuple(signature(v) for v in x)
     if isinstance(x, numbers.Number):
         return (t, x)
     raise TypeError("no signature")
 
 
 def call_signature(args: tuple):
-    """A hashable key of a call's arguments (see _signature), or None if some argument has none."""
+    """A hashable key of a call's arguments (see signature), or None if some argument has none."""
     try:
-        key = tuple(_signature(a) for a in args)
+        key = tuple(signature(a) for a in args)
         hash(key)
         return key
     except TypeError:

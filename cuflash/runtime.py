@@ -10,6 +10,8 @@ import contextlib
 
 import numpy as np
 
+from . import checks
+
 CUPY_MISSING = "cuflash needs CuPy: pip install 'cuflash[cuda13]' (or 'cuflash[cuda12]' for a CUDA 12 driver)"
 NO_GPU = "cuflash needs an NVIDIA GPU and driver: no CUDA device found"
 
@@ -49,6 +51,15 @@ def reset() -> None:
 def ptr(x) -> int:
     """An array's data pointer; 0 for None."""
     return 0 if x is None else x.data.ptr
+
+
+def call_key(arrays: tuple, options: tuple) -> tuple:
+    """The key under which a CuPy API call's checks and plan are kept: each array's type, shape, byte strides, dtype
+    and device (None where absent), and the options' :func:`~cuflash.checks.signature` (values with their types), so
+    two calls with equal keys pass or fail the checks alike and plan alike. AttributeError for an argument that is
+    not a CuPy array, TypeError for an option without a signature (hashing the key: for an unhashable one)."""
+    return (tuple(None if x is None else (type(x), x.shape, x.strides, x.dtype, x.data.device_id) for x in arrays),
+            checks.signature(options))
 
 
 def device(device_id: int):

@@ -7,7 +7,7 @@ import pytest
 import cuflash
 from cuflash import checks, options, tma
 from cuflash.ops import backward, backward_sm90, decode, forward, forward_sm90
-from tests.fixtures import configure  # noqa: F401  (a fixture)
+from tests.fixtures import configure, no_gpu_kernels  # noqa: F401  (fixtures)
 
 
 def _qkv(d=64, dtype=np.float16):
@@ -120,19 +120,6 @@ def _backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, *, device_id, a
 def _struct(call, dtype, *pointers):
     """The parameter struct a KernelCall passes for these pointers, as a NumPy structured scalar."""
     return np.frombuffer(call.params(*pointers), dtype)[0]
-
-
-@pytest.fixture
-def no_gpu_kernels(configure, monkeypatch):
-    """build's device queries and kernel loading replaced: the launch objects are built, never launched. The device
-    is an sm_90a one; the Hopper forward is off unless a test switches it on (the portable kernel's launches)."""
-    from types import SimpleNamespace
-    from cuflash import build
-    configure(sm90=False)
-    monkeypatch.setattr(build, "get_kernel", lambda spec, device_id: SimpleNamespace(kernel=SimpleNamespace(ptr=7)))
-    monkeypatch.setattr(build, "device_arch", lambda device_id: "sm_90a")
-    monkeypatch.setattr(build, "sm_count", lambda device_id: 132)
-    monkeypatch.setattr(build, "smem_bytes", lambda spec, device_id: 100 * 1024)  # read from the module on a GPU
 
 
 def test_kernel_call_puts_each_pointer_in_its_field():

@@ -61,14 +61,20 @@ def on_host(monkeypatch):
         if lse is not None:
             lse[...] = l
 
-    def backward_launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, cu_seqlens_q=None,
-                        cu_seqlens_k=None, **options):
+    def backward_attention(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, stream, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
+        options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes)
+        checks.check_backward(dout, q, k, v, out, lse, **options)  # the kernels' rule
+        launched.append((q.shape[-1], softmax_scale))
+        grads = reference.attention_backward(dout, q, k, v, out, lse, **options)
+        return tuple(_device(g.astype(x.dtype)) for g, x in zip(grads, (q, k, v)))
+
+    def backward_launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, cu_seqlens_q, cu_seqlens_k,
+                        **options):
         launched.append((q.shape[-1], options["softmax_scale"]))
-        if cu_seqlens_q is None:
-            grads = reference.attention_backward(dout, q, k, v, out, lse, **options)
-        else:
-            grads = reference.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                        problem.seqlen_q, problem.seqlen_k, **options)
+        grads = reference.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                    problem.seqlen_q, problem.seqlen_k, **options)
         for dst, g in zip((dq, dk, dv), grads):
             dst[...] = g
 
@@ -87,6 +93,7 @@ def on_host(monkeypatch):
 
     monkeypatch.setattr(forward, "attention", attention)
     monkeypatch.setattr(forward, "launch", forward_launch)
+    monkeypatch.setattr(backward, "attention_backward", backward_attention)
     monkeypatch.setattr(backward, "launch", backward_launch)
     monkeypatch.setattr(decode, "attention_with_kvcache", kvcache)
     return launched

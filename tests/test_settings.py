@@ -47,10 +47,13 @@ def test_bad_values_name_the_variable(env, match):
 
 def test_override_restores_and_drops_cached_launches():
     before = settings.current()
-    forward._launches["key"] = backward._launches["key"] = decode._calls["key"] = object()
+    caches = (forward._launches, forward._attention_calls, backward._launches, backward._attention_calls,
+              decode._calls)
+    for cache in caches:
+        cache["key"] = object()
     with settings.override(sm90=False, decode_tma_stages=4) as inside:
         assert settings.current() is inside and not inside.sm90 and inside.decode_tma_stages == 4
-        assert "key" not in forward._launches and "key" not in backward._launches and "key" not in decode._calls
+        assert not any("key" in cache for cache in caches)
         with settings.override(sm90=True):
             assert settings.current().sm90 and settings.current().decode_tma_stages == 4
         assert not settings.current().sm90

@@ -1,7 +1,8 @@
 """The backward (``cuflash.attention_backward``, ``attention_varlen_backward``): its launches -- a preprocess, the
 main kernel (the portable one, ``cuda_src/bwd.cu``, or on sm_90a the Hopper one, :mod:`cuflash.ops.backward_sm90`)
-and the dQ conversion -- their tile tables and specializations, the workspace, the parameter structs, and the
-deterministic mode's choice between dQ slices and the fixed point.
+and the dQ conversion -- their tile tables and specializations, the workspace, the parameter structs, the
+deterministic mode's choice between dQ slices and the fixed point, and the calls: :func:`launch` (any layouts, no
+checks) and :func:`attention_backward` (the CuPy API's, checked and planned once per call signature).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import build, checks, plan, settings
+from .. import build, checks, plan, runtime, settings
 from ..launcher import KernelCall
 from ..options import AttentionOptions, resolve
 from . import backward_sm90
@@ -388,11 +389,13 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
 
 
 _launches: dict = {}  # call signature -> BackwardCall
+_attention_calls: dict = {}  # key of an attention_backward() call -> (BackwardCall, device id)
 
 
 @settings.on_change
 def _forget() -> None:
     _launches.clear()
+    _attention_calls.clear()
 
 
 def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causal, window_size, softcap,
@@ -408,7 +411,6 @@ def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causa
     forward's dropout (``dropout_p``, ``dropout_seed``, ``dropout_offset`` or ``dropout_state``) regenerates the same
     mask.
     """
-    from .. import runtime
     key = checks.call_signature((problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, window_size,
                                  softcap, alibi_slopes, deterministic, cu_seqlens_q, cu_seqlens_k, dropout_p))
     call = _launches.get(key) if key is not None else None
@@ -430,3 +432,49 @@ def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causa
          lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, runtime.ptr(alibi_slopes), runtime.ptr(cu_seqlens_q),
          runtime.ptr(cu_seqlens_k), workspace.data.ptr, int(dropout_seed), int(dropout_offset),
          runtime.ptr(dropout_state))
+
+
+def attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       deterministic, stream, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
+    """:func:`cuflash.attention_backward`: check, resolve the options, plan, allocate, launch. A call with the layouts
+    and options of an earlier one skips the checks and the planning: its pointers' alignment is checked, then dq, dk,
+    dv and the workspace are allocated and the kept launches run."""
+    try:  # one key for the checks and the launches: layouts of the arrays, values of the options
+        key = runtime.call_key((dout, q, k, v, out, lse, alibi_slopes),
+                               (softmax_scale, causal, window_size, softcap, bool(deterministic), dropout_p))
+        hit = _attention_calls.get(key)
+    except (AttributeError, TypeError):  # not CuPy arrays, or an unhashable option: the checks say what is wrong
+        key = hit = None
+    if hit is None:
+        problem = checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                        dropout_p=dropout_p)
+        runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
+        if not lse.flags.c_contiguous:
+            raise ValueError(f"lse: must be contiguous (batch, nheads, seqlen_q); got strides "
+                             f"{checks.elem_strides(lse)} elements")
+        runtime.require_gpu()  # after the checks, which need no GPU; once per process
+        options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                          softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+        device_id = q.device.id
+        grads = (checks.contiguous(name, x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v)))
+        with runtime.device(device_id):
+            call = backward_call(problem, dout, q, k, v, out, lse, *grads, options, device_id=device_id,
+                                 alibi_slopes=alibi_slopes, deterministic=deterministic, packed=False)
+        hit = (call, device_id)
+        if key is not None:
+            if len(_attention_calls) >= 4096:
+                _attention_calls.clear()
+            _attention_calls[key] = hit
+    elif (dout.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr | out.data.ptr) % 16:
+        runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out)  # says which pointer
+    dropout_seed, dropout_offset = checks.dropout_generator(dropout_seed, dropout_offset)
+    call, device_id = hit
+    import cupy  # (a first call imported it through the checks, or said how to install it)
+    with runtime.device(device_id), runtime.on(stream):
+        dq, dk, dv = (cupy.ndarray(x.shape, x.dtype) for x in (q, k, v))
+        workspace = cupy.ndarray((call.workspace_bytes,), np.uint8)
+        call(cupy.cuda.get_current_stream().ptr, dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
+             lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, runtime.ptr(alibi_slopes), 0, 0,
+             workspace.data.ptr, dropout_seed, dropout_offset)
+    return dq, dk, dv

@@ -335,19 +335,13 @@ def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
          runtime.ptr(seqused_k), int(dropout_seed), int(dropout_offset), runtime.ptr(dropout_state))
 
 
-def _layout(x) -> tuple:
-    """What a check or a launch can depend on in a CuPy array (AttributeError for anything else)."""
-    return type(x), x.shape, x.strides, x.dtype, x.data.device_id
-
-
 def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream, dropout_p=0.0,
               dropout_seed=0, dropout_offset=0):
     """:func:`cuflash.attention`: check, resolve the options, allocate, launch. A call with the layouts and
     options of an earlier one skips straight to the launch."""
     try:  # one key for the checks and the launch: layouts of the arrays, values of the options
-        key = (_layout(q), _layout(k), _layout(v), alibi_slopes is not None and _layout(alibi_slopes),
-               type(softmax_scale), softmax_scale, type(causal), causal, type(window_size), window_size,
-               type(softcap), softcap, bool(return_lse), type(dropout_p), dropout_p)
+        key = runtime.call_key((q, k, v, alibi_slopes),
+                               (softmax_scale, causal, window_size, softcap, bool(return_lse), dropout_p))
         hit = _attention_calls.get(key)
     except (AttributeError, TypeError):  # not CuPy arrays, or an unhashable option: the checks say what is wrong
         key = hit = None
