@@ -146,13 +146,13 @@ struct BwdSm90 {
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
-    // d = 128 (HANDOFF): no CTA barrier at the end of a step. There each warpgroup arrives on the other's StepDone
-    // barrier, and waits on its own before it stores the next step's dS^T (which the other's dQ of the last step
-    // read). Past that wait both are done with the last step's Q/dO buffer, so thread 0 issues the next step's loads
-    // into it there, more than half a step ahead; the next step's rows follow at the end of the step, with one
-    // arrival per storing warp on that buffer's Q/dO mbarrier. Not at d = 64 with 128 rows (1-3% slower) nor in the
-    // FIXED kernels (whose dQ scales are read after the dS^T barrier).
-    static constexpr bool HANDOFF = PANELS == 2 && !DSPLIT && !FIXED;
+    // d = 128 and 256 (HANDOFF): no CTA barrier at the end of a step. There each warpgroup arrives on the other's
+    // StepDone barrier, and waits on its own before it stores the next step's dS^T (and at d = 256 P^T), which the
+    // other's wgmmas of the last step read. Past that wait both are done with the last step's Q (and dO) buffer, so
+    // thread 0 issues the next step's loads into it there, more than half a step ahead; the next step's rows follow
+    // at the end of the step, with one arrival per storing warp on that buffer's Q/dO mbarrier. Not at d = 64 with
+    // 128 rows (slower, and it spills) nor in the FIXED kernels (whose dQ scales are read after the dS^T barrier).
+    static constexpr bool HANDOFF = (PANELS == 2 || DSPLIT) && !FIXED;
     static constexpr int QD_ARRIVALS = HANDOFF ? 1 + BM / 32 : 1;  // thread 0's expect_tx, the rows' warps
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
     // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
@@ -517,7 +517,8 @@ struct BwdSm90 {
     // One step at d = 256 (DSPLIT): S^T and dP^T for this warpgroup's 32 queries, P^T and dS^T into shared memory
     // (both halves: a CTA barrier), then dV and dK for its 128 columns over all BM queries and dQ for them, one
     // 64-column panel at a time through its staging tile. The next step's dO loads once both warpgroups' dV is done.
-    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps) {
+    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps, bool more,
+                                               float3 next_rows) {
         asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
         base = uniform(base);
         int h, m;
@@ -558,6 +559,8 @@ struct BwdSm90 {
                     dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
                 }
             }
+        if (HANDOFF && t > 0) sm90::named_sync<256>(int(BwdBarrier::StepDone0) + wg);
+        if (HANDOFF && more && tid == 0) load_q(t + 1, tt + 1, m_min, m_count);  // into the last step's buffer
         // P^T and dS^T, 64 keys x 64 queries each, 128-byte swizzled rows of keys: (key r, query c) at r 128 +
         // (((c / 8) ^ (r % 8)) 16) + (c % 8) 2
 #pragma unroll
@@ -592,6 +595,8 @@ struct BwdSm90 {
         sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);
         add_dq_tma(dq, h, m * BM, wg * WG_PANELS + 1, tt, false, lse + 2 * BM);
         if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // and by the second one's, before the next step stages
+        if (HANDOFF && more) sm90::named_arrive<256>(int(BwdBarrier::StepDone0) + 1 - wg);
+        if (HANDOFF && more && tid < BM) hand_rows(smem, tt + 1, next_rows);
     }
 
     // d = 64 with 64 rows (the score-mod kernel): both warpgroups add to every element of the 64 x 64 tile, each
@@ -728,7 +733,12 @@ struct BwdSm90 {
                 }
                 for (int t = 0; t < (HANDOFF ? 1 : 2) && t < steps; ++t) {
                     if constexpr (HANDOFF) {
-                        load_step(t, tt + t, m_min, m_count);
+                        if constexpr (DSPLIT) {
+                            if (tid == 0) load_q(t, tt + t, m_min, m_count);
+                            if (tid == 0) load_do(t, m_min, m_count);
+                        } else {
+                            load_step(t, tt + t, m_min, m_count);
+                        }
                         if (tid < BM) hand_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
                         continue;
                     }
@@ -747,13 +757,14 @@ struct BwdSm90 {
                         float3 next_rows;  // step t + 1's, in flight until this step hands them over
                         if (tid < BM && t + 1 < steps)
                             next_rows = fetch_rows(t + 1, m_min, m_count, seq.seqlen_q);
-                        step(smem, t, tt, m_min, m_count, seq.seqlen_q, t + 1 < steps, next_rows);
+                        if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps, t + 1 < steps, next_rows);
+                        else step(smem, t, tt, m_min, m_count, seq.seqlen_q, t + 1 < steps, next_rows);
                         continue;
                     }
                     float3 next_rows;  // step t + 2's, in flight during this step
                     if (tid < BM && t + 2 < steps)
                         next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
-                    if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps);
+                    if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps, false, next_rows);
                     else step(smem, t, tt, m_min, m_count, seq.seqlen_q, false, next_rows);
                     __syncthreads();  // every read of this buffer (and of dS^T) is done
                     if (t + 2 < steps) {
