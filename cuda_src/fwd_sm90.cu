@@ -16,9 +16,11 @@
 //    K/V block as soon as the slot is free, which each slot's "empty" mbarriers tell. No CTA barrier in the loop: the
 //    consumer warpgroups drift apart, so one's softmax overlaps the other's GEMMs, and the copies run STAGES - 1
 //    blocks ahead. The producer gives its registers to the consumers (setmaxnreg).
-// Head dims 64, 128 and 256; softcap and ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu); padded
-// batches and packed sequences (seqlen.cuh; 3-D tensor maps over the tokens), whose keys may come from page pools
-// (PAGED, lockstep only: fwd_sm90_producer.cuh). Other head dims stay on fwd.cu.
+// Head dims D = 64, 128 and 256, and the multiples of 8 below each down to the one before (from 40 at D = 64): the
+// TMA boxes zero-fill the columns past the call's head dim (p.headdim) and O's stores leave them out. Softcap and
+// ALiBi (SCORE_MOD, score_mod.cuh, before the mask as in fwd.cu); padded batches and packed sequences (seqlen.cuh;
+// 3-D tensor maps over the tokens), whose keys may come from page pools (PAGED, lockstep only:
+// fwd_sm90_producer.cuh). Other head dims stay on fwd.cu.
 #include "fwd_sm90_traits.cuh"
 #include "fwd_sm90_scheduler.cuh"
 #include "fwd_sm90_producer.cuh"

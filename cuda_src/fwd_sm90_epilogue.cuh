@@ -4,7 +4,8 @@
 //    Q's tile, which the producer may be refilling then; the SPLIT kernel);
 //  - p.o_tma (the other warp-specialized kernels): each warp writes its 16 rows into its rows of a staging tile (the
 //    128-byte swizzle of the TMA boxes) and its lane 0 stores them by TMA, a box per 64-column panel. Rows past a
-//    padded sequence's end fall outside the map. The staging tile is the persistent kernel's own where it fits
+//    padded sequence's end, and columns past a head dim below D, fall outside the map (the register stores skip
+//    those columns). The staging tile is the persistent kernel's own where it fits
 //    (O_TILE), else Q's (this warpgroup's last S = Q K^T has completed), free again once the copies have read it.
 #pragma once
 #include "fwd_sm90_traits.cuh"
@@ -70,8 +71,10 @@ struct FwdSm90Epilogue {
 #pragma unroll
             for (int pn = 0; pn < PANELS; ++pn)
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    *reinterpret_cast<u32*>(o_row + pn * 64 + 8 * j + 2 * (s.lane % 4)) = o_pair(pn * 8 + j, hh);
+                for (int j = 0; j < 8; ++j) {
+                    const int col = pn * 64 + 8 * j + 2 * (s.lane % 4);
+                    if (col < p.headdim) *reinterpret_cast<u32*>(o_row + col) = o_pair(pn * 8 + j, hh);
+                }
         }
     }
 

@@ -46,6 +46,7 @@ struct FwdSm90Params {
     // PAGED kernels: block_table's row stride, the pools' geometry (k, v: (num_pages, page_size, heads_k, d)), and
     // the rows of one TMA box of K or V, a divisor of page_size and of BN (so that no box straddles two pages)
     int block_table_stride, page_size, num_pages, max_pages, page_box;
+    int headdim;  // the call's head dim, at most D: the columns past it are TMA's zero fill, and are not stored
 };
 // The layout cuflash/hopper.py PARAMS_DTYPE writes (NVRTC 13.0, the device's, has no offsetof: only the size is
 // asserted).

@@ -47,6 +47,21 @@ def is_hopper(arch: str) -> bool:
     return arch.startswith("sm_90")
 
 
+# The Hopper kernels' compiled head dims, and the smallest head dim they take: a call's head dim (a multiple of 8)
+# runs on the next one, its TMA boxes zero-filled past the head dim and its stores bounded by it (smaller head dims
+# would waste most of a 64-column panel; the portable kernels take them).
+HOPPER_HEADDIMS = (64, 128, 256)
+HOPPER_MIN_HEADDIM = 40
+
+
+def hopper_headdim(headdim: int) -> int | None:
+    """The Hopper kernels' compiled head dim for a call's: the next of HOPPER_HEADDIMS, for multiples of 8 from
+    HOPPER_MIN_HEADDIM to 256; None for the others."""
+    if headdim % 8 or not HOPPER_MIN_HEADDIM <= headdim <= HOPPER_HEADDIMS[-1]:
+        return None
+    return next(d for d in HOPPER_HEADDIMS if headdim <= d)
+
+
 def compiled_headdim(headdim: int) -> int:
     for d in COMPILED_HEADDIMS:
         if headdim <= d:

@@ -420,8 +420,11 @@ def test_sm90_forward_is_chosen_only_where_it_applies(configure):
     configure(sm90=True)
     assert forward.sm90_variant(problem, "sm_90a") == forward.sm90_variants()[128]
     assert forward.sm90_variant(problem, "sm_80") is None       # not Hopper
-    odd = checks.Problem(2, 300, 300, 8, 2, 96, np.dtype(np.float16))
-    assert forward.sm90_variant(odd, "sm_90a") is None          # head dim not in the table
+    between = checks.Problem(2, 300, 300, 8, 2, 96, np.dtype(np.float16))
+    assert forward.sm90_variant(between, "sm_90a") == forward.sm90_variant(
+        checks.Problem(2, 300, 300, 8, 2, 128, np.dtype(np.float16)), "sm_90a")  # runs on the d = 128 kernel
+    for d in (32, 36, 100):  # below plan.HOPPER_MIN_HEADDIM, or not a multiple of 8
+        assert forward.sm90_variant(checks.Problem(2, 300, 300, 8, 2, d, np.dtype(np.float16)), "sm_90a") is None
     configure(sm90=False)
     assert forward.sm90_variant(problem, "sm_90a") is None      # opt-in
 

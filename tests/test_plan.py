@@ -103,8 +103,11 @@ def test_params_dtypes_match_params_cuh(struct, dtype):
     assert dtype.itemsize == -(-offset // 8) * 8
 
 
-def test_backward_plan():
+def test_backward_plan(configure):
     problem = checks.Problem(2, 300, 500, 8, 2, 72, np.dtype(np.float16))
+    hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)  # d 72 on the d 128 Hopper kernel
+    assert hopper.sm90 == backward_sm90.BwdSm90Spec("fp16", 128, True) and hopper.grid == (4, 2, 2)
+    configure(bwd_sm90=False)  # the portable kernel
     atomic = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)
     assert atomic.spec.headdim == 96 and atomic.grid == (8, 2, 2) and atomic.slices == 1
     det = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
@@ -138,7 +141,7 @@ def test_dropout_backward_plan():
     """Dropout's backward: on sm_90a the Hopper kernel's dropout variant at d 64 and 128 (64 query rows; in
     deterministic mode the fp32 slices; with a score mod at d 64 only), elsewhere with a score mod the portable
     kernel with one Q/dO buffer (at d 128 the 32-key configuration: the kernels that would spill leave dropout out,
-    BwdTraits::DROPOUT); above 128 it raises."""
+    BwdTraits::DROPOUT); above 128 it raises there, and on sm_90a the d 256 Hopper kernel takes 136-248."""
     problem = checks.Problem(2, 300, 500, 8, 2, 128, np.dtype(np.float16))
     assert backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).sm90.dropout is False
     hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132, dropout=True)
@@ -159,9 +162,11 @@ def test_dropout_backward_plan():
     assert narrow_mod.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 64, False, True)
     assert narrow_mod.sm90 in backward_sm90.all_specs()
     assert backward.plan_backward(narrow, -1, 0, False, False, "sm_80", 108, dropout=True).spec.config.q_buffers == 2
-    with pytest.raises(NotImplementedError, match="dropout at head dim 200"):
-        backward.plan_backward(checks.Problem(1, 8, 8, 1, 1, 200, np.dtype(np.float16)), -1, -1, False, False,
-                               "sm_90a", 132, dropout=True)
+    between = checks.Problem(1, 8, 8, 1, 1, 200, np.dtype(np.float16))  # on the d 256 Hopper kernel
+    assert backward.plan_backward(between, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90 == (
+        backward_sm90.BwdSm90Spec("fp16", 256, False, False, 64, False, True))
+    with pytest.raises(NotImplementedError, match="head dim 200"):  # not on the portable kernel
+        backward.plan_backward(between, -1, -1, False, False, "sm_80", 108, dropout=True)
     wide = checks.Problem(1, 8, 8, 1, 1, 256, np.dtype(np.float16))  # d 256: the Hopper kernel's DSPLIT variant
     assert backward.plan_backward(wide, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90 == (
         backward_sm90.BwdSm90Spec("fp16", 256, False, False, 64, False, True))
@@ -264,10 +269,11 @@ def test_backward_double_buffering_switch_and_spill_free_dims_only(configure):
 
 def test_wide_backward_switch_and_hopper_only(configure):
     problem = checks.Problem(1, 100, 100, 2, 1, 192, np.dtype(np.float16))
-    configure(bwd_wide=False)
+    assert backward.plan_backward(problem, -1, -1, False, False, "sm_90a", 132).sm90.headdim == 256
+    configure(bwd_wide=False, bwd_sm90=False)  # the portable kernel's wide variant, where the Hopper one is off
     with pytest.raises(NotImplementedError, match="head dim 192"):
         backward.plan_backward(problem, -1, -1, False, False, "sm_90a", 132)
-    configure(bwd_wide=True)
+    configure(bwd_wide=True, bwd_sm90=False)
     launch = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
     assert launch.spec.headdim == 256 and launch.spec.config == backward.BwdConfig(64, 32, 8)
     assert launch.grid[0] == launch.slices == 4  # deterministic: one slot per 32-key block here (100 keys)

@@ -195,8 +195,9 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
         return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)),
                          slots if deterministic else 1)
     s = settings.current()
-    block_m = backward_sm90.BLOCK_M if dropout else backward_sm90.block_m(problem.headdim, score_mod)
-    n_blocks = math.ceil(problem.seqlen_k / backward_sm90.block_n(problem.headdim))
+    d = plan.hopper_headdim(problem.headdim)  # the Hopper kernel's compiled head dim
+    block_m = backward_sm90.BLOCK_M if dropout else backward_sm90.block_m(d, score_mod)
+    n_blocks = math.ceil(problem.seqlen_k / backward_sm90.block_n(d))
     fixed = False
     if not deterministic:
         slots = n_blocks
@@ -206,7 +207,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
         slots = slots_sm90(n_blocks, groups, sm_count, s.bwd_sm90_det_max_passes)
         causal = left < 0 and right == 0  # each key block's steps: half the query blocks, on average
         auto = slots > 1 or n_blocks // (2 if causal else 1) >= FIXED_MIN_BLOCKS[d]
-        fixed = not dropout and backward_sm90.tma_dq(problem.headdim, block_m) and (
+        fixed = not dropout and backward_sm90.tma_dq(d, block_m) and (
             s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det == "auto" and auto))
     sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)
     if fixed:

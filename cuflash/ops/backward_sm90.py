@@ -1,6 +1,7 @@
 """The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256,
-where the two warpgroups split the head dim), for head dims exactly 64, 128 and 256 (softcap / ALiBi at 64; dropout
-at each, with softcap / ALiBi at 64). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
+where the two warpgroups split the head dim), compiled for head dims 64, 128 and 256 and run for the multiples of 8
+from 40 up (plan.hopper_headdim: the next compiled one; softcap / ALiBi on the 64 kernel; dropout on each, with
+softcap / ALiBi on the 64 one). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
 :func:`dropout_applies`) and launches it behind the portable main kernel's call interface, with the same
 preprocess, workspace and dQ conversion.
 """
@@ -35,9 +36,11 @@ def block_n(headdim: int) -> int:
 
 
 def applies(problem, score_mod: bool, arch: str) -> bool:
-    """The Hopper kernel runs this backward: sm_90a, head dim 64 or 128 (with a score mod: 64), setting on."""
-    return (settings.current().bwd_sm90 and arch == "sm_90a" and problem.headdim in HEADDIMS
-            and (not score_mod or problem.headdim in SCORE_MOD_HEADDIMS))
+    """The Hopper kernel runs this backward: sm_90a, a head dim that runs on one of HEADDIMS (plan.hopper_headdim;
+    with a score mod, on one of SCORE_MOD_HEADDIMS), setting on."""
+    d = plan.hopper_headdim(problem.headdim)
+    return (settings.current().bwd_sm90 and arch == "sm_90a" and d in HEADDIMS
+            and (not score_mod or d in SCORE_MOD_HEADDIMS))
 
 
 def block_m_allowed(headdim: int, score_mod: bool, block_m: int) -> bool:
@@ -96,7 +99,7 @@ class BwdSm90Spec:
 def dropout_applies(problem, score_mod: bool, arch: str) -> bool:
     """The Hopper kernel runs this backward with dropout: as :func:`applies` (a score mod at SCORE_MOD_HEADDIMS),
     at the DROPOUT_HEADDIMS."""
-    return applies(problem, score_mod, arch) and problem.headdim in DROPOUT_HEADDIMS
+    return applies(problem, score_mod, arch) and plan.hopper_headdim(problem.headdim) in DROPOUT_HEADDIMS
 
 
 def all_specs() -> list:

@@ -220,13 +220,15 @@ def sm90_short_variants() -> dict:
 
 
 def sm90_variant(problem, arch: str, band: bool = False) -> str | None:
-    """The Hopper forward variant for a call, or None for the portable kernel: sm_90a, an exact head dim of the
-    table, and the sm90 setting on; `band`: causal or local (the short-sequence table tells them apart)."""
+    """The Hopper forward variant for a call, or None for the portable kernel: sm_90a, a head dim that runs on one
+    of the table's (plan.hopper_headdim), and the sm90 setting on; `band`: causal or local (the short-sequence table
+    tells them apart)."""
     variants = sm90_variants()
-    if not settings.current().sm90 or arch != "sm_90a" or problem.headdim not in variants:
+    d = plan.hopper_headdim(problem.headdim)
+    if not settings.current().sm90 or arch != "sm_90a" or d not in variants:
         return None
-    short = short_variant(sm90_short_variants(), problem.headdim, band, problem.seqlen_k)
-    return short or variants[problem.headdim]
+    short = short_variant(sm90_short_variants(), d, band, problem.seqlen_k)
+    return short or variants[d]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,7 +282,7 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     if variant is not None and block_table is not None:  # paged: the lockstep kernel, without dropout
         variant = forward_sm90.PAGED_VARIANT if not options.dropout else None
     elif variant is not None and options.dropout:  # dropout: one Hopper variant per head dim
-        variant = forward_sm90.DROPOUT_VARIANTS.get(problem.headdim)
+        variant = forward_sm90.DROPOUT_VARIANTS.get(plan.hopper_headdim(problem.headdim))
     if variant is not None:
         return forward_sm90.forward_call(problem, q, k, v, out, lse, options, device_id=device_id,
                                          alibi_slopes=alibi_slopes, variant=variant, block_table=block_table)

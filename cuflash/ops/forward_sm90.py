@@ -136,7 +136,8 @@ def variant_spec(variant: str, dtype: str, headdim: int, band: bool, score_mod: 
 # FwdSm90Params (fwd_sm90_traits.cuh): four 64-byte-aligned tensor maps (q, k, v, o), the pointers o, lse, alibi,
 # cu_seqlens_q, cu_seqlens_k, dropout_state, the dropout generator's seed and offset, block_table and seqused_k (with
 # the maps, the struct's head a call writes), strides, ints, scales, dropout's threshold and scale, batch, o_tma, the
-# persistent walk's chunk sizes and divisions (multiplier, shift: fast_div), the page pools' geometry; 768 bytes.
+# persistent walk's chunk sizes and divisions (multiplier, shift: fast_div), the page pools' geometry, the call's head
+# dim; 768 bytes.
 _POINTER_NAMES = ("o", "lse", "alibi", "cu_seqlens_q", "cu_seqlens_k", "dropout_state", "dropout_seed",
                   "dropout_offset", "block_table", "seqused_k")
 _I64S = ("o_batch_stride", "o_row_stride", "o_head_stride", "lse_batch_stride", "lse_head_stride",
@@ -146,13 +147,13 @@ _FLOATS = ("scale_log2", "mod_scale", "softcap")
 _DROPOUT = ("dropout_threshold", "dropout_scale")
 _DIVISIONS = tuple(f"by_{n}_{part}" for n in ("m_blocks", "heads", "chunk_tiles", "chunk", "chunk_last")
                    for part in ("mul", "shift"))
-_PAGES = ("block_table_stride", "page_size", "num_pages", "max_pages", "page_box")
+_PAGES = ("block_table_stride", "page_size", "num_pages", "max_pages", "page_box", "headdim")
 PARAMS_DTYPE = np.dtype({
     "names": ["q", "k", "v", "o_map", *_POINTER_NAMES, *_I64S, *_INTS, *_FLOATS, *_DROPOUT, "batch", "o_tma", "chunk",
               "chunk_last", *_DIVISIONS, *_PAGES],
     "formats": (["V128"] * 4 + [np.uint64] * 10 + [np.int64] * 6 + [np.int32] * 6 + [np.float32] * 3
-                + [np.int32, np.float32] + [np.int32] * 4 + [np.uint32] * len(_DIVISIONS) + [np.int32] * 5),
-    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(16)] + [640 + 4 * i for i in range(15 + 10 + 5)],
+                + [np.int32, np.float32] + [np.int32] * 4 + [np.uint32] * len(_DIVISIONS) + [np.int32] * 6),
+    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(16)] + [640 + 4 * i for i in range(15 + 10 + 6)],
     "itemsize": 768})
 
 
@@ -271,8 +272,9 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     :func:`cuflash.ops.forward.launch` describes) on device `device_id` (current); with ``block_table`` (an array
     or TensorSpec) k and v are page pools ``(num_pages, page_size, nheads_k, d)`` and the variant PAGED_VARIANT."""
     paged = block_table is not None
-    spec = variant_spec(variant, plan.dtype_tag(problem.dtype), problem.headdim, options.band, options.score_mod,
-                        options.dropout, paged)
+    d = plan.hopper_headdim(problem.headdim)  # compiled; the call's head dim may be below it (p["headdim"])
+    spec = variant_spec(variant, plan.dtype_tag(problem.dtype), d, options.band, options.score_mod, options.dropout,
+                        paged)
     b, sq, h = problem.batch, problem.seqlen_q, problem.nheads  # packed: sq is the longest sequence
     p = np.zeros((), dtype=PARAMS_DTYPE)
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = seq_strides(out)
@@ -283,7 +285,8 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     for name, value in {**options.scales, **options.dropout_fields}.items():
         p[name] = value
     p["batch"] = b
-    p["o_tma"] = o_tma(problem.headdim)  # (the SPLIT kernel ignores it: epilogue)
+    p["o_tma"] = o_tma(d)  # (the SPLIT kernel ignores it: epilogue)
+    p["headdim"] = problem.headdim
     kv_rows_box = spec.block_n
     if paged:
         plan.set_pages(p, k, block_table)

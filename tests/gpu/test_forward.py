@@ -85,6 +85,13 @@ def test_odd_sizes(compiled, d, sq, sk):
     run_case(np.random.default_rng(d * sq + sk), b=1, sq=sq, sk=sk, h=2, hk=1, d=d, dtype="bf16", causal=True)
 
 
+@pytest.mark.parametrize("d", [72, 200])
+def test_portable_forward_between_hopper_head_dims(configure, compiled, d):
+    """Head dims that sm_90a runs on the Hopper kernel, on the portable one (the sm90 setting off; sm_80's path)."""
+    configure(sm90=False)
+    run_case(np.random.default_rng(d), b=2, sq=129, sk=300, h=4, hk=2, d=d, dtype="bf16", causal=True)
+
+
 @pytest.mark.parametrize("option", [dict(causal=True), dict(window_size=(32, 7)), dict(softcap=10.0),
                                     dict(alibi="h"), dict(alibi="bh"), dict(softmax_scale=0.5),
                                     dict(causal=True, window_size=(48, 3), softcap=20.0, alibi="bh")])

@@ -180,9 +180,11 @@ def _routed_to_sm90() -> bool:
 
 @st.composite
 def sm90_cases(draw):
-    """test_forward's cases (every option) at the head dims the Hopper kernel covers, 64, 128 and 256."""
+    """test_forward's cases (every option) at head dims the Hopper kernel runs: its compiled 64, 128 and 256, and
+    multiples of 8 between them (the next compiled one's kernel, its columns past the head dim zero-filled)."""
     from tests.gpu.test_forward import forward_cases
-    return dict(draw(forward_cases()), d=draw(st.sampled_from([64, 128, 256])), return_lse=draw(st.booleans()))
+    return dict(draw(forward_cases()), d=draw(st.sampled_from([40, 64, 96, 128, 200, 256])),
+                return_lse=draw(st.booleans()))
 
 
 @pytest.mark.parametrize("variant", forward_sm90.VARIANTS)
