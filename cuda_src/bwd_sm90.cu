@@ -152,10 +152,10 @@ struct BwdSm90 {
     // StepDone barrier, and waits on its own before it stores the next step's dS^T (and at d = 256 P^T), which the
     // other's wgmmas of the last step read. Past that wait both are done with the last step's Q (and dO) buffer, so
     // thread 0 issues the next step's loads into it there, more than half a step ahead; the next step's rows follow
-    // at the end of the step, with one arrival per storing warp on that buffer's Q/dO mbarrier. Not at d = 64 with
+    // at the end of the step, with one arrival per storing thread on that buffer's Q/dO mbarrier. Not at d = 64 with
     // 128 rows (slower, and it spills) nor in the FIXED kernels (whose dQ scales are read after the dS^T barrier).
     static constexpr bool HANDOFF = (PANELS == 2 || DSPLIT) && !FIXED;
-    static constexpr int QD_ARRIVALS = HANDOFF ? 1 + BM / 32 : 1;  // thread 0's expect_tx, the rows' warps
+    static constexpr int QD_ARRIVALS = HANDOFF ? 1 + BM : 1;  // thread 0's expect_tx, the rows' threads
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
     // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
     // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one makes ptxas spill.
@@ -247,12 +247,11 @@ struct BwdSm90 {
         at[BM + tid] = r.y;
         if (FIXED) at[2 * BM + tid] = r.z;
     }
-    // HANDOFF (threads < BM, whole warps): the rows of step tt, then one arrival per warp on that buffer's Q/dO
-    // mbarrier, whose waiters then see them (__syncwarp orders the lanes' stores before lane 0's release).
+    // HANDOFF (threads < BM): the rows of step tt, then each storing thread's arrival on that buffer's Q/dO mbarrier
+    // (its release), so that the waiters see them.
     __device__ __forceinline__ void hand_rows(char* smem, int tt, float3 r) const {
         store_rows(smem, tt, r);
-        __syncwarp();
-        if (lane == 0) sm90::mbar_arrive(qd_bar(tt % 2));
+        sm90::mbar_arrive(qd_bar(tt % 2));
     }
 
     // S^T or dP^T of this warpgroup's 64 keys against the BM queries of a buffer (A = keys tile, B = queries tile).

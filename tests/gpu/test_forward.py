@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cuflash import reference
+from tests.fixtures import configure  # noqa: F401  (a fixture)
 from tests.gpu.helpers import DTYPES, assert_close_to_reference, assert_lse_close, naive_lowp, randn
 
 pytestmark = pytest.mark.gpu

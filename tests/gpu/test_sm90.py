@@ -202,7 +202,8 @@ def test_attention_planned_on_sm90_matches_reference(sm90_planned, variant, case
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, dtype):
     """Strided q/k/v views of one packed qkv tensor take the Hopper path without copies; so do softcap and ALiBi
-    (each alone and all options at once); an odd head dim stays on the portable kernel (and is still right)."""
+    (each alone and all options at once); so does a head dim between the compiled ones (d 96 on the d 128 kernel),
+    while one below plan.HOPPER_MIN_HEADDIM stays on the portable kernel (and is still right)."""
     from cuflash.ops import forward, forward_sm90
     from tests.gpu.test_forward import run_case
     sm90_planned(variant)
@@ -211,7 +212,7 @@ def test_attention_planned_on_sm90_options_and_fallback(sm90_planned, variant, d
     base = dict(b=2, sq=200, sk=333, h=4, hk=2, d=128, dtype=dtype)
     for option, sm90 in ((dict(softcap=10.0), True), (dict(alibi="h"), True), (dict(alibi="bh"), True),
                          (dict(causal=True, window_size=(48, 3), softcap=20.0, alibi="bh"), True),
-                         (dict(d=96), False)):
+                         (dict(d=96), True), (dict(d=32), False)):
         forward._attention_calls.clear()
         run_case(np.random.default_rng(5), **{**base, **option})
         assert _routed_to_sm90() == sm90, option
