@@ -1,8 +1,7 @@
-"""The public functions on CuPy arrays. Each checks its arguments and hands the call to its operation
-(:mod:`cuflash.ops`), which resolves the options once per call signature (:mod:`cuflash.options`), chooses the
-kernels, plans and launches them (``attention`` and ``attention_backward`` hand it over unchecked: their operation
-checks a call signature once, with its plan). Head dims run from 1 to 256; one that is not a multiple of 8 runs on
-zero-padded copies, and the results are views of the padded ones (``_padded``; the cost is in docs/api.md)."""
+"""The public functions on CuPy arrays. Each hands the call to its operation (:mod:`cuflash.ops`), which checks it,
+resolves the options (:mod:`cuflash.options`), chooses the kernels and plans them once per call signature, and
+launches them. Head dims run from 1 to 256; one that is not a multiple of 8 is checked here and runs on zero-padded
+copies, and the results are views of the padded ones (``_padded``; the cost is in docs/api.md)."""
 from __future__ import annotations
 
 import math
@@ -197,25 +196,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                   dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
                                   stream=stream)
         return (result[0][..., :d], result[1]) if return_lse else result[..., :d]
-    problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                  softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
-                                  seqused_k=seqused_k, dropout_p=dropout_p)
-    dropout_seed, dropout_offset = checks.dropout_generator(dropout_seed, dropout_offset)
-    runtime.require_device_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                  alibi_slopes=alibi_slopes)
-    runtime.require_device_index_arrays(block_table=block_table, seqused_k=seqused_k)
-    runtime.require_gpu()  # after the checks, which need no GPU; once per process
-    import cupy
-    with cupy.cuda.Device(q.device.id), runtime.on(stream):
-        out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((problem.nheads, q.shape[0]), dtype=np.float32) if return_lse else None
-        forward.launch(problem, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
-                       seqused_k=seqused_k, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                       dropout_offset=dropout_offset)
-    return (out, lse) if return_lse else out
+    return forward.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                    causal, window_size, softcap, alibi_slopes, return_lse, block_table, seqused_k,
+                                    stream, dropout_p, dropout_seed, dropout_offset)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -260,25 +243,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                           deterministic=deterministic, dropout_p=dropout_p,
                                           dropout_seed=dropout_seed, dropout_offset=dropout_offset, stream=stream)
         return tuple(g[..., :d] for g in grads)
-    problem = checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                           max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-                                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                           dropout_p=dropout_p)
-    dropout_seed, dropout_offset = checks.dropout_generator(dropout_seed, dropout_offset)
-    runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                                  cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
-    if not lse.flags.c_contiguous:
-        raise ValueError(f"lse: must be contiguous (nheads, total_q); got strides {checks.elem_strides(lse)} "
-                         "elements")
-    runtime.require_gpu()  # after the checks, which need no GPU; once per process
-    import cupy
-    with cupy.cuda.Device(q.device.id), runtime.on(stream):
-        dq, dk, dv = (cupy.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
-        backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
-                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                        deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                        dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)
-    return dq, dk, dv
+    return backward.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                              deterministic, stream, dropout_p, dropout_seed, dropout_offset)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,

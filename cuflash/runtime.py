@@ -62,6 +62,29 @@ def call_key(arrays: tuple, options: tuple) -> tuple:
             checks.signature(options))
 
 
+KEPT_CALLS = 4096  # entries a cache of checked or planned calls holds; a full one is emptied
+
+
+def kept(cache: dict, arrays: tuple, options: tuple) -> tuple:
+    """``(key, kept)``: the :func:`call_key` of a call's arrays and options, and what ``cache`` keeps under it (None
+    where nothing); both None for a call without a key (an argument that is not a CuPy array, an unhashable option),
+    whose checks then say what is wrong."""
+    try:
+        key = call_key(arrays, options)
+        return key, cache.get(key)
+    except (AttributeError, TypeError):
+        return None, None
+
+
+def keep(cache: dict, key, value):
+    """Keep ``value`` in ``cache`` under ``key`` (unless it is None: a call without a key) and return it."""
+    if key is not None:
+        if len(cache) >= KEPT_CALLS:
+            cache.clear()
+        cache[key] = value
+    return value
+
+
 def device(device_id: int):
     """Switch to `device_id` unless it is current already (a context switch costs microseconds per call)."""
     import cupy

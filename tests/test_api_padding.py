@@ -53,13 +53,17 @@ def on_host(monkeypatch):
         return (_device(out.astype(q.dtype)), _device(lse.astype(np.float32))) if return_lse else \
             _device(out.astype(q.dtype))
 
-    def forward_launch(problem, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, **options):
-        launched.append((q.shape[-1], options["softmax_scale"]))
-        o, l = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, problem.seqlen_q, problem.seqlen_k,
-                                          return_lse=True, **options)
-        out[...] = o
-        if lse is not None:
-            lse[...] = l
+    def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       window_size, softcap, alibi_slopes, return_lse, block_table, seqused_k, stream, dropout_p=0.0,
+                       dropout_seed=0, dropout_offset=0):
+        options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes)
+        checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options)
+        launched.append((q.shape[-1], softmax_scale))
+        out, lse = reference.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              return_lse=True, **options)
+        return (_device(out.astype(q.dtype)), _device(lse.astype(np.float32))) if return_lse else \
+            _device(out.astype(q.dtype))
 
     def backward_attention(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, stream, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
@@ -70,13 +74,17 @@ def on_host(monkeypatch):
         grads = reference.attention_backward(dout, q, k, v, out, lse, **options)
         return tuple(_device(g.astype(x.dtype)) for g, x in zip(grads, (q, k, v)))
 
-    def backward_launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, cu_seqlens_q, cu_seqlens_k,
-                        **options):
-        launched.append((q.shape[-1], options["softmax_scale"]))
-        grads = reference.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                    problem.seqlen_q, problem.seqlen_k, **options)
-        for dst, g in zip((dq, dk, dv), grads):
-            dst[...] = g
+    def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, stream, dropout_p=0.0,
+                        dropout_seed=0, dropout_offset=0):
+        options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes)
+        checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     **options)
+        launched.append((q.shape[-1], softmax_scale))
+        grads = reference.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                    max_seqlen_k, **options)
+        return tuple(_device(g.astype(x.dtype)) for g, x in zip(grads, (q, k, v)))
 
     def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, num_splits, return_lse, stream, rotary_cos=None, rotary_sin=None,
@@ -92,9 +100,9 @@ def on_host(monkeypatch):
         return (out, _device(lse.astype(np.float32))) if return_lse else out
 
     monkeypatch.setattr(forward, "attention", attention)
-    monkeypatch.setattr(forward, "launch", forward_launch)
+    monkeypatch.setattr(forward, "attention_varlen", forward_varlen)
     monkeypatch.setattr(backward, "attention_backward", backward_attention)
-    monkeypatch.setattr(backward, "launch", backward_launch)
+    monkeypatch.setattr(backward, "attention_varlen_backward", backward_varlen)
     monkeypatch.setattr(decode, "attention_with_kvcache", kvcache)
     return launched
 

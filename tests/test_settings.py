@@ -47,8 +47,8 @@ def test_bad_values_name_the_variable(env, match):
 
 def test_override_restores_and_drops_cached_launches():
     before = settings.current()
-    caches = (forward._launches, forward._attention_calls, backward._launches, backward._attention_calls,
-              decode._calls)
+    caches = (forward._launches, forward._attention_calls, forward._varlen_calls, backward._launches,
+              backward._attention_calls, backward._varlen_calls, decode._calls)
     for cache in caches:
         cache["key"] = object()
     with settings.override(sm90=False, decode_tma_stages=4) as inside:

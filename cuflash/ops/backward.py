@@ -2,7 +2,8 @@
 main kernel (the portable one, ``cuda_src/bwd.cu``, or on sm_90a the Hopper one, :mod:`cuflash.ops.backward_sm90`)
 and the dQ conversion -- their tile tables and specializations, the workspace, the parameter structs, the
 deterministic mode's choice between dQ slices and the fixed point, and the calls: :func:`launch` (any layouts, no
-checks) and :func:`attention_backward` (the CuPy API's, checked and planned once per call signature).
+checks) and :func:`attention_backward`, :func:`attention_varlen_backward` (the CuPy API's, checked and planned once
+per call signature).
 """
 from __future__ import annotations
 
@@ -391,12 +392,14 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
 
 _launches: dict = {}  # call signature -> BackwardCall
 _attention_calls: dict = {}  # key of an attention_backward() call -> (BackwardCall, device id)
+_varlen_calls: dict = {}  # key of an attention_varlen_backward() call -> (BackwardCall, device id)
 
 
 @settings.on_change
 def _forget() -> None:
     _launches.clear()
     _attention_calls.clear()
+    _varlen_calls.clear()
 
 
 def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causal, window_size, softcap,
@@ -418,12 +421,9 @@ def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causa
     if call is None:
         options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                           softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-        call = backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options, device_id=q.device.id,
-                             alibi_slopes=alibi_slopes, deterministic=deterministic, packed=cu_seqlens_q is not None)
-        if key is not None:
-            if len(_launches) >= 4096:
-                _launches.clear()
-            _launches[key] = call
+        call = runtime.keep(_launches, key, backward_call(
+            problem, dout, q, k, v, out, lse, dq, dk, dv, options, device_id=q.device.id, alibi_slopes=alibi_slopes,
+            deterministic=deterministic, packed=cu_seqlens_q is not None))
     import cupy
     if workspace is None:
         workspace = cupy.empty(call.workspace_bytes, dtype=np.uint8)
@@ -438,36 +438,68 @@ def launch(problem, dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale, causa
 def attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
                        deterministic, stream, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
     """:func:`cuflash.attention_backward`: check, resolve the options, plan, allocate, launch. A call with the layouts
-    and options of an earlier one skips the checks and the planning: its pointers' alignment is checked, then dq, dk,
-    dv and the workspace are allocated and the kept launches run."""
-    try:  # one key for the checks and the launches: layouts of the arrays, values of the options
-        key = runtime.call_key((dout, q, k, v, out, lse, alibi_slopes),
-                               (softmax_scale, causal, window_size, softcap, bool(deterministic), dropout_p))
-        hit = _attention_calls.get(key)
-    except (AttributeError, TypeError):  # not CuPy arrays, or an unhashable option: the checks say what is wrong
-        key = hit = None
+    and options of an earlier one skips the checks and the planning (:func:`_launch_kept`)."""
+    # one key for the checks and the launches: layouts of the arrays, values of the options
+    key, hit = runtime.kept(_attention_calls, (dout, q, k, v, out, lse, alibi_slopes),
+                            (softmax_scale, causal, window_size, softcap, bool(deterministic), dropout_p))
     if hit is None:
         problem = checks.check_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                         dropout_p=dropout_p)
         runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
-        if not lse.flags.c_contiguous:
-            raise ValueError(f"lse: must be contiguous (batch, nheads, seqlen_q); got strides "
-                             f"{checks.elem_strides(lse)} elements")
-        runtime.require_gpu()  # after the checks, which need no GPU; once per process
         options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                           softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-        device_id = q.device.id
-        grads = (checks.contiguous(name, x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v)))
-        with runtime.device(device_id):
-            call = backward_call(problem, dout, q, k, v, out, lse, *grads, options, device_id=device_id,
-                                 alibi_slopes=alibi_slopes, deterministic=deterministic, packed=False)
-        hit = (call, device_id)
-        if key is not None:
-            if len(_attention_calls) >= 4096:
-                _attention_calls.clear()
-            _attention_calls[key] = hit
-    elif (dout.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr | out.data.ptr) % 16:
+        hit = runtime.keep(_attention_calls, key, _planned(problem, dout, q, k, v, out, lse, options, alibi_slopes,
+                                                           deterministic, packed=False))
+    return _launch_kept(hit, stream, dout, q, k, v, out, lse, alibi_slopes, 0, 0, dropout_seed, dropout_offset)
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, stream,
+                              dropout_p=0.0, dropout_seed=0, dropout_offset=0):
+    """:func:`cuflash.attention_varlen_backward`, as :func:`attention_backward`: checked and planned (packed: one
+    workspace row per query token) once per key, which holds the layouts of every array (cu_seqlens_q/k too; not
+    their contents, which only the kernels read), max_seqlen_q/k and the options."""
+    key, hit = runtime.kept(_varlen_calls, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes),
+                            (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                             bool(deterministic), dropout_p))
+    if hit is None:
+        problem = checks.check_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                               dropout_p=dropout_p)
+        runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                                      cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+        options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                          softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+        hit = runtime.keep(_varlen_calls, key, _planned(problem, dout, q, k, v, out, lse, options, alibi_slopes,
+                                                        deterministic, packed=True))
+    return _launch_kept(hit, stream, dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q.data.ptr,
+                        cu_seqlens_k.data.ptr, dropout_seed, dropout_offset)
+
+
+def _planned(problem, dout, q, k, v, out, lse, options: AttentionOptions, alibi_slopes, deterministic,
+             packed: bool) -> tuple:
+    """What a cache of the CuPy API keeps for a checked call: ``(call, device id)``, the call planned on dq, dk, dv's
+    contiguous layouts; lse must be contiguous (packed: ``(nheads, total_q)``)."""
+    if not lse.flags.c_contiguous:
+        raise ValueError(f"lse: must be contiguous ({'nheads, total_q' if packed else 'batch, nheads, seqlen_q'}); "
+                         f"got strides {checks.elem_strides(lse)} elements")
+    runtime.require_gpu()  # after the checks, which need no GPU; once per process
+    device_id = q.device.id
+    grads = (checks.contiguous(name, x.shape, x.dtype) for name, x in (("dq", q), ("dk", k), ("dv", v)))
+    with runtime.device(device_id):
+        call = backward_call(problem, dout, q, k, v, out, lse, *grads, options, device_id=device_id,
+                             alibi_slopes=alibi_slopes, deterministic=deterministic, packed=packed)
+    return call, device_id
+
+
+def _launch_kept(hit, stream, dout, q, k, v, out, lse, alibi_slopes, cu_seqlens_q: int, cu_seqlens_k: int,
+                 dropout_seed, dropout_offset):
+    """A kept call (:func:`_planned`) on these arrays and cu_seqlens pointers (0: dense): the alignment of dout, q, k,
+    v and out and the dropout generator checked (every other check is the key's), dq, dk, dv and the workspace
+    allocated from CuPy's pool, the kept launches."""
+    if (dout.data.ptr | q.data.ptr | k.data.ptr | v.data.ptr | out.data.ptr) % 16:
         runtime.require_device_arrays(dout=dout, q=q, k=k, v=v, out=out)  # says which pointer
     dropout_seed, dropout_offset = checks.dropout_generator(dropout_seed, dropout_offset)
     call, device_id = hit
@@ -476,6 +508,6 @@ def attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_si
         dq, dk, dv = (cupy.ndarray(x.shape, x.dtype) for x in (q, k, v))
         workspace = cupy.ndarray((call.workspace_bytes,), np.uint8)
         call(cupy.cuda.get_current_stream().ptr, dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
-             lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, runtime.ptr(alibi_slopes), 0, 0,
+             lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, runtime.ptr(alibi_slopes), cu_seqlens_q, cu_seqlens_k,
              workspace.data.ptr, dropout_seed, dropout_offset)
     return dq, dk, dv

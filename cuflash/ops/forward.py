@@ -293,13 +293,15 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
 
 
 _launches: dict = {}  # call signature -> KernelCall (launch)
-_attention_calls: dict = {}  # key of an attention() call -> (KernelCall, device id, lse shape)
+_attention_calls: dict = {}  # key of an attention() call -> (KernelCall, device id, lse shape or None)
+_varlen_calls: dict = {}  # key of an attention_varlen() call -> (KernelCall, device id, lse shape or None)
 
 
 @settings.on_change
 def _forget() -> None:
     _launches.clear()
     _attention_calls.clear()
+    _varlen_calls.clear()
 
 
 def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -325,12 +327,9 @@ def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
     if call is None:
         options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                           softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-        call = forward_call(problem, q, k, v, out, lse, options, device_id=q.device.id, alibi_slopes=alibi_slopes,
-                            block_table=block_table, seqused_k=seqused_k)
-        if key is not None:
-            if len(_launches) >= 4096:
-                _launches.clear()
-            _launches[key] = call
+        call = runtime.keep(_launches, key, forward_call(problem, q, k, v, out, lse, options, device_id=q.device.id,
+                                                         alibi_slopes=alibi_slopes, block_table=block_table,
+                                                         seqused_k=seqused_k))
     import cupy
     call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, runtime.ptr(lse),
          runtime.ptr(alibi_slopes), runtime.ptr(cu_seqlens_q), runtime.ptr(cu_seqlens_k), runtime.ptr(block_table),
@@ -339,40 +338,77 @@ def launch(problem, q, k, v, out, lse, *, softmax_scale, causal, window_size, so
 
 def attention(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse, stream, dropout_p=0.0,
               dropout_seed=0, dropout_offset=0):
-    """:func:`cuflash.attention`: check, resolve the options, allocate, launch. A call with the layouts and
-    options of an earlier one skips straight to the launch."""
-    try:  # one key for the checks and the launch: layouts of the arrays, values of the options
-        key = runtime.call_key((q, k, v, alibi_slopes),
-                               (softmax_scale, causal, window_size, softcap, bool(return_lse), dropout_p))
-        hit = _attention_calls.get(key)
-    except (AttributeError, TypeError):  # not CuPy arrays, or an unhashable option: the checks say what is wrong
-        key = hit = None
+    """:func:`cuflash.attention`: check, resolve the options, plan, allocate, launch. A call with the layouts and
+    options of an earlier one skips the checks and the planning (:func:`_launch_kept`)."""
+    # one key for the checks and the launch: layouts of the arrays, values of the options
+    key, hit = runtime.kept(_attention_calls, (q, k, v, alibi_slopes),
+                            (softmax_scale, causal, window_size, softcap, bool(return_lse), dropout_p))
     if hit is None:
         problem = checks.check_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                          dropout_p=dropout_p)
         runtime.require_device_arrays(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
-        runtime.require_gpu()  # after the checks, which need no GPU; once per process
         options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                           softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
-        lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
-        device_id = q.device.id
-        with runtime.device(device_id):
-            call = forward_call(problem, q, k, v, checks.contiguous("out", q.shape, q.dtype),
-                                checks.contiguous("lse", lse_shape, np.float32) if return_lse else None, options,
-                                device_id=device_id, alibi_slopes=alibi_slopes)
-        hit = (call, device_id, lse_shape)
-        if key is not None:
-            if len(_attention_calls) >= 4096:
-                _attention_calls.clear()
-            _attention_calls[key] = hit
-    elif (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
+        lse_shape = (problem.batch, problem.nheads, problem.seqlen_q) if return_lse else None
+        hit = runtime.keep(_attention_calls, key, _planned(problem, q, k, v, lse_shape, options, alibi_slopes))
+    return _launch_kept(hit, stream, q, k, v, alibi_slopes, _NO_INDICES, dropout_seed, dropout_offset)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     window_size, softcap, alibi_slopes, return_lse, block_table, seqused_k, stream, dropout_p=0.0,
+                     dropout_seed=0, dropout_offset=0):
+    """:func:`cuflash.attention_varlen`, as :func:`attention`: checked and planned once per key, which holds the
+    layouts of every array (cu_seqlens_q/k, block_table and seqused_k too; not their contents, which only the
+    kernels read), max_seqlen_q/k and the options."""
+    key, hit = runtime.kept(_varlen_calls, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_k),
+                            (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap, bool(return_lse),
+                             dropout_p))
+    if hit is None:
+        problem = checks.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
+                                      seqused_k=seqused_k, dropout_p=dropout_p)
+        runtime.require_device_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                      alibi_slopes=alibi_slopes)
+        runtime.require_device_index_arrays(block_table=block_table, seqused_k=seqused_k)
+        options = resolve(problem, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                          softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+        lse_shape = (problem.nheads, q.shape[0]) if return_lse else None  # packed: (nheads, total_q)
+        hit = runtime.keep(_varlen_calls, key, _planned(problem, q, k, v, lse_shape, options, alibi_slopes,
+                                                        block_table, seqused_k))
+    indices = (cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, runtime.ptr(block_table), runtime.ptr(seqused_k))
+    return _launch_kept(hit, stream, q, k, v, alibi_slopes, indices, dropout_seed, dropout_offset)
+
+
+def _planned(problem, q, k, v, lse_shape, options: AttentionOptions, alibi_slopes, block_table=None,
+             seqused_k=None) -> tuple:
+    """What a cache of the CuPy API keeps for a checked call: ``(call, device id, lse_shape)``, the call planned on
+    a contiguous out like q and (lse_shape not None) a contiguous float32 lse of that shape."""
+    runtime.require_gpu()  # after the checks, which need no GPU; once per process
+    device_id = q.device.id
+    lse = None if lse_shape is None else checks.contiguous("lse", lse_shape, np.float32)
+    with runtime.device(device_id):
+        call = forward_call(problem, q, k, v, checks.contiguous("out", q.shape, q.dtype), lse, options,
+                            device_id=device_id, alibi_slopes=alibi_slopes, block_table=block_table,
+                            seqused_k=seqused_k)
+    return call, device_id, lse_shape
+
+
+_NO_INDICES = (0, 0, 0, 0)
+
+
+def _launch_kept(hit, stream, q, k, v, alibi_slopes, indices: tuple, dropout_seed, dropout_offset):
+    """A kept call (:func:`_planned`) on these arrays and `indices`, the pointers of cu_seqlens_q, cu_seqlens_k,
+    block_table and seqused_k (0 where absent): the alignment of q, k and v and the dropout generator checked (every
+    other check is the key's), out and lse allocated from CuPy's pool, the kept launch."""
+    if (q.data.ptr | k.data.ptr | v.data.ptr) % 16:
         runtime.require_device_arrays(q=q, k=k, v=v)  # says which pointer
     call, device_id, lse_shape = hit
     import cupy  # (a first call imported it through the checks, or said how to install it)
     with runtime.device(device_id), runtime.on(stream):
         out = cupy.ndarray(q.shape, q.dtype)
-        lse = cupy.ndarray(lse_shape, np.float32) if return_lse else None
+        lse = None if lse_shape is None else cupy.ndarray(lse_shape, np.float32)
         call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, runtime.ptr(lse),
-             runtime.ptr(alibi_slopes), 0, 0, 0, 0, *checks.dropout_generator(dropout_seed, dropout_offset), 0)
-    return (out, lse) if return_lse else out
+             runtime.ptr(alibi_slopes), *indices, *checks.dropout_generator(dropout_seed, dropout_offset), 0)
+    return out if lse is None else (out, lse)

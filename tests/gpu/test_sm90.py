@@ -157,6 +157,7 @@ def sm90_planned(configure, monkeypatch):
 
     def clear():
         forward._attention_calls.clear()
+        forward._varlen_calls.clear()
         forward._launches.clear()
         if "cuflash.torch" in sys.modules:
             sys.modules["cuflash.torch"]._plans.clear()
@@ -172,9 +173,11 @@ def sm90_planned(configure, monkeypatch):
 
 
 def _routed_to_sm90() -> bool:
-    """The launch caches hold a Hopper launch (attention() keeps (call, ...) tuples, launch_forward the calls)."""
+    """The launch caches hold a Hopper launch (attention() and attention_varlen() keep (call, ...) tuples, launch the
+    calls)."""
     from cuflash.ops import forward, forward_sm90
-    calls = [call for call, *_ in forward._attention_calls.values()] + list(forward._launches.values())
+    calls = [call for cache in (forward._attention_calls, forward._varlen_calls) for call, *_ in cache.values()]
+    calls += forward._launches.values()
     return any(isinstance(call, forward_sm90.ForwardCall) for call in calls)
 
 
