@@ -23,7 +23,7 @@
 // the warpgroups splitting the head dim; step_split), and the multiples of 8 below each down to the one before (from
 // 40 at D = 64): the TMA boxes zero-fill the columns past p.headdim, dK and dV leave them out, and dQ's TMA
 // additions are clipped at the accumulator's head dim.
-// Dropout (DROPOUT kernels, d = 64 and 128 with 64 query rows; a score mod at d = 64): dV takes P M / keep and
+// Dropout (DROPOUT kernels, d = 64, 128 and 256 with 64 query rows; a score mod at d = 64): dV takes P M / keep and
 // dS^T = P^T (dP^T M / keep - D), with M's bits regenerated per step (dropout.cuh) while S^T and dP^T compute.
 // Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
 // with add_dq_red), every CTA adds its tile as int32 fixed point into one accumulator (fixed_dq.cuh), in any order:

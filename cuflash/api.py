@@ -49,7 +49,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         ``dropout_seed`` and ``dropout_offset`` (:func:`cuflash.reference.dropout_keep`, regenerated in the kernels,
         never stored), and kept ones are scaled by ``1 / (1 - p)`` (p rounded to a multiple of 1/256). The same seed
         and offset give the same mask, bitwise; the backward takes the forward's three. The lse is that of the
-        undropped scores. On sm_90a the Hopper kernels run it at head dims 64, 128 and 256 (docs/api.md).
+        undropped scores. On sm_90a the Hopper kernels run it at head dims 40 to 256 (docs/api.md).
     dropout_seed, dropout_offset : int
         The mask's generator: ints in [0, 2**64).
     stream : cupy.cuda.Stream, optional
@@ -100,7 +100,8 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
         If True, dQ is accumulated in a fixed order (per-CTA slices summed in order), so repeated calls
         give bitwise-identical results; otherwise fp32 atomics (faster, last-bit nondeterministic).
     dropout_p, dropout_seed, dropout_offset
-        The forward's: the backward regenerates its mask (head dims up to 128).
+        The forward's: the backward regenerates its mask (head dims up to 128; on sm_90a up to 256, with softcap
+        or ALiBi up to 128).
     stream : cupy.cuda.Stream, optional
         Defaults to CuPy's current stream.
 
@@ -160,7 +161,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         nheads_k, headdim)``, page_size a multiple of 16, and key p of sequence b is row ``p % page_size`` of page
         ``block_table[b, p // page_size]``; sequence b has ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` keys (or
         ``seqused_k[b]``), at most ``max_pages * page_size``. Forward only (no backward); on sm_90a at head dims
-        64, 128 and 256 (without dropout) the Hopper kernel's paged variant runs it.
+        40 to 256 (without dropout) the Hopper kernel's paged variant runs it.
     seqused_k : cupy.ndarray, int32, (batch,), optional
         Keys of sequence b, instead of cu_seqlens_k's difference (at most that difference when not paged). Forward
         only; on sm_90a it runs on the portable kernel.

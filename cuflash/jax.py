@@ -69,7 +69,8 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         Backward with a fixed dQ summation order (bitwise-repeatable gradients).
     dropout_p : float
         Dropout on the attention probabilities (a Python float, static under ``jax.jit``), as in
-        :func:`cuflash.attention`; the backward regenerates the forward's mask. Head dims up to 128 in the backward.
+        :func:`cuflash.attention`; the backward regenerates the forward's mask. Head dims up to 128 in the backward
+        (up to 256 on sm_90a without softcap or ALiBi).
     dropout_key : jax PRNG key, required when ``dropout_p > 0``
         The mask's seed and offset are 128 random bits drawn from it inside the computation (traced keys are
         fine): the same key gives the same mask, bitwise.
@@ -306,7 +307,8 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     Hopper main kernel, so it is planned for the largest GPU visible here and every architecture among the
     visible GPUs (both, on a machine without one), and the largest count taken (an upper bound for any of them),
     with room for the Hopper kernel's fixed point (one slice and two small pieces). A backward that none of those
-    architectures has (head dims above 128 off sm_90a) raises NotImplementedError here, at trace time.
+    architectures has (head dims above 128 off sm_90a; above 128 with dropout and softcap or ALiBi on sm_90a too)
+    raises NotImplementedError here, at trace time.
     `rows`: query rows of the workspaces, batch * seqlen_q by default, total_q for packed sequences.
     """
     left, right = normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)

@@ -1,6 +1,7 @@
 """The Hopper forward (``cuda_src/fwd_sm90.cu``): its specializations and variants, its parameter struct with the
-TMA tensor maps, and its launch behind the portable forward's call interface. :mod:`cuflash.ops.forward` chooses
-it on sm_90a for head dims 64, 128 and 256 (fp16/bf16, causal and local windows, GQA, softcap, ALiBi, lse; padded
+TMA tensor maps, and its launch behind the portable forward's call interface. It is compiled for head dims 64, 128
+and 256, and :mod:`cuflash.ops.forward` chooses it on sm_90a for the multiples of 8 from 40 to 256, each on the next
+compiled one (plan.hopper_headdim) (fp16/bf16, causal and local windows, GQA, softcap, ALiBi, lse, dropout; padded
 and packed batches; a packed batch's keys from page pools).
 """
 from __future__ import annotations
