@@ -20,9 +20,10 @@
 // (score mods) each warpgroup adds its own 64 keys' part to every element, with vector reductions (add_dq_red).
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
 // waited for first) at d = 64 (at 128 that kernel spills); head dims D = 64, 128 and 256 (DSPLIT: 64 keys per CTA,
-// the warpgroups splitting the head dim; step_split), and the multiples of 8 below each down to the one before (from
-// 40 at D = 64): the TMA boxes zero-fill the columns past p.headdim, dK and dV leave them out, and dQ's TMA
-// additions are clipped at the accumulator's head dim.
+// the warpgroups splitting the head dim; step_split), and at D = 128 and 256 the multiples of 8 down to the one
+// before: the TMA boxes zero-fill the columns past p.headdim, dK and dV leave them out, and dQ's TMA additions are
+// clipped at the accumulator's head dim. (D = 64 takes 64 only: at 255 registers the bound on dK and dV makes the
+// fixed-point kernel with 128 rows spill under NVRTC 13.5.)
 // Dropout (DROPOUT kernels, d = 64, 128 and 256 with 64 query rows; a score mod at d = 64): dV takes P M / keep and
 // dS^T = P^T (dP^T M / keep - D), with M's bits regenerated per step (dropout.cuh) while S^T and dP^T compute.
 // Deterministic mode (BwdParams::deterministic): 1, each slot adds into its own fp32 slice in program order; 2 (not
@@ -607,8 +608,8 @@ struct BwdSm90 {
     // The threads ordering each other are in one CTA, so CTA-scope fences suffice.
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const {
         float* dq_rows = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
-                         SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * p.headdim;
-        const i64 row_stride = (i64)p.nheads * p.headdim;
+                         SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D;
+        const i64 row_stride = (i64)p.nheads * D;
         if (p.deterministic && wg == 1) sm90::named_sync<BwdBarrier::DqOrder, 256>();
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -616,9 +617,8 @@ struct BwdSm90 {
             if (row >= seqlen_q) continue;
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-                if (8 * j + 2 * (lane % 4) < p.headdim)
-                    sm90::red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[0][j][2 * hh],
-                                     dq[0][j][2 * hh + 1]);
+                sm90::red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[0][j][2 * hh],
+                           dq[0][j][2 * hh + 1]);
         }
         if (p.deterministic) __threadfence_block();
         if (p.deterministic && wg == 0) sm90::named_arrive<BwdBarrier::DqOrder, 256>();
@@ -674,7 +674,7 @@ struct BwdSm90 {
 #pragma unroll
             for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
                 const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane % 4);
-                if (col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
+                if (D > 64 && col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
                 const float dv_scale = DROPOUT ? p.dropout_scale : 1.f;  // dropout: dV = (P M)^T dO / keep
                 *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
                 *reinterpret_cast<u32*>(dv + col) =

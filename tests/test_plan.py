@@ -107,6 +107,11 @@ def test_backward_plan(configure):
     problem = checks.Problem(2, 300, 500, 8, 2, 72, np.dtype(np.float16))
     hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)  # d 72 on the d 128 Hopper kernel
     assert hopper.sm90 == backward_sm90.BwdSm90Spec("fp16", 128, True) and hopper.grid == (4, 2, 2)
+    assert [backward_sm90.compiled_headdim(d) for d in (32, 40, 56, 64, 72, 100, 128, 136, 248, 256)] == [
+        None, None, None, 64, 128, None, 128, 256, 256, 256]  # the d 64 kernel takes 64 only
+    narrow = backward.plan_backward(checks.Problem(2, 300, 500, 8, 2, 40, np.dtype(np.float16)), -1, 0, False, False,
+                                    "sm_90a", 132)
+    assert narrow.sm90 is None and narrow.spec.headdim == 64  # d 40: the portable kernel
     configure(bwd_sm90=False)  # the portable kernel
     atomic = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)
     assert atomic.spec.headdim == 96 and atomic.grid == (8, 2, 2) and atomic.slices == 1

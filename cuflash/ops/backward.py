@@ -197,7 +197,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
         return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)),
                          slots if deterministic else 1)
     s = settings.current()
-    d = plan.hopper_headdim(problem.headdim)  # the Hopper kernel's compiled head dim
+    d = backward_sm90.compiled_headdim(problem.headdim)  # the Hopper kernel's compiled head dim
     block_m = backward_sm90.BLOCK_M if dropout else backward_sm90.block_m(d, score_mod)
     n_blocks = math.ceil(problem.seqlen_k / backward_sm90.block_n(d))
     fixed = False

@@ -1,7 +1,7 @@
 """The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256,
-where the two warpgroups split the head dim), compiled for head dims 64, 128 and 256 and run for the multiples of 8
-from 40 up (plan.hopper_headdim: the next compiled one; softcap / ALiBi on the 64 kernel; dropout on each, with
-softcap / ALiBi on the 64 one). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
+where the two warpgroups split the head dim), compiled for head dims 64, 128 and 256 and run for 64 and the
+multiples of 8 from 72 up (compiled_headdim: the next compiled one; softcap / ALiBi on the 64 kernel; dropout on
+each, with softcap / ALiBi on the 64 one). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
 :func:`dropout_applies`) and launches it behind the portable main kernel's call interface, with the same
 preprocess, workspace and dQ conversion.
 """
@@ -35,10 +35,18 @@ def block_n(headdim: int) -> int:
     return 64 if headdim == 256 else BLOCK_N
 
 
+def compiled_headdim(headdim: int) -> int | None:
+    """The kernel's compiled head dim for a call's: plan.hopper_headdim's, but the d 64 kernel takes 64 only (the
+    bound on its dK and dV stores spills its fixed-point variant with 128 rows under NVRTC 13.5); None where none
+    runs it."""
+    d = plan.hopper_headdim(headdim)
+    return None if d == 64 and headdim != 64 else d
+
+
 def applies(problem, score_mod: bool, arch: str) -> bool:
-    """The Hopper kernel runs this backward: sm_90a, a head dim that runs on one of HEADDIMS (plan.hopper_headdim;
+    """The Hopper kernel runs this backward: sm_90a, a head dim that runs on one of HEADDIMS (compiled_headdim;
     with a score mod, on one of SCORE_MOD_HEADDIMS), setting on."""
-    d = plan.hopper_headdim(problem.headdim)
+    d = compiled_headdim(problem.headdim)
     return (settings.current().bwd_sm90 and arch == "sm_90a" and d in HEADDIMS
             and (not score_mod or d in SCORE_MOD_HEADDIMS))
 
@@ -99,7 +107,7 @@ class BwdSm90Spec:
 def dropout_applies(problem, score_mod: bool, arch: str) -> bool:
     """The Hopper kernel runs this backward with dropout: as :func:`applies` (a score mod at SCORE_MOD_HEADDIMS),
     at the DROPOUT_HEADDIMS."""
-    return applies(problem, score_mod, arch) and plan.hopper_headdim(problem.headdim) in DROPOUT_HEADDIMS
+    return applies(problem, score_mod, arch) and compiled_headdim(problem.headdim) in DROPOUT_HEADDIMS
 
 
 def all_specs() -> list:
