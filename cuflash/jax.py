@@ -32,7 +32,7 @@ except ImportError as err:
 import ml_dtypes  # noqa: E402
 
 from . import _xla_ffi as ffi  # noqa: E402
-from . import checks  # noqa: E402
+from . import checks, runtime  # noqa: E402
 from .options import normalize_window, resolve  # noqa: E402
 from .ops import backward, forward  # noqa: E402
 
@@ -403,12 +403,8 @@ def _run(frame, target: str, build) -> None:
         import cupy
         device = cupy.cuda.runtime.pointerGetAttributes(next(b[0] for b in ins if b[0])).device
         with cupy.cuda.Device(device):
-            entry = (device, build(device, frame))
-        if len(_launchers) >= 4096:
-            _launchers.clear()
-        _launchers[key] = entry
+            entry = runtime.keep(_launchers, key, (device, build(device, frame)))
     device, launch = entry
-    from . import runtime
     with runtime.device(device):
         launch(stream, [b[0] for b in ins], [b[0] for b in outs])
 

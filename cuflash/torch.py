@@ -43,7 +43,7 @@ except ImportError as err:
 cupy = import_cupy()
 import ml_dtypes  # noqa: E402  (a dependency of cupy's bfloat16 support and of cuflash)
 
-from . import checks, settings  # noqa: E402
+from . import checks, runtime, settings  # noqa: E402
 from .ops import backward, decode, forward  # noqa: E402
 from .options import resolve  # noqa: E402
 
@@ -860,12 +860,8 @@ def _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
                               views["block_table"], softmax_scale, causal, window_size, softcap,
                               views["alibi_slopes"], num_splits, return_lse, views["rotary_cos"],
                               views["rotary_sin"], rotary_interleaved, views["cache_leftpad"])
-    plan = _KvPlan(prep, -(-prep.nbytes // q.element_size()), checks.contiguous("out", q.shape, np.float16).strides)
-    if key is not None:
-        if len(_kv_plans) > 4096:
-            _kv_plans.clear()
-        _kv_plans[key] = plan
-    return plan
+    return runtime.keep(_kv_plans, key, _KvPlan(prep, -(-prep.nbytes // q.element_size()),
+                                                checks.contiguous("out", q.shape, np.float16).strides))
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
@@ -979,12 +975,7 @@ settings.on_change(_plans.clear)  # launches planned under other settings are dr
 
 def _plan(key, make) -> _Plan:
     """``make()``, remembered under ``key`` (None: an argument the key cannot hold; not remembered)."""
-    plan = make()
-    if key is not None:
-        if len(_plans) > 4096:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
+    return runtime.keep(_plans, key, make())
 
 
 def _signature(t):
@@ -1056,9 +1047,8 @@ def _view(t: torch.Tensor | None):
         dtype = _NUMPY_DTYPES[t.dtype]
         shape, strides = tuple(t.shape), t.stride()
         extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if t.numel() else 0
-        if len(_layouts) > 4096:
-            _layouts.clear()
-        layout = _layouts[key] = (shape, dtype, tuple(s * dtype.itemsize for s in strides), extent * dtype.itemsize)
+        layout = runtime.keep(_layouts, key, (shape, dtype, tuple(s * dtype.itemsize for s in strides),
+                                              extent * dtype.itemsize))
     shape, dtype, strides, nbytes = layout
     memory = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.get_device())
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)

@@ -377,11 +377,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     key = checks.call_signature(args)
     prep = _calls.get(key) if key is not None else None
     if prep is None:
-        prep = prepare(*args)
-        if key is not None:
-            if len(_calls) >= 4096:
-                _calls.clear()
-            _calls[key] = prep
+        prep = runtime.keep(_calls, key, prepare(*args))
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                     ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if x is not None and x.data.ptr % 16:
