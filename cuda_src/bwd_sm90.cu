@@ -56,8 +56,6 @@ enum class BwdBarrier : int {
     Warpgroup1 = 2,
     DqOrder = 3,  // deterministic add_dq_red: warpgroup 0's reductions before warpgroup 1's (256 threads)
     DoFree = 4,   // d = 256: both warpgroups are done with the step's dO (warpgroup 1 arrives, 0 waits, then loads)
-    StepDone0 = 5,  // HANDOFF: StepDone0 + wg, the other warpgroup is done with the last step (warpgroup wg waits)
-    StepDone1 = 6,
 };
 static_assert(int(BwdBarrier::Warpgroup1) == int(BwdBarrier::Warpgroup0) + 1, "one barrier per warpgroup, by index");
 
@@ -149,14 +147,6 @@ struct BwdSm90 {
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
-    // d = 128 and 256 (HANDOFF): no CTA barrier at the end of a step. There each warpgroup arrives on the other's
-    // StepDone barrier, and waits on its own before it stores the next step's dS^T (and at d = 256 P^T), which the
-    // other's wgmmas of the last step read. Past that wait both are done with the last step's Q (and dO) buffer, so
-    // thread 0 issues the next step's loads into it there, more than half a step ahead; the next step's rows follow
-    // at the end of the step, with one arrival per storing thread on that buffer's Q/dO mbarrier. Not at d = 64 with
-    // 128 rows (slower, and it spills) nor in the FIXED kernels (whose dQ scales are read after the dS^T barrier).
-    static constexpr bool HANDOFF = (PANELS == 2 || DSPLIT) && !FIXED;
-    static constexpr int QD_ARRIVALS = HANDOFF ? 1 + BM : 1;  // thread 0's expect_tx, the rows' threads
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
     // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
     // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one makes ptxas spill.
@@ -247,12 +237,6 @@ struct BwdSm90 {
         at[tid] = r.x;
         at[BM + tid] = r.y;
         if (FIXED) at[2 * BM + tid] = r.z;
-    }
-    // HANDOFF (threads < BM): the rows of step tt, then each storing thread's arrival on that buffer's Q/dO mbarrier
-    // (its release), so that the waiters see them.
-    __device__ __forceinline__ void hand_rows(char* smem, int tt, float3 r) const {
-        store_rows(smem, tt, r);
-        sm90::mbar_arrive(qd_bar(tt % 2));
     }
 
     // S^T or dP^T of this warpgroup's 64 keys against the BM queries of a buffer (A = keys tile, B = queries tile).
@@ -347,8 +331,7 @@ struct BwdSm90 {
             }
     }
 
-    __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q, bool more,
-                                         float3 next_rows) {
+    __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
         // Opaque per step (the same values): the shared-memory descriptors derived from them are made where used,
         // not hoisted out of the step loop and kept in registers across steps
         asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
@@ -426,8 +409,6 @@ struct BwdSm90 {
         // dS^T to shared memory, 128-byte swizzled rows of keys, one panel per 64 queries: (key r, query c) at
         // (c / 64) DS_PANEL + r 128 + (((c % 64) / 8) ^ (r % 8)) 16 + (c % 8) 2
         const u32 ds_tile = base + OFF_DS;
-        if (HANDOFF && t > 0) sm90::named_sync<256>(int(BwdBarrier::StepDone0) + wg);
-        if (HANDOFF && more) load_step(t + 1, tt + 1, m_min, m_count);  // into the last step's buffer
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -470,8 +451,6 @@ struct BwdSm90 {
             add_dq_red(dq, h, m, seqlen_q);
             sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
         }
-        if (HANDOFF && more) sm90::named_arrive<256>(int(BwdBarrier::StepDone0) + 1 - wg);
-        if (HANDOFF && more && tid < BM) hand_rows(smem, tt + 1, next_rows);
     }
 
     // DSPLIT: S^T or dP^T of all 64 keys against this warpgroup's 32 of the step's queries (A = the keys tile, B =
@@ -519,8 +498,7 @@ struct BwdSm90 {
     // One step at d = 256 (DSPLIT): S^T and dP^T for this warpgroup's 32 queries, P^T and dS^T into shared memory
     // (both halves: a CTA barrier), then dV and dK for its 128 columns over all BM queries and dQ for them, one
     // 64-column panel at a time through its staging tile. The next step's dO loads once both warpgroups' dV is done.
-    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps, bool more,
-                                               float3 next_rows) {
+    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps) {
         asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
         base = uniform(base);
         int h, m;
@@ -561,8 +539,6 @@ struct BwdSm90 {
                     dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
                 }
             }
-        if (HANDOFF && t > 0) sm90::named_sync<256>(int(BwdBarrier::StepDone0) + wg);
-        if (HANDOFF && more && tid == 0) load_q(t + 1, tt + 1, m_min, m_count);  // into the last step's buffer
         // P^T and dS^T, 64 keys x 64 queries each, 128-byte swizzled rows of keys: (key r, query c) at r 128 +
         // (((c / 8) ^ (r % 8)) 16) + (c % 8) 2
 #pragma unroll
@@ -597,8 +573,6 @@ struct BwdSm90 {
         sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);
         add_dq_tma(dq, h, m * BM, wg * WG_PANELS + 1, tt, false, lse + 2 * BM);
         if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // and by the second one's, before the next step stages
-        if (HANDOFF && more) sm90::named_arrive<256>(int(BwdBarrier::StepDone0) + 1 - wg);
-        if (HANDOFF && more && tid < BM) hand_rows(smem, tt + 1, next_rows);
     }
 
     // d = 64 with 64 rows (the score-mod kernel): both warpgroups add to every element of the 64 x 64 tile, each
@@ -698,8 +672,7 @@ struct BwdSm90 {
         mask = Mask<BAND>{seq.seqlen_k, diag, p.window_left, p.window_right};
         const int m_blocks = ceil_div(seq.seqlen_q, BM);  // (key blocks: in the loop's test, or ptxas spills)
         if (tid == 0) {
-            for (int i = 0; i < (DSPLIT ? 4 : 3); ++i)  // kv, qd[2] (, dO)
-                sm90::mbar_init(kv_bar() + 8 * i, i == 1 || i == 2 ? QD_ARRIVALS : 1);
+            for (int i = 0; i < (DSPLIT ? 4 : 3); ++i) sm90::mbar_init(kv_bar() + 8 * i, 1);  // kv, qd[2] (, dO)
             sm90::mbar_fence_init();
         }
         __syncthreads();
@@ -734,17 +707,7 @@ struct BwdSm90 {
                         load_box(base + OFF_V + pn * K_PANEL, &P.v, pn * 64, h_kv, k_begin, n_key0, kv_bar());
                     }
                 }
-                for (int t = 0; t < (HANDOFF ? 1 : 2) && t < steps; ++t) {
-                    if constexpr (HANDOFF) {
-                        if constexpr (DSPLIT) {
-                            if (tid == 0) load_q(t, tt + t, m_min, m_count);
-                            if (tid == 0) load_do(t, m_min, m_count);
-                        } else {
-                            load_step(t, tt + t, m_min, m_count);
-                        }
-                        if (tid < BM) hand_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
-                        continue;
-                    }
+                for (int t = 0; t < 2 && t < steps; ++t) {
                     if constexpr (DSPLIT) {
                         if (tid == 0) load_q(t, tt + t, m_min, m_count);
                         if (tid == 0 && t == 0) load_do(t, m_min, m_count);
@@ -753,22 +716,14 @@ struct BwdSm90 {
                     }
                     if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
                 }
-                if (!HANDOFF) __syncthreads();  // the rows of the first two steps
+                __syncthreads();  // the rows of the first two steps
                 sm90::mbar_wait(kv_bar(), backwards);  // K and V of this key block
                 for (int t = 0; t < steps; ++t, ++tt) {
-                    if constexpr (HANDOFF) {
-                        float3 next_rows;  // step t + 1's, in flight until this step hands them over
-                        if (tid < BM && t + 1 < steps)
-                            next_rows = fetch_rows(t + 1, m_min, m_count, seq.seqlen_q);
-                        if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps, t + 1 < steps, next_rows);
-                        else step(smem, t, tt, m_min, m_count, seq.seqlen_q, t + 1 < steps, next_rows);
-                        continue;
-                    }
                     float3 next_rows;  // step t + 2's, in flight during this step
                     if (tid < BM && t + 2 < steps)
                         next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
-                    if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps, false, next_rows);
-                    else step(smem, t, tt, m_min, m_count, seq.seqlen_q, false, next_rows);
+                    if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps);
+                    else step(smem, t, tt, m_min, m_count, seq.seqlen_q);
                     __syncthreads();  // every read of this buffer (and of dS^T) is done
                     if (t + 2 < steps) {
                         if constexpr (DSPLIT) {
