@@ -242,7 +242,11 @@ def split_counters(device_id: int, stream_ptr: int, tiles: int) -> int:
         import cupy
         if buf is not None:
             _retired.append(buf)
-        buf = cupy.ndarray((max(tiles, 2 * (buf.size if buf is not None else 512)),), dtype=np.int32)
+        # Allocated on the stream that zeroes and uses it: CuPy's pool then hands out a block whose earlier work is
+        # ordered before the zeroing (a block from another stream's pool, or an allocator that fills new blocks on
+        # its current stream, could write over the zeros after they land).
+        with runtime.on(stream_ptr):
+            buf = cupy.ndarray((max(tiles, 2 * (buf.size if buf is not None else 512)),), dtype=np.int32)
         cupy.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, stream_ptr)
         _counters[device_id, stream_ptr] = buf
     return buf.data.ptr
