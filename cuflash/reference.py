@@ -9,8 +9,13 @@ arrays of any float dtype (float16, float32, float64, ``ml_dtypes.bfloat16``; Cu
 copied to the host); all arithmetic is float64 and every result is float64. GPU-only options
 (``stream``, ``deterministic``, ``num_splits``) are accepted and ignored.
 
+The FP8 functions (:func:`attention_fp8`, :func:`fp8_error_bound`, :func:`dequantize_e4m3`) take
+float8_e4m3fn arrays (``ml_dtypes``), or their bits as uint8, with float32 descales, and
+:func:`quantize_e4m3` makes them; they define the coming FP8 forward and its accuracy contract
+(docs/fp8.md).
+
 All masking, soft-capping and ALiBi is defined once, in :func:`_scores`; everything else
-(forward, backward, varlen, KV cache) calls it.
+(forward, backward, varlen, KV cache, FP8) calls it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ __all__ = [
     "attention_varlen_backward",
     "attention_with_kvcache",
     "combine",
+    "attention_fp8",
+    "fp8_error_bound",
+    "quantize_e4m3",
+    "dequantize_e4m3",
 ]
 
 
@@ -159,6 +168,12 @@ def _default_scale(softmax_scale, headdim):
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
+def _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """:func:`_scores`' keywords from a dense call's arguments, q ``(b, sq, h, d)``."""
+    return dict(softmax_scale=_default_scale(softmax_scale, q.shape[-1]), causal=causal, window_size=window_size,
+                softcap=float(softcap), alibi_slopes=_alibi_per_batch(alibi_slopes, q.shape[0], q.shape[2]))
+
+
 # --------------------------------------------------------------------------------------------
 # Dropout: the mask, from a counter-based generator (Philox 4x32-10)
 # --------------------------------------------------------------------------------------------
@@ -237,24 +252,45 @@ def dropout_keep(seed: int, offset: int, batch: int, nheads: int, seqlen_q: int,
 # --------------------------------------------------------------------------------------------
 
 
-def _forward(q, k, v, *, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout=None):
-    """q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)`` float64 -> out ``(b, sq, h, dv)``, lse ``(b, h, sq)``. dropout:
-    (keep ``(b, h, sq, sk)``, keep probability): out from the kept probabilities over it; lse is dropout's none."""
-    nheads = q.shape[2]
-    k, v = _repeat_kv(k, nheads), _repeat_kv(v, nheads)
-    s = _scores(q, k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                softcap=softcap, alibi_slopes=alibi_slopes).scores
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+class _Probs(NamedTuple):
+    p: np.ndarray          # (batch, nheads, seqlen_q, seqlen_k): exp(S - row max), 0 where not visible
+    l: np.ndarray          # (batch, nheads, seqlen_q): row sums of p
+    lse: np.ndarray        # (batch, nheads, seqlen_q): natural log, -inf for a row with no visible key
+    visible: np.ndarray    # (seqlen_q, seqlen_k) bool
+
+
+def _probs(q, k, **options):
+    """The softmax of q ``(b, sq, h, d)`` against k ``(b, sk, h, d)`` (kv heads expanded), unnormalized: P shifted
+    by each row's max, its row sums and the lse. ``options``: :func:`_scores`' keywords."""
+    sc = _scores(q, k, **options)
+    m = np.max(sc.scores, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isneginf(m), 0.0, m)        # empty row: any finite shift; exp(-inf) = 0 anyway
-    p = np.exp(s - m)
-    l = p.sum(axis=-1)                          # (b, h, sq)
+    p = np.exp(sc.scores - m)
+    l = p.sum(axis=-1)
     with np.errstate(divide="ignore"):
         lse = np.log(l) + m[..., 0]             # log(0) = -inf for an empty row
+    return _Probs(p, l, lse, sc.visible)
+
+
+def _weighted_values(p, v, l):
+    """``(p @ v) / l``: p ``(b, h, sq, sk)``, v ``(b, sk, h, dv)``, row sums l ``(b, h, sq)`` -> ``(b, sq, h, dv)``;
+    0 in rows with ``l = 0``."""
+    return _bhsd(p @ _bhsd(v)) / np.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
+
+
+def _forward(q, k, v, *, dropout=None, p_round=None, **options):
+    """q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)`` float64 -> out ``(b, sq, h, dv)``, lse ``(b, h, sq)``.
+    ``options``: :func:`_scores`' keywords. dropout: (keep ``(b, h, sq, sk)``, keep probability): out from the kept
+    probabilities over it; lse is dropout's none. p_round: a function of P (shifted by the row max) that gives the P
+    multiplying V (the FP8 kernel's quantization); the row sums and lse stay those of P."""
+    nheads = q.shape[2]
+    pr = _probs(q, _repeat_kv(k, nheads), **options)
+    p = pr.p
     if dropout is not None:
         p = np.where(dropout[0], p / dropout[1], 0.0)
-    o = _bhsd(p @ _bhsd(v))
-    out = o / np.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
-    return out, lse
+    if p_round is not None:
+        p = p_round(p)
+    return _weighted_values(p, _repeat_kv(v, nheads), pr.l), pr.lse
 
 
 def _backward(dout, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout=None):
@@ -334,9 +370,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     nheads, _ = _check_qkv(q, k, v)
-    out, lse = _forward(q, k, v, softmax_scale=_default_scale(softmax_scale, q.shape[-1]), causal=causal,
-                        window_size=window_size, softcap=float(softcap),
-                        alibi_slopes=_alibi_per_batch(alibi_slopes, q.shape[0], nheads),
+    out, lse = _forward(q, k, v, **_options(q, softmax_scale, causal, window_size, softcap, alibi_slopes),
                         dropout=_dropout(dropout_p, dropout_seed, dropout_offset, q.shape[0], nheads, q.shape[1],
                                          k.shape[1]))
     return (out, lse) if return_lse else out
@@ -372,9 +406,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
     q, k, v = _f64(q), _f64(k), _f64(v)
     nheads, _ = _check_qkv(q, k, v)
     return _backward(_f64(dout), q, k, v, _f64(out), _f64(lse),
-                     softmax_scale=_default_scale(softmax_scale, q.shape[-1]), causal=causal,
-                     window_size=window_size, softcap=float(softcap),
-                     alibi_slopes=_alibi_per_batch(alibi_slopes, q.shape[0], nheads),
+                     **_options(q, softmax_scale, causal, window_size, softcap, alibi_slopes),
                      dropout=_dropout(dropout_p, dropout_seed, dropout_offset, q.shape[0], nheads, q.shape[1],
                                       k.shape[1]))
 
@@ -665,3 +697,184 @@ def combine(outs, lses):
     contrib = np.where((w > 0)[..., None], w[..., None] * outs, 0.0)
     out = contrib.sum(axis=0) / np.where(total > 0, total, 1.0)[..., None]
     return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 (e4m3) forward: inputs, scales, P's quantization and the accuracy bound (docs/fp8.md)
+# --------------------------------------------------------------------------------------------
+
+E4M3_MAX = 448.0          # the largest finite float8_e4m3fn
+E4M3_UNIT = 2.0 ** -4     # unit roundoff: 3 fraction bits, |rn(x) - x| <= 2^-4 |x| for normal x
+E4M3_HALF_STEP = 2.0 ** -10  # half the subnormal spacing 2^-9: |rn(x) - x| <= 2^-10 below 2^-6
+P_SCALE = 256.0           # P in [0, 1] is multiplied by this before its conversion to e4m3
+
+
+def _float8_e4m3fn():
+    import ml_dtypes  # the float8 dtype; a dependency of the cuda extras, not of the float references
+
+    return ml_dtypes.float8_e4m3fn
+
+
+def _to_e4m3(x):
+    """float64 ``x`` to float8_e4m3fn: round to nearest even, saturating at +-448 (``cvt.rn.satfinite``)."""
+    return np.clip(x, -E4M3_MAX, E4M3_MAX).astype(_float8_e4m3fn())
+
+
+def _fp8_array(x, name):
+    """``x`` as a float8_e4m3fn NumPy array: e4m3 arrays as they are, uint8 arrays (CuPy has no float8 dtype; a
+    torch float8_e4m3fn tensor's bytes) as the bits of e4m3 values."""
+    x, e4m3 = _host(x), _float8_e4m3fn()
+    if x.dtype == e4m3:
+        return x
+    if x.dtype == np.uint8:
+        return x.view(e4m3)
+    raise TypeError(f"{name} must be float8_e4m3fn, or its bits as uint8, got dtype {x.dtype}")
+
+
+def _descales(descale, batch, nheads_k, name):
+    """A descale argument as float64 ``(batch, nheads_k)``: None is 1, a scalar is every head's. Values are rounded to
+    float32, the kernel's type."""
+    d = np.asarray(1.0 if descale is None else _host(descale), dtype=np.float32)
+    if d.shape == ():
+        d = np.full((batch, nheads_k), d)
+    if d.shape != (batch, nheads_k):
+        raise ValueError(f"{name} must be a scalar or (batch, nheads_k) = ({batch}, {nheads_k}), got shape {d.shape}")
+    return d.astype(np.float64)
+
+
+def _per_head(d, nheads):
+    """Descales ``(batch, nheads_k)`` broadcast against ``(batch, seqlen, nheads, d)``: head h reads kv head
+    h // (nheads // nheads_k)."""
+    return _repeat_kv(d[..., None], nheads)[:, None]
+
+
+def _dequantize(x8, descale, nheads_k, name):
+    """e4m3 ``x8`` ``(batch, seqlen, nheads, d)`` times its descale argument (``()`` or ``(batch, nheads_k)``)."""
+    return x8.astype(np.float64) * _per_head(_descales(descale, x8.shape[0], nheads_k, name), x8.shape[2])
+
+
+def dequantize_e4m3(x8, descale=None):
+    """The values that e4m3 ``x8`` ``(batch, seqlen, nheads, d)`` (float8_e4m3fn, or its bits as uint8) stands for,
+    float64: ``x8 * descale``. descale: None (1), a scalar, or ``(batch, nheads_k)`` with nheads_k dividing nheads,
+    head h scaled by ``descale[b, h // (nheads // nheads_k)]`` (the q_descale of a GQA group)."""
+    x8 = _fp8_array(x8, "x8")
+    if x8.ndim != 4:
+        raise ValueError(f"x8 must be (batch, seqlen, nheads, d), got shape {x8.shape}")
+    descale = None if descale is None else _host(descale)
+    nheads_k = descale.shape[1] if np.ndim(descale) == 2 else x8.shape[2]
+    if nheads_k == 0 or x8.shape[2] % nheads_k:
+        raise ValueError(f"descale's {nheads_k} heads must divide x8's {x8.shape[2]}")
+    return _dequantize(x8, descale, nheads_k, "descale")
+
+
+def quantize_e4m3(x, per="tensor", *, nheads_k=None, pow2=False):
+    """Quantize ``x`` ``(batch, seqlen, nheads, d)`` to e4m3 with amax scaling: ``(x8, descale)``, x8 float8_e4m3fn
+    (``x8.view(np.uint8)`` for CuPy) and descale float32, ``x ~ x8 * descale`` (:func:`dequantize_e4m3`).
+
+    The scale maps the largest magnitude to 448: ``descale = amax / 448`` over the whole tensor (``per="tensor"``,
+    descale shape ``()``) or over each ``(batch, kv head)`` (``per="head"``, shape ``(batch, nheads_k)``, the
+    per-head form of flash-attn 3). nheads_k (default: x's heads) groups x's heads for q: head h shares the descale of
+    kv head ``h // (nheads // nheads_k)``. Where amax is 0 the descale is 1. Rounding is to nearest even, saturating.
+    ``pow2``: the descale rounded up to a power of two (amax then maps into [224, 448]); the dequantized values (4
+    significant bits times a power of two) are then exact in bf16, so bf16 attention sees exactly the FP8 inputs.
+    """
+    x = _f64(x)
+    if x.ndim != 4:
+        raise ValueError(f"x must be (batch, seqlen, nheads, d), got shape {x.shape}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("x must be finite")
+    batch, _, nheads, d = x.shape
+    nheads_k = nheads if nheads_k is None else int(nheads_k)
+    if nheads_k <= 0 or nheads % nheads_k:
+        raise ValueError(f"nheads_k ({nheads_k}) must divide x's {nheads} heads")
+    if per == "tensor":
+        amax = np.abs(x).max(initial=0.0)
+    elif per == "head":
+        amax = np.abs(x).reshape(batch, -1, nheads_k, nheads // nheads_k, d).max(axis=(1, 3, 4), initial=0.0)
+    else:
+        raise ValueError(f"per must be 'tensor' or 'head', got {per!r}")
+    descale = np.where(amax > 0, amax / E4M3_MAX, 1.0)
+    if pow2:
+        descale = np.exp2(np.ceil(np.log2(descale)))
+    descale = descale.astype(np.float32)
+    x8 = _to_e4m3(x / _per_head(_descales(descale, batch, nheads_k, "descale"), nheads))
+    return x8, descale
+
+
+def _fp8_inputs(q8, k8, v8, q_descale, k_descale, v_descale):
+    """Checked e4m3 q, k, v dequantized to float64, every descale ``()`` or ``(batch, nheads_k)``."""
+    q8, k8, v8 = _fp8_array(q8, "q8"), _fp8_array(k8, "k8"), _fp8_array(v8, "v8")
+    _, nheads_k = _check_qkv(q8, k8, v8)
+    return (_dequantize(q8, q_descale, nheads_k, "q_descale"), _dequantize(k8, k_descale, nheads_k, "k_descale"),
+            _dequantize(v8, v_descale, nheads_k, "v_descale"))
+
+
+def _p_rounding(p_scale):
+    """P -> e4m3(P p_scale) / p_scale, the kernel's P for P V."""
+    p_scale = float(p_scale)
+    if not (p_scale > 0 and math.isfinite(p_scale)):
+        raise ValueError(f"p_scale must be positive and finite, got {p_scale!r}")
+    return lambda p: _to_e4m3(p * p_scale).astype(np.float64) / p_scale
+
+
+def attention_fp8(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, p_scale=P_SCALE, quantize_p=True,
+                  return_lse=False, stream=None):
+    """FP8 (e4m3) forward attention, float64 model of the coming Hopper FP8 kernel (issue 42, docs/fp8.md).
+
+    The inputs are dequantized exactly (``x8 * descale``, float64); then the forward is :func:`attention`'s, except
+    that with ``quantize_p`` the probabilities multiplying V are the kernel's e4m3 ones: P, shifted by the row max
+    (so in [0, 1]), becomes ``e4m3(P p_scale) / p_scale`` (round to nearest even, saturating at 448), while the row
+    sums that normalize the output, and the lse, are those of the unquantized P. ``quantize_p=False`` is
+    :func:`attention` on the dequantized inputs.
+
+    Parameters
+    ----------
+    q8, k8, v8 : float8_e4m3fn arrays (ml_dtypes), or their bits as uint8, shaped as :func:`attention`'s q, k, v
+    q_descale, k_descale, v_descale : float32, optional (None: 1)
+        A scalar (per tensor) or ``(batch, nheads_k)`` (per kv head, flash-attn 3's shape); ``q_descale[b, g]``
+        scales the query heads of kv head g. Rounded to float32.
+    softmax_scale, causal, window_size, softcap, alibi_slopes, return_lse : as in :func:`attention`
+    p_scale : float
+        P's scale before the e4m3 conversion; 256 keeps probabilities down to 2^-14 normal in e4m3.
+    quantize_p : bool
+        Model the e4m3 quantization of P (default), or not.
+    stream : ignored
+
+    Returns
+    -------
+    out : float64 ``(batch, seqlen_q, nheads, headdim_v)`` (the kernel's is bf16)
+    lse : float64 ``(batch, nheads, seqlen_q)``, natural log, only with ``return_lse``
+    """
+    q, k, v = _fp8_inputs(q8, k8, v8, q_descale, k_descale, v_descale)
+    out, lse = _forward(q, k, v, **_options(q, softmax_scale, causal, window_size, softcap, alibi_slopes),
+                        p_round=_p_rounding(p_scale) if quantize_p else None)
+    return (out, lse) if return_lse else out
+
+
+def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, p_scale=P_SCALE, bf16_error=0.0):
+    """The FP8 forward's accuracy contract, elementwise ``(batch, seqlen_q, nheads, headdim_v)`` float64:
+
+        |out_fp8 - attention(dequantized inputs)| <= 2 bf16_error + E_P
+
+    bf16_error is the error of bf16 attention on the same dequantized inputs (the GPU test measures it: the max
+    absolute difference of ``cuflash.attention`` on them in bf16 from the reference); 0 leaves the P term alone, which
+    bounds ``attention_fp8(quantize_p=True)``. E_P bounds the e4m3 quantization of P: with P = exp(S - row max) and
+    l its row sum,
+
+        E_P[b, i, h, c] = sum_j max(2^-4 P_ij, 2^-10 / p_scale) |V_jc| / l_i     (j over the visible keys)
+
+    Each term is the rounding error of ``e4m3(P p_scale)`` (relative 2^-4 when normal, at most half the subnormal
+    spacing 2^-9 below 2^-6) divided by p_scale; with P relative to a running max instead (the online softmax), the
+    rescaling by exp(m_old - m) <= 1 only shrinks it, so the bound holds for any tiling. docs/fp8.md derives it.
+    Arguments are :func:`attention_fp8`'s; ``0 < p_scale <= 448`` (no saturation of P p_scale <= p_scale).
+    """
+    p_scale = float(p_scale)
+    if not 0 < p_scale <= E4M3_MAX:
+        raise ValueError(f"the bound needs 0 < p_scale <= {E4M3_MAX:g} (P p_scale must not saturate), got {p_scale}")
+    q, k, v = _fp8_inputs(q8, k8, v8, q_descale, k_descale, v_descale)
+    nheads = q.shape[2]
+    pr = _probs(q, _repeat_kv(k, nheads), **_options(q, softmax_scale, causal, window_size, softcap, alibi_slopes))
+    step = np.where(pr.visible, np.maximum(E4M3_UNIT * pr.p, E4M3_HALF_STEP / p_scale), 0.0)
+    return 2.0 * np.asarray(bf16_error, dtype=np.float64) + _weighted_values(step, np.abs(_repeat_kv(v, nheads)), pr.l)
