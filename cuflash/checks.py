@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 ATTENTION_DTYPES = ("float16", "bfloat16")
+FP8_DTYPES = ("uint8",)  # e4m3 bits (CuPy has no float8 dtype)
 MAX_HEADDIM = 256
 HEADDIM_MULTIPLE = 8  # what the kernels take; the public functions pad other head dims up to it
 PAGE_MULTIPLE = 16
@@ -178,6 +179,50 @@ def check_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     _same_device(q, k, v, alibi_slopes)
     _check_headdim_multiple(q, headdim_multiple)
     return Problem(batch, seqlen_q, k.shape[1], nheads, k.shape[2], headdim, q.dtype)
+
+
+def check_attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                        causal=False, window_size=(-1, -1)) -> Problem:
+    """Check the arguments of ``attention_fp8``: q ``(batch, seqlen_q, nheads, d)``, k/v ``(batch, seqlen_k,
+    nheads_k, d)``, the e4m3 bits as uint8, d a multiple of 16 up to 256, every stride but the last a multiple of 16
+    bytes (TMA's rule); each descale None, one float32 value (shape () or (1,)), or float32 ``(batch, nheads_k)``
+    contiguous."""
+    q, k, v = _spec(q, "q"), _spec(k, "k"), _spec(v, "v")
+    _check_tensor(q, Q_AXES)
+    _check_dtype(q, FP8_DTYPES)
+    _check_headdim(q)
+    for x in (k, v):
+        _check_tensor(x, K_AXES)
+        _check_same_dtype(x, q)
+    for axis, label in enumerate(K_AXES):
+        _same_axis(v, axis, k, axis, label)
+    _same_axis(k, -1, q, -1, "head dim")
+    _same_axis(k, 0, q, 0, "batch")
+    batch, seqlen_q, nheads, headdim = q.shape
+    nheads_k = k.shape[2]
+    if nheads % nheads_k:
+        raise ValueError(f"nheads (q axis 2) = {nheads} is not a multiple of nheads_k (k axis 2) = {nheads_k}")
+    _check_options(softmax_scale, causal, window_size, 0.0, None, batch, nheads)
+    descales = [_spec(x, name, required=False) for x, name in
+                ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
+    for x in descales:
+        if x is None:
+            continue
+        _check_dtype(x, ("float32",))
+        if x.shape not in ((), (1,), (batch, nheads_k)):
+            raise ValueError(f"{x.name}: expected shape () or (1,) (per tensor) or (batch, nheads_k) = "
+                             f"({batch}, {nheads_k}), got {x.shape}")
+        if x.shape == (batch, nheads_k) and x.strides != (nheads_k, 1) and batch * nheads_k > 1:
+            raise ValueError(f"{x.name}: must be contiguous, got strides {x.strides} (elements)")
+    _same_device(q, k, v, *descales)
+    if headdim % 16:
+        raise ValueError(f"q: head dim (axis 3) is {headdim}; the FP8 kernel takes multiples of 16")
+    for x in (q, k, v):
+        for axis in range(3):
+            if x.shape[axis] > 1 and x.strides[axis] % 16:
+                raise ValueError(f"{x.name}: stride of axis {axis} is {x.strides[axis]} bytes; the FP8 kernel's TMA "
+                                 "loads need multiples of 16")
+    return Problem(batch, seqlen_q, k.shape[1], nheads, nheads_k, headdim, q.dtype)
 
 
 def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,

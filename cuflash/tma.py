@@ -16,8 +16,9 @@ import numpy as np
 __all__ = ["encode_tiled", "check_tiled", "encoder", "map_layout", "layout_encoder", "MAP_BYTES"]
 
 MAP_BYTES = 128
-_DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 7, "int32": 3}  # CUtensorMapDataType (cuda.h, CUDA 12-13)
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}
+# CUtensorMapDataType (cuda.h, CUDA 12-13); uint8 carries e4m3
+_DATA_TYPES = {"uint8": 0, "float16": 6, "bfloat16": 9, "float32": 7, "int32": 3}
+_ITEMSIZE = {"uint8": 1, "float16": 2, "bfloat16": 2, "float32": 4, "int32": 4}
 _SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}                      # CUtensorMapSwizzle: none, 32B, 64B, 128B
 _L2_PROMOTION_128B = 2
 _INTERLEAVE_NONE = 0

@@ -44,10 +44,10 @@ cupy = import_cupy()
 import ml_dtypes  # noqa: E402  (a dependency of cupy's bfloat16 support and of cuflash)
 
 from . import checks, runtime, settings  # noqa: E402
-from .ops import backward, decode, forward  # noqa: E402
+from .ops import backward, decode, forward, forward_fp8  # noqa: E402
 from .options import resolve  # noqa: E402
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
+__all__ = ["attention", "attention_fp8", "attention_varlen", "attention_with_kvcache"]
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -238,6 +238,72 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             q, k_cache, v_cache, k, v, seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
             softmax_scale, causal, left, right, softcap, num_splits, return_lse, rotary_cos, rotary_sin,
             bool(rotary_interleaved), cache_leftpad)
+    return (out, lse) if return_lse else out
+
+
+def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                  window_size=(-1, -1), return_lse=False):
+    """:func:`cuflash.attention_fp8` on torch tensors: FP8 (e4m3) attention on Hopper, forward only.
+
+    Parameters
+    ----------
+    q : torch.Tensor, (batch, seqlen_q, nheads, headdim), torch.float8_e4m3fn, on a CUDA device of sm_90a
+    k, v : torch.Tensor, (batch, seqlen_k, nheads_k, headdim), torch.float8_e4m3fn; ``nheads % nheads_k == 0``
+        headdim a multiple of 16 up to 256; the last axis contiguous, the other strides multiples of 16 elements.
+    q_descale, k_descale, v_descale : torch.Tensor of float32, optional
+        One value per tensor (shape () or (1,)) or one per (sequence, KV head), ``(batch, nheads_k)`` contiguous
+        (flash-attn 3's). None: 1.
+    softmax_scale, causal, window_size, return_lse : as in :func:`attention`
+
+    Returns
+    -------
+    out : torch.Tensor, (batch, seqlen_q, nheads, headdim), bfloat16
+    lse : torch.Tensor, (batch, nheads, seqlen_q), float32 -- only if ``return_lse``
+
+    Not differentiable. V is transposed into a workspace first (docs/fp8.md).
+    """
+    specs = {}
+    for name, t in (("q", q), ("k", k), ("v", v), ("q_descale", q_descale), ("k_descale", k_descale),
+                    ("v_descale", v_descale)):
+        if t is None:
+            specs[name] = None
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+        want = torch.float32 if name.endswith("descale") else torch.float8_e4m3fn
+        if t.dtype != want:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected {want}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+        if name in ("q", "k", "v") and t.data_ptr() % 16:
+            raise ValueError(f"{name}: data pointer {t.data_ptr():#x} is not 16-byte aligned")
+        dtype = np.dtype(np.uint8 if name in ("q", "k", "v") else np.float32)
+        specs[name] = checks.TensorSpec(name, tuple(t.shape), dtype, tuple(t.stride()), t.device.index)
+    problem = checks.check_attention_fp8(specs["q"], specs["k"], specs["v"], q_descale=specs["q_descale"],
+                                         k_descale=specs["k_descale"], v_descale=specs["v_descale"],
+                                         softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    forward_fp8.require_hopper(index)
+    left, right = checks.window(causal, window_size)
+    descales = (q_descale, k_descale, v_descale)
+    with cupy.cuda.Device(index):
+        call = forward_fp8.Fp8Call(problem, q.stride(), k.stride(), v.stride(), left, right, softmax_scale,
+                                   forward_fp8.descale_stride(problem, [specs[n] for n in
+                                                                        ("q_descale", "k_descale", "v_descale")]),
+                                   index)
+    b, sq, h, d = q.shape
+    out = torch.empty((b, sq, h, d), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device) if return_lse else None
+    vt = torch.empty(call.vt_shape, dtype=torch.uint8, device=q.device)
+    previous = _get_device()
+    if previous != index:
+        _set_device(index)
+    try:
+        call(_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), vt.data_ptr(), out.data_ptr(),
+             0 if lse is None else lse.data_ptr(), *(0 if x is None else x.data_ptr() for x in descales))
+    finally:
+        if previous != index:
+            _set_device(previous)
     return (out, lse) if return_lse else out
 
 

@@ -24,14 +24,14 @@ def main():
     import cupy
     import cuflash
     from cuflash import build, ops
-    from cuflash.ops import backward_sm90, forward_sm90
+    from cuflash.ops import backward_sm90, forward_fp8, forward_sm90
     arch = build.device_arch(cupy.cuda.Device().id)
     dims = [d for d in args.headdims.split(",") if d]
     dim_re = re.compile(r"_d(" + "|".join(dims) + r")_") if dims else None
     specs = [s for s in ops.all_specs(arch) if re.match(args.pattern, s.name)
              and (dim_re is None or dim_re.search(s.name) or not re.search(r"_d\d+", s.name))]
     if args.hopper and arch == "sm_90a":
-        specs += forward_sm90.all_specs() + backward_sm90.all_specs()
+        specs += forward_sm90.all_specs() + backward_sm90.all_specs() + forward_fp8.all_specs()
     print(len(cuflash.precompile(specs, workers=args.workers, progress=False)), "kernels for", arch)
 
 

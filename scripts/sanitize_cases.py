@@ -18,7 +18,8 @@ their kernels land. Shapes are deliberately off every tile size (17, 33, 70, 113
 Varlen cases (``--only varlen``) call ``cuflash.attention_varlen`` and its backward on packed
 sequences with lengths 0 (on either side), 1 and off-tile sizes.
 
-Hopper cases (``--only sm90_``) call ``cuflash.ops.forward_sm90.attention_sm90`` in each variant (skipped off sm_90a).
+Hopper cases (``--only sm90_``) call ``cuflash.ops.forward_sm90.attention_sm90`` in each variant (skipped off sm_90a);
+FP8 cases (``--only fp8_``) call ``cuflash.attention_fp8`` on e4m3 inputs (sm_90a too).
 
 Backward cases (``--only bwd_``) call ``cuflash.attention_backward(dout, q, k, v, out, lse,
 causal=..., window_size=..., softcap=..., alibi_slopes=..., deterministic=False|True,
@@ -284,7 +285,23 @@ def _dropout_cases() -> list[dict]:
     ]
 
 
-CASES = _fwd_cases() + _bwd_cases() + _kvcache_cases() + _varlen_cases() + _sm90_cases() + _dropout_cases()
+def _fp8_cases() -> list[dict]:
+    """The FP8 forward (sm_90a): its V^T transpose and kernel, off-tile lengths, GQA, masks, per-head descales, rows
+    without keys, the ring refilled (several key blocks), d 64, 128 (at 80), 256."""
+    return [
+        dict(name="fp8_fwd_d128_gqa_head", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, sk=600),
+             opts=dict(descale="head", return_lse=True)),
+        dict(name="fp8_fwd_d80_causal", fn="attention_fp8", dtype="bf16", shape=dict(SQ_GT_SK, d=80),
+             opts=dict(causal=True, descale="tensor", return_lse=True)),
+        dict(name="fp8_fwd_d64_window", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, d=64),
+             opts=dict(window_size=(40, 7), descale="tensor")),
+        dict(name="fp8_fwd_d256", fn="attention_fp8", dtype="bf16", shape=dict(BWD_S70, d=256),
+             opts=dict(causal=True)),
+    ]
+
+
+CASES = (_fwd_cases() + _bwd_cases() + _kvcache_cases() + _varlen_cases() + _sm90_cases() + _dropout_cases()
+         + _fp8_cases())
 
 
 # --------------------------------------------------------------------------- #
@@ -431,9 +448,26 @@ def run_attention_sm90(rng, case, stream):
         return forward_sm90.attention_sm90(q, k, v, **kw)
 
 
+def run_attention_fp8(rng, case, stream):
+    """e4m3 inputs made on the host (finite values of a standard normal, rounded), descales per tensor or per (batch,
+    KV head) as the case says."""
+    s, o = case["shape"], dict(case["opts"])
+    per = o.pop("descale", None)
+    q, k, v = (cupy.asarray(rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)) for shape in
+               ((s["b"], s["sq"], s["h"], s["d"]), (s["b"], s["sk"], s["hk"], s["d"]),
+                (s["b"], s["sk"], s["hk"], s["d"])))
+    if per:
+        shape = (s["b"], s["hk"]) if per == "head" else (1,)
+        o.update({n: cupy.asarray(rng.uniform(0.5, 2.0, shape).astype(np.float32))
+                  for n in ("q_descale", "k_descale", "v_descale")})
+    _ready()
+    with stream or cupy.cuda.get_current_stream():
+        return cuflash.attention_fp8(q, k, v, **o)
+
+
 def _available(fn: str) -> bool:
-    """The case's function exists (and, for the Hopper kernel, the device is sm_90a)."""
-    if fn == "attention_sm90":
+    """The case's function exists (and, for the Hopper kernels, the device is sm_90a)."""
+    if fn in ("attention_sm90", "attention_fp8"):
         try:
             return cupy.cuda.Device().compute_capability == "90"
         except cupy.cuda.runtime.CUDARuntimeError:  # no GPU (--list on a CPU machine)
@@ -443,6 +477,7 @@ def _available(fn: str) -> bool:
 
 RUNNERS = {
     "attention_sm90": run_attention_sm90,
+    "attention_fp8": run_attention_fp8,
     "attention_varlen": run_attention_varlen,
     "attention_varlen_backward": run_attention_varlen_backward,
     "attention": run_attention,

@@ -9,7 +9,7 @@ Two sweeps:
 - ``CUFLASH_COMPILE_ALL=1`` (what ``.ci/run`` sets): every specialization the planner can choose, for sm_80 and
   sm_90a (portable forward, backward and decode with their helper kernels), the Hopper forward (each variant of
   ``forward_sm90.VARIANTS`` at each head dim, band and score mod, in one dtype of the two by turns: ``one_dtype``),
-  every Hopper backward, the Hopper self-tests: about 750 compiles.
+  every Hopper backward, the FP8 forward and its V^T transpose, the Hopper self-tests: about 760 compiles.
 - By default, a representative subset of about 120 compiles: the specializations are grouped by everything but
   their dtype, band and score mod, that is by kernel family, architecture, head dim and tile configuration
   (for the Hopper forward: each distinct variant structure at each head dim), and each group compiles one member,
@@ -30,7 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from cuflash import build, ops, plan
-from cuflash.ops import backward, backward_sm90, forward, forward_sm90
+from cuflash.ops import backward, backward_sm90, forward, forward_fp8, forward_sm90
 from tests.sm90_selftest import KERNELS as SELFTEST_KERNELS, SelftestSpec
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs CuPy's NVRTC bindings")
@@ -44,6 +44,7 @@ hopper_forward_specs = forward_sm90.all_specs      # every Hopper forward: varia
 hopper_variants = forward_sm90.VARIANTS            # the Hopper forward's variants
 hopper_variant_spec = forward_sm90.variant_spec    # (variant, dtype, head dim, band, score mod) -> its spec
 hopper_backward_specs = backward_sm90.all_specs    # every Hopper backward
+fp8_specs = forward_fp8.all_specs                  # the FP8 forward (each head dim, band) and its V^T transpose
 compile_cubin = build.compile_cubin                # (spec, arch) -> (cubin, log with ptxas's resource report)
 resource_report = build.resource_report            # log -> registers, spill stores, spill loads
 nvrtc = build._nvrtc                               # CuPy's NVRTC bindings
@@ -143,6 +144,7 @@ SELFTESTS = [Job(HOPPER, spec) for spec in representative([SelftestSpec(dtype, k
                                                            for dtype in ("bf16", "fp16")])]
 HOPPER_BACKWARD = [Job(HOPPER, spec) for spec in representative(hopper_backward_specs())]
 HOPPER_FORWARD = [Job(HOPPER, spec) for spec in representative(one_dtype(hopper_forward_specs()))]
+FP8 = [Job(HOPPER, spec) for spec in representative(fp8_specs())]
 SPLIT_PTX = [Job(HOPPER, hopper_variant_spec(variant, "bf16", 64, False, False), "ptx")
              for variant in ("ws3_n128_p_split", "ws3_n128_p")]
 SHARED_MEMORY = Job(HOPPER, _shared_memory_program(), "ptx")
@@ -158,7 +160,7 @@ def compiled(request, selected_tests):
     """Job -> _compile's result, for the jobs of the tests selected in this module, compiled in parallel."""
     jobs = [item.callspec.params["job"] for item in selected_tests
             if item.module is request.module and "job" in getattr(getattr(item, "callspec", None), "params", {})]
-    jobs = list(dict.fromkeys(jobs or PORTABLE + SELFTESTS + HOPPER_BACKWARD + HOPPER_FORWARD + SPLIT_PTX
+    jobs = list(dict.fromkeys(jobs or PORTABLE + SELFTESTS + HOPPER_BACKWARD + HOPPER_FORWARD + FP8 + SPLIT_PTX
                               + [SHARED_MEMORY]))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = int(os.environ.get("CUFLASH_COMPILE_WORKERS", cpus))
@@ -242,6 +244,15 @@ def test_hopper_forward_compiles_with_async_wgmma(compiled, job):
     # packed between fence and wgmma); the warp-specialized one must have none.
     notes = set(re.findall(r"\((C75\d\d)\)", log))
     assert notes <= (set() if job.spec.warp_specialized else {"C7519"}), log
+
+
+@pytest.mark.parametrize("job", cases(FP8))
+def test_fp8_forward_compiles_with_async_wgmma(compiled, job):
+    """The FP8 forward (fwd_fp8_sm90.cu) and its V^T transpose: no spills, no C75xx note at all (P's e4m3 fragments
+    are packed before the fence, so ptxas injects no warpgroup fence)."""
+    log = compiled_log(compiled, job)
+    assert_no_spills(job, log)
+    assert not re.findall(r"\((C75\d\d)\)", log), log
 
 
 @pytest.mark.parametrize("job", cases(SPLIT_PTX))

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The FP8 (e4m3) forward beside its ceiling and its peers, in one run, on the FA2-paper grid (16k tokens, hidden
+2048; benchmarks/bench_attention.py's cells and timing).
+
+    python3 benchmarks/bench_fp8.py [--dims 64,128,256] [--seqlens 512,...,16384] [--causal both|true|false]
+
+Per cell, TFLOP/s (the forward's 4 b h s^2 d, halved when causal):
+  cuflash fp8     cuflash.attention_fp8 (the V^T transpose pass included), per-tensor descales
+  cuflash bf16    cuflash.attention on the same shapes in bf16
+  cudnn bf16      torch's SDPA, cuDNN backend, bf16
+and once per run torch._scaled_mm's e4m3 GEMM (8192 x 8192 x 8192, bf16 out): the tensor cores' FP8 ceiling as torch
+reaches it; the fp8 column's fraction of it is printed beside each cell.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402  (its GPU stack, timing and grid)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dims", type=ba._int_list, default=[64, 128, 256])
+    p.add_argument("--seqlens", type=ba._int_list, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", choices=["both", "true", "false"], default="both")
+    p.add_argument("--warmup", type=int, default=25)
+    p.add_argument("--rep", type=int, default=100)
+    args = p.parse_args(argv)
+    args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+    return args
+
+
+def scaled_mm_tflops(args) -> float:
+    torch = ba.torch
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device="cuda")
+    ms = ba.time_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), args)
+    return 2.0 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not ba.import_stack_with_cuflash("bench_fp8"):
+        return 2
+    torch, cupy, cuflash = ba.torch, ba.cupy, ba.cuflash
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    ba.warm_up_gpu()
+    ceiling = scaled_mm_tflops(args)
+    print(f"torch._scaled_mm e4m3 8192^3: {ceiling:.1f} TFLOP/s")
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} {'cuflash fp8':>11} {'of mm':>6} {'cuflash bf16':>12} "
+          f"{'cudnn bf16':>10} {'fp8/cudnn':>9}")
+    for cell in ba.training_grid(args):
+        b, s, h, d, causal = cell["batch"], cell["seqlen"], cell["nheads"], cell["d"], cell["causal"]
+        flops = ba.forward_flops(b, h, s, s, d, causal)
+        x = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        x8 = [t.to(torch.float8_e4m3fn) for t in x]  # |x| < 448: descale 1
+        one = cupy.ones((1,), dtype=cupy.float32)
+        with ba.cupy_stream():
+            q8, k8, v8 = (cupy.from_dlpack(t.view(torch.uint8)) for t in x8)
+            qb, kb, vb = (ba.to_cupy(t) for t in x)
+            row = {}
+            row["fp8"] = ba.time_ms(lambda: cuflash.attention_fp8(q8, k8, v8, q_descale=one, k_descale=one,
+                                                                  v_descale=one, causal=causal), args)
+            row["bf16"] = ba.time_ms(lambda: cuflash.attention(qb, kb, vb, causal=causal), args)
+        xt = [t.transpose(1, 2) for t in x]
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                row["cudnn"] = ba.time_ms(lambda: F.scaled_dot_product_attention(*xt, is_causal=causal), args)
+        except Exception as e:  # noqa: BLE001
+            row["cudnn"] = float("nan")
+            print(f"cudnn: {ba.short_error(e)}", file=sys.stderr)
+        tf = {k: flops / (ms * 1e-3) / 1e12 for k, ms in row.items()}
+        print(f"{d:>4} {str(causal):>6} {s:>6} {tf['fp8']:>11.1f} {tf['fp8'] / ceiling:>6.2f} {tf['bf16']:>12.1f} "
+              f"{tf['cudnn']:>10.1f} {tf['fp8'] / tf['cudnn']:>9.2f}", flush=True)
+        ba.free_memory()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

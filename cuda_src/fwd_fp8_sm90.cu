@@ -1,0 +1,247 @@
+// FP8 (e4m3) forward attention on Hopper (sm_90a): TMA loads and wgmma with k = 32.
+//
+// Q, K (batch, seqlen, heads, d) and V^T (batch, heads_k, d, keys) in e4m3; O bf16 and lse float32. V^T comes from
+// fp8_transpose_v (fwd_fp8_aux.cu), which also orders the keys of each 32-key chunk so that P's e4m3 fragments pack
+// straight from the S accumulators: for O += P V (wgmma A from registers, k = 32) a thread's register a[0] holds
+// keys 4c .. 4c + 3 (c = lane % 4) of its row, while the accumulators of S give it keys 2c, 2c + 1, 2c + 8, 2c + 9
+// of each 16. So slot s of a chunk holds key 16 (s / 16) + {2c, 2c + 1, 2c + 8, 2c + 9}[s % 4], c = (s % 16) / 4,
+// in V^T, and the sum over the chunk's keys is the same.
+// One CTA: 128 query rows of one head, as two consumer warpgroups of 64 rows, and a producer warpgroup whose thread 0
+// loads Q once and K, V^T blocks of 128 keys into a ring of STAGES slots. Per block, in each consumer warpgroup:
+//     S  = Q K^T                     wgmma m64n128k32 ss (both K-major)
+//     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
+//     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
+//     O += P V                       wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous)
+// each waited for (no overlap of the softmax with the GEMMs yet). O leaves divided by the row sums (of the fp32 P)
+// and by 256, times v_descale. Descales: one per tensor, or one per (sequence, KV head) (flash-attn 3's
+// (batch, nheads_k)), the query heads of a KV head sharing q_descale's.
+#include "sm90.cuh"
+#include "mma.cuh"
+#include "softmax.cuh"
+#include "mask.cuh"
+
+namespace cuflash {
+
+struct FwdFp8Params {
+    sm90::TmaMap q;   // u8 (d, heads, seqlen_q, batch), box (128, 1, 128, 1): 128 columns (bytes) of 128 rows
+    sm90::TmaMap k;   // u8 (d, heads_k, seqlen_k, batch), box (128, 1, 128, 1)
+    sm90::TmaMap vt;  // u8 (keys, d, heads_k, batch), keys a multiple of 32, box (128, D, 1, 1)
+    u16* o;           // bf16 (batch, seqlen_q, heads, headdim)
+    float* lse;       // (batch, heads, seqlen_q) contiguous, or nullptr
+    const float* q_descale;  // each nullptr (1), one value, or (batch, heads_k) contiguous (descale_batch_stride)
+    const float* k_descale;
+    const float* v_descale;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    int descale_batch_stride;  // 0: one value per tensor; else heads_k
+    int seqlen_q, seqlen_k, nheads, heads_per_kv, window_left, window_right, headdim;
+    float scale_log2;  // softmax_scale log2(e); the kernel multiplies in q_descale k_descale
+};
+static_assert(sizeof(FwdFp8Params) == 512, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
+
+template <int D, bool BAND>
+struct FwdFp8 {
+    static constexpr int BM = 128, BN = 128, STAGES = D == 256 ? 2 : 4, THREADS = 384;
+    static constexpr float P_SCALE = 256.f;  // P's scale before e4m3: probabilities down to 2^-14 stay normal
+    // 128-byte panels of a Q or K row (TMA boxes of 128 columns; at d 64 one, its second half TMA's zero fill)
+    static constexpr int PANELS = D / 128 > 0 ? D / 128 : 1;
+    static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
+    static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = D * BN;  // V^T: D rows
+    // O += P V in N chunks of the head dim: 128 columns (64 at d 64)
+    static constexpr int NCH = D == 64 ? 64 : 128, CHUNKS = D / NCH;
+    // shared memory from the 1024-aligned base: Q, the K ring, the V^T ring, then the mbarriers
+    static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * K_BYTES, OFF_BAR = OFF_V + STAGES * V_BYTES;
+    static constexpr u32 SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
+    static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
+    static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
+    static_assert(V_BYTES % 1024 == 0, "tiles of whole swizzle atoms");
+
+    const FwdFp8Params& p;
+    int tid, wg, warp, lane;
+    u32 base;
+    int row0, h, h_kv, b;
+    Mask<BAND> mask;
+    OnlineSoftmax<1> softmax;
+    float acc_o[1][D / 8][4];
+
+    __device__ __forceinline__ explicit FwdFp8(const FwdFp8Params& params) : p(params) {}
+
+    __device__ __forceinline__ u32 q_full() const { return base + OFF_BAR; }
+    __device__ __forceinline__ u32 full(int slot) const { return base + OFF_BAR + 8 * (1 + slot); }
+    __device__ __forceinline__ u32 empty(int slot) const { return base + OFF_BAR + 8 * (1 + STAGES + slot); }
+
+    // The producer thread: Q, then K and V^T of the tile's blocks n_max - 1 down to n_min, each slot once the
+    // consumers have emptied it.
+    __device__ __forceinline__ void produce(const BlockRange& range, int count) const {
+        sm90::mbar_arrive_expect_tx(q_full(), Q_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+            sm90::tma_load_4d(base + pn * Q_PANEL, &p.q, pn * 128, h, row0, b, q_full());
+        for (int t = 0; t < count; ++t) {
+            const int slot = t % STAGES, n = range.n_max - 1 - t;
+            if (t >= STAGES) sm90::mbar_wait(empty(slot), ((t / STAGES) & 1) ^ 1);
+            sm90::mbar_arrive_expect_tx(full(slot), K_BYTES + V_BYTES);
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn)
+                sm90::tma_load_4d(base + OFF_K + slot * K_BYTES + pn * K_PANEL, &p.k, pn * 128, h_kv, n * BN, b,
+                                  full(slot));
+            sm90::tma_load_4d(base + OFF_V + slot * V_BYTES, &p.vt, n * BN, 0, h_kv, b, full(slot));
+        }
+    }
+
+    // S of this warpgroup's 64 rows against the block in `slot`.
+    __device__ __forceinline__ void issue_s(float (&sc)[1][BN / 8][4], int slot) const {
+#pragma unroll
+        for (int ks = 0; ks < D / 32; ++ks) {
+            const u32 at = (ks / 4) * Q_PANEL + (ks % 4) * 32;
+            sm90::wgmma_m64n128k32_e4m3_ss(*reinterpret_cast<float(*)[64]>(&sc[0][0][0]),
+                                           sm90::smem_desc(base + wg * 64 * 128 + at),
+                                           sm90::smem_desc(base + OFF_K + slot * K_BYTES + (ks / 4) * K_PANEL +
+                                                           (ks % 4) * 32),
+                                           ks > 0);
+        }
+        sm90::wgmma_commit();
+    }
+
+    // P (in sc, fp32, relative to the row max) times 256 as e4m3 A fragments, 32 keys each (see the top).
+    __device__ __forceinline__ static void fragments(const float (&s)[BN / 8][4], u32 (&pa)[BN / 32][4]) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 32; ++kk) {
+            const int j = 4 * kk;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {  // a[r]: rows + 8 (r % 2), keys + 16 (r / 2)
+                const int jj = j + 2 * (r / 2), e = 2 * (r % 2);
+                pa[kk][r] = sm90::pack_e4m3x4(P_SCALE * s[jj][e], P_SCALE * s[jj][e + 1], P_SCALE * s[jj + 1][e],
+                                              P_SCALE * s[jj + 1][e + 1]);
+            }
+        }
+    }
+
+    // O += P V over the block in `slot` (B = V^T, K-major: D rows of the block's 128 keys).
+    __device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 32][4], int slot) {
+#pragma unroll
+        for (int kk = 0; kk < BN / 32; ++kk)
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + c * NCH * 128 + kk * 32);
+                if constexpr (NCH == 128)
+                    sm90::wgmma_m64n128k32_e4m3_rs(*reinterpret_cast<float(*)[64]>(&acc_o[0][c * 16][0]), pa[kk],
+                                                   desc, true);
+                else
+                    sm90::wgmma_m64n64k32_e4m3_rs(*reinterpret_cast<float(*)[32]>(&acc_o[0][0][0]), pa[kk], desc,
+                                                  true);
+            }
+        sm90::wgmma_commit();
+    }
+
+    // Block t of the walk (key block n): S, mask, softmax, O rescaled, O += P V, each waited for; the slot handed
+    // back.
+    template <bool MASKED, bool FIRST>
+    __device__ __forceinline__ void step(int n, int t, float scale_log2) {
+        const int slot = t % STAGES;
+        sm90::mbar_wait(full(slot), (t / STAGES) & 1);
+        float sc[1][BN / 8][4], alpha[1][2];
+        sm90::wgmma_fence();
+        issue_s(sc, slot);
+        sm90::wgmma_wait<0>();
+        if (MASKED) {
+            const int r = row0 + wg * 64 + warp * 16 + lane / 4, col_lane = n * BN + 2 * (lane % 4);
+            mask.apply_row(sc[0], 0, r, col_lane);
+            mask.apply_row(sc[0], 1, r + 8, col_lane);
+        }
+        softmax.template update_scores<FIRST, MASKED>(sc, scale_log2, alpha);
+        if (!FIRST) OnlineSoftmax<1>::rescale(acc_o, alpha);
+        u32 pa[BN / 32][4];
+        fragments(sc[0], pa);
+        sm90::wgmma_fence();
+        issue_pv(pa, slot);
+        sm90::wgmma_wait<0>();
+        sm90::mbar_arrive(empty(slot));
+    }
+
+    // O / (row sum) / 256 v_descale in bf16, and lse.
+    __device__ __forceinline__ void store(float scale_log2, float v_scale) {
+        float lse[1][2];
+        softmax.finalize(acc_o, scale_log2, lse);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
+            if (r >= p.seqlen_q) continue;
+            if (p.lse != nullptr && lane % 4 == 0) p.lse[((i64)b * p.nheads + h) * p.seqlen_q + r] = lse[0][hh];
+            u16* o_row = p.o + b * p.o_batch_stride + r * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                const int col = 8 * dt + 2 * (lane % 4);
+                if (col < p.headdim)
+                    *reinterpret_cast<u32*>(o_row + col) =
+                        pack2<bf16_t>(acc_o[0][dt][2 * hh] * v_scale, acc_o[0][dt][2 * hh + 1] * v_scale);
+            }
+        }
+    }
+
+    __device__ __forceinline__ float descale(const float* x) const {
+        return x == nullptr ? 1.f : x[p.descale_batch_stride ? b * p.descale_batch_stride + h_kv : 0];
+    }
+
+    __device__ __forceinline__ void run(char* smem) {
+        tid = threadIdx.x;
+        base = (smem_u32(smem) + 1023) & ~1023u;
+        row0 = (BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;  // under a band the longest tiles first
+        h = blockIdx.y;
+        b = blockIdx.z;
+        h_kv = h / p.heads_per_kv;
+        mask = Mask<BAND>{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
+        const int count = sm90::warp_uniform(max(range.n_max - range.n_min, 0));
+        if (tid == 0) {
+            sm90::mbar_init(q_full(), 1);
+            for (int s = 0; s < STAGES; ++s) {
+                sm90::mbar_init(full(s), 1);
+                sm90::mbar_init(empty(s), 256);
+            }
+            sm90::mbar_fence_init();
+        }
+        __syncthreads();
+        if (__shfl_sync(0xffffffff, tid / 128, 0) == 0) {  // the producer (a role ptxas sees is warp-uniform)
+            sm90::regs_dealloc<24>();
+            if (tid == 0 && count > 0) produce(range, count);
+            return;
+        }
+        sm90::regs_alloc<240>();
+        wg = sm90::warp_uniform(tid / 128 - 1);
+        warp = (tid / 32) % 4;
+        lane = tid % 32;
+        const float scale_log2 = p.scale_log2 * descale(p.q_descale) * descale(p.k_descale);
+        softmax.reset();
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+        if (count > 0) {
+            sm90::mbar_wait(q_full(), 0);
+            for (int t = 0; t < count; ++t) {
+                const int n = range.n_max - 1 - t;
+                const bool masked = sm90::warp_uniform(n > range.full_hi || n < range.full_lo);
+                if (t == 0) {
+                    if (masked) step<true, true>(n, t, scale_log2);
+                    else step<false, true>(n, t, scale_log2);
+                } else {
+                    if (masked) step<true, false>(n, t, scale_log2);
+                    else step<false, false>(n, t, scale_log2);
+                }
+            }
+        }
+        store(scale_log2, descale(p.v_descale) / P_SCALE);
+    }
+};
+
+template <int D, bool BAND>
+__global__ void __launch_bounds__(384, 1) fwd_fp8_sm90_kernel(const __grid_constant__ FwdFp8Params p) {
+    extern __shared__ __align__(1024) char smem[];
+    FwdFp8<D, BAND> block(p);
+    block.run(smem);
+}
+
+template <int D, bool BAND>
+__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND>::SMEM_BYTES;
+
+}  // namespace cuflash

@@ -1,0 +1,186 @@
+"""The FP8 (e4m3) forward on Hopper (``cuda_src/fwd_fp8_sm90.cu``) and its V^T (``cuda_src/fwd_fp8_aux.cu``):
+specializations, the parameter struct, and :func:`attention_fp8` on CuPy arrays of e4m3 bits (uint8). Dense batches,
+causal and local windows, GQA, descales per tensor or per (sequence, KV head), bf16 output and float32 lse; sm_90a
+only. docs/fp8.md states the accuracy contract, :func:`cuflash.reference.attention_fp8` models it.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from .. import build, checks, plan, runtime, tma
+from ..launcher import KernelCall
+
+HEADDIMS = (64, 128, 256)
+BLOCK_M = BLOCK_N = 128
+BF16 = np.dtype(ml_dtypes.bfloat16)
+P_SCALE = 256.0  # P's scale before its e4m3 conversion (the kernel's; reference.P_SCALE)
+
+
+@dataclass(frozen=True)
+class FwdFp8Spec:
+    headdim: int  # compiled: 64, 128, 256 (a call's head dim is a multiple of 16 up to it)
+    band: bool
+
+    source = "fwd_fp8_sm90.cu"
+    threads = 384
+
+    @property
+    def name(self) -> str:
+        return f"fwd_fp8_sm90_d{self.headdim}{'_band' if self.band else ''}"
+
+    @property
+    def template(self) -> str:
+        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {'true' if self.band else 'false'}>"
+
+    @property
+    def smem_symbol(self) -> str:
+        return "&" + self.template.replace("fwd_fp8_sm90_kernel<", "fwd_fp8_sm90_smem_bytes<", 1)
+
+
+@dataclass(frozen=True)
+class Fp8TransposeSpec:
+    """fp8_transpose_v: V to V^T with each 32-key chunk's keys in P's fragment order (static shared memory)."""
+    source = "fwd_fp8_aux.cu"
+    name = "fp8_transpose_v"
+    template = "cuflash::fp8_transpose_v"
+    threads = 128
+    smem_bytes = 0
+
+
+def all_specs() -> list:
+    return [FwdFp8Spec(d, band) for d in HEADDIMS for band in (False, True)] + [Fp8TransposeSpec()]
+
+
+def compiled_headdim(headdim: int) -> int:
+    """The compiled head dim a call's runs on: the smallest of HEADDIMS at or above it."""
+    return next(d for d in HEADDIMS if d >= headdim)
+
+
+# FwdFp8Params (fwd_fp8_sm90.cu): three 128-byte tensor maps, then pointers, strides, ints and the scale; 512 bytes.
+PARAMS_DTYPE = np.dtype({
+    "names": ["q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "o_batch_stride", "o_row_stride",
+              "o_head_stride", "descale_batch_stride", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv",
+              "window_left", "window_right", "headdim", "scale_log2"],
+    "formats": ["V128"] * 3 + [np.uint64] * 5 + [np.int64] * 3 + [np.int32] * 8 + [np.float32],
+    "offsets": [0, 128, 256, 384, 392, 400, 408, 416, 424, 432, 440, 448, 452, 456, 460, 464, 468, 472, 476, 480],
+    "itemsize": 512})
+
+TRANSPOSE_DTYPE = np.dtype({
+    "names": ["v", "vt", "v_batch_stride", "v_row_stride", "v_head_stride", "seqlen_k", "keys", "heads_k", "headdim"],
+    "formats": [np.uint64] * 2 + [np.int64] * 3 + [np.int32] * 4,
+    "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52], "itemsize": 56})
+
+
+_HEAD_POINTERS = struct.Struct("5Q")  # o, lse, q_descale, k_descale, v_descale: right after the three maps
+
+
+class Fp8Call:
+    """The FP8 forward's launches for one call signature (layouts and options), from data pointers:
+    ``call(stream, q, k, v, vt, o, lse, q_descale, k_descale, v_descale)`` (0 where absent), ``vt`` a workspace of
+    ``vt_shape`` uint8 (C-contiguous), ``o`` bf16 ``(batch, seqlen_q, nheads, headdim)`` C-contiguous, ``lse``
+    float32 ``(batch, nheads, seqlen_q)``. The tensor maps embed the addresses: encoded per call (cached per pointer by
+    cuflash.tma)."""
+
+    __slots__ = ("transpose", "main", "maps", "vt_shape")
+
+    def __init__(self, problem, q_strides: tuple, k_strides: tuple, v_strides: tuple, left: int, right: int,
+                 softmax_scale: float | None, descale_stride: int, device_id: int):
+        b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
+        sk, hk = problem.seqlen_k, problem.nheads_k
+        keys = -(-sk // 32) * 32
+        self.vt_shape = (b, hk, d, keys)
+        spec = FwdFp8Spec(compiled_headdim(d), left >= 0 or right >= 0)
+        tp = np.zeros((), dtype=TRANSPOSE_DTYPE)
+        tp["v_batch_stride"], tp["v_row_stride"], tp["v_head_stride"] = v_strides[:3]
+        tp["seqlen_k"], tp["keys"], tp["heads_k"], tp["headdim"] = sk, keys, hk, d
+        self.transpose = KernelCall([(build.get_kernel(Fp8TransposeSpec(), device_id),
+                                      plan.check_grid((keys // 32, hk, b)), (Fp8TransposeSpec.threads,), 0)],
+                                    tp, ("v", "vt"))
+        p = np.zeros((), dtype=PARAMS_DTYPE)
+        p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = sq * h * d, h * d, d
+        p["descale_batch_stride"] = descale_stride
+        p["seqlen_q"], p["seqlen_k"], p["nheads"], p["heads_per_kv"] = sq, sk, h, h // hk
+        p["window_left"], p["window_right"], p["headdim"] = left, right, d
+        scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+        p["scale_log2"] = scale * math.log2(math.e)
+        self.main = KernelCall([(build.get_kernel(spec, device_id), plan.check_grid((-(-sq // BLOCK_M), h, b)),
+                                 (spec.threads,), build.smem_bytes(spec, device_id))], p, ())
+        # (d, heads, rows, batch) maps, boxes of 128 columns (bytes); V^T (keys, d, heads_k, batch), D rows a box
+        self.maps = (tma.encoder("uint8", (d, h, sq, b), tuple(reversed(q_strides[:3])), (128, 1, BLOCK_M, 1)),
+                     tma.encoder("uint8", (d, hk, sk, b), tuple(reversed(k_strides[:3])), (128, 1, BLOCK_N, 1)),
+                     tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (BLOCK_N, spec.headdim, 1,
+                                                                                           1)))
+
+    def __call__(self, stream: int, q: int, k: int, v: int, vt: int, o: int, lse: int = 0, q_descale: int = 0,
+                 k_descale: int = 0, v_descale: int = 0) -> None:
+        self.transpose(stream, v, vt)
+        q_map, k_map, vt_map = self.maps
+        self.main.launch_head(stream, q_map(q) + k_map(k) + vt_map(vt)
+                              + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale))
+
+
+def descale_stride(problem, descales) -> int:
+    """FwdFp8Params::descale_batch_stride of a call's descales (arrays or TensorSpecs, None where absent): 0 for
+    per-tensor ones, nheads_k for per-(sequence, KV head) ones; a mix is a ValueError."""
+    given = [0 if math.prod(x.shape) == 1 else problem.nheads_k for x in descales if x is not None]
+    if len(set(given)) > 1:
+        raise ValueError("q_descale, k_descale, v_descale: per-tensor and per-head descales cannot be mixed")
+    return given[0] if given else 0
+
+
+def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                  window_size=(-1, -1), return_lse=False):
+    """FP8 (e4m3) attention on Hopper: out = softmax(scale (q q_descale) (k k_descale)^T) (v v_descale), in bf16.
+
+    Parameters
+    ----------
+    q : cupy.ndarray, (batch, seqlen_q, nheads, headdim), uint8 holding e4m3 bits (CuPy has no float8 dtype; a
+        torch ``float8_e4m3fn`` tensor's ``.view(torch.uint8)`` through DLPack is one)
+    k, v : cupy.ndarray, (batch, seqlen_k, nheads_k, headdim), uint8 e4m3 bits; ``nheads % nheads_k == 0``
+        headdim a multiple of 16 up to 256; the last axis contiguous, the other strides multiples of 16 bytes.
+    q_descale, k_descale, v_descale : cupy.ndarray of float32, optional
+        Dequantization factors: one per tensor (shape () or (1,)) or per (sequence, KV head), ``(batch, nheads_k)``
+        contiguous (flash-attn 3's convention; the query heads of a KV head share its q_descale). None: 1.
+    softmax_scale, causal, window_size, return_lse : as in :func:`cuflash.attention`
+
+    Returns
+    -------
+    out : cupy.ndarray, (batch, seqlen_q, nheads, headdim), bfloat16
+    lse : cupy.ndarray, (batch, nheads, seqlen_q), float32, only with ``return_lse``
+
+    P is quantized to e4m3 as e4m3(256 P) / 256 for P V (row sums and lse from the fp32 P), so the error is that of
+    :func:`cuflash.reference.attention_fp8` (docs/fp8.md). V is first transposed into a workspace of
+    ``batch nheads_k headdim ceil(seqlen_k / 32) 32`` bytes (one extra pass over V).
+    """
+    problem = checks.check_attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                         softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    runtime.require_gpu()
+    import cupy
+    device = q.device.id
+    require_hopper(device)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.data.ptr % 16:
+            raise ValueError(f"{name}: data pointer {x.data.ptr:#x} is not 16-byte aligned")
+    left, right = checks.window(causal, window_size)
+    descales = (q_descale, k_descale, v_descale)
+    b, sq, h, d = q.shape
+    with cupy.cuda.Device(device):
+        call = Fp8Call(problem, q.strides, k.strides, v.strides, left, right, softmax_scale,
+                       descale_stride(problem, descales), device)
+        out = cupy.empty((b, sq, h, d), dtype=BF16)
+        lse = cupy.empty((b, h, sq), dtype=np.float32) if return_lse else None
+        vt = cupy.empty(call.vt_shape, dtype=np.uint8)
+        call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, vt.data.ptr, out.data.ptr,
+             runtime.ptr(lse), *(runtime.ptr(x) for x in descales))
+    return (out, lse) if return_lse else out
+
+
+def require_hopper(device: int) -> None:
+    arch = build.device_arch(device)
+    if arch != "sm_90a":
+        raise NotImplementedError(f"attention_fp8 runs on Hopper (sm_90a) only; device {device} is {arch}")

@@ -1,0 +1,70 @@
+"""CPU tests of the FP8 forward's interface (cuflash.attention_fp8): its checks raise before any launch, naming the
+argument, and its specializations, parameter struct and V^T key order are what the kernels expect."""
+import numpy as np
+import pytest
+
+from cuflash import checks
+from cuflash.ops import forward_fp8
+
+U8 = np.uint8
+
+
+def arrays(b=2, sq=33, sk=70, h=4, hk=2, d=64, dtype=U8):
+    return (np.zeros((b, sq, h, d), dtype), np.zeros((b, sk, hk, d), dtype), np.zeros((b, sk, hk, d), dtype))
+
+
+def test_check_accepts_uint8_and_descales():
+    q, k, v = arrays()
+    problem = checks.check_attention_fp8(q, k, v, q_descale=np.ones((2, 2), np.float32),
+                                         k_descale=np.ones((), np.float32), causal=True)
+    assert (problem.batch, problem.seqlen_q, problem.seqlen_k, problem.nheads, problem.nheads_k,
+            problem.headdim) == (2, 33, 70, 4, 2, 64)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(dtype=np.float16), TypeError, "q: dtype float16 is not supported; expected uint8"),
+    (dict(d=72), ValueError, "multiples of 16"),
+    (dict(h=3), ValueError, "not a multiple of nheads_k"),
+])
+def test_check_rejects_bad_arrays(bad, error, match):
+    with pytest.raises(error, match=match):
+        checks.check_attention_fp8(*arrays(**bad))
+
+
+def test_check_rejects_bad_descales():
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match="q_descale: dtype float64"):
+        checks.check_attention_fp8(q, k, v, q_descale=np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"v_descale: expected shape \(\) or \(1,\).*\(2, 2\), got \(2, 4\)"):
+        checks.check_attention_fp8(q, k, v, v_descale=np.ones((2, 4), np.float32))
+
+
+def test_check_rejects_strides_tma_cannot_load():
+    q, k, v = arrays(d=64)
+    wide = np.zeros((2, 70, 2, 72), U8)[..., :64]  # row stride 144 bytes: fine; head stride 72: not
+    with pytest.raises(ValueError, match="k: stride of axis 2 is 72 bytes"):
+        checks.check_attention_fp8(q, wide, v)
+
+
+def test_specs_and_params():
+    specs = forward_fp8.all_specs()
+    assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{b}" for d in (64, 128, 256) for b in ("", "_band")} | {
+        "fp8_transpose_v"}
+    assert forward_fp8.PARAMS_DTYPE.itemsize == 512 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 56
+    assert [forward_fp8.compiled_headdim(d) for d in (16, 64, 80, 128, 144, 256)] == [64, 64, 128, 128, 256, 256]
+
+
+def chunk_key(s):
+    """fwd_fp8_aux.cu's fp8_chunk_key: the key V^T slot s of a 32-key chunk holds."""
+    c, i = (s % 16) // 4, s % 4
+    return 16 * (s // 16) + 2 * c + (i & 1) + 8 * (i >> 1)
+
+
+def test_vt_key_order_matches_p_fragments():
+    """Slot 4c + i of A register a[0] (and +16 for a[2]) must hold the key whose score the thread's accumulators
+    give it in that position: keys 2c, 2c + 1, 2c + 8, 2c + 9 of each 16 (the m64nN accumulator layout)."""
+    assert sorted(chunk_key(s) for s in range(32)) == list(range(32))
+    for c in range(4):
+        for half in range(2):
+            accumulator_keys = [16 * half + x for x in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9)]
+            assert [chunk_key(16 * half + 4 * c + i) for i in range(4)] == accumulator_keys
