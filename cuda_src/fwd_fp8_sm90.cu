@@ -12,7 +12,8 @@
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
 //     O += P V                       wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous)
-// each waited for (no overlap of the softmax with the GEMMs yet). O leaves divided by the row sums (of the fp32 P)
+// each waited for; or (PIPE) with the consumer warpgroups taking turns at the GEMMs and each block's softmax under the
+// last block's P V. O leaves divided by the row sums (of the fp32 P)
 // and by 256, times v_descale. Descales: one per tensor, or one per (sequence, KV head) (flash-attn 3's
 // (batch, nheads_k)), the query heads of a KV head sharing q_descale's.
 #include "sm90.cuh"
@@ -38,7 +39,7 @@ struct FwdFp8Params {
 };
 static_assert(sizeof(FwdFp8Params) == 512, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
 
-template <int D, bool BAND>
+template <int D, bool BAND, bool PIPE>
 struct FwdFp8 {
     static constexpr int BM = 128, BN = 128, STAGES = D == 256 ? 2 : 4, THREADS = 384;
     static constexpr float P_SCALE = 256.f;  // P's scale before e4m3: probabilities down to 2^-14 stay normal
@@ -143,12 +144,7 @@ struct FwdFp8 {
         sm90::wgmma_fence();
         issue_s(sc, slot);
         sm90::wgmma_wait<0>();
-        if (MASKED) {
-            const int r = row0 + wg * 64 + warp * 16 + lane / 4, col_lane = n * BN + 2 * (lane % 4);
-            mask.apply_row(sc[0], 0, r, col_lane);
-            mask.apply_row(sc[0], 1, r + 8, col_lane);
-        }
-        softmax.template update_scores<FIRST, MASKED>(sc, scale_log2, alpha);
+        probabilities<MASKED, FIRST>(sc, n, scale_log2, alpha);
         if (!FIRST) OnlineSoftmax<1>::rescale(acc_o, alpha);
         u32 pa[BN / 32][4];
         fragments(sc[0], pa);
@@ -156,6 +152,68 @@ struct FwdFp8 {
         issue_pv(pa, slot);
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(empty(slot));
+    }
+
+    // Block n's scores to probabilities in place (mask, online softmax); alpha: O's factor before this block.
+    template <bool MASKED, bool FIRST>
+    __device__ __forceinline__ void probabilities(float (&sc)[1][BN / 8][4], int n, float scale_log2,
+                                                  float (&alpha)[1][2]) {
+        if (MASKED) {
+            const int r = row0 + wg * 64 + warp * 16 + lane / 4, col_lane = n * BN + 2 * (lane % 4);
+            mask.apply_row(sc[0], 0, r, col_lane);
+            mask.apply_row(sc[0], 1, r + 8, col_lane);
+        }
+        softmax.template update_scores<FIRST, MASKED>(sc, scale_log2, alpha);
+    }
+    template <bool FIRST>
+    __device__ __forceinline__ void probabilities_of(const BlockRange& range, int t, float (&sc)[1][BN / 8][4],
+                                                     float scale_log2, float (&alpha)[1][2]) {
+        const int n = range.n_max - 1 - t;
+        if (sm90::warp_uniform(n > range.full_hi || n < range.full_lo))
+            probabilities<true, FIRST>(sc, n, scale_log2, alpha);
+        else probabilities<false, FIRST>(sc, n, scale_log2, alpha);
+    }
+
+    // PIPE: the two consumer warpgroups take turns issuing their GEMMs (named barriers 1 + wg, over both), warpgroup
+    // 0 first; in each turn S of block t and O += P V of block t - 1 are issued together, and block t's softmax runs
+    // while P V still computes (the bf16 forward's ping-pong and software pipelining, fwd_sm90_mainloop.cuh). Every
+    // arrival is consumed: warpgroup 1 skips its last hand-over.
+    __device__ __forceinline__ void my_turn() const { sm90::named_sync<256>(1 + wg); }
+    __device__ __forceinline__ void your_turn() const { sm90::named_arrive<256>(2 - wg); }
+    __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, float scale_log2) {
+        float sc[1][BN / 8][4], alpha[1][2];
+        u32 pa[BN / 32][4];
+        if (wg == 1) sm90::named_arrive<256>(1);
+        sm90::mbar_wait(full(0), 0);
+        my_turn();
+        sm90::wgmma_fence();
+        issue_s(sc, 0);
+        your_turn();
+        sm90::wgmma_wait<0>();
+        probabilities_of<true>(range, 0, sc, scale_log2, alpha);
+        fragments(sc[0], pa);
+        for (int t = 1; t < count; ++t) {
+            const int slot = t % STAGES, prev = (t - 1) % STAGES;
+            sm90::mbar_wait(full(slot), (t / STAGES) & 1);
+            my_turn();
+            sm90::wgmma_fence();
+            issue_s(sc, slot);
+            issue_pv(pa, prev);
+            your_turn();
+            sm90::wgmma_wait<1>();  // S of block t (groups complete in order)
+            probabilities_of<false>(range, t, sc, scale_log2, alpha);
+            sm90::wgmma_wait<0>();  // and O += P V of block t - 1
+            sm90::mbar_arrive(empty(prev));
+            OnlineSoftmax<1>::rescale(acc_o, alpha);
+            fragments(sc[0], pa);
+        }
+        const int last = (count - 1) % STAGES;
+        my_turn();
+        sm90::wgmma_fence();
+        issue_pv(pa, last);
+        if (wg == 0) your_turn();
+        sm90::wgmma_wait<0>();
+        sm90::mbar_arrive(empty(last));
     }
 
     // O / (row sum) / 256 v_descale in bf16, and lse.
@@ -216,8 +274,10 @@ struct FwdFp8 {
         for (int dt = 0; dt < D / 8; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-        if (count > 0) {
-            sm90::mbar_wait(q_full(), 0);
+        if (count > 0) sm90::mbar_wait(q_full(), 0);
+        if (PIPE && count > 0) {
+            consume_pipelined(range, count, scale_log2);
+        } else if (count > 0) {
             for (int t = 0; t < count; ++t) {
                 const int n = range.n_max - 1 - t;
                 const bool masked = sm90::warp_uniform(n > range.full_hi || n < range.full_lo);
@@ -234,14 +294,14 @@ struct FwdFp8 {
     }
 };
 
-template <int D, bool BAND>
+template <int D, bool BAND, bool PIPE>
 __global__ void __launch_bounds__(384, 1) fwd_fp8_sm90_kernel(const __grid_constant__ FwdFp8Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdFp8<D, BAND> block(p);
+    FwdFp8<D, BAND, PIPE> block(p);
     block.run(smem);
 }
 
-template <int D, bool BAND>
-__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND>::SMEM_BYTES;
+template <int D, bool BAND, bool PIPE>
+__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE>::SMEM_BYTES;
 
 }  // namespace cuflash

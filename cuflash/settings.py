@@ -82,19 +82,23 @@ class Settings:
     decode_tma_stages: int = 3             # CUFLASH_DECODE_TMA_STAGES: slots of its K/V ring
     decode_fused_max_splits: int = 128     # CUFLASH_DECODE_FUSED_MAX_SPLITS: splits the TMA kernel merges itself
     decode_evict_first_mb: int = 128       # CUFLASH_DECODE_EVICT_FIRST_MB: evict_first K/V up to this many MiB
+    fp8_pipelined: int | None = None       # CUFLASH_FP8_PIPELINED: 0/1, the FP8 forward's form; None: its table
 
     def __post_init__(self):
         if self.bwd_sm90_det not in DET_MODES:
             raise ValueError(f"CUFLASH_BWD_SM90_DET must be auto, slices or fixed, not {self.bwd_sm90_det!r}")
         if self.sm90_o_tma not in (None, 0, 1):
             raise ValueError(f"CUFLASH_SM90_O_TMA must be 0 or 1, not {self.sm90_o_tma!r}")
+        if self.fp8_pipelined not in (None, 0, 1):
+            raise ValueError(f"CUFLASH_FP8_PIPELINED must be 0 or 1, not {self.fp8_pipelined!r}")
 
     @classmethod
     def from_env(cls, env: Mapping = os.environ) -> Settings:
         """The settings a process with environment `env` runs with (unset variables keep the defaults)."""
-        o_tma = env.get("CUFLASH_SM90_O_TMA")
-        if o_tma is not None and o_tma.strip() not in ("0", "1"):
-            raise ValueError(f"CUFLASH_SM90_O_TMA must be 0 or 1, not {o_tma!r}")
+        o_tma, pipelined = env.get("CUFLASH_SM90_O_TMA"), env.get("CUFLASH_FP8_PIPELINED")
+        for name, value in (("CUFLASH_SM90_O_TMA", o_tma), ("CUFLASH_FP8_PIPELINED", pipelined)):
+            if value is not None and value.strip() not in ("0", "1"):
+                raise ValueError(f"{name} must be 0 or 1, not {value!r}")
         return cls(
             sm90=_flag(env, "CUFLASH_SM90", True),
             sm90_variants=_head_dim_map(env.get("CUFLASH_SM90_VARIANTS"), "CUFLASH_SM90_VARIANTS", str),
@@ -113,6 +117,7 @@ class Settings:
             decode_tma_stages=_int(env, "CUFLASH_DECODE_TMA_STAGES", 3),
             decode_fused_max_splits=_int(env, "CUFLASH_DECODE_FUSED_MAX_SPLITS", 128),
             decode_evict_first_mb=_int(env, "CUFLASH_DECODE_EVICT_FIRST_MB", 128),
+            fp8_pipelined=None if pipelined is None else int(pipelined),
         )
 
 

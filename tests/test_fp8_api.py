@@ -48,8 +48,8 @@ def test_check_rejects_strides_tma_cannot_load():
 
 def test_specs_and_params():
     specs = forward_fp8.all_specs()
-    assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{b}" for d in (64, 128, 256) for b in ("", "_band")} | {
-        "fp8_transpose_v"}
+    assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{pp}{b}" for d in (64, 128, 256) for pp in ("", "_pp")
+                                       for b in ("", "_band")} | {"fp8_transpose_v"}
     assert forward_fp8.PARAMS_DTYPE.itemsize == 512 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 56
     assert [forward_fp8.compiled_headdim(d) for d in (16, 64, 80, 128, 144, 256)] == [64, 64, 128, 128, 256, 256]
 

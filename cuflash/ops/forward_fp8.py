@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from .. import build, checks, plan, runtime, tma
+from .. import build, checks, plan, runtime, settings, tma
 from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
@@ -25,17 +25,19 @@ P_SCALE = 256.0  # P's scale before its e4m3 conversion (the kernel's; reference
 class FwdFp8Spec:
     headdim: int  # compiled: 64, 128, 256 (a call's head dim is a multiple of 16 up to it)
     band: bool
+    pipelined: bool = False  # ping-pong turns and the softmax under the last block's P V (fwd_fp8_sm90.cu PIPE)
 
     source = "fwd_fp8_sm90.cu"
     threads = 384
 
     @property
     def name(self) -> str:
-        return f"fwd_fp8_sm90_d{self.headdim}{'_band' if self.band else ''}"
+        return f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}{'_band' if self.band else ''}"
 
     @property
     def template(self) -> str:
-        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {'true' if self.band else 'false'}>"
+        flags = ", ".join("true" if f else "false" for f in (self.band, self.pipelined))
+        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {flags}>"
 
     @property
     def smem_symbol(self) -> str:
@@ -52,8 +54,19 @@ class Fp8TransposeSpec:
     smem_bytes = 0
 
 
+# Which form each compiled head dim runs (the fp8_pipelined setting overrides it: the GPU tests run both).
+PIPELINED = {64: False, 128: False, 256: False}
+
+
 def all_specs() -> list:
-    return [FwdFp8Spec(d, band) for d in HEADDIMS for band in (False, True)] + [Fp8TransposeSpec()]
+    return [FwdFp8Spec(d, band, pipe) for d in HEADDIMS for band in (False, True) for pipe in (False, True)] + [
+        Fp8TransposeSpec()]
+
+
+def kernel_spec(headdim: int, band: bool) -> FwdFp8Spec:
+    d = compiled_headdim(headdim)
+    forced = settings.current().fp8_pipelined
+    return FwdFp8Spec(d, band, PIPELINED[d] if forced is None else bool(forced))
 
 
 def compiled_headdim(headdim: int) -> int:
@@ -94,7 +107,7 @@ class Fp8Call:
         sk, hk = problem.seqlen_k, problem.nheads_k
         keys = -(-sk // 32) * 32
         self.vt_shape = (b, hk, d, keys)
-        spec = FwdFp8Spec(compiled_headdim(d), left >= 0 or right >= 0)
+        spec = kernel_spec(d, left >= 0 or right >= 0)
         tp = np.zeros((), dtype=TRANSPOSE_DTYPE)
         tp["v_batch_stride"], tp["v_row_stride"], tp["v_head_stride"] = v_strides[:3]
         tp["seqlen_k"], tp["keys"], tp["heads_k"], tp["headdim"] = sk, keys, hk, d

@@ -65,11 +65,19 @@ def run_and_check(args, **options):
     np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-3, atol=1e-3)
 
 
+@pytest.fixture(params=[0, 1], ids=["simple", "pipelined"])
+def fp8_form(request):
+    """Both forms of the FP8 kernel (fwd_fp8_sm90.cu PIPE), whatever forward_fp8.PIPELINED picks."""
+    from cuflash import settings as cf_settings
+    with cf_settings.override(fp8_pipelined=request.param):
+        yield request.param
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(b=st.integers(1, 2), sq=st.integers(1, 300), sk=st.integers(1, 400), hk=st.sampled_from([1, 2]),
        group=st.sampled_from([1, 3]), d=st.sampled_from(HEADDIMS), per=st.sampled_from(["tensor", "head"]),
        mask=st.sampled_from(["none", "causal", "window"]), seed=st.integers(0, 2 ** 16))
-def test_fp8_forward_within_bound(b, sq, sk, hk, group, d, per, mask, seed):
+def test_fp8_forward_within_bound(fp8_form, b, sq, sk, hk, group, d, per, mask, seed):
     if not hopper():
         pytest.skip("the FP8 kernel is sm_90a's")
     options = {"none": {}, "causal": {"causal": True}, "window": {"window_size": (37, 5)}}[mask]
@@ -77,14 +85,14 @@ def test_fp8_forward_within_bound(b, sq, sk, hk, group, d, per, mask, seed):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_fp8_forward_outlier_channels(d):
+def test_fp8_forward_outlier_channels(fp8_form, d):
     """A few head-dim columns of q and k 100x the rest (what per-tensor scaling of activations meets)."""
     if not hopper():
         pytest.skip("the FP8 kernel is sm_90a's")
     run_and_check(make(np.random.default_rng(d), 2, 257, 515, 4, 2, d, "head", outliers=3), causal=True)
 
 
-def test_fp8_forward_rows_without_keys():
+def test_fp8_forward_rows_without_keys(fp8_form):
     """seqlen_q > seqlen_k under a bottom-right causal mask: the leading rows see no key (out 0, lse -inf)."""
     if not hopper():
         pytest.skip("the FP8 kernel is sm_90a's")
