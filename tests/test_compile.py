@@ -10,8 +10,8 @@ Two sweeps:
   sm_90a (portable forward, backward and decode with their helper kernels), the Hopper forward (each variant of
   ``forward_sm90.VARIANTS`` at each head dim, band and score mod, in one dtype of the two by turns: ``one_dtype``),
   every Hopper backward, the FP8 forward and its V^T transpose, the Hopper self-tests: about 760 compiles.
-- By default, a representative subset of about 120 compiles: the specializations are grouped by everything but
-  their dtype, band and score mod, that is by kernel family, architecture, head dim and tile configuration
+- By default, a representative subset of about 125 compiles: the specializations are grouped by everything but
+  their dtype, band, score mod (and the FP8 forward's form), that is by kernel family, architecture, head dim and tile configuration
   (for the Hopper forward: each distinct variant structure at each head dim), and each group compiles one member,
   the k-th group its k-th member in the planner's order, so that both dtypes, the band and the score mod each
   appear across the groups. Every .cu file, kernel family, head dim, tile configuration and Hopper variant
@@ -54,7 +54,7 @@ C_TYPES = dict(plan.DTYPES.values())               # "fp16" / "bf16" -> the C++ 
 
 HOPPER = "sm_90a"
 COMPILE_ALL = os.environ.get("CUFLASH_COMPILE_ALL", "") not in ("", "0")
-VARYING = ("dtype", "band", "score_mod")           # the fields the subset does not spread over
+VARYING = ("dtype", "band", "score_mod", "pipelined")  # the fields the subset does not spread over
 
 
 def one_dtype(specs: list) -> list:
