@@ -68,3 +68,9 @@ def test_vt_key_order_matches_p_fragments():
         for half in range(2):
             accumulator_keys = [16 * half + x for x in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9)]
             assert [chunk_key(16 * half + 4 * c + i) for i in range(4)] == accumulator_keys
+
+
+def test_map_strides_replace_unit_axes():
+    """An axis of extent 1 may have any stride (a view); its map stride is the contiguous one."""
+    assert forward_fp8._map_strides((1, 70, 2, 64), (7, 256, 64, 1)) == (64, 256, 70 * 2 * 64)
+    assert forward_fp8._map_strides((2, 70, 2, 64), (70 * 256, 256, 64, 1)) == (64, 256, 70 * 256)

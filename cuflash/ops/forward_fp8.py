@@ -124,8 +124,10 @@ class Fp8Call:
         self.main = KernelCall([(build.get_kernel(spec, device_id), plan.check_grid((-(-sq // BLOCK_M), h, b)),
                                  (spec.threads,), build.smem_bytes(spec, device_id))], p, ())
         # (d, heads, rows, batch) maps, boxes of 128 columns (bytes); V^T (keys, d, heads_k, batch), D rows a box
-        self.maps = (tma.encoder("uint8", (d, h, sq, b), tuple(reversed(q_strides[:3])), (128, 1, BLOCK_M, 1)),
-                     tma.encoder("uint8", (d, hk, sk, b), tuple(reversed(k_strides[:3])), (128, 1, BLOCK_N, 1)),
+        self.maps = (tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides),
+                                 (128, 1, BLOCK_M, 1)),
+                     tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides),
+                                 (128, 1, BLOCK_N, 1)),
                      tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (BLOCK_N, spec.headdim, 1,
                                                                                            1)))
 
@@ -135,6 +137,14 @@ class Fp8Call:
         q_map, k_map, vt_map = self.maps
         self.main.launch_head(stream, q_map(q) + k_map(k) + vt_map(vt)
                               + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale))
+
+
+def _map_strides(shape: tuple, strides: tuple) -> tuple:
+    """A (batch, rows, heads, d) layout's byte strides as a tensor map takes them, (heads, rows, batch): an axis of
+    extent 1 is only read at index 0, so its stride becomes the contiguous one (TMA wants positive multiples of 16)."""
+    contiguous = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3])
+    batch, rows, heads = (s if n > 1 else c for n, s, c in zip(shape[:3], strides[:3], contiguous))
+    return heads, rows, batch
 
 
 def descale_stride(problem, descales) -> int:
