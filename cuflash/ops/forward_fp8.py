@@ -133,10 +133,10 @@ class Fp8Call:
 
     def __call__(self, stream: int, q: int, k: int, v: int, vt: int, o: int, lse: int = 0, q_descale: int = 0,
                  k_descale: int = 0, v_descale: int = 0) -> None:
-        self.transpose(stream, v, vt)
         q_map, k_map, vt_map = self.maps
-        self.main.launch_head(stream, q_map(q) + k_map(k) + vt_map(vt)
-                              + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale))
+        head = q_map(q) + k_map(k) + vt_map(vt) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale)
+        self.transpose(stream, v, vt)  # (after the maps: a map the driver refuses raises before any launch)
+        self.main.launch_head(stream, head)
 
 
 def _map_strides(shape: tuple, strides: tuple) -> tuple:
