@@ -23,8 +23,9 @@ EXTENSION_METADATA = 1          # XLA_FFI_Extension_Type
 ATTR_SCALAR, ATTR_STRING = 3, 4  # XLA_FFI_AttrType
 ERROR_INVALID_ARGUMENT, ERROR_INTERNAL = 3, 13  # XLA_FFI_Error_Code
 
-# XLA_FFI_DataType -> NumPy dtype name (bfloat16 is ml_dtypes')
-DATA_TYPES = {6: "uint8", 4: "int32", 8: "uint32", 10: "float16", 11: "float32", 16: "bfloat16"}
+# XLA_FFI_DataType -> NumPy dtype name (bfloat16 and float8_e4m3fn are ml_dtypes')
+DATA_TYPES = {6: "uint8", 4: "int32", 8: "uint32", 10: "float16", 11: "float32", 16: "bfloat16",
+              20: "float8_e4m3fn"}
 
 
 class ExtensionBase(ctypes.Structure):

@@ -34,18 +34,19 @@ import ml_dtypes  # noqa: E402
 from . import _xla_ffi as ffi  # noqa: E402
 from . import checks, runtime  # noqa: E402
 from .options import normalize_window, resolve  # noqa: E402
-from .ops import backward, forward  # noqa: E402
+from .ops import backward, forward, forward_fp8  # noqa: E402
 
-__all__ = ["attention", "attention_varlen", "backward_workspace_bytes"]
+__all__ = ["attention", "attention_fp8", "attention_varlen", "backward_workspace_bytes"]
 
 FWD_TARGET = "cuflash_attention_fwd"
 BWD_TARGET = "cuflash_attention_bwd"
 VARLEN_FWD_TARGET = "cuflash_attention_varlen_fwd"
 VARLEN_BWD_TARGET = "cuflash_attention_varlen_bwd"
+FP8_TARGET = "cuflash_attention_fp8"
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
            "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8), "int32": np.dtype(np.int32),
-           "uint32": np.dtype(np.uint32)}
+           "uint32": np.dtype(np.uint32), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -111,6 +112,49 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return _attention_varlen(*_padded(q, k, v), cu_seqlens_q, cu_seqlens_k, alibi_slopes, state,
                                  options.at_headdim(d))[..., :d]
     return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, state, options)
+
+
+def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                  window_size=(-1, -1), return_lse=False):
+    """:func:`cuflash.attention_fp8` on jax arrays: FP8 (e4m3) attention on Hopper, forward only (not differentiable).
+
+    Parameters
+    ----------
+    q : jax.Array, (batch, seqlen_q, nheads, headdim), float8_e4m3fn, on a CUDA GPU of sm_90a
+    k, v : jax.Array, (batch, seqlen_k, nheads_k, headdim), float8_e4m3fn; ``nheads % nheads_k == 0``
+        headdim a multiple of 16 up to 256.
+    q_descale, k_descale, v_descale : jax.Array of float32, optional
+        One value per tensor (shape () or (1,)) or one per (sequence, KV head), ``(batch, nheads_k)``. None: 1.
+    softmax_scale, causal, window_size, return_lse : as in :func:`attention` (static under ``jax.jit``)
+
+    Returns
+    -------
+    out : jax.Array, (batch, seqlen_q, nheads, headdim), bfloat16
+    lse : jax.Array, (batch, nheads, seqlen_q), float32 -- only if ``return_lse``
+
+    V^T is a third result of the call, XLA's buffer (docs/fp8.md), dropped here.
+    """
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    specs = []
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        spec = _spec(x, name)
+        if spec is not None and spec.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+            raise TypeError(f"{name}: dtype {spec.dtype} is not supported; expected float8_e4m3fn")
+        specs.append(spec if spec is None else checks.TensorSpec(name, spec.shape, np.dtype(np.uint8), spec.strides,
+                                                                 None))
+    problem = checks.check_attention_fp8(*specs, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                         **{n: _spec(x, n) for n, x in descales.items()})
+    forward_fp8.descale_stride(problem, [_spec(x, n) for n, x in descales.items()])  # mixed forms raise here
+    left, right = checks.window(causal, window_size)
+    present = tuple(x is not None for x in descales.values())
+    config = repr((None if softmax_scale is None else float(softmax_scale), left, right, present))
+    _register()
+    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
+    results = (jax.ShapeDtypeStruct((b, sq, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
+               jax.ShapeDtypeStruct((b, problem.nheads_k, d, -(-problem.seqlen_k // 32) * 32), jnp.uint8))
+    args = (q, k, v) + tuple(x for x in descales.values() if x is not None)
+    out, lse, _ = jax.ffi.ffi_call(FP8_TARGET, results, vmap_method="sequential")(*args, config=config)
+    return (out, lse) if return_lse else out
 
 
 def _dropout_state(dropout_p, key):
@@ -458,6 +502,32 @@ def _build_backward(device, frame, varlen: bool = False):
     return launch
 
 
+def _parse_fp8(frame):
+    """(options, problem, inputs, outputs, slots) of an FP8 call: options (softmax_scale, left, right); inputs q, k,
+    v and the descales present; slots: the input index of q_descale, k_descale, v_descale (None where absent);
+    outputs out, lse and V^T's workspace."""
+    scale, left, right, present = ast.literal_eval(ffi.string_attr(frame, "config").decode())
+    ins, outs = ffi.buffers(frame.args), ffi.buffers(frame.rets)
+    slots = [3 + sum(present[:i]) if given else None for i, given in enumerate(present)]
+    return (scale, left, right), _problem(ins[0], ins[1]), ins, outs, slots
+
+
+def _build_fp8(device, frame):
+    """The FP8 forward's launch for the call of `frame` (_parse_fp8)."""
+    (scale, left, right), problem, ins, outs, slots = _parse_fp8(frame)
+    descales = [None if j is None else _buffer_spec(ins[j], "descale") for j in slots]
+    call = forward_fp8.Fp8Call(problem, *(_buffer_spec(b, x).strides for b, x in zip(ins, "qkv")), left, right,
+                               scale, forward_fp8.descale_stride(problem, descales), device)
+
+    def launch(stream, i, o):
+        call(stream, i[0], i[1], i[2], o[2], o[0], o[1], *(0 if j is None else i[j] for j in slots))
+    return launch
+
+
+def _run_fp8(frame):
+    _run(frame, FP8_TARGET, _build_fp8)
+
+
 def _run_forward(frame):
     _run(frame, FWD_TARGET, _build_forward)
 
@@ -478,10 +548,11 @@ _handlers: dict = {}
 
 
 def _register() -> None:
-    """Registers both targets with XLA for CUDA, once (the handlers must outlive every call)."""
+    """Registers the targets with XLA for CUDA, once (the handlers must outlive every call)."""
     if _handlers:
         return
     for name, run in ((FWD_TARGET, _run_forward), (BWD_TARGET, _run_backward),
-                      (VARLEN_FWD_TARGET, _run_varlen_forward), (VARLEN_BWD_TARGET, _run_varlen_backward)):
+                      (VARLEN_FWD_TARGET, _run_varlen_forward), (VARLEN_BWD_TARGET, _run_varlen_backward),
+                      (FP8_TARGET, _run_fp8)):
         _handlers[name] = handler = ffi.make_handler(run)
         jax.ffi.register_ffi_target(name, ffi.capsule(handler), platform="CUDA", api_version=1)

@@ -93,12 +93,28 @@ def _host_varlen_backward(frame):
         _np(dst)[...] = g.astype(_np(dst).dtype)
 
 
+def _host_fp8(frame):
+    """The FP8 call as the CUDA handler parses it (cuflash.jax._parse_fp8), computed by reference.attention_fp8;
+    V^T's workspace scribbled on."""
+    (scale, left, right), problem, ins, outs, slots = cuflash.jax._parse_fp8(frame)
+    assert (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim) == ins[0][1]
+    q8, k8, v8 = (_np(b) for b in ins[:3])
+    descales = {n: None if j is None else _np(ins[j]) for n, j in zip(("q_descale", "k_descale", "v_descale"), slots)}
+    descales = {n: d if d is None or d.size > 1 else d.reshape(()) for n, d in descales.items()}  # (1,): per tensor
+    out, lse = (_np(b) for b in outs[:2])
+    o, l = reference.attention_fp8(q8, k8, v8, softmax_scale=scale, window_size=(left, right), return_lse=True,
+                                   **descales)
+    out[...], lse[...] = o.astype(out.dtype), l
+    _np(outs[2])[...] = 0xAB
+
+
 @pytest.fixture(scope="module", autouse=True)
 def host_targets():
     if not _host_handlers:
         for name, run in ((cuflash.jax.FWD_TARGET, _host_forward), (cuflash.jax.BWD_TARGET, _host_backward),
                           (cuflash.jax.VARLEN_FWD_TARGET, _host_varlen_forward),
-                          (cuflash.jax.VARLEN_BWD_TARGET, _host_varlen_backward)):
+                          (cuflash.jax.VARLEN_BWD_TARGET, _host_varlen_backward),
+                          (cuflash.jax.FP8_TARGET, _host_fp8)):
             handler = _xla_ffi.make_handler(run)
             _host_handlers.append(handler)
             jax.ffi.register_ffi_target(name, _xla_ffi.capsule(handler), platform="cpu", api_version=1)
@@ -371,3 +387,39 @@ def test_unsupported_dropout_backward_fails_at_trace_time():
 
     with pytest.raises(NotImplementedError, match="dropout at head dim 200"):
         jax.grad(loss)(q)
+
+
+@pytest.mark.parametrize("per", ["tensor", "head", None])
+def test_fp8_under_jit_reaches_the_handler(per):
+    """cuflash.jax.attention_fp8 under jit: e4m3 arrays, the descales present (or none) and the options reach the
+    handler in the order it reads them; the result is the FP8 reference's."""
+    rng = np.random.default_rng(3)
+    x = {n: rng.standard_normal(shape) for n, shape in (("q", (2, 40, 4, 32)), ("k", (2, 70, 2, 32)),
+                                                         ("v", (2, 70, 2, 32)))}
+    args, descales = {}, {}
+    for n, a in x.items():
+        args[n], d = reference.quantize_e4m3(a, per or "tensor", nheads_k=2)
+        if per:
+            descales[n + "_descale"] = jnp.asarray(np.asarray(d, np.float32).reshape(np.shape(d) or (1,)))
+    f = jax.jit(lambda q, k, v, ds: cuflash.jax.attention_fp8(q, k, v, causal=True, window_size=(9, -1),
+                                                              softmax_scale=0.3, return_lse=True, **ds))
+    out, lse = f(*(jnp.asarray(args[n]) for n in "qkv"), descales)
+    want, want_lse = reference.attention_fp8(args["q"], args["k"], args["v"], causal=True, window_size=(9, -1),
+                                             softmax_scale=0.3, return_lse=True,
+                                             **{n: np.asarray(d).reshape(np.shape(d) if per == "head" else ())
+                                                for n, d in descales.items()})
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_trace_time_checks():
+    q = jnp.zeros((1, 8, 2, 32), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="q: dtype bfloat16 is not supported; expected float8_e4m3fn"):
+        cuflash.jax.attention_fp8(q.astype(jnp.bfloat16), q, q)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        cuflash.jax.attention_fp8(*(jnp.zeros((1, 8, 2, 40), jnp.float8_e4m3fn),) * 3)
+    with pytest.raises(ValueError, match="cannot be mixed"):
+        cuflash.jax.attention_fp8(q, q, q, q_descale=jnp.ones((1, 2), jnp.float32),
+                                  k_descale=jnp.ones((1,), jnp.float32))
+

@@ -143,3 +143,24 @@ def test_fp8_forward_from_torch_matches_cupy():
     assert np.array_equal(lse.cpu().numpy(), cupy.asnumpy(want_lse))
     with pytest.raises(TypeError, match="q: dtype torch.bfloat16 is not supported; expected torch.float8_e4m3fn"):
         cft.attention_fp8(q8.to(torch.bfloat16), k8, v8)
+
+
+def test_fp8_forward_from_jax_matches_cupy():
+    """cuflash.jax.attention_fp8 under jit on float8_e4m3fn arrays: the CuPy call's result, bit for bit."""
+    jax = pytest.importorskip("jax")
+    import cupy
+    import jax.numpy as jnp
+    import cuflash.jax as cfj
+    if not hopper():
+        pytest.skip("the FP8 kernel is sm_90a's")
+    args = make(np.random.default_rng(9), 2, 150, 333, 4, 2, 128, "head")
+    q8, k8, v8 = (jnp.asarray(args[n + "8"]) for n in "qkv")
+    ds = {n + "_descale": jnp.asarray(np.asarray(args[n + "_descale"], np.float32)) for n in "qkv"}
+    f = jax.jit(lambda q, k, v, qd, kd, vd: cfj.attention_fp8(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
+                                                               window_size=(50, 3), return_lse=True))
+    out, lse = f(q8, k8, v8, ds["q_descale"], ds["k_descale"], ds["v_descale"])
+    cq, ck, cv = (cupy.asarray(args[n + "8"].view(np.uint8)) for n in "qkv")
+    cds = {n + "_descale": cupy.asarray(np.asarray(args[n + "_descale"], np.float32)) for n in "qkv"}
+    want, want_lse = cuflash.attention_fp8(cq, ck, cv, window_size=(50, 3), return_lse=True, **cds)
+    assert np.array_equal(np.asarray(out).view(np.uint16), cupy.asnumpy(want).view(np.uint16))
+    assert np.array_equal(np.asarray(lse), cupy.asnumpy(want_lse))
