@@ -303,6 +303,12 @@ template <class T> __device__ __forceinline__ void wgmma_m64n176k16_ss(float (&d
     if constexpr (T::is_bf16) CUFLASH_SS_N176("bf16");
     else CUFLASH_SS_N176("f16");
 }
+// e4m3 (the FP8 forward): S (+)= Q K^T of a 128-key block, k = 32, both operands K-major (wgmma takes no
+// transpose of 8-bit types): d[4j + e] for the 16 column groups j of 8.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], unsigned long long a_desc,
+                                                         unsigned long long b_desc, bool accumulate) {
+    CUFLASH_WGMMA_SS("m64n128k32", "e4m3", CUFLASH_D64, CUFLASH_ACC64, "%66", "%64, %65, acc, 1, 1");
+}
 #undef CUFLASH_SS_N176
 #undef CUFLASH_SS_N128
 #undef CUFLASH_SS_N32
@@ -339,41 +345,18 @@ template <class T> __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d
 }
 #undef CUFLASH_RS_N128
 
-// e4m3 operands (the FP8 forward, fwd_fp8_sm90.cu): k = 32, both operands K-major (wgmma takes no transpose of 8-bit
-// types). Per thread the accumulators are laid out as in the 16-bit forms; A from registers is the m16n8k32 A fragment
-// of each warp's 16 rows: a[0] row l/4, k 4(l%4) .. +3 (byte i: k + i), a[1] row + 8, a[2] and a[3] k + 16.
-#define CUFLASH_WGMMA_SS_8(SHAPE, DREGS, ACC_OPERANDS, PRED, AFTER)                                               \
-    asm volatile("{\n"                                                                                            \
-                 ".reg .pred acc;\n"                                                                              \
-                 "setp.ne.b32 acc, " PRED ", 0;\n"                                                                \
-                 "wgmma.mma_async.sync.aligned." SHAPE ".f32.e4m3.e4m3 " DREGS AFTER ";\n"                        \
-                 "}\n"                                                                                            \
-                 : ACC_OPERANDS                                                                                   \
-                 : "l"(a_desc), "l"(b_desc), "r"((int)accumulate))
-#define CUFLASH_WGMMA_RS_8(SHAPE, DREGS, ACC_OPERANDS, PRED, AFTER)                                               \
-    asm volatile("{\n"                                                                                            \
-                 ".reg .pred acc;\n"                                                                              \
-                 "setp.ne.b32 acc, " PRED ", 0;\n"                                                                \
-                 "wgmma.mma_async.sync.aligned." SHAPE ".f32.e4m3.e4m3 " DREGS AFTER ";\n"                        \
-                 "}\n"                                                                                            \
-                 : ACC_OPERANDS                                                                                   \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"((int)accumulate))
-// S (+)= Q K^T of a 128-key block: d[4j + e] for the 16 column groups j of 8.
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], unsigned long long a_desc,
-                                                         unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_SS_8("m64n128k32", CUFLASH_D64, CUFLASH_ACC64, "%66", "%64, %65, acc, 1, 1");
-}
-// O (+)= P V over 32 keys, N = 128 or 64 columns of the head dim (B = V^T, rows of the head dim, keys contiguous).
+// e4m3 (the FP8 forward, fwd_fp8_sm90.cu): O (+)= P V over 32 keys, N = 128 or 64 columns of the head dim, B = V^T
+// K-major (rows of the head dim, keys contiguous). The accumulators are laid out as in the 16-bit forms; A from
+// registers is the m16n8k32 A fragment of each warp's 16 rows: a[0] row l/4, k 4(l%4) .. +3 (byte i: k + i), a[1]
+// row + 8, a[2] and a[3] k + 16.
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u32 (&a)[4], unsigned long long b_desc,
                                                          bool accumulate) {
-    CUFLASH_WGMMA_RS_8("m64n128k32", CUFLASH_D64, CUFLASH_ACC64, "%69", "{%64, %65, %66, %67}, %68, acc, 1, 1");
+    CUFLASH_WGMMA_RS("m64n128k32", "e4m3", CUFLASH_D64, CUFLASH_ACC64, "%69", "{%64, %65, %66, %67}, %68, acc, 1, 1");
 }
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const u32 (&a)[4], unsigned long long b_desc,
                                                         bool accumulate) {
-    CUFLASH_WGMMA_RS_8("m64n64k32", CUFLASH_D32, CUFLASH_ACC32, "%37", "{%32, %33, %34, %35}, %36, acc, 1, 1");
+    CUFLASH_WGMMA_RS("m64n64k32", "e4m3", CUFLASH_D32, CUFLASH_ACC32, "%37", "{%32, %33, %34, %35}, %36, acc, 1, 1");
 }
-#undef CUFLASH_WGMMA_RS_8
-#undef CUFLASH_WGMMA_SS_8
 
 // Four floats -> one register of four e4m3 bytes, x0 in the lowest (round to nearest even, saturating at +-448).
 __device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {

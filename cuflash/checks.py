@@ -188,20 +188,10 @@ def check_attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=No
     bytes (TMA's rule); each descale None, one float32 value (shape () or (1,)), or float32 ``(batch, nheads_k)``
     contiguous."""
     q, k, v = _spec(q, "q"), _spec(k, "k"), _spec(v, "v")
-    _check_tensor(q, Q_AXES)
-    _check_dtype(q, FP8_DTYPES)
-    _check_headdim(q)
-    for x in (k, v):
-        _check_tensor(x, K_AXES)
-        _check_same_dtype(x, q)
-    for axis, label in enumerate(K_AXES):
-        _same_axis(v, axis, k, axis, label)
-    _same_axis(k, -1, q, -1, "head dim")
+    _check_qkv(q, k, v, Q_AXES, K_AXES, FP8_DTYPES)
     _same_axis(k, 0, q, 0, "batch")
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k.shape[2]
-    if nheads % nheads_k:
-        raise ValueError(f"nheads (q axis 2) = {nheads} is not a multiple of nheads_k (k axis 2) = {nheads_k}")
     _check_options(softmax_scale, causal, window_size, 0.0, None, batch, nheads)
     descales = [_spec(x, name, required=False) for x, name in
                 ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
@@ -446,11 +436,11 @@ def _check_new_kv(q, k, v, k_cache, seqlen_k, cache_seqlens) -> int:
 # Shared sub-checks
 # --------------------------------------------------------------------------------------------
 
-def _check_qkv(q, k, v, q_axes, k_axes):
-    """q, k, v: rank, dtype, layout, head dim, v shaped like k, and nheads a multiple of
+def _check_qkv(q, k, v, q_axes, k_axes, dtypes=ATTENTION_DTYPES):
+    """q, k, v: rank, dtype (one of `dtypes`), layout, head dim, v shaped like k, and nheads a multiple of
     nheads_k. Batch matching is left to the caller (the KV cache's batch differs)."""
     _check_tensor(q, q_axes)
-    _check_dtype(q, ATTENTION_DTYPES)
+    _check_dtype(q, dtypes)
     _check_headdim(q)
     for x in (k, v):
         _check_tensor(x, k_axes)
