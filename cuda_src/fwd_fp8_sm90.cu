@@ -179,11 +179,11 @@ struct FwdFp8 {
     // while P V still computes (the bf16 forward's ping-pong and software pipelining, fwd_sm90_mainloop.cuh). Every
     // arrival is consumed: warpgroup 1 skips its last hand-over.
     __device__ __forceinline__ void my_turn() const { sm90::named_sync<256>(1 + wg); }
-    __device__ __forceinline__ void your_turn() const { sm90::named_arrive<256>(2 - wg); }
+    __device__ __forceinline__ void your_turn() const { sm90::named_arrive(2 - wg, 256); }
     __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, float scale_log2) {
         float sc[1][BN / 8][4], alpha[1][2];
         u32 pa[BN / 32][4];
-        if (wg == 1) sm90::named_arrive<256>(1);
+        if (wg == 1) sm90::named_arrive(1, 256);
         sm90::mbar_wait(full(0), 0);
         my_turn();
         sm90::wgmma_fence();

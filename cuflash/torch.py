@@ -262,35 +262,18 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
 
     Not differentiable. V is transposed into a workspace first (docs/fp8.md).
     """
-    specs = {}
-    for name, t in (("q", q), ("k", k), ("v", v), ("q_descale", q_descale), ("k_descale", k_descale),
-                    ("v_descale", v_descale)):
-        if t is None:
-            specs[name] = None
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
-        want = torch.float32 if name.endswith("descale") else torch.float8_e4m3fn
-        if t.dtype != want:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected {want}")
-        if t.device.type != "cuda":
-            raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
-        if name in ("q", "k", "v") and t.data_ptr() % 16:
-            raise ValueError(f"{name}: data pointer {t.data_ptr():#x} is not 16-byte aligned")
-        dtype = np.dtype(np.uint8 if name in ("q", "k", "v") else np.float32)
-        specs[name] = checks.TensorSpec(name, tuple(t.shape), dtype, tuple(t.stride()), t.device.index)
-    problem = checks.check_attention_fp8(specs["q"], specs["k"], specs["v"], q_descale=specs["q_descale"],
-                                         k_descale=specs["k_descale"], v_descale=specs["v_descale"],
-                                         softmax_scale=softmax_scale, causal=causal, window_size=window_size)
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    forward_fp8.require_hopper(index)
-    left, right = checks.window(causal, window_size)
     descales = (q_descale, k_descale, v_descale)
-    with cupy.cuda.Device(index):
-        call = forward_fp8.Fp8Call(problem, q.stride(), k.stride(), v.stride(), left, right, softmax_scale,
-                                   forward_fp8.descale_stride(problem, [specs[n] for n in
-                                                                        ("q_descale", "k_descale", "v_descale")]),
-                                   index)
+    try:
+        key = ("fp8", softmax_scale, causal, window_size, *(_signature(t) for t in (q, k, v) + descales))
+        call = _plans.get(key)
+    except (AttributeError, TypeError):  # something that is not a tensor, or unhashable: the checks say what
+        key = call = None
+    if call is None:
+        call = _plan(key, lambda: _fp8_call(q, k, v, descales, softmax_scale, causal, window_size))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name}: data pointer {t.data_ptr():#x} is not 16-byte aligned")
+    index = call.device_id
     b, sq, h, d = q.shape
     out = torch.empty((b, sq, h, d), dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device) if return_lse else None
@@ -305,6 +288,34 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
         if previous != index:
             _set_device(previous)
     return (out, lse) if return_lse else out
+
+
+def _fp8_call(q, k, v, descales, softmax_scale, causal, window_size):
+    """attention_fp8's checks and its launch for this signature (forward_fp8.Fp8Call)."""
+    specs = {}
+    for name, t in zip(("q", "k", "v", "q_descale", "k_descale", "v_descale"), (q, k, v) + descales):
+        if t is None:
+            specs[name] = None
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+        want = torch.float32 if name.endswith("descale") else torch.float8_e4m3fn
+        if t.dtype != want:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected {want}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
+        dtype = np.dtype(np.uint8 if name in ("q", "k", "v") else np.float32)
+        specs[name] = checks.TensorSpec(name, tuple(t.shape), dtype, tuple(t.stride()), t.device.index)
+    problem = checks.check_attention_fp8(specs["q"], specs["k"], specs["v"], q_descale=specs["q_descale"],
+                                         k_descale=specs["k_descale"], v_descale=specs["v_descale"],
+                                         softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    forward_fp8.require_hopper(index)
+    left, right = checks.window(causal, window_size)
+    stride = forward_fp8.descale_stride(problem, [specs[n] for n in ("q_descale", "k_descale", "v_descale")])
+    with cupy.cuda.Device(index):
+        return forward_fp8.Fp8Call(problem, q.stride(), k.stride(), v.stride(), left, right, softmax_scale, stride,
+                                   index)
 
 
 def _window(causal, window_size) -> tuple:

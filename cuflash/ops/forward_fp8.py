@@ -99,14 +99,14 @@ class Fp8Call:
     float32 ``(batch, nheads, seqlen_q)``. The tensor maps embed the addresses: encoded per call (cached per pointer by
     cuflash.tma)."""
 
-    __slots__ = ("transpose", "main", "maps", "vt_shape")
+    __slots__ = ("transpose", "main", "maps", "vt_shape", "device_id")
 
     def __init__(self, problem, q_strides: tuple, k_strides: tuple, v_strides: tuple, left: int, right: int,
                  softmax_scale: float | None, descale_stride: int, device_id: int):
         b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
         sk, hk = problem.seqlen_k, problem.nheads_k
         keys = -(-sk // 32) * 32
-        self.vt_shape = (b, hk, d, keys)
+        self.vt_shape, self.device_id = (b, hk, d, keys), device_id
         spec = kernel_spec(d, left >= 0 or right >= 0)
         tp = np.zeros((), dtype=TRANSPOSE_DTYPE)
         tp["v_batch_stride"], tp["v_row_stride"], tp["v_head_stride"] = v_strides[:3]
@@ -147,6 +147,14 @@ def _map_strides(shape: tuple, strides: tuple) -> tuple:
     return heads, rows, batch
 
 
+_calls: dict = {}  # key of an attention_fp8() call (runtime.call_key) -> its Fp8Call
+
+
+@settings.on_change
+def _forget() -> None:
+    _calls.clear()
+
+
 def descale_stride(problem, descales) -> int:
     """FwdFp8Params::descale_batch_stride of a call's descales (arrays or TensorSpecs, None where absent): 0 for
     per-tensor ones, nheads_k for per-(sequence, KV head) ones; a mix is a ValueError."""
@@ -180,21 +188,22 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
     :func:`cuflash.reference.attention_fp8` (docs/fp8.md). V is first transposed into a workspace of
     ``batch nheads_k headdim ceil(seqlen_k / 32) 32`` bytes (one extra pass over V).
     """
-    problem = checks.check_attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                         softmax_scale=softmax_scale, causal=causal, window_size=window_size)
-    runtime.require_gpu()
-    import cupy
-    device = q.device.id
-    require_hopper(device)
+    descales = (q_descale, k_descale, v_descale)
+    key, call = runtime.kept(_calls, (q, k, v) + descales, (softmax_scale, causal, window_size))
+    if call is None:
+        problem = checks.check_attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                             softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+        runtime.require_gpu()
+        require_hopper(q.device.id)
+        left, right = checks.window(causal, window_size)
+        call = runtime.keep(_calls, key, Fp8Call(problem, q.strides, k.strides, v.strides, left, right, softmax_scale,
+                                                 descale_stride(problem, descales), q.device.id))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.data.ptr % 16:
             raise ValueError(f"{name}: data pointer {x.data.ptr:#x} is not 16-byte aligned")
-    left, right = checks.window(causal, window_size)
-    descales = (q_descale, k_descale, v_descale)
+    import cupy
     b, sq, h, d = q.shape
-    with cupy.cuda.Device(device):
-        call = Fp8Call(problem, q.strides, k.strides, v.strides, left, right, softmax_scale,
-                       descale_stride(problem, descales), device)
+    with cupy.cuda.Device(q.device.id):
         out = cupy.empty((b, sq, h, d), dtype=BF16)
         lse = cupy.empty((b, h, sq), dtype=np.float32) if return_lse else None
         vt = cupy.empty(call.vt_shape, dtype=np.uint8)
