@@ -1,6 +1,7 @@
 // FP8 (e4m3) forward attention on Hopper (sm_90a): TMA loads and wgmma with k = 32.
 //
-// Q, K (batch, seqlen, heads, d) and V^T (batch, heads_k, d, keys) in e4m3; O bf16 and lse float32. V^T comes from
+// Q, K (batch, seqlen, heads, d), or packed sequences (total, heads, d) with cu_seqlens (seqlen.cuh), and V^T
+// (batch, heads_k, d, keys) in e4m3; O bf16 and lse float32. V^T comes from
 // fp8_transpose_v (fwd_fp8_aux.cu), which also orders the keys of each 32-key chunk so that P's e4m3 fragments pack
 // straight from the S accumulators: for O += P V (wgmma A from registers, k = 32) a thread's register a[0] holds
 // keys 4c .. 4c + 3 (c = lane % 4) of its row, while the accumulators of S give it keys 2c, 2c + 1, 2c + 8, 2c + 9
@@ -20,21 +21,27 @@
 #include "mma.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
+#include "seqlen.cuh"
 
 namespace cuflash {
 
 struct FwdFp8Params {
-    sm90::TmaMap q;   // u8 (d, heads, seqlen_q, batch), box (128, 1, 128, 1): 128 columns (bytes) of 128 rows
-    sm90::TmaMap k;   // u8 (d, heads_k, seqlen_k, batch), box (128, 1, 128, 1)
+    sm90::TmaMap q;   // u8 (d, heads, seqlen_q, batch), box (128, 1, 128, 1): 128 columns (bytes) of 128 rows;
+                      // packed: (d, heads, total_q), box (128, 1, 128)
+    sm90::TmaMap k;   // u8 (d, heads_k, seqlen_k, batch), box (128, 1, 128, 1); packed: (d, heads_k, total_k)
     sm90::TmaMap vt;  // u8 (keys, d, heads_k, batch), keys a multiple of 32, box (128, D, 1, 1)
-    u16* o;           // bf16 (batch, seqlen_q, heads, headdim)
-    float* lse;       // (batch, heads, seqlen_q) contiguous, or nullptr
+    u16* o;           // bf16 (batch, seqlen_q, heads, headdim), packed (total_q, heads, headdim)
+    float* lse;       // (batch, heads, seqlen_q) contiguous, packed (heads, total_q), or nullptr
     const float* q_descale;  // each nullptr (1), one value, or (batch, heads_k) contiguous (descale_batch_stride)
     const float* k_descale;
     const float* v_descale;
-    i64 o_batch_stride, o_row_stride, o_head_stride;
+    const int* cu_seqlens_q;  // packed sequences (seqlen.cuh), or nullptr for a padded batch
+    const int* cu_seqlens_k;
+    i64 o_batch_stride, o_row_stride, o_head_stride;  // packed: the row stride is the batch stride (seqlen.cuh)
     int descale_batch_stride;  // 0: one value per tensor; else heads_k
-    int seqlen_q, seqlen_k, nheads, heads_per_kv, window_left, window_right, headdim;
+    int seqlen_q, seqlen_k;    // padded: the lengths; packed: their maxima
+    int rows_q, rows_k;        // packed: total_q, total_k, the bounds of sequences read from cu_seqlens
+    int nheads, heads_per_kv, window_left, window_right, headdim;
     float scale_log2;  // softmax_scale log2(e); the kernel multiplies in q_descale k_descale
 };
 static_assert(sizeof(FwdFp8Params) == 512, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
@@ -60,6 +67,8 @@ struct FwdFp8 {
     int tid, wg, warp, lane;
     u32 base;
     int row0, h, h_kv, b;
+    int q_begin, k_begin, seqlen_q;  // this sequence (SeqInfo, bounded by rows_q / rows_k when packed)
+    bool packed;
     Mask<BAND> mask;
     OnlineSoftmax<1> softmax;
     float acc_o[1][D / 8][4];
@@ -76,15 +85,15 @@ struct FwdFp8 {
         sm90::mbar_arrive_expect_tx(q_full(), Q_BYTES);
 #pragma unroll
         for (int pn = 0; pn < PANELS; ++pn)
-            sm90::tma_load_4d(base + pn * Q_PANEL, &p.q, pn * 128, h, row0, b, q_full());
+            sm90::tma_load_rows(base + pn * Q_PANEL, &p.q, packed, pn * 128, h, q_begin, row0, b, q_full());
         for (int t = 0; t < count; ++t) {
             const int slot = t % STAGES, n = range.n_max - 1 - t;
             if (t >= STAGES) sm90::mbar_wait(empty(slot), ((t / STAGES) & 1) ^ 1);
             sm90::mbar_arrive_expect_tx(full(slot), K_BYTES + V_BYTES);
 #pragma unroll
             for (int pn = 0; pn < PANELS; ++pn)
-                sm90::tma_load_4d(base + OFF_K + slot * K_BYTES + pn * K_PANEL, &p.k, pn * 128, h_kv, n * BN, b,
-                                  full(slot));
+                sm90::tma_load_rows(base + OFF_K + slot * K_BYTES + pn * K_PANEL, &p.k, packed, pn * 128, h_kv,
+                                    k_begin, n * BN, b, full(slot));
             sm90::tma_load_4d(base + OFF_V + slot * V_BYTES, &p.vt, n * BN, 0, h_kv, b, full(slot));
         }
     }
@@ -223,9 +232,12 @@ struct FwdFp8 {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
-            if (r >= p.seqlen_q) continue;
-            if (p.lse != nullptr && lane % 4 == 0) p.lse[((i64)b * p.nheads + h) * p.seqlen_q + r] = lse[0][hh];
-            u16* o_row = p.o + b * p.o_batch_stride + r * p.o_row_stride + h * p.o_head_stride;
+            if (r >= seqlen_q) continue;
+            if (p.lse != nullptr && lane % 4 == 0) {  // (batch, heads, seqlen_q), packed (heads, total_q)
+                const i64 at = packed ? (i64)h * p.rows_q + q_begin + r : ((i64)b * p.nheads + h) * p.seqlen_q + r;
+                p.lse[at] = lse[0][hh];
+            }
+            u16* o_row = p.o + SeqInfo::offset(q_begin, p.o_batch_stride, p.o_row_stride, r) + h * p.o_head_stride;
 #pragma unroll
             for (int dt = 0; dt < D / 8; ++dt) {
                 const int col = 8 * dt + 2 * (lane % 4);
@@ -247,7 +259,19 @@ struct FwdFp8 {
         h = blockIdx.y;
         b = blockIdx.z;
         h_kv = h / p.heads_per_kv;
-        mask = Mask<BAND>{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.window_left, p.window_right};
+        SeqInfo seq(p, b);
+        packed = p.cu_seqlens_q != nullptr;
+        if (packed) {  // cu_seqlens come from device memory: sequences stay inside q's and k's rows
+            seq.q_begin = min(max(seq.q_begin, 0), p.rows_q);
+            seq.k_begin = min(max(seq.k_begin, 0), p.rows_k);
+            seq.seqlen_q = min(seq.seqlen_q, p.rows_q - seq.q_begin);
+            seq.seqlen_k = max(min(seq.seqlen_k, p.rows_k - seq.k_begin), 0);
+        }
+        q_begin = seq.q_begin;
+        k_begin = seq.k_begin;
+        seqlen_q = seq.seqlen_q;
+        if (row0 >= seqlen_q) return;  // a tile past this sequence's rows (the grid covers the longest)
+        mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
         const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
         const int count = sm90::warp_uniform(max(range.n_max - range.n_min, 0));
         if (tid == 0) {

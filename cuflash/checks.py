@@ -193,8 +193,29 @@ def check_attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=No
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k.shape[2]
     _check_options(softmax_scale, causal, window_size, 0.0, None, batch, nheads)
-    descales = [_spec(x, name, required=False) for x, name in
-                ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
+    _check_fp8(q, k, v, (q_descale, k_descale, v_descale), batch, nheads_k)
+    return Problem(batch, seqlen_q, k.shape[1], nheads, nheads_k, headdim, q.dtype)
+
+
+def check_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, q_descale=None,
+                     k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                     window_size=(-1, -1)) -> Problem:
+    """Check the arguments of ``attention_varlen_fp8``: :func:`check_varlen`'s layouts (q ``(total_q, nheads, d)``,
+    k/v ``(total_k, nheads_k, d)``, cu_seqlens, max_seqlen) with the e4m3 bits as uint8, and
+    :func:`check_attention_fp8`'s head dim, strides and descales, ``(batch, nheads_k)`` for the batch of
+    sequences."""
+    problem = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           headdim_multiple=1, dtypes=FP8_DTYPES)
+    _check_fp8(_spec(q, "q"), _spec(k, "k"), _spec(v, "v"), (q_descale, k_descale, v_descale), problem.batch,
+               problem.nheads_k)
+    return problem
+
+
+def _check_fp8(q, k, v, descales, batch: int, nheads_k: int) -> None:
+    """The FP8 kernel's own rules: descales, head dim a multiple of 16, 16-byte strides (q, k, v TensorSpecs)."""
+    descales = [_spec(x, name, required=False) for x, name in zip(descales, ("q_descale", "k_descale", "v_descale"))]
+    headdim = q.shape[-1]
     for x in descales:
         if x is None:
             continue
@@ -206,13 +227,12 @@ def check_attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=No
             raise ValueError(f"{x.name}: must be contiguous, got strides {x.strides} (elements)")
     _same_device(q, k, v, *descales)
     if headdim % 16:
-        raise ValueError(f"q: head dim (axis 3) is {headdim}; the FP8 kernel takes multiples of 16")
+        raise ValueError(f"q: head dim (axis {len(q.shape) - 1}) is {headdim}; the FP8 kernel takes multiples of 16")
     for x in (q, k, v):
-        for axis in range(3):
+        for axis in range(len(x.shape) - 1):
             if x.shape[axis] > 1 and x.strides[axis] % 16:
                 raise ValueError(f"{x.name}: stride of axis {axis} is {x.strides[axis]} bytes; the FP8 kernel's TMA "
                                  "loads need multiples of 16")
-    return Problem(batch, seqlen_q, k.shape[1], nheads, nheads_k, headdim, q.dtype)
 
 
 def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
@@ -239,7 +259,7 @@ def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                  alibi_slopes=None, block_table=None, seqused_k=None, dropout_p=0.0,
-                 headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
+                 headdim_multiple=HEADDIM_MULTIPLE, dtypes=ATTENTION_DTYPES) -> Problem:
     """Check the arguments of ``attention_varlen``.
 
     q ``(total_q, nheads, d)``, k/v ``(total_k, nheads_k, d)`` or with block_table (int32
@@ -254,13 +274,13 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     block_table = _spec(block_table, "block_table", required=False)
     seqused_k = _spec(seqused_k, "seqused_k", required=False)
     if block_table is not None:
-        _check_qkv(q, k, v, VARLEN_Q_AXES, PAGED_CACHE_AXES)
+        _check_qkv(q, k, v, VARLEN_Q_AXES, PAGED_CACHE_AXES, dtypes)
         if k.shape[1] % PAGE_MULTIPLE:
             raise ValueError(f"{k.name}: page_size (axis 1) is {k.shape[1]}; "
                              f"must be a positive multiple of {PAGE_MULTIPLE}")
         _check_index(block_table, ("batch", "max_pages"))
     else:
-        _check_qkv(q, k, v, VARLEN_Q_AXES, VARLEN_K_AXES)
+        _check_qkv(q, k, v, VARLEN_Q_AXES, VARLEN_K_AXES, dtypes)
     if seqused_k is not None:
         _check_index(seqused_k, ("batch",))
     for cu in (cu_q, cu_k):

@@ -47,7 +47,7 @@ from . import checks, runtime, settings  # noqa: E402
 from .ops import backward, decode, forward, forward_fp8  # noqa: E402
 from .options import resolve  # noqa: E402
 
-__all__ = ["attention", "attention_fp8", "attention_varlen", "attention_with_kvcache"]
+__all__ = ["attention", "attention_fp8", "attention_varlen", "attention_varlen_fp8", "attention_with_kvcache"]
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -262,60 +262,98 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
 
     Not differentiable. V is transposed into a workspace first (docs/fp8.md).
     """
-    descales = (q_descale, k_descale, v_descale)
+    return _fp8(q, k, v, (q_descale, k_descale, v_descale), None, softmax_scale, causal, window_size, return_lse)
+
+
+def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, q_descale=None,
+                         k_descale=None, v_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         return_lse=False):
+    """:func:`cuflash.attention_varlen_fp8` on torch tensors: :func:`attention_fp8` over packed sequences.
+
+    Parameters
+    ----------
+    q : torch.Tensor, (total_q, nheads, headdim), torch.float8_e4m3fn
+    k, v : torch.Tensor, (total_k, nheads_k, headdim), torch.float8_e4m3fn
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor, int32, (batch + 1,), on q's device
+    max_seqlen_q, max_seqlen_k : int
+    q_descale, k_descale, v_descale : torch.Tensor of float32, optional: per tensor or ``(batch, nheads_k)``
+    softmax_scale, causal, window_size, return_lse : as in :func:`attention_fp8`, per sequence
+
+    Returns
+    -------
+    out : torch.Tensor, (total_q, nheads, headdim), bfloat16; rows outside every sequence are not written
+    lse : torch.Tensor, (nheads, total_q), float32 -- only if ``return_lse``
+    """
+    return _fp8(q, k, v, (q_descale, k_descale, v_descale), (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                softmax_scale, causal, window_size, return_lse)
+
+
+def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_lse):
+    """attention_fp8 (varlen None) and attention_varlen_fp8: plan once per signature, then launch."""
+    cu = varlen[:2] if varlen else (None, None)
     try:
-        key = ("fp8", softmax_scale, causal, window_size, *(_signature(t) for t in (q, k, v) + descales))
+        key = ("fp8", softmax_scale, causal, window_size, *(varlen[2:] if varlen else ()),
+               *(_signature(t) for t in (q, k, v) + descales + cu))
         call = _plans.get(key)
     except (AttributeError, TypeError):  # something that is not a tensor, or unhashable: the checks say what
         key = call = None
     if call is None:
-        call = _plan(key, lambda: _fp8_call(q, k, v, descales, softmax_scale, causal, window_size))
+        call = _plan(key, lambda: _fp8_call(q, k, v, descales, varlen, softmax_scale, causal, window_size))
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.data_ptr() % 16:
             raise ValueError(f"{name}: data pointer {t.data_ptr():#x} is not 16-byte aligned")
     index = call.device_id
-    b, sq, h, d = q.shape
-    out = torch.empty((b, sq, h, d), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device) if return_lse else None
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse = None
+    if return_lse:
+        lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     vt = torch.empty(call.vt_shape, dtype=torch.uint8, device=q.device)
     previous = _get_device()
     if previous != index:
         _set_device(index)
     try:
         call(_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), vt.data_ptr(), out.data_ptr(),
-             0 if lse is None else lse.data_ptr(), *(0 if x is None else x.data_ptr() for x in descales))
+             0 if lse is None else lse.data_ptr(), *(0 if x is None else x.data_ptr() for x in descales + cu))
     finally:
         if previous != index:
             _set_device(previous)
     return (out, lse) if return_lse else out
 
 
-def _fp8_call(q, k, v, descales, softmax_scale, causal, window_size):
-    """attention_fp8's checks and its launch for this signature (forward_fp8.Fp8Call)."""
+def _fp8_call(q, k, v, descales, varlen, softmax_scale, causal, window_size):
+    """attention_fp8's and attention_varlen_fp8's checks and their launch for this signature (forward_fp8.Fp8Call)."""
     specs = {}
-    for name, t in zip(("q", "k", "v", "q_descale", "k_descale", "v_descale"), (q, k, v) + descales):
+    cu = varlen[:2] if varlen else (None, None)
+    names = ("q", "k", "v", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k")
+    for name, t in zip(names, (q, k, v) + descales + cu):
         if t is None:
             specs[name] = None
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
-        want = torch.float32 if name.endswith("descale") else torch.float8_e4m3fn
+        want = (torch.float32 if name.endswith("descale") else torch.int32 if name.startswith("cu_")
+                else torch.float8_e4m3fn)
         if t.dtype != want:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected {want}")
         if t.device.type != "cuda":
             raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
-        dtype = np.dtype(np.uint8 if name in ("q", "k", "v") else np.float32)
+        dtype = np.dtype({torch.float32: np.float32, torch.int32: np.int32}.get(want, np.uint8))
         specs[name] = checks.TensorSpec(name, tuple(t.shape), dtype, tuple(t.stride()), t.device.index)
-    problem = checks.check_attention_fp8(specs["q"], specs["k"], specs["v"], q_descale=specs["q_descale"],
-                                         k_descale=specs["k_descale"], v_descale=specs["v_descale"],
-                                         softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    fp8 = dict(q_descale=specs["q_descale"], k_descale=specs["k_descale"], v_descale=specs["v_descale"],
+               softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+    if varlen:
+        problem = checks.check_varlen_fp8(specs["q"], specs["k"], specs["v"], specs["cu_seqlens_q"],
+                                          specs["cu_seqlens_k"], *varlen[2:], **fp8)
+    else:
+        problem = checks.check_attention_fp8(specs["q"], specs["k"], specs["v"], **fp8)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     forward_fp8.require_hopper(index)
     left, right = checks.window(causal, window_size)
     stride = forward_fp8.descale_stride(problem, [specs[n] for n in ("q_descale", "k_descale", "v_descale")])
     with cupy.cuda.Device(index):
         return forward_fp8.Fp8Call(problem, q.stride(), k.stride(), v.stride(), left, right, softmax_scale, stride,
-                                   index)
+                                   index, (q.shape[0], k.shape[0]) if varlen else None)
 
 
 def _window(causal, window_size) -> tuple:

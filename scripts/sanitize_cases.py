@@ -19,7 +19,8 @@ Varlen cases (``--only varlen``) call ``cuflash.attention_varlen`` and its backw
 sequences with lengths 0 (on either side), 1 and off-tile sizes.
 
 Hopper cases (``--only sm90_``) call ``cuflash.ops.forward_sm90.attention_sm90`` in each variant (skipped off sm_90a);
-FP8 cases (``--only fp8_``) call ``cuflash.attention_fp8`` on e4m3 inputs (sm_90a too).
+FP8 cases (``--only fp8_``) call ``cuflash.attention_fp8`` and ``cuflash.attention_varlen_fp8`` on e4m3 inputs
+(sm_90a too).
 
 Backward cases (``--only bwd_``) call ``cuflash.attention_backward(dout, q, k, v, out, lse,
 causal=..., window_size=..., softcap=..., alibi_slopes=..., deterministic=False|True,
@@ -297,6 +298,11 @@ def _fp8_cases() -> list[dict]:
              opts=dict(window_size=(40, 7), descale="tensor")),
         dict(name="fp8_fwd_d256", fn="attention_fp8", dtype="bf16", shape=dict(BWD_S70, d=256),
              opts=dict(causal=True)),
+        # packed sequences (empty ones among them), and cu_seqlens that end past q's and k's rows
+        dict(name="fp8_varlen_d128_causal_head", fn="attention_varlen_fp8", dtype="bf16", shape=dict(VARLEN, d=128),
+             opts=dict(causal=True, descale="head", return_lse=True)),
+        dict(name="fp8_varlen_d64_cu_past_rows", fn="attention_varlen_fp8", dtype="bf16", shape=VARLEN,
+             opts=dict(short_rows=(7, 9), return_lse=True)),
     ]
 
 
@@ -465,9 +471,28 @@ def run_attention_fp8(rng, case, stream):
         return cuflash.attention_fp8(q, k, v, **o)
 
 
+def run_attention_varlen_fp8(rng, case, stream):
+    """Packed e4m3 sequences (VARLEN's lengths); short_rows=(a, b): q and k hold a and b rows fewer than the
+    cu_seqlens say, which the kernels must bound."""
+    s, o = case["shape"], dict(case["opts"])
+    per, short = o.pop("descale", None), o.pop("short_rows", (0, 0))
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(s[n])]).astype(np.int32) for n in ("lens_q", "lens_k"))
+    q, k, v = (cupy.asarray(rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)) for shape in
+               ((int(cu_q[-1]) - short[0], s["h"], s["d"]), (int(cu_k[-1]) - short[1], s["hk"], s["d"]),
+                (int(cu_k[-1]) - short[1], s["hk"], s["d"])))
+    if per:
+        shape = (len(s["lens_q"]), s["hk"]) if per == "head" else (1,)
+        o.update({n: cupy.asarray(rng.uniform(0.5, 2.0, shape).astype(np.float32))
+                  for n in ("q_descale", "k_descale", "v_descale")})
+    _ready()
+    with stream or cupy.cuda.get_current_stream():
+        return cuflash.attention_varlen_fp8(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), max(s["lens_q"]),
+                                            max(s["lens_k"]), **o)
+
+
 def _available(fn: str) -> bool:
     """The case's function exists (and, for the Hopper kernels, the device is sm_90a)."""
-    if fn in ("attention_sm90", "attention_fp8"):
+    if fn in ("attention_sm90", "attention_fp8", "attention_varlen_fp8"):
         try:
             return cupy.cuda.Device().compute_capability == "90"
         except cupy.cuda.runtime.CUDARuntimeError:  # no GPU (--list on a CPU machine)
@@ -478,6 +503,7 @@ def _available(fn: str) -> bool:
 RUNNERS = {
     "attention_sm90": run_attention_sm90,
     "attention_fp8": run_attention_fp8,
+    "attention_varlen_fp8": run_attention_varlen_fp8,
     "attention_varlen": run_attention_varlen,
     "attention_varlen_backward": run_attention_varlen_backward,
     "attention": run_attention,

@@ -50,7 +50,7 @@ def test_specs_and_params():
     specs = forward_fp8.all_specs()
     assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{pp}{b}" for d in (64, 128, 256) for pp in ("", "_pp")
                                        for b in ("", "_band")} | {"fp8_transpose_v"}
-    assert forward_fp8.PARAMS_DTYPE.itemsize == 512 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 56
+    assert forward_fp8.PARAMS_DTYPE.itemsize == 512 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72
     assert [forward_fp8.compiled_headdim(d) for d in (16, 64, 80, 128, 144, 256)] == [64, 64, 128, 128, 256, 256]
 
 
@@ -74,3 +74,44 @@ def test_map_strides_replace_unit_axes():
     """An axis of extent 1 may have any stride (a view); its map stride is the contiguous one."""
     assert forward_fp8._map_strides((1, 70, 2, 64), (7, 256, 64, 1)) == (64, 256, 70 * 2 * 64)
     assert forward_fp8._map_strides((2, 70, 2, 64), (70 * 256, 256, 64, 1)) == (64, 256, 70 * 256)
+
+
+def packed_arrays(total_q=90, total_k=130, h=4, hk=2, d=64, dtype=U8):
+    cu = np.array([0, 40, 90], np.int32), np.array([0, 100, 130], np.int32)
+    return (np.zeros((total_q, h, d), dtype), np.zeros((total_k, hk, d), dtype), np.zeros((total_k, hk, d), dtype),
+            *cu, 50, 100)
+
+
+def test_check_varlen_accepts_packed_uint8():
+    problem = checks.check_varlen_fp8(*packed_arrays(), k_descale=np.ones((2, 2), np.float32), causal=True)
+    assert (problem.batch, problem.seqlen_q, problem.seqlen_k, problem.nheads, problem.nheads_k,
+            problem.headdim) == (2, 50, 100, 4, 2, 64)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(dtype=np.float16), TypeError, "q: dtype float16 is not supported; expected uint8"),
+    (dict(d=72), ValueError, r"q: head dim \(axis 2\) is 72; the FP8 kernel takes multiples of 16"),
+    (dict(h=3), ValueError, "not a multiple of nheads_k"),
+])
+def test_check_varlen_rejects_bad_arrays(bad, error, match):
+    with pytest.raises(error, match=match):
+        checks.check_varlen_fp8(*packed_arrays(**bad))
+
+
+def test_check_varlen_rejects_descales_of_another_batch():
+    with pytest.raises(ValueError, match=r"q_descale: expected shape \(\) or \(1,\).*\(2, 2\), got \(3, 2\)"):
+        checks.check_varlen_fp8(*packed_arrays(), q_descale=np.ones((3, 2), np.float32))
+    args = list(packed_arrays())
+    args[3] = np.array([0, 40], np.float32)
+    with pytest.raises(TypeError, match="cu_seqlens_q: dtype float32"):
+        checks.check_varlen_fp8(*args)
+
+
+def test_varlen_call_params():
+    """Packed sequences: the row stride is the batch stride (seqlen.cuh), total_q / total_k bound the sequences, and
+    the transpose reads the key starts from cu_seqlens_k."""
+    problem = checks.check_varlen_fp8(*packed_arrays())
+    p = np.zeros((), forward_fp8.PARAMS_DTYPE)
+    assert p.dtype.fields["cu_seqlens_k"][1] + 8 == 3 * 128 + 7 * 8  # the call's head: maps, then 7 pointers
+    assert forward_fp8.TRANSPOSE_DTYPE.names[:3] == ("v", "vt", "cu_seqlens_k")
+    assert problem.seqlen_k == 100 and -(-problem.seqlen_k // 32) * 32 == 128  # V^T keys: the longest, rounded to 32

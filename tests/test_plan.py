@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cuflash import build, checks, ops, options, plan, reference
-from cuflash.ops import backward, backward_sm90, decode, forward, forward_sm90
+from cuflash.ops import backward, backward_sm90, decode, forward, forward_fp8, forward_sm90
 from tests.fixtures import configure  # noqa: F401  (a fixture)
 
 
@@ -70,37 +70,42 @@ def test_window_normalization_keeps_the_mask(sq, sk, left, right):
         reference._visible(sq, sk, False, (nl, nr)).tolist()
 
 
-def _c_fields(struct: str) -> list:
-    """(name, C type) of each field of `struct` in cuda_src/params.cuh, in order."""
-    src = (build.SOURCE_DIR / "params.cuh").read_text()
+def _c_fields(struct: str, source: str = "params.cuh") -> list:
+    """(name, C type) of each field of `struct` in cuda_src/`source`, in order."""
+    src = (build.SOURCE_DIR / source).read_text()
     body = src[src.index(f"struct {struct} {{") + len(f"struct {struct} {{"):]
     body = re.sub(r"//[^\n]*", "", body[:body.index("};")])
     fields = []
     for decl in body.split(";"):
         decl = decl.strip()
         if decl:
-            ctype, names = re.match(r"((?:const\s+)?\w+\*?)\s+(.*)", decl).groups()
+            ctype, names = re.match(r"((?:const\s+)?[\w:]+\*?)\s+(.*)", decl).groups()
             fields += [(name.strip().lstrip("*"), ctype.replace("const", "").strip()) for name in names.split(",")]
     return fields
 
 
-@pytest.mark.parametrize("struct,dtype", [("FwdParams", forward.PARAMS_DTYPE), ("BwdParams", backward.PARAMS_DTYPE),
-                                          ("BwdPreParams", backward.PRE_PARAMS_DTYPE),
-                                          ("BwdConvertParams", backward.CONVERT_PARAMS_DTYPE),
-                                          ("DecodeParams", decode.PARAMS_DTYPE)])
-def test_params_dtypes_match_params_cuh(struct, dtype):
-    """Each NumPy params dtype mirrors its C struct field by field, with C alignment."""
-    fields = _c_fields(struct)
+@pytest.mark.parametrize("struct,dtype,source", [
+    ("FwdParams", forward.PARAMS_DTYPE, "params.cuh"), ("BwdParams", backward.PARAMS_DTYPE, "params.cuh"),
+    ("BwdPreParams", backward.PRE_PARAMS_DTYPE, "params.cuh"),
+    ("BwdConvertParams", backward.CONVERT_PARAMS_DTYPE, "params.cuh"),
+    ("DecodeParams", decode.PARAMS_DTYPE, "params.cuh"),
+    ("FwdFp8Params", forward_fp8.PARAMS_DTYPE, "fwd_fp8_sm90.cu"),
+    ("Fp8TransposeParams", forward_fp8.TRANSPOSE_DTYPE, "fwd_fp8_aux.cu")])
+def test_params_dtypes_match_params_cuh(struct, dtype, source):
+    """Each NumPy params dtype mirrors its C struct field by field, with C alignment (a tensor map: 128 bytes,
+    aligned to 64)."""
+    fields = _c_fields(struct, source)
     assert [n for n, _ in fields] == list(dtype.names)
-    sizes = {"int": 4, "float": 4, "i64": 8}
-    offset = 0
+    sizes = {"int": 4, "float": 4, "i64": 8, "sm90::TmaMap": 128}
+    offset = align = 0
     for name, ctype in fields:
         size = 8 if ctype.endswith("*") else sizes[ctype]
-        offset = -(-offset // size) * size
+        step = 64 if size == 128 else size
+        offset, align = -(-offset // step) * step, max(align, step)
         assert dtype.fields[name][1] == offset, name
         assert dtype.fields[name][0].itemsize == size, name
         offset += size
-    assert dtype.itemsize == -(-offset // 8) * 8
+    assert dtype.itemsize == -(-offset // align) * align
 
 
 def test_backward_plan(configure):

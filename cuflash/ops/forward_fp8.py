@@ -1,7 +1,7 @@
 """The FP8 (e4m3) forward on Hopper (``cuda_src/fwd_fp8_sm90.cu``) and its V^T (``cuda_src/fwd_fp8_aux.cu``):
-specializations, the parameter struct, and :func:`attention_fp8` on CuPy arrays of e4m3 bits (uint8). Dense batches,
-causal and local windows, GQA, descales per tensor or per (sequence, KV head), bf16 output and float32 lse; sm_90a
-only. docs/fp8.md states the accuracy contract, :func:`cuflash.reference.attention_fp8` models it.
+specializations, the parameter struct, and :func:`attention_fp8` and :func:`attention_varlen_fp8` on CuPy arrays of
+e4m3 bits (uint8). Padded batches and packed sequences, causal and local windows, GQA, descales per tensor or per
+(sequence, KV head), bf16 output and float32 lse; sm_90a only. docs/fp8.md states the accuracy contract, :func:`cuflash.reference.attention_fp8` models it.
 """
 from __future__ import annotations
 
@@ -77,67 +77,83 @@ def compiled_headdim(headdim: int) -> int:
 
 
 # FwdFp8Params (fwd_fp8_sm90.cu): three 128-byte tensor maps, then pointers, strides, ints and the scale; 512 bytes.
+_INTS = ["descale_batch_stride", "seqlen_q", "seqlen_k", "rows_q", "rows_k", "nheads", "heads_per_kv", "window_left",
+         "window_right", "headdim"]
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "o_batch_stride", "o_row_stride",
-              "o_head_stride", "descale_batch_stride", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv",
-              "window_left", "window_right", "headdim", "scale_log2"],
-    "formats": ["V128"] * 3 + [np.uint64] * 5 + [np.int64] * 3 + [np.int32] * 8 + [np.float32],
-    "offsets": [0, 128, 256, 384, 392, 400, 408, 416, 424, 432, 440, 448, 452, 456, 460, 464, 468, 472, 476, 480],
+    "names": ["q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k",
+              "o_batch_stride", "o_row_stride", "o_head_stride"] + _INTS + ["scale_log2"],
+    "formats": ["V128"] * 3 + [np.uint64] * 7 + [np.int64] * 3 + [np.int32] * len(_INTS) + [np.float32],
+    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(10)] + [464 + 4 * i for i in range(len(_INTS) + 1)],
     "itemsize": 512})
 
 TRANSPOSE_DTYPE = np.dtype({
-    "names": ["v", "vt", "v_batch_stride", "v_row_stride", "v_head_stride", "seqlen_k", "keys", "heads_k", "headdim"],
-    "formats": [np.uint64] * 2 + [np.int64] * 3 + [np.int32] * 4,
-    "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52], "itemsize": 56})
+    "names": ["v", "vt", "cu_seqlens_k", "v_batch_stride", "v_row_stride", "v_head_stride", "seqlen_k", "rows_k",
+              "keys", "heads_k", "headdim"],
+    "formats": [np.uint64] * 3 + [np.int64] * 3 + [np.int32] * 5,
+    "offsets": [0, 8, 16, 24, 32, 40, 48, 52, 56, 60, 64], "itemsize": 72})
 
 
-_HEAD_POINTERS = struct.Struct("5Q")  # o, lse, q_descale, k_descale, v_descale: right after the three maps
+# o, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k: right after the three maps
+_HEAD_POINTERS = struct.Struct("7Q")
 
 
 class Fp8Call:
     """The FP8 forward's launches for one call signature (layouts and options), from data pointers:
-    ``call(stream, q, k, v, vt, o, lse, q_descale, k_descale, v_descale)`` (0 where absent), ``vt`` a workspace of
-    ``vt_shape`` uint8 (C-contiguous), ``o`` bf16 ``(batch, seqlen_q, nheads, headdim)`` C-contiguous, ``lse``
-    float32 ``(batch, nheads, seqlen_q)``. The tensor maps embed the addresses: encoded per call (cached per pointer by
-    cuflash.tma)."""
+    ``call(stream, q, k, v, vt, o, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k)`` (0 where
+    absent), ``vt`` a workspace of ``vt_shape`` uint8 (C-contiguous), ``o`` bf16 ``(batch, seqlen_q, nheads,
+    headdim)`` C-contiguous, ``lse`` float32 ``(batch, nheads, seqlen_q)``. With ``packed = (total_q, total_k)`` the
+    layouts are packed sequences (q ``(total_q, nheads, headdim)``, k and v ``(total_k, ...)``, o like q, lse
+    ``(nheads, total_q)``) and the problem's lengths are the maxima. The tensor maps embed the addresses: encoded per
+    call (cached per pointer by cuflash.tma)."""
 
     __slots__ = ("transpose", "main", "maps", "vt_shape", "device_id")
 
     def __init__(self, problem, q_strides: tuple, k_strides: tuple, v_strides: tuple, left: int, right: int,
-                 softmax_scale: float | None, descale_stride: int, device_id: int):
+                 softmax_scale: float | None, descale_stride: int, device_id: int, packed: tuple | None = None):
         b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
         sk, hk = problem.seqlen_k, problem.nheads_k
+        rows_q, rows_k = packed or (sq, sk)
         keys = -(-sk // 32) * 32
         self.vt_shape, self.device_id = (b, hk, d, keys), device_id
         spec = kernel_spec(d, left >= 0 or right >= 0)
         tp = np.zeros((), dtype=TRANSPOSE_DTYPE)
-        tp["v_batch_stride"], tp["v_row_stride"], tp["v_head_stride"] = v_strides[:3]
-        tp["seqlen_k"], tp["keys"], tp["heads_k"], tp["headdim"] = sk, keys, hk, d
+        # packed: the row stride is the batch stride (cuda_src/seqlen.cuh)
+        tp["v_batch_stride"], tp["v_row_stride"], tp["v_head_stride"] = (
+            (v_strides[0],) + v_strides[:2] if packed else v_strides[:3])
+        tp["seqlen_k"], tp["rows_k"], tp["keys"], tp["heads_k"], tp["headdim"] = sk, rows_k, keys, hk, d
         self.transpose = KernelCall([(build.get_kernel(Fp8TransposeSpec(), device_id),
                                       plan.check_grid((keys // 32, hk, b)), (Fp8TransposeSpec.threads,), 0)],
-                                    tp, ("v", "vt"))
+                                    tp, ("v", "vt", "cu_seqlens_k"))
         p = np.zeros((), dtype=PARAMS_DTYPE)
-        p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = sq * h * d, h * d, d
+        p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = (h * d if packed else sq * h * d), h * d, d
         p["descale_batch_stride"] = descale_stride
         p["seqlen_q"], p["seqlen_k"], p["nheads"], p["heads_per_kv"] = sq, sk, h, h // hk
+        p["rows_q"], p["rows_k"] = rows_q, rows_k
         p["window_left"], p["window_right"], p["headdim"] = left, right, d
         scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
         p["scale_log2"] = scale * math.log2(math.e)
         self.main = KernelCall([(build.get_kernel(spec, device_id), plan.check_grid((-(-sq // BLOCK_M), h, b)),
                                  (spec.threads,), build.smem_bytes(spec, device_id))], p, ())
-        # (d, heads, rows, batch) maps, boxes of 128 columns (bytes); V^T (keys, d, heads_k, batch), D rows a box
-        self.maps = (tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides),
-                                 (128, 1, BLOCK_M, 1)),
-                     tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides),
-                                 (128, 1, BLOCK_N, 1)),
+        # (d, heads, rows, batch) maps, packed (d, heads, total), boxes of 128 columns (bytes); V^T (keys, d, heads_k,
+        # batch), D rows a box
+        if packed:
+            q_map = tma.encoder("uint8", (d, h, rows_q), _map_strides((1, rows_q, h, d), (0,) + q_strides)[:2],
+                                (128, 1, BLOCK_M))
+            k_map = tma.encoder("uint8", (d, hk, rows_k), _map_strides((1, rows_k, hk, d), (0,) + k_strides)[:2],
+                                (128, 1, BLOCK_N))
+        else:
+            q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides), (128, 1, BLOCK_M, 1))
+            k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides), (128, 1, BLOCK_N, 1))
+        self.maps = (q_map, k_map,
                      tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (BLOCK_N, spec.headdim, 1,
                                                                                            1)))
 
     def __call__(self, stream: int, q: int, k: int, v: int, vt: int, o: int, lse: int = 0, q_descale: int = 0,
-                 k_descale: int = 0, v_descale: int = 0) -> None:
+                 k_descale: int = 0, v_descale: int = 0, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0) -> None:
         q_map, k_map, vt_map = self.maps
-        head = q_map(q) + k_map(k) + vt_map(vt) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale)
-        self.transpose(stream, v, vt)  # (after the maps: a map the driver refuses raises before any launch)
+        head = q_map(q) + k_map(k) + vt_map(vt) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale,
+                                                                      cu_seqlens_q, cu_seqlens_k)
+        self.transpose(stream, v, vt, cu_seqlens_k)  # (after the maps: a map the driver refuses raises first)
         self.main.launch_head(stream, head)
 
 
@@ -191,26 +207,70 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
     ``batch nheads_k headdim ceil(seqlen_k / 32) 32`` bytes (one extra pass over V).
     """
     descales = (q_descale, k_descale, v_descale)
-    key, call = runtime.kept(_calls, (q, k, v) + descales, (softmax_scale, causal, window_size))
+    return _run(q, k, v, descales, None, softmax_scale, causal, window_size, return_lse)
+
+
+def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, q_descale=None,
+                         k_descale=None, v_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         return_lse=False):
+    """:func:`attention_fp8` over variable-length sequences packed along one token axis (flash-attn's layout, as
+    :func:`cuflash.attention_varlen`).
+
+    Parameters
+    ----------
+    q : cupy.ndarray, (total_q, nheads, headdim), uint8 holding e4m3 bits
+    k, v : cupy.ndarray, (total_k, nheads_k, headdim), uint8 e4m3 bits; strides as :func:`attention_fp8`'s
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k : as in :func:`cuflash.attention_varlen`
+        Starts and lengths read from device memory are bounded in the kernels to q's and k's rows.
+    q_descale, k_descale, v_descale : cupy.ndarray of float32, optional
+        Per tensor, or ``(batch, nheads_k)`` with row ``b`` for sequence ``b``.
+    softmax_scale, causal, window_size, return_lse : as in :func:`attention_fp8`, per sequence
+
+    Returns
+    -------
+    out : cupy.ndarray, (total_q, nheads, headdim), bfloat16; rows outside every sequence are not written
+    lse : cupy.ndarray, (nheads, total_q), float32, only with ``return_lse``
+
+    V's transpose workspace is ``batch nheads_k headdim ceil(max_seqlen_k / 32) 32`` bytes.
+    """
+    descales = (q_descale, k_descale, v_descale)
+    varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _run(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_lse)
+
+
+def _run(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_lse):
+    """attention_fp8 (varlen None) and attention_varlen_fp8 (varlen: cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k): checks and plan once per call signature, then the launch."""
+    cu = varlen[:2] if varlen else (None, None)
+    key, call = runtime.kept(_calls, (q, k, v) + descales + cu,
+                             (softmax_scale, causal, window_size) + (varlen[2:] if varlen else ()))
     if call is None:
-        problem = checks.check_attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                             softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+        q_descale, k_descale, v_descale = descales
+        if varlen:
+            problem = checks.check_varlen_fp8(q, k, v, *varlen, q_descale=q_descale, k_descale=k_descale,
+                                              v_descale=v_descale, softmax_scale=softmax_scale, causal=causal,
+                                              window_size=window_size)
+        else:
+            problem = checks.check_attention_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale,
+                                                 v_descale=v_descale, softmax_scale=softmax_scale, causal=causal,
+                                                 window_size=window_size)
         runtime.require_gpu()
         require_hopper(q.device.id)
         left, right = checks.window(causal, window_size)
         call = runtime.keep(_calls, key, Fp8Call(problem, q.strides, k.strides, v.strides, left, right, softmax_scale,
-                                                 descale_stride(problem, descales), q.device.id))
+                                                 descale_stride(problem, descales), q.device.id,
+                                                 (q.shape[0], k.shape[0]) if varlen else None))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.data.ptr % 16:
             raise ValueError(f"{name}: data pointer {x.data.ptr:#x} is not 16-byte aligned")
     import cupy
-    b, sq, h, d = q.shape
     with cupy.cuda.Device(q.device.id):
-        out = cupy.empty((b, sq, h, d), dtype=BF16)
-        lse = cupy.empty((b, h, sq), dtype=np.float32) if return_lse else None
+        out = cupy.empty(q.shape, dtype=BF16)
+        lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        lse = cupy.empty(lse_shape, dtype=np.float32) if return_lse else None
         vt = cupy.empty(call.vt_shape, dtype=np.uint8)
         call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, vt.data.ptr, out.data.ptr,
-             runtime.ptr(lse), *(runtime.ptr(x) for x in descales))
+             runtime.ptr(lse), *(runtime.ptr(x) for x in descales + cu))
     return (out, lse) if return_lse else out
 
 

@@ -164,3 +164,82 @@ def test_fp8_forward_from_jax_matches_cupy():
     want, want_lse = cuflash.attention_fp8(cq, ck, cv, window_size=(50, 3), return_lse=True, **cds)
     assert np.array_equal(np.asarray(out).view(np.uint16), cupy.asnumpy(want).view(np.uint16))
     assert np.array_equal(np.asarray(lse), cupy.asnumpy(want_lse))
+
+
+def packed(rng, lens_q, lens_k, h, hk, d, per):
+    """Sequences of the given lengths, each quantized as its own batch entry of make(), and their packed e4m3 bits:
+    (per-sequence args, q8, k8, v8 packed, cu_seqlens_q, cu_seqlens_k, per-sequence descales stacked)."""
+    seqs = [make(rng, 1, max(sq, 1), max(sk, 1), h, hk, d, per) for sq, sk in zip(lens_q, lens_k)]
+    cat = {n: np.concatenate([s[n + "8"].view(np.uint8)[0, :sq] for s, sq in
+                              zip(seqs, lens_q if n == "q" else lens_k)]) for n in "qkv"}
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(lens)]).astype(np.int32) for lens in (lens_q, lens_k))
+    descales = {n: np.concatenate([np.asarray(s[n + "_descale"], np.float32).reshape(1, -1) for s in seqs])
+                for n in "qkv"}
+    if per == "tensor":  # one value for every sequence: the first's
+        descales = {n: x[:1, :1].reshape(1) for n, x in descales.items()}
+        for s in seqs:
+            for n in "qkv":
+                s[n + "_descale"] = descales[n]
+    return seqs, cat, cu_q, cu_k, descales
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=4),
+       hk=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]), d=st.sampled_from([64, 80, 128, 256]),
+       per=st.sampled_from(["tensor", "head"]), mask=st.sampled_from(["none", "causal", "window"]),
+       seed=st.integers(0, 2 ** 16))
+def test_fp8_varlen_matches_each_sequence_alone(fp8_form, lens, hk, group, d, per, mask, seed):
+    """cuflash.attention_varlen_fp8 on packed sequences (empty ones included) gives, row for row and bit for bit,
+    what attention_fp8 gives each sequence as a batch of one (whose error the tests above bound); rows past the last
+    sequence stay unwritten (NaN from the poisoning allocator)."""
+    import cupy
+    if not hopper():
+        pytest.skip("the FP8 kernel is sm_90a's")
+    options = {"none": {}, "causal": {"causal": True}, "window": {"window_size": (37, 5)}}[mask]
+    lens_q, lens_k = [x for x, _ in lens], [y for _, y in lens]
+    h = hk * group
+    seqs, cat, cu_q, cu_k, descales = packed(np.random.default_rng(seed), lens_q, lens_k, h, hk, d, per)
+    spare = 5  # rows past the last sequence
+    q8 = cupy.zeros((cat["q"].shape[0] + spare, h, d), np.uint8)
+    q8[:cat["q"].shape[0]] = cupy.asarray(cat["q"])
+    k8, v8 = (cupy.asarray(cat[n]) if cat[n].shape[0] else cupy.zeros((1, hk, d), np.uint8) for n in "kv")
+    ds = {n + "_descale": cupy.asarray(descales[n]) for n in "qkv"}
+    out, lse = cuflash.attention_varlen_fp8(q8, k8, v8, cupy.asarray(cu_q), cupy.asarray(cu_k), max(max(lens_q), 1),
+                                            max(max(lens_k), 1), return_lse=True, **ds, **options)
+    out, lse = cupy.asnumpy(out.view(cupy.uint16)), cupy.asnumpy(lse)
+    for b, (s, sq, sk) in enumerate(zip(seqs, lens_q, lens_k)):
+        if sq == 0:
+            continue
+        one = {n + "_descale": cupy.asarray(np.asarray(s[n + "_descale"], np.float32).reshape(
+            (1, hk) if per == "head" else (1,))) for n in "qkv"}
+        qs = cupy.asarray(s["q8"].view(np.uint8)[:, :sq])
+        ks, vs = (cupy.asarray(s[n + "8"].view(np.uint8)[:, :max(sk, 1)]) for n in "kv")
+        if sk == 0:  # no keys: out 0, lse -inf
+            assert np.all(out[cu_q[b]:cu_q[b + 1]] == 0) and np.all(lse[:, cu_q[b]:cu_q[b + 1]] == -np.inf)
+            continue
+        want, want_lse = cuflash.attention_fp8(qs, ks, vs, return_lse=True, **one, **options)
+        assert np.array_equal(out[cu_q[b]:cu_q[b + 1]], cupy.asnumpy(want.view(cupy.uint16))[0]), f"sequence {b}"
+        assert np.array_equal(lse[:, cu_q[b]:cu_q[b + 1]], cupy.asnumpy(want_lse)[0]), f"sequence {b} lse"
+    tail = out[cu_q[-1]:].view(forward_fp8.BF16).astype(np.float32)
+    assert np.all(np.isnan(tail)), "rows past the last sequence were written"
+
+
+def test_fp8_varlen_from_torch_matches_cupy():
+    """cuflash.torch.attention_varlen_fp8: the CuPy call's result, bit for bit."""
+    torch = pytest.importorskip("torch")
+    import cupy
+    import cuflash.torch as cft
+    if not hopper():
+        pytest.skip("the FP8 kernel is sm_90a's")
+    _, cat, cu_q, cu_k, descales = packed(np.random.default_rng(7), [100, 0, 260], [300, 5, 129], 4, 2, 128, "head")
+    tq, tk, tv = (torch.from_numpy(cat[n]).cuda().view(torch.float8_e4m3fn) for n in "qkv")
+    tds = {n + "_descale": torch.from_numpy(descales[n]).cuda() for n in "qkv"}
+    out, lse = cft.attention_varlen_fp8(tq, tk, tv, torch.from_numpy(cu_q).cuda(), torch.from_numpy(cu_k).cuda(),
+                                        260, 300, causal=True, return_lse=True, **tds)
+    torch.cuda.synchronize()
+    cds = {n + "_descale": cupy.asarray(descales[n]) for n in "qkv"}
+    want, want_lse = cuflash.attention_varlen_fp8(*(cupy.asarray(cat[n]) for n in "qkv"), cupy.asarray(cu_q),
+                                                  cupy.asarray(cu_k), 260, 300, causal=True, return_lse=True, **cds)
+    assert out.shape == (360, 4, 128) and lse.shape == (4, 360)
+    assert np.array_equal(out.view(torch.int16).cpu().numpy(), cupy.asnumpy(want.view(cupy.int16)))
+    assert np.array_equal(lse.cpu().numpy(), cupy.asnumpy(want_lse))
