@@ -13,9 +13,10 @@
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
 //     O += P V                       wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous)
-// each waited for; or (PIPE) with the consumer warpgroups taking turns at the GEMMs and each block's softmax under the
-// last block's P V. O leaves divided by the row sums (of the fp32 P)
-// and by 256, times v_descale. Descales: one per tensor, or one per (sequence, KV head) (flash-attn 3's
+// each waited for; or (PIPE) with each block's softmax under the last block's P V. The two consumer warpgroups run
+// free of each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only
+// made each warpgroup wait for the other's). O leaves divided by the row sums (of the fp32 P) and by 256, times
+// v_descale. Descales: one per tensor, or one per (sequence, KV head) (flash-attn 3's
 // (batch, nheads_k)), the query heads of a KV head sharing q_descale's.
 #include "sm90.cuh"
 #include "mma.cuh"
@@ -50,6 +51,9 @@ template <int D, bool BAND, bool PIPE>
 struct FwdFp8 {
     static constexpr int BM = 128, BN = 128, STAGES = D == 256 ? 2 : 4, THREADS = 384;
     static constexpr float P_SCALE = 256.f;  // P's scale before e4m3: probabilities down to 2^-14 stay normal
+    // Each row's max and sum in CHAINS independent chains where that pays (A/B, docs/perf-notes.md): d 64, whose
+    // GEMMs are shortest beside the softmax.
+    static constexpr int CHAINS = D == 64 ? 4 : 1;
     // 128-byte panels of a Q or K row (TMA boxes of 128 columns; at d 64 one, its second half TMA's zero fill)
     static constexpr int PANELS = D / 128 > 0 ? D / 128 : 1;
     static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
@@ -172,7 +176,7 @@ struct FwdFp8 {
             mask.apply_row(sc[0], 0, r, col_lane);
             mask.apply_row(sc[0], 1, r + 8, col_lane);
         }
-        softmax.template update_scores<FIRST, MASKED>(sc, scale_log2, alpha);
+        softmax.template update_scores<FIRST, MASKED, CHAINS>(sc, scale_log2, alpha);
     }
     template <bool FIRST>
     __device__ __forceinline__ void probabilities_of(const BlockRange& range, int t, float (&sc)[1][BN / 8][4],
@@ -183,32 +187,23 @@ struct FwdFp8 {
         else probabilities<false, FIRST>(sc, n, scale_log2, alpha);
     }
 
-    // PIPE: the two consumer warpgroups take turns issuing their GEMMs (named barriers 1 + wg, over both), warpgroup
-    // 0 first; in each turn S of block t and O += P V of block t - 1 are issued together, and block t's softmax runs
-    // while P V still computes (the bf16 forward's ping-pong and software pipelining, fwd_sm90_mainloop.cuh). Every
-    // arrival is consumed: warpgroup 1 skips its last hand-over.
-    __device__ __forceinline__ void my_turn() const { sm90::named_sync<256>(1 + wg); }
-    __device__ __forceinline__ void your_turn() const { sm90::named_arrive(2 - wg, 256); }
+    // PIPE: S of block t and O += P V of block t - 1 are issued together, and block t's softmax runs while P V still
+    // computes (software pipelining, as fwd_sm90_mainloop.cuh's).
     __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, float scale_log2) {
         float sc[1][BN / 8][4], alpha[1][2];
         u32 pa[BN / 32][4];
-        if (wg == 1) sm90::named_arrive(1, 256);
         sm90::mbar_wait(full(0), 0);
-        my_turn();
         sm90::wgmma_fence();
         issue_s(sc, 0);
-        your_turn();
         sm90::wgmma_wait<0>();
         probabilities_of<true>(range, 0, sc, scale_log2, alpha);
         fragments(sc[0], pa);
         for (int t = 1; t < count; ++t) {
             const int slot = t % STAGES, prev = (t - 1) % STAGES;
             sm90::mbar_wait(full(slot), (t / STAGES) & 1);
-            my_turn();
             sm90::wgmma_fence();
             issue_s(sc, slot);
             issue_pv(pa, prev);
-            your_turn();
             sm90::wgmma_wait<1>();  // S of block t (groups complete in order)
             probabilities_of<false>(range, t, sc, scale_log2, alpha);
             sm90::wgmma_wait<0>();  // and O += P V of block t - 1
@@ -217,10 +212,8 @@ struct FwdFp8 {
             fragments(sc[0], pa);
         }
         const int last = (count - 1) % STAGES;
-        my_turn();
         sm90::wgmma_fence();
         issue_pv(pa, last);
-        if (wg == 0) your_turn();
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(empty(last));
     }

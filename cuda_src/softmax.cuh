@@ -36,32 +36,45 @@ struct OnlineSoftmax {
 
     // Turns scores into probabilities (in place) and updates the running max and sum; alpha = exp2(m_old - m_new)
     // is the factor the output accumulator must then be scaled by (see rescale; 1 when FIRST: nothing accumulated
-    // yet). CHECK_INF: rows may be fully masked (max = -inf).
-    template <bool FIRST, bool CHECK_INF, int NT>
+    // yet). CHECK_INF: rows may be fully masked (max = -inf). CHAINS > 1 splits each row's max and sum into that many
+    // independent chains (shorter dependency chains where the softmax is exposed rather than hidden under GEMMs).
+    template <bool FIRST, bool CHECK_INF, int CHAINS = 1, int NT>
     __device__ __forceinline__ void update_scores(float (&s)[MT][NT][4], float scale_log2, float (&alpha)[MT][2]) {
+        static_assert(NT % CHAINS == 0, "column tiles split evenly over the chains");
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float m = fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]);
-                if (!FIRST) m = fmaxf(row_max[mt][h], m);
+                float mc[CHAINS];
 #pragma unroll
-                for (int nt = 1; nt < NT; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                for (int c = 0; c < CHAINS; ++c) mc[c] = fmaxf(s[mt][c][2 * h], s[mt][c][2 * h + 1]);
+                if (!FIRST) mc[0] = fmaxf(row_max[mt][h], mc[0]);
+#pragma unroll
+                for (int nt = CHAINS; nt < NT; ++nt)
+                    mc[nt % CHAINS] = fmaxf(mc[nt % CHAINS], fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                float m = mc[0];
+#pragma unroll
+                for (int c = 1; c < CHAINS; ++c) m = fmaxf(m, mc[c]);
                 m = quad_max(m);
                 // A fully masked row keeps max -inf; exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
                 float m_safe = (CHECK_INF && m == NEG_INF) ? 0.f : m;
                 float neg_m_scaled = -m_safe * scale_log2;
                 alpha[mt][h] = FIRST ? 1.f : exp2f(fmaf(row_max[mt][h], scale_log2, neg_m_scaled));
                 row_max[mt][h] = m;
-                float sum = 0.f;
+                float sc[CHAINS];
+#pragma unroll
+                for (int c = 0; c < CHAINS; ++c) sc[c] = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
                     for (int e = 2 * h; e < 2 * h + 2; ++e) {
                         s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], scale_log2, neg_m_scaled));
-                        sum += s[mt][nt][e];
+                        sc[nt % CHAINS] += s[mt][nt][e];
                     }
                 }
+                float sum = sc[0];
+#pragma unroll
+                for (int c = 1; c < CHAINS; ++c) sum += sc[c];
                 row_sum[mt][h] = FIRST ? sum : row_sum[mt][h] * alpha[mt][h] + sum;
             }
         }
