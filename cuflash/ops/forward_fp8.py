@@ -1,7 +1,8 @@
 """The FP8 (e4m3) forward on Hopper (``cuda_src/fwd_fp8_sm90.cu``) and its V^T (``cuda_src/fwd_fp8_aux.cu``):
 specializations, the parameter struct, and :func:`attention_fp8` and :func:`attention_varlen_fp8` on CuPy arrays of
 e4m3 bits (uint8). Padded batches and packed sequences, causal and local windows, GQA, descales per tensor or per
-(sequence, KV head), bf16 output and float32 lse; sm_90a only. docs/fp8.md states the accuracy contract, :func:`cuflash.reference.attention_fp8` models it.
+(sequence, KV head), bf16 output and float32 lse; sm_90a only. docs/fp8.md states the accuracy contract,
+:func:`cuflash.reference.attention_fp8` models it.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ P_SCALE = 256.0  # P's scale before its e4m3 conversion (the kernel's; reference
 class FwdFp8Spec:
     headdim: int  # compiled: 64, 128, 256 (a call's head dim is a multiple of 16 up to it)
     band: bool
-    pipelined: bool = False  # ping-pong turns and the softmax under the last block's P V (fwd_fp8_sm90.cu PIPE)
+    pipelined: bool = False  # each block's softmax under the last block's P V (fwd_fp8_sm90.cu PIPE)
 
     source = "fwd_fp8_sm90.cu"
     threads = 384
@@ -55,8 +56,8 @@ class Fp8TransposeSpec:
 
 
 # Which form each compiled head dim runs (the fp8_pipelined setting overrides it: the GPU tests run both). Same-run
-# A/Bs (H200, 2026-12-02, benchmarks/bench_fp8.py, 4k and 16k): pipelined 1.5-10% faster at d 64 and at d 128;
-# 16-27% slower at d 256, where the two GEMMs of a turn outlast the other warpgroup's softmax anyway.
+# A/Bs (H200, 2026-12-02, benchmarks/bench_fp8.py, 4k and 16k; docs/perf-notes.md): pipelined 1.5-10% faster at d 64
+# and d 128; at d 256 16-27% slower (measured while the pipelined form still had ping-pong turns).
 PIPELINED = {64: True, 128: True, 256: False}
 
 
