@@ -299,9 +299,7 @@ def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_l
         key = call = None
     if call is None:
         call = _plan(key, lambda: _fp8_call(q, k, v, descales, varlen, softmax_scale, causal, window_size))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name}: data pointer {t.data_ptr():#x} is not 16-byte aligned")
+    _require_aligned(q=q, k=k, v=v)
     index = call.device_id
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
     lse = None
@@ -323,23 +321,11 @@ def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_l
 
 def _fp8_call(q, k, v, descales, varlen, softmax_scale, causal, window_size):
     """attention_fp8's and attention_varlen_fp8's checks and their launch for this signature (forward_fp8.Fp8Call)."""
-    specs = {}
     cu = varlen[:2] if varlen else (None, None)
-    names = ("q", "k", "v", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k")
-    for name, t in zip(names, (q, k, v) + descales + cu):
-        if t is None:
-            specs[name] = None
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
-        want = (torch.float32 if name.endswith("descale") else torch.int32 if name.startswith("cu_")
-                else torch.float8_e4m3fn)
-        if t.dtype != want:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected {want}")
-        if t.device.type != "cuda":
-            raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
-        dtype = np.dtype({torch.float32: np.float32, torch.int32: np.int32}.get(want, np.uint8))
-        specs[name] = checks.TensorSpec(name, tuple(t.shape), dtype, tuple(t.stride()), t.device.index)
+    tensors = dict(zip(("q", "k", "v", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k"),
+                       (q, k, v) + descales + cu))
+    specs = _specs(tensors, fp8=("q", "k", "v"))
+    _require_cuda(**tensors)
     fp8 = dict(q_descale=specs["q_descale"], k_descale=specs["k_descale"], v_descale=specs["v_descale"],
                softmax_scale=softmax_scale, causal=causal, window_size=window_size)
     if varlen:
@@ -1098,7 +1084,9 @@ def _signature(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _specs(tensors: dict) -> dict:
+def _specs(tensors: dict, fp8: tuple = ()) -> dict:
+    """TensorSpecs of the tensors (None where absent); those named in `fp8` must be float8_e4m3fn, and their specs
+    hold uint8 (the e4m3 bits, as the CuPy API takes them)."""
     specs = {}
     for name, t in tensors.items():
         if t is None:
@@ -1106,7 +1094,9 @@ def _specs(tensors: dict) -> dict:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
-        dtype = _NUMPY_DTYPES.get(t.dtype)
+        if name in fp8 and t.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected torch.float8_e4m3fn")
+        dtype = np.dtype(np.uint8) if name in fp8 else _NUMPY_DTYPES.get(t.dtype)
         if dtype is None:
             expected = _EXPECTED_DTYPE.get(name, "torch.float16 or torch.bfloat16")
             raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected {expected}")

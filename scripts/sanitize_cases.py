@@ -454,18 +454,27 @@ def run_attention_sm90(rng, case, stream):
         return forward_sm90.attention_sm90(q, k, v, **kw)
 
 
+def _e4m3(rng, shape):
+    """e4m3 bits made on the host: finite values of a standard normal, rounded."""
+    return cupy.asarray(rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+def _fp8_descales(rng, per, batch: int, hk: int) -> dict:
+    """q/k/v descales per tensor ("tensor"), per (batch, KV head) ("head"), or none (None)."""
+    if not per:
+        return {}
+    shape = (batch, hk) if per == "head" else (1,)
+    return {n: cupy.asarray(rng.uniform(0.5, 2.0, shape).astype(np.float32))
+            for n in ("q_descale", "k_descale", "v_descale")}
+
+
 def run_attention_fp8(rng, case, stream):
-    """e4m3 inputs made on the host (finite values of a standard normal, rounded), descales per tensor or per (batch,
-    KV head) as the case says."""
+    """e4m3 inputs (_e4m3), descales per tensor or per (batch, KV head) as the case says."""
     s, o = case["shape"], dict(case["opts"])
     per = o.pop("descale", None)
-    q, k, v = (cupy.asarray(rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)) for shape in
-               ((s["b"], s["sq"], s["h"], s["d"]), (s["b"], s["sk"], s["hk"], s["d"]),
-                (s["b"], s["sk"], s["hk"], s["d"])))
-    if per:
-        shape = (s["b"], s["hk"]) if per == "head" else (1,)
-        o.update({n: cupy.asarray(rng.uniform(0.5, 2.0, shape).astype(np.float32))
-                  for n in ("q_descale", "k_descale", "v_descale")})
+    q = _e4m3(rng, (s["b"], s["sq"], s["h"], s["d"]))
+    k, v = (_e4m3(rng, (s["b"], s["sk"], s["hk"], s["d"])) for _ in range(2))
+    o.update(_fp8_descales(rng, per, s["b"], s["hk"]))
     _ready()
     with stream or cupy.cuda.get_current_stream():
         return cuflash.attention_fp8(q, k, v, **o)
@@ -477,13 +486,9 @@ def run_attention_varlen_fp8(rng, case, stream):
     s, o = case["shape"], dict(case["opts"])
     per, short = o.pop("descale", None), o.pop("short_rows", (0, 0))
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(s[n])]).astype(np.int32) for n in ("lens_q", "lens_k"))
-    q, k, v = (cupy.asarray(rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)) for shape in
-               ((int(cu_q[-1]) - short[0], s["h"], s["d"]), (int(cu_k[-1]) - short[1], s["hk"], s["d"]),
-                (int(cu_k[-1]) - short[1], s["hk"], s["d"])))
-    if per:
-        shape = (len(s["lens_q"]), s["hk"]) if per == "head" else (1,)
-        o.update({n: cupy.asarray(rng.uniform(0.5, 2.0, shape).astype(np.float32))
-                  for n in ("q_descale", "k_descale", "v_descale")})
+    q = _e4m3(rng, (int(cu_q[-1]) - short[0], s["h"], s["d"]))
+    k, v = (_e4m3(rng, (int(cu_k[-1]) - short[1], s["hk"], s["d"])) for _ in range(2))
+    o.update(_fp8_descales(rng, per, len(s["lens_q"]), s["hk"]))
     _ready()
     with stream or cupy.cuda.get_current_stream():
         return cuflash.attention_varlen_fp8(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), max(s["lens_q"]),
