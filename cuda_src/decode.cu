@@ -17,6 +17,18 @@
 // layout) completing on the slot's mbarrier, so a deep ring costs no issue slots and no registers. Rows past the
 // cache length inside the capacity are not zero-filled by TMA: the tail block's V rows there are zeroed in shared
 // memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN.
+//
+// An e4m3 cache (FP8 = true; the cp.async kernel): K/V blocks land as bytes, a 16-byte chunk holding 16 columns, and
+// are widened in registers as ldmatrix hands them over (e4m3.cuh), so the ring holds half the bytes and no extra
+// pass over shared memory runs. ldmatrix on byte rows gives a thread four consecutive columns where a 16-bit
+// fragment has two pairs 8 apart; the math follows that order instead of moving bytes:
+//  - S = Q K^T: the k index of the mma is a permutation of the head dim (pairs (2c, 2c + 1) and (2c + 8, 2c + 9) of
+//    a 16-column chunk are columns 4c..4c + 3), and Q's fragments are read from shared memory in the same order.
+//    K widens to Q's type; in bf16 Q is first scaled by 2^64 so that the products of the 2^-120-scaled K stay clear
+//    of fp32's subnormals.
+//  - O = P V: V widens to fp16 (P too is packed as fp16), and each 16-column chunk of O is two mma tiles, its even
+//    and its odd columns, which the epilogue puts back in order.
+// The widening's powers of two and the descales fold into one factor on S and one on O.
 #include "params.cuh"
 #include "kvcache.cuh"
 #include "tile.cuh"
@@ -24,26 +36,31 @@
 #include "mask.cuh"
 #include "score_mod.cuh"
 #include "sm90.cuh"
+#include "e4m3.cuh"
 
 namespace cuflash {
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-template <class T_, int D, int ROW_WARPS_, int BN_, int STAGES_>
+template <class T_, int D, int ROW_WARPS_, int BN_, int STAGES_, bool FP8_ = false>
 struct DecodeTraits {
     using T = T_;
+    static constexpr bool FP8 = FP8_;  // e4m3 cache
     static constexpr int HEADDIM = D, DP = (D + 63) / 64 * 64;
     static constexpr int WARPS = 4, THREADS = WARPS * 32;
     static constexpr int ROW_WARPS = ROW_WARPS_, KEY_WARPS = WARPS / ROW_WARPS;
     static constexpr int BM = 16 * ROW_WARPS, BN = BN_, STAGES = STAGES_;
     static constexpr int WARP_KEYS = BN / KEY_WARPS;  // keys of each block that one warp handles
     static constexpr int NT = WARP_KEYS / 8, DT = D / 8;
+    // A K/V row in 16-bit columns: D of them, or D / 2 holding an e4m3 row's D bytes.
+    static constexpr int KV_COLS = FP8 ? D / 2 : D, KV_DP = (KV_COLS + 63) / 64 * 64;
     using QTile = SmemTile<BM, DP>;
-    using KVTile = SmemTile<BN, DP>;
+    using KVTile = SmemTile<BN, KV_DP>;
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;  // K, then V
     // Q's fragments stay in registers (D / 4 of them) unless a 16-row warp tile at d > 192 cannot afford them
-    // beside its O accumulator and scores; then they are re-read from shared memory for every block.
-    static constexpr bool Q_IN_REGS = !(ROW_WARPS > 1 && D > 192);
+    // beside its O accumulator and scores, nor beside an e4m3 block's widened fragments at d > 192 or in a 16-row
+    // warp tile; then they are re-read from shared memory for every block.
+    static constexpr bool Q_IN_REGS = !(ROW_WARPS > 1 && D > 192) && !(FP8 && (ROW_WARPS > 1 || D > 192));
     // Merge buffer (reuses the tiles' space): per warp slot and row, O (padded rows), max and sum.
     static constexpr int O_STRIDE = D + 4;
     static constexpr int MERGE_ROWS = KEY_WARPS * BM;
@@ -52,17 +69,25 @@ struct DecodeTraits {
 
     static_assert(WARP_KEYS % 16 == 0 && D % 16 == 0, "ldmatrix.x4 loads 16 x 16 pieces");
     static_assert(STAGES >= 2, "the ring needs a block in flight while one is computed");
+    static_assert(!FP8 || D % 32 == 0, "an e4m3 ldmatrix.x4 covers 32 columns");
 };
 
 template <class Traits, bool SCORE_MOD, bool TMA = false>
 struct DecodeBlock {
     using T = typename Traits::T;
+    static constexpr bool FP8 = Traits::FP8;
+    static_assert(!(FP8 && TMA), "e4m3 caches load by cp.async");
+    using E = typename Pick<FP8, u8, u16>::type;          // the cache's element
+    using PT = typename Pick<FP8, half_t, T>::type;       // P's type in P V (V's, widened)
+    // e4m3, bf16: Q's scale, and the factor on S that undoes it and K's widening (2^64 2^-120 = 2^-56).
+    static constexpr u32 Q_SCALE_BF16X2 = 0x5F805F80u;  // 2^64, 2^64
+    static constexpr float S_FACTOR = T::is_bf16 ? 7.205759403792794e16f : E4m3Widen<half_t>::INV_SCALE;
     static constexpr int D = Traits::HEADDIM, DP = Traits::DP, BM = Traits::BM, BN = Traits::BN;
     static constexpr int THREADS = Traits::THREADS, NT = Traits::NT, DT = Traits::DT, STAGES = Traits::STAGES;
     using QTile = typename Traits::QTile;
     using KVTile = typename Traits::KVTile;
     using QCopy = TileCopy<BM, D, DP, THREADS>;
-    using KVCopy = TileCopy<BN, D, DP, THREADS>;
+    using KVCopy = TileCopy<BN, Traits::KV_COLS, Traits::KV_DP, THREADS>;
 
     const DecodeParams& p;
     int tid, lane, row_warp, key_warp;
@@ -73,7 +98,8 @@ struct DecodeBlock {
     u32 sQ, sKV;
     LdmatrixAddr<QTile> q_addr;
     LdmatrixAddr<KVTile> k_addr, v_addr;  // into ring slot 0, as if K and V both started there
-    CacheView cache;
+    CacheView<E> cache;
+    float k_factor = 1.f, v_factor = 1.f;  // e4m3: descales times the widening's powers of two, on S and on O
     Mask<true> mask;
     ScoreMod mod;
     int query[2];    // query index of this thread's two rows
@@ -106,15 +132,17 @@ struct DecodeBlock {
     // not have, are zero-filled).
     __device__ __forceinline__ void load_kv(int stage, int n) {
         const u32 dst = sKV + stage * Traits::STAGE_BYTES;
-        const int pos0 = n * BN;
+        const int pos0 = n * BN, cols = FP8 ? p.headdim / 2 : p.headdim;
         KVCopy::load_rows_async(dst, [&](int r) -> const u16* {
             i64 k_off, v_off;
-            return pos0 + r < len && cache.locate(pos0 + r, k_off, v_off) ? cache.k + k_off : nullptr;
-        }, p.headdim, p.k_cache, tid);
+            return pos0 + r < len && cache.locate(pos0 + r, k_off, v_off)
+                       ? reinterpret_cast<const u16*>(cache.k + k_off) : nullptr;
+        }, cols, p.k_cache, tid);
         KVCopy::load_rows_async(dst + KVTile::BYTES, [&](int r) -> const u16* {
             i64 k_off, v_off;
-            return pos0 + r < len && cache.locate(pos0 + r, k_off, v_off) ? cache.v + v_off : nullptr;
-        }, p.headdim, p.v_cache, tid);
+            return pos0 + r < len && cache.locate(pos0 + r, k_off, v_off)
+                       ? reinterpret_cast<const u16*>(cache.v + v_off) : nullptr;
+        }, cols, p.v_cache, tid);
     }
 
     // TMA: thread 0 issues K and V of block n into ring slot `stage`, completing on the slot's mbarrier. A block
@@ -155,6 +183,76 @@ struct DecodeBlock {
         sm90::fence_proxy_async();
     }
 
+    // Q's A fragment for head-dim chunk ks (16 columns). e4m3: columns 16 ks + 4c .. 4c + 3 of the thread's rows
+    // (c = lane % 4), the order K's widened fragments have, as one 8-byte load per row; in bf16 scaled by 2^64.
+    __device__ __forceinline__ void load_q(u32 (&qa)[4], int ks) const {
+        if constexpr (FP8) {
+            const int row = row_warp * 16 + lane / 4, c = lane % 4;
+            const u32 addr = sQ + QTile::offset(row, 2 * ks + c / 2) + (c % 2) * 8;  // row + 8: 8 swizzle rows on
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(qa[0]), "=r"(qa[2]) : "r"(addr));
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(qa[1]), "=r"(qa[3]) : "r"(addr + 8 * 128));
+            if constexpr (T::is_bf16) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(qa[e]) : "r"(qa[e]), "r"(Q_SCALE_BF16X2),
+                        "r"(0x80008000u));
+            }
+        } else {
+            ldmatrix_x4(qa, q_addr(row_warp, ks));
+        }
+    }
+
+    // S += Q K^T for this warp's keys of the block in ring slot offset k_slot, e4m3 K: each ldmatrix.x4 brings 16
+    // keys x 32 columns, widened into the fragments of 4 mma (two 16-column chunks x two 8-key tiles).
+    __device__ __forceinline__ void scores_e4m3(float (&s)[NT][4], float (&s_odd)[NT][4], u32 k_slot,
+                                                bool two_chains) {
+#pragma unroll
+        for (int ks2 = 0; ks2 < D / 32; ++ks2) {
+            u32 qa[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (Traits::Q_IN_REGS) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) qa[h][e] = q_frag[2 * ks2 + h][e];
+                } else {
+                    load_q(qa[h], 2 * ks2 + h);
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                u32 kb[4];  // (keys 0-7, chunk 0), (keys 0-7, chunk 1), (keys 8-15, chunk 0), (keys 8-15, chunk 1)
+                ldmatrix_x4(kb, k_addr(key_warp * (NT / 2) + np, ks2) + k_slot);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    u32 b0, b1;
+                    widen_e4m3x4<T>(kb[j], b0, b1);
+                    float(&acc)[4] = two_chains && j % 2 ? s_odd[2 * np + j / 2] : s[2 * np + j / 2];
+                    mma_16816<T>(acc, qa[j % 2], b0, b1);
+                }
+            }
+        }
+    }
+
+    // O += P V for the warp's keys (A fragments pa of 16 keys, key piece kk), e4m3 V in ring slot offset v_slot:
+    // each ldmatrix.x4.trans brings 16 keys x 32 columns; chunk q's even columns go to O tile 2q, its odd ones to
+    // tile 2q + 1.
+    __device__ __forceinline__ void pv_e4m3(const u32 (&pa)[4], int kk, u32 v_slot) {
+#pragma unroll
+        for (int dp2 = 0; dp2 < D / 32; ++dp2) {
+            u32 vb[4];  // (keys 0-7, chunk 0), (keys 8-15, chunk 0), (keys 0-7, chunk 1), (keys 8-15, chunk 1)
+            ldmatrix_x4_trans(vb, v_addr(key_warp * (NT / 2) + kk, dp2) + v_slot);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                u32 even0, odd0, even1, odd1;
+                widen_e4m3x4_interleaved<half_t>(vb[2 * h], even0, odd0);
+                widen_e4m3x4_interleaved<half_t>(vb[2 * h + 1], even1, odd1);
+                const int q = 2 * dp2 + h;
+                mma_16816<half_t>(acc_o[0][2 * q], pa, even0, even1);
+                mma_16816<half_t>(acc_o[0][2 * q + 1], pa, odd0, odd1);
+            }
+        }
+    }
+
     // Iteration t handles block n = n_end - 1 - t from ring slot t % STAGES; block t + STAGES - 1 is issued.
     // One instantiation for every block: masked or not and first or not are run-time flags. A decode CTA often
     // sees only a few blocks, so every separately instantiated step would run from a cold instruction cache
@@ -176,7 +274,7 @@ struct DecodeBlock {
         }
         if (t == 0 && Traits::Q_IN_REGS) {
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(q_frag[ks], q_addr(row_warp, ks));
+            for (int ks = 0; ks < D / 16; ++ks) load_q(q_frag[ks], ks);
         }
         const u32 k_slot = (t % STAGES) * Traits::STAGE_BYTES, v_slot = k_slot + KVTile::BYTES;
 
@@ -189,23 +287,27 @@ struct DecodeBlock {
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[0][nt][e] = s_odd[nt][e] = 0.f;
+        if constexpr (FP8) {
+            scores_e4m3(s[0], s_odd, k_slot, TWO_CHAINS);
+        } else {
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-            u32 qa[4];
-            if (Traits::Q_IN_REGS) {
+            for (int ks = 0; ks < D / 16; ++ks) {
+                u32 qa[4];
+                if (Traits::Q_IN_REGS) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) qa[e] = q_frag[ks][e];
-            } else {
-                ldmatrix_x4(qa, q_addr(row_warp, ks));
-            }
+                    for (int e = 0; e < 4; ++e) qa[e] = q_frag[ks][e];
+                } else {
+                    load_q(qa, ks);
+                }
 #pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 kb[4];
-                ldmatrix_x4(kb, k_addr(key_warp * (NT / 2) + np, ks) + k_slot);
-                float(&acc0)[4] = TWO_CHAINS && ks % 2 ? s_odd[2 * np] : s[0][2 * np];
-                float(&acc1)[4] = TWO_CHAINS && ks % 2 ? s_odd[2 * np + 1] : s[0][2 * np + 1];
-                mma_16816<T>(acc0, qa, kb[0], kb[1]);
-                mma_16816<T>(acc1, qa, kb[2], kb[3]);
+                for (int np = 0; np < NT / 2; ++np) {
+                    u32 kb[4];
+                    ldmatrix_x4(kb, k_addr(key_warp * (NT / 2) + np, ks) + k_slot);
+                    float(&acc0)[4] = TWO_CHAINS && ks % 2 ? s_odd[2 * np] : s[0][2 * np];
+                    float(&acc1)[4] = TWO_CHAINS && ks % 2 ? s_odd[2 * np + 1] : s[0][2 * np + 1];
+                    mma_16816<T>(acc0, qa, kb[0], kb[1]);
+                    mma_16816<T>(acc1, qa, kb[2], kb[3]);
+                }
             }
         }
         if (TWO_CHAINS) {
@@ -213,6 +315,12 @@ struct DecodeBlock {
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[0][nt][e] += s_odd[nt][e];
+        }
+        if constexpr (FP8) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[0][nt][e] *= k_factor;
         }
 
         const int n = n_end - 1 - t;
@@ -229,16 +337,20 @@ struct DecodeBlock {
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk) {
             u32 pa[4];
-            pa[0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
-            pa[1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
-            pa[2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-            pa[3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+            pa[0] = pack2<PT>(s[0][2 * kk][0], s[0][2 * kk][1]);
+            pa[1] = pack2<PT>(s[0][2 * kk][2], s[0][2 * kk][3]);
+            pa[2] = pack2<PT>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+            pa[3] = pack2<PT>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+            if constexpr (FP8) {
+                pv_e4m3(pa, kk, v_slot);
+            } else {
 #pragma unroll
-            for (int dp = 0; dp < DT / 2; ++dp) {
-                u32 vb[4];
-                ldmatrix_x4_trans(vb, v_addr(key_warp * (NT / 2) + kk, dp) + v_slot);
-                mma_16816<T>(acc_o[0][2 * dp], pa, vb[0], vb[1]);
-                mma_16816<T>(acc_o[0][2 * dp + 1], pa, vb[2], vb[3]);
+                for (int dp = 0; dp < DT / 2; ++dp) {
+                    u32 vb[4];
+                    ldmatrix_x4_trans(vb, v_addr(key_warp * (NT / 2) + kk, dp) + v_slot);
+                    mma_16816<T>(acc_o[0][2 * dp], pa, vb[0], vb[1]);
+                    mma_16816<T>(acc_o[0][2 * dp + 1], pa, vb[2], vb[3]);
+                }
             }
         }
     }
@@ -257,10 +369,19 @@ struct DecodeBlock {
                 m_buf[slot_row] = softmax.row_max[0][h] * p.scale_log2;  // log2 units; -inf stays -inf
                 l_buf[slot_row] = sum;
             }
-            float* o_row = reinterpret_cast<float*>(smem) + slot_row * Traits::O_STRIDE + 2 * (lane % 4);
+            float* o_row = reinterpret_cast<float*>(smem) + slot_row * Traits::O_STRIDE;
+            if constexpr (FP8) {  // chunk q: tile 2q holds columns 16q + 4c, + 2; tile 2q + 1 the odd ones between
 #pragma unroll
-            for (int dt = 0; dt < DT; ++dt)
-                *reinterpret_cast<float2*>(o_row + dt * 8) = make_float2(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
+                for (int q = 0; q < D / 16; ++q)
+                    *reinterpret_cast<float4*>(o_row + 16 * q + 4 * (lane % 4)) =
+                        make_float4(acc_o[0][2 * q][2 * h] * v_factor, acc_o[0][2 * q + 1][2 * h] * v_factor,
+                                    acc_o[0][2 * q][2 * h + 1] * v_factor, acc_o[0][2 * q + 1][2 * h + 1] * v_factor);
+            } else {
+#pragma unroll
+                for (int dt = 0; dt < DT; ++dt)
+                    *reinterpret_cast<float2*>(o_row + 2 * (lane % 4) + dt * 8) =
+                        make_float2(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
+            }
         }
         __syncthreads();
 
@@ -388,6 +509,11 @@ struct DecodeBlock {
             slope[h] = SCORE_MOD && p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + head] : 0.f;
         }
         if (SCORE_MOD) mod = ScoreMod{p.mod_scale, p.softcap, 0.f, len - p.seqlen_q};
+        if constexpr (FP8) {
+            const i64 di = (i64)b * p.descale_batch_stride + (i64)h_kv * p.descale_head_stride;
+            k_factor = (p.k_descale != nullptr ? p.k_descale[di] : 1.f) * S_FACTOR;
+            v_factor = (p.v_descale != nullptr ? p.v_descale[di] : 1.f) * E4m3Widen<half_t>::INV_SCALE;
+        }
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
@@ -430,11 +556,11 @@ struct DecodeBlock {
     }
 };
 
-template <class T, int D, int ROW_WARPS, int BN, int STAGES, bool SCORE_MOD>
+template <class T, int D, int ROW_WARPS, int BN, int STAGES, bool SCORE_MOD, bool FP8 = false>
 __global__ void __launch_bounds__(128) decode_kernel(const __grid_constant__ DecodeParams p) {
     extern __shared__ __align__(1024) char smem[];
     pdl_launch_dependents();  // decode_combine's CTAs may take their place now; they wait for this grid's end
-    DecodeBlock<DecodeTraits<T, D, ROW_WARPS, BN, STAGES>, SCORE_MOD> block(p, blockIdx.z, blockIdx.y);
+    DecodeBlock<DecodeTraits<T, D, ROW_WARPS, BN, STAGES, FP8>, SCORE_MOD> block(p, blockIdx.z, blockIdx.y);
     block.run(smem);
 }
 

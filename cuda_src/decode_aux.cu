@@ -16,10 +16,38 @@ namespace cuflash {
 // past the capacity, in a page the pool does not have, or for a row with no place in the cache, it is dropped. Its
 // rotary position is its cache position, cache_seqlens[b] + i; a query's is cache_seqlens[b] (+ i, one position per
 // query, with rotary_q_per_row).
+// One 16-byte chunk of new key i and its value (KV head h_kv, batch row b) into the cache, of elements E (u16, or
+// u8 for an e4m3 cache, which takes no rotary embedding: the checks refuse it).
+template <class T, class E>
+__device__ __forceinline__ void append_chunk(const DecodeParams& p, int b, int i, int h_kv, int c) {
+    constexpr int PER_CHUNK = 16 / sizeof(E);
+    const CacheView<E> cache(p, b, h_kv);
+    const int pos = cache.cached + i;
+    i64 k_off, v_off;
+    if (pos >= cache.length(p.seqlen_new_k) || !cache.locate(pos, k_off, v_off)) return;
+    const E* k_src = reinterpret_cast<const E*>(p.k_new) + b * p.kn_batch_stride + i * p.kn_row_stride +
+                     h_kv * p.kn_head_stride;
+    E* k_dst = const_cast<E*>(cache.k) + k_off;
+    if constexpr (sizeof(E) == 2) {
+        if (p.rotary_dim > 0) {
+            rotary_chunk<T>(p, k_src, k_dst, c, cache.start + pos);
+        } else {
+            *reinterpret_cast<uint4*>(k_dst + c * PER_CHUNK) = *reinterpret_cast<const uint4*>(k_src + c * PER_CHUNK);
+        }
+    } else {
+        *reinterpret_cast<uint4*>(k_dst + c * PER_CHUNK) = *reinterpret_cast<const uint4*>(k_src + c * PER_CHUNK);
+    }
+    const E* v_src = reinterpret_cast<const E*>(p.v_new) + b * p.vn_batch_stride + i * p.vn_row_stride +
+                     h_kv * p.vn_head_stride;
+    *reinterpret_cast<uint4*>(const_cast<E*>(cache.v) + v_off + c * PER_CHUNK) =
+        *reinterpret_cast<const uint4*>(v_src + c * PER_CHUNK);
+}
+
 template <class T>
 __global__ void __launch_bounds__(256) decode_append(const __grid_constant__ DecodeParams p) {
     const int chunks = p.headdim / 8, nheads_k = p.nheads / p.heads_per_kv;
-    const i64 kv_units = (i64)p.batch * p.seqlen_new_k * nheads_k * chunks;
+    const int kv_chunks = p.cache_fp8 ? p.headdim / 16 : chunks;  // an e4m3 row holds 16 elements per chunk
+    const i64 kv_units = (i64)p.batch * p.seqlen_new_k * nheads_k * kv_chunks;
     const i64 q_units = p.q_rot != nullptr ? (i64)p.batch * p.seqlen_q * p.nheads * chunks : 0;
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < kv_units + q_units;
          idx += (i64)gridDim.x * blockDim.x) {
@@ -36,24 +64,15 @@ __global__ void __launch_bounds__(256) decode_append(const __grid_constant__ Dec
                             p.q_rot + (((i64)b * p.seqlen_q + i) * p.nheads + head) * p.headdim, c, pos);
             continue;
         }
-        const int c = idx % chunks;
-        i64 rest = idx / chunks;
+        const int c = idx % kv_chunks;
+        i64 rest = idx / kv_chunks;
         const int h_kv = rest % nheads_k;
         rest /= nheads_k;
         const int i = rest % p.seqlen_new_k, b = rest / p.seqlen_new_k;
-        const CacheView cache(p, b, h_kv);
-        const int pos = cache.cached + i;
-        i64 k_off, v_off;
-        if (pos >= cache.length(p.seqlen_new_k) || !cache.locate(pos, k_off, v_off)) continue;
-        const u16* k_src = p.k_new + b * p.kn_batch_stride + i * p.kn_row_stride + h_kv * p.kn_head_stride;
-        u16* k_dst = const_cast<u16*>(cache.k) + k_off;
-        if (p.rotary_dim > 0)
-            rotary_chunk<T>(p, k_src, k_dst, c, cache.start + pos);
+        if (p.cache_fp8)
+            append_chunk<T, u8>(p, b, i, h_kv, c);
         else
-            *reinterpret_cast<uint4*>(k_dst + c * 8) = *reinterpret_cast<const uint4*>(k_src + c * 8);
-        const uint4 vx = *reinterpret_cast<const uint4*>(p.v_new + b * p.vn_batch_stride + i * p.vn_row_stride +
-                                                         h_kv * p.vn_head_stride + c * 8);
-        *reinterpret_cast<uint4*>(const_cast<u16*>(cache.v) + v_off + c * 8) = vx;
+            append_chunk<T, u16>(p, b, i, h_kv, c);
     }
 }
 

@@ -1,15 +1,17 @@
 // Where a batch row's keys and values live in a KV cache: one row of a contiguous cache tensor (optionally
 // remapped by cache_batch_idx), or pages of a pool listed in the row's block-table entry, from position
 // cache_leftpad[b] on. Values read from device memory (cache_seqlens, cache_batch_idx, block_table, cache_leftpad)
-// are bounded here: a row never reaches outside its own cache row or pages.
+// are bounded here: a row never reaches outside its own cache row or pages. E is the cache's element: u16 (fp16,
+// bf16) or u8 (e4m3); strides and offsets count elements.
 #pragma once
 #include "params.cuh"
 
 namespace cuflash {
 
+template <class E = u16>
 struct CacheView {
-    const u16* k;        // contiguous: K of (cache row, position 0, KV head); paged: K of (page 0, row 0, KV head)
-    const u16* v;
+    const E* k;          // contiguous: K of (cache row, position 0, KV head); paged: K of (page 0, row 0, KV head)
+    const E* v;
     const int* pages;    // the row's block-table entry; nullptr: contiguous
     i64 k_page_stride, v_page_stride, k_row_stride, v_row_stride;
     int page_size, pool;  // pool: pages in the pool (paged)
@@ -27,8 +29,8 @@ struct CacheView {
         if (!valid) row = 0, start = 0;
         cached = valid ? seqlen - start : 0;  // an invalid row appends nothing: no position is below length() = 0
         capacity = p.cache_capacity - start;
-        k = p.k_cache + row * p.k_batch_stride + (i64)h_kv * p.k_head_stride;
-        v = p.v_cache + row * p.v_batch_stride + (i64)h_kv * p.v_head_stride;
+        k = reinterpret_cast<const E*>(p.k_cache) + row * p.k_batch_stride + (i64)h_kv * p.k_head_stride;
+        v = reinterpret_cast<const E*>(p.v_cache) + row * p.v_batch_stride + (i64)h_kv * p.v_head_stride;
         k_page_stride = p.k_batch_stride;
         v_page_stride = p.v_batch_stride;
         k_row_stride = p.k_row_stride;

@@ -149,6 +149,8 @@ struct DecodeParams {
     const int* cache_leftpad;  // (batch,): row b's keys start at this cache position, or nullptr: 0
     u16* q_rot;                // rotary: q rotated by decode_append, contiguous (batch, seqlen_q, nheads, headdim),
                                // which the decode kernels read instead of q
+    const float* k_descale;    // e4m3 cache: K's dequantization factor at b * descale_batch_stride + h_kv *
+    const float* v_descale;    // descale_head_stride (both 0: one per tensor), or nullptr: 1
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;  // batch stride = page stride when paged
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -169,6 +171,8 @@ struct DecodeParams {
     int rotary_interleaved;    // pairs (2j, 2j + 1); else (j, j + rotary_dim / 2)
     int rotary_q_per_row;      // query i at position cache_seqlens[b] + i (causal or local), else cache_seqlens[b]
     int seqlen_ro;             // rows of rotary_cos / rotary_sin
+    int cache_fp8;             // the caches (and k_new, v_new) hold e4m3 bytes; q and o stay 16-bit
+    int descale_batch_stride, descale_head_stride;
     float scale_log2, mod_scale, softcap;
 };
 

@@ -17,6 +17,10 @@ typedef unsigned char u8;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
+// Type selection without <type_traits>: Pick<C, A, B>::type is A if C, else B.
+template <bool C, class A, class B> struct Pick { using type = A; };
+template <class A, class B> struct Pick<false, A, B> { using type = B; };
+
 struct half_t { static constexpr bool is_bf16 = false; };  // IEEE fp16
 struct bf16_t { static constexpr bool is_bf16 = true; };   // bfloat16
 

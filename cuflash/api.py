@@ -252,7 +252,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, num_splits=0, return_lse=False, rotary_cos=None, rotary_sin=None,
-                           rotary_interleaved=True, cache_leftpad=None, stream=None):
+                           rotary_interleaved=True, cache_leftpad=None, k_descale=None, v_descale=None, stream=None):
     """Attention of new query rows against a KV cache (decode), with FlashAttention's semantics.
 
     Parameters
@@ -289,6 +289,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     cache_leftpad : cupy int32 (batch,), optional
         Row b's keys start at cache position ``cache_leftpad[b]``: it attends to positions ``cache_leftpad[b] ..
         L_b - 1`` as if they were its positions ``0 ..`` (masks and ALiBi count from there).
+    k_descale, v_descale : cupy.ndarray of float32, optional
+        An e4m3 cache: k_cache and v_cache (and k, v) uint8 holding e4m3 bits, read as ``k_cache * k_descale`` and
+        ``v_cache * v_descale``; one value per tensor (shape () or (1,)) or per (batch row, KV head),
+        ``(batch, nheads_k)`` contiguous. None: 1. q and out stay fp16 or bf16. The head dim is then a multiple of
+        16, the strides multiples of 16 bytes, and there is no rotary embedding (rotate k before quantizing it).
+        The decode reads half the bytes (docs/fp8.md, "KV cache").
 
     Returns
     -------
@@ -301,11 +307,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     if getattr(q, "ndim", 0) and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies
         return _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_lse,
-                               stream, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
+                               stream, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, k_descale,
+                               v_descale)
     return decode.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                          softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
                                          return_lse, stream, rotary_cos, rotary_sin, rotary_interleaved,
-                                         cache_leftpad)
+                                         cache_leftpad, k_descale, v_descale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,7 +351,7 @@ def _padded(headdim: int, stream, **arrays) -> list:
 
 def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                     window_size, softcap, alibi_slopes, num_splits, return_lse, stream, rotary_cos=None,
-                    rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):
+                    rotary_sin=None, rotary_interleaved=True, cache_leftpad=None, k_descale=None, v_descale=None):
     """:func:`attention_with_kvcache` on padded copies of q, k, v and of both caches (whole: the rows a call reads
     are known on the device only); the appended rows are then copied back into the caller's caches."""
     d = q.shape[-1]
@@ -352,7 +359,7 @@ def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
                          block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                          softcap=softcap, alibi_slopes=alibi_slopes, num_splits=num_splits, rotary_cos=rotary_cos,
                          rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, cache_leftpad=cache_leftpad,
-                         headdim_multiple=1)
+                         k_descale=k_descale, v_descale=v_descale, headdim_multiple=1)
     runtime.require_device_index_arrays(cache_batch_idx=cache_batch_idx, block_table=block_table,
                                         cache_seqlens=None if checks.is_int(cache_seqlens) else cache_seqlens)
     q_padded, k_cache_padded, v_cache_padded, k_padded, v_padded = _padded(d, stream, q=q, k_cache=k_cache,

@@ -215,7 +215,13 @@ def check_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _check_fp8(q, k, v, descales, batch: int, nheads_k: int) -> None:
     """The FP8 kernel's own rules: descales, head dim a multiple of 16, 16-byte strides (q, k, v TensorSpecs)."""
     descales = [_spec(x, name, required=False) for x, name in zip(descales, ("q_descale", "k_descale", "v_descale"))]
-    headdim = q.shape[-1]
+    _check_e4m3_rows((q, k, v), descales, batch, nheads_k, "the FP8 kernel", "the FP8 kernel's TMA loads")
+
+
+def _check_e4m3_rows(arrays, descales, batch: int, nheads_k: int, taker: str, loads: str) -> None:
+    """e4m3 arrays (TensorSpecs, None where absent): head dim a multiple of 16, every stride but the last a multiple
+    of 16 bytes; their descales (TensorSpecs, None where absent): float32, one per tensor or ``(batch, nheads_k)``
+    contiguous."""
     for x in descales:
         if x is None:
             continue
@@ -225,14 +231,17 @@ def _check_fp8(q, k, v, descales, batch: int, nheads_k: int) -> None:
                              f"({batch}, {nheads_k}), got {x.shape}")
         if x.shape == (batch, nheads_k) and x.strides != (nheads_k, 1) and batch * nheads_k > 1:
             raise ValueError(f"{x.name}: must be contiguous, got strides {x.strides} (elements)")
-    _same_device(q, k, v, *descales)
+    arrays = [x for x in arrays if x is not None]
+    _same_device(*arrays, *descales)
+    headdim = arrays[0].shape[-1]
     if headdim % 16:
-        raise ValueError(f"q: head dim (axis {len(q.shape) - 1}) is {headdim}; the FP8 kernel takes multiples of 16")
-    for x in (q, k, v):
+        raise ValueError(f"{arrays[0].name}: head dim (axis {len(arrays[0].shape) - 1}) is {headdim}; {taker} "
+                         "takes multiples of 16")
+    for x in arrays:
         for axis in range(len(x.shape) - 1):
             if x.shape[axis] > 1 and x.strides[axis] % 16:
-                raise ValueError(f"{x.name}: stride of axis {axis} is {x.strides[axis]} bytes; the FP8 kernel's TMA "
-                                 "loads need multiples of 16")
+                raise ValueError(f"{x.name}: stride of axis {axis} is {x.strides[axis]} bytes; {loads} need "
+                                 "multiples of 16")
 
 
 def check_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
@@ -330,7 +339,8 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
                   cache_batch_idx=None, block_table=None, num_splits=0, softmax_scale=None,
                   causal=False, window_size=(-1, -1), softcap=0.0,
                   alibi_slopes=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                  cache_leftpad=None, headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
+                  cache_leftpad=None, k_descale=None, v_descale=None,
+                  headdim_multiple=HEADDIM_MULTIPLE) -> Problem:
     """Check the arguments of ``attention_with_kvcache``.
 
     q ``(batch, seqlen_new, nheads, d)``. The cache is ``(batch_cache, max_len, nheads_k, d)``,
@@ -340,8 +350,10 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     (an int or int32 ``(batch,)``). cache_batch_idx (int32 ``(batch,)``) excludes block_table.
     rotary_cos / rotary_sin ``(seqlen_ro, rotary_dim / 2)``, contiguous, q's dtype, rotary_dim a
     multiple of 16 up to d, come both or neither, and only with k and v. cache_leftpad is int32
-    ``(batch,)``. The returned Problem has ``seqlen_k`` = max_len, or max_pages * page_size when
-    paged.
+    ``(batch,)``. An e4m3 cache holds uint8 (k/v then uint8 too, no rotary embedding, d a multiple
+    of 16, strides multiples of 16 bytes), with k_descale / v_descale as ``attention_fp8``'s (one
+    float32, or ``(batch, nheads_k)``); q stays fp16 or bf16. The returned Problem has
+    ``seqlen_k`` = max_len, or max_pages * page_size when paged.
     """
     q = _spec(q, "q")
     k_cache, v_cache = _spec(k_cache, "k_cache"), _spec(v_cache, "v_cache")
@@ -356,6 +368,7 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     seqlens_array = None if is_int(cache_seqlens) else _spec(cache_seqlens, "cache_seqlens",
                                                              required=False)
 
+    fp8 = k_cache.dtype.name in FP8_DTYPES
     seqlen_k = _check_cache(q, k_cache, v_cache, cache_batch_idx, block_table)
     seqlen_new_k = _check_new_kv(q, k, v, k_cache, seqlen_k, cache_seqlens)
     if seqlens_array is not None:
@@ -370,6 +383,14 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     rotary_cos = _spec(rotary_cos, "rotary_cos", required=False)
     rotary_sin = _spec(rotary_sin, "rotary_sin", required=False)
     _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved)
+    if fp8 and rotary_cos is not None:
+        raise ValueError("rotary_cos: not supported with an e4m3 (uint8) cache; rotate k before quantizing it")
+    k_descale = _spec(k_descale, "k_descale", required=False)
+    v_descale = _spec(v_descale, "v_descale", required=False)
+    if not fp8:
+        for x in (k_descale, v_descale):
+            if x is not None:
+                raise ValueError(f"{x.name}: only for an e4m3 (uint8) cache; k_cache is {k_cache.dtype.name}")
     cache_leftpad = _spec(cache_leftpad, "cache_leftpad", required=False)
     if cache_leftpad is not None:
         _check_index(cache_leftpad, ("batch",))
@@ -379,6 +400,9 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
     _check_options(softmax_scale, causal, window_size, softcap, alibi_slopes, batch, nheads)
     _same_device(q, k_cache, v_cache, k, v, seqlens_array, cache_batch_idx, block_table,
                  alibi_slopes, rotary_cos, rotary_sin, cache_leftpad)
+    if fp8:
+        _check_e4m3_rows((k_cache, v_cache, k, v), (k_descale, v_descale), batch, k_cache.shape[2],
+                         "an e4m3 cache", "the decode kernel's 16-byte loads")
     _check_headdim_multiple(q, headdim_multiple)
     return Problem(batch, seqlen_new, seqlen_k, nheads, k_cache.shape[2], headdim, q.dtype)
 
@@ -386,7 +410,8 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
 def _check_cache(q, k_cache, v_cache, cache_batch_idx, block_table) -> int:
     """The KV cache, contiguous per sequence or paged; returns its capacity in keys."""
     paged = block_table is not None
-    _check_qkv(q, k_cache, v_cache, KVCACHE_Q_AXES, PAGED_CACHE_AXES if paged else CACHE_AXES)
+    _check_qkv(q, k_cache, v_cache, KVCACHE_Q_AXES, PAGED_CACHE_AXES if paged else CACHE_AXES,
+               kv_dtypes=ATTENTION_DTYPES + FP8_DTYPES)
     batch = q.shape[0]
     if paged:
         if cache_batch_idx is not None:
@@ -440,7 +465,8 @@ def _check_new_kv(q, k, v, k_cache, seqlen_k, cache_seqlens) -> int:
         raise ValueError(f"k and v must be given together; got {given} but not {missing}")
     if k is None:
         return 0
-    _check_qkv(q, k, v, KVCACHE_Q_AXES, NEW_K_AXES)
+    _check_qkv(q, k, v, KVCACHE_Q_AXES, NEW_K_AXES, kv_dtypes=ATTENTION_DTYPES + FP8_DTYPES)
+    _check_same_dtype(k, k_cache)
     _same_axis(k, 0, q, 0, "batch")
     _same_axis(k, 2, k_cache, 2, "nheads_k")
     if k.shape[1] > seqlen_k:
@@ -456,15 +482,17 @@ def _check_new_kv(q, k, v, k_cache, seqlen_k, cache_seqlens) -> int:
 # Shared sub-checks
 # --------------------------------------------------------------------------------------------
 
-def _check_qkv(q, k, v, q_axes, k_axes, dtypes=ATTENTION_DTYPES):
+def _check_qkv(q, k, v, q_axes, k_axes, dtypes=ATTENTION_DTYPES, kv_dtypes=None):
     """q, k, v: rank, dtype (one of `dtypes`), layout, head dim, v shaped like k, and nheads a multiple of
-    nheads_k. Batch matching is left to the caller (the KV cache's batch differs)."""
+    nheads_k. k and v have q's dtype, or with `kv_dtypes` either q's or one of the FP8 ones (both the same).
+    Batch matching is left to the caller (the KV cache's batch differs)."""
     _check_tensor(q, q_axes)
     _check_dtype(q, dtypes)
     _check_headdim(q)
+    fp8_kv = kv_dtypes is not None and k.dtype.name in FP8_DTYPES and k.dtype.name in kv_dtypes
     for x in (k, v):
         _check_tensor(x, k_axes)
-        _check_same_dtype(x, q)
+        _check_same_dtype(x, k if fp8_kv else q)
     for axis, label in enumerate(k_axes):
         _same_axis(v, axis, k, axis, label)
     _same_axis(k, -1, q, -1, "head dim")

@@ -177,6 +177,22 @@ def _kvcache_cases() -> list[dict]:
              shape=decode, opts=dict(cache_seqlens=(100, 50), new_k=1, batch_idx=(5, -1))),
         dict(name="kvcache_bf16_leftpad_past_seqlens", fn="attention_with_kvcache", dtype="bf16",
              shape=decode, opts=dict(cache_seqlens=(100, 50), new_k=1, leftpad=(150, -2))),
+        # e4m3 caches (uint8, with descales per tensor or per (batch, KV head))
+        dict(name="kvcache_e4m3_bf16_decode_head_split", fn="attention_with_kvcache", dtype="bf16",
+             shape=decode, opts=dict(cache_seqlens=(300, 0), num_splits=3, e4m3="head")),
+        dict(name="kvcache_e4m3_fp16_speculative_paged16_append", fn="attention_with_kvcache", dtype="fp16",
+             shape=dict(decode, sq=20), opts=dict(cache_seqlens=(200, 33), page_size=16, new_k=20, causal=True,
+                                                  num_splits=2, e4m3="tensor")),
+        dict(name="kvcache_e4m3_bf16_d256_window_softcap", fn="attention_with_kvcache", dtype="bf16",
+             shape=dict(decode, d=256, sq=3), opts=dict(cache_seqlens=(297, 5), window_size=(40, 0), softcap=10.0,
+                                                        e4m3="head")),
+        dict(name="kvcache_e4m3_bf16_seqlens_past_capacity_append", fn="attention_with_kvcache", dtype="bf16",
+             shape=decode, opts=dict(cache_seqlens=(400, -3), new_k=2, num_splits=2, e4m3="tensor")),
+        dict(name="kvcache_e4m3_fp16_paged_bad_pages_append", fn="attention_with_kvcache", dtype="fp16",
+             shape=dict(decode, d=64), opts=dict(cache_seqlens=(290, 40), page_size=32, new_k=3, bad_pages=True,
+                                                 e4m3="head")),
+        dict(name="kvcache_e4m3_bf16_batch_idx_outside", fn="attention_with_kvcache", dtype="bf16",
+             shape=decode, opts=dict(cache_seqlens=(100, 50), new_k=1, batch_idx=(5, -1), e4m3="head")),
     ]
 
 
@@ -368,11 +384,18 @@ def run_attention_backward(rng, case, stream):
 
 
 def run_attention_with_kvcache(rng, case, stream):
+    """e4m3="tensor" or "head": e4m3 caches and new keys (uint8) with k/v descales of that form."""
     s, dt = case["shape"], case["dtype"]
+    e4m3 = case["opts"].get("e4m3")
+    kv = (lambda shape: _e4m3(rng, shape)) if e4m3 else (lambda shape: _rand(rng, shape, dt))  # noqa: E731
     q = _rand(rng, (s["b"], s["sq"], s["h"], s["d"]), dt)
-    k_cache = _rand(rng, (s["b"], s["sk"], s["hk"], s["d"]), dt)
-    v_cache = _rand(rng, (s["b"], s["sk"], s["hk"], s["d"]), dt)
+    k_cache = kv((s["b"], s["sk"], s["hk"], s["d"]))
+    v_cache = kv((s["b"], s["sk"], s["hk"], s["d"]))
     kw = _kwargs(rng, case, stream)
+    kw.pop("e4m3", None)
+    if e4m3:
+        descales = _fp8_descales(rng, e4m3, s["b"], s["hk"])
+        kw.update(k_descale=descales["k_descale"], v_descale=descales["v_descale"])
     kw["cache_seqlens"] = cupy.asarray(np.array(kw["cache_seqlens"], dtype=np.int32))
     page_size, new_k = kw.pop("page_size", None), kw.pop("new_k", 0)
     rotary, leftpad, bad_pages, batch_idx = (kw.pop(n, None) for n in ("rotary", "leftpad", "bad_pages", "batch_idx"))
@@ -385,15 +408,15 @@ def run_attention_with_kvcache(rng, case, stream):
         kw["cache_batch_idx"] = cupy.asarray(np.array(batch_idx, dtype=np.int32))
     if page_size:  # the same capacity as pages, shuffled, plus two spare pages
         pages = -(-s["sk"] // page_size)
-        k_cache = _rand(rng, (s["b"] * pages + 2, page_size, s["hk"], s["d"]), dt)
-        v_cache = _rand(rng, (s["b"] * pages + 2, page_size, s["hk"], s["d"]), dt)
+        k_cache = kv((s["b"] * pages + 2, page_size, s["hk"], s["d"]))
+        v_cache = kv((s["b"] * pages + 2, page_size, s["hk"], s["d"]))
         table = rng.permutation(s["b"] * pages + 2)[:s["b"] * pages].reshape(s["b"], pages).astype(np.int32)
         if bad_pages:  # entries that name no page of the pool
             table[0, -1], table[1, 0] = 10 ** 6, -1
         kw["block_table"] = cupy.asarray(table)
     if new_k:
-        kw["k"] = _rand(rng, (s["b"], new_k, s["hk"], s["d"]), dt)
-        kw["v"] = _rand(rng, (s["b"], new_k, s["hk"], s["d"]), dt)
+        kw["k"] = kv((s["b"], new_k, s["hk"], s["d"]))
+        kw["v"] = kv((s["b"], new_k, s["hk"], s["d"]))
     _ready()
     return cuflash.attention_with_kvcache(q, k_cache, v_cache, **kw)
 

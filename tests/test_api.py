@@ -728,12 +728,12 @@ def test_kernel_call_with_tail_writes_pointers_and_tail():
     p = np.zeros((), decode.TMA_PARAMS_DTYPE)
     p["headdim"] = 128
     DECODE_POINTERS = decode.POINTERS
-    assert DECODE_POINTERS[-1] == "q_rot" and len(DECODE_POINTERS) == 18
+    assert DECODE_POINTERS[-1] == "v_descale" and len(DECODE_POINTERS) == 20
     call = KernelCall((), p, DECODE_POINTERS)
     tail = bytes(range(256))
-    call.call_with_tail(0, decode.TMA_MAPS_OFFSET, tail, *range(1, 19))  # no launches: only the struct
-    got = np.frombuffer(call.params(*range(1, 19)), decode.TMA_PARAMS_DTYPE)[0]
-    assert [int(got[n]) for n in DECODE_POINTERS] == list(range(1, 19))
+    call.call_with_tail(0, decode.TMA_MAPS_OFFSET, tail, *range(1, 21))  # no launches: only the struct
+    got = np.frombuffer(call.params(*range(1, 21)), decode.TMA_PARAMS_DTYPE)[0]
+    assert [int(got[n]) for n in DECODE_POINTERS] == list(range(1, 21))
     assert bytes(got["k_map"]) + bytes(got["v_map"]) == tail and got["headdim"] == 128
 
 

@@ -88,7 +88,7 @@ def on_host(monkeypatch):
 
     def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, num_splits, return_lse, stream, rotary_cos=None, rotary_sin=None,
-                rotary_interleaved=True, cache_leftpad=None):
+                rotary_interleaved=True, cache_leftpad=None, k_descale=None, v_descale=None):
         launched.append((q.shape[-1], softmax_scale))
         out, lse = reference.attention_with_kvcache(
             q, k_cache.view(np.ndarray), v_cache.view(np.ndarray), k=k, v=v, cache_seqlens=cache_seqlens,

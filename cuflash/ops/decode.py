@@ -82,9 +82,18 @@ def tma_config(stages: int | None = None) -> DecodeConfig:
     return DecodeConfig(1, TMA_BLOCK_N, stages or settings.current().decode_tma_stages, tma=True)
 
 
-def decode_config(headdim: int, packed_rows: int) -> DecodeConfig:
-    """packed_rows = seqlen_q * (nheads // nheads_k): the rows of one KV head's GQA group."""
-    return DECODE_TABLE[plan.compiled_headdim(headdim)][0 if packed_rows <= 16 else 1]
+def decode_config(headdim: int, packed_rows: int, fp8: bool = False) -> DecodeConfig:
+    """packed_rows = seqlen_q * (nheads // nheads_k): the rows of one KV head's GQA group. An e4m3 cache (`fp8`)
+    keeps the 16-bit config's ring bytes, so more stages: at d = 128 and up, twice the blocks in flight."""
+    d = plan.compiled_headdim(headdim)
+    config = DECODE_TABLE[d][0 if packed_rows <= 16 else 1]
+    if not fp8:
+        return config
+    ring = config.stages * plan.smem_row_bytes(d)
+    return dataclasses.replace(config, stages=min(FP8_MAX_STAGES, ring // plan.smem_row_bytes(d // 2)))
+
+
+FP8_MAX_STAGES = 8
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,7 @@ class DecodeSpec:
     headdim: int
     config: DecodeConfig
     score_mod: bool
+    fp8: bool = False  # e4m3 cache (the cp.async kernel)
 
     source = "decode.cu"
     threads = 128
@@ -104,7 +114,7 @@ class DecodeSpec:
         c = self.config
         return (f"decode_{self.dtype}_d{self.headdim}_r{c.row_warps}n{c.block_n}s{c.stages}"
                 f"{'_tma' if c.tma else ''}"
-                f"{'_mod' if self.score_mod else ''}")
+                f"{'_mod' if self.score_mod else ''}{'_e4m3' if self.fp8 else ''}")
 
     @property
     def template(self) -> str:
@@ -113,14 +123,15 @@ class DecodeSpec:
             return plan.template("decode_tma_kernel", self.dtype, (self.headdim, c.block_n, c.stages),
                                  (self.score_mod,))
         return plan.template("decode_kernel", self.dtype, (self.headdim, c.row_warps, c.block_n, c.stages),
-                             (self.score_mod,))
+                             (self.score_mod, True) if self.fp8 else (self.score_mod,))
 
     @property
     def smem_bytes(self) -> int:
         # DecodeTraits::SMEM_BYTES: Q tile and the K/V ring, or the merge buffer if larger.
         c = self.config
         row = plan.smem_row_bytes(self.headdim)
-        tiles = 16 * c.row_warps * row + c.stages * 2 * c.block_n * row
+        kv_row = plan.smem_row_bytes(self.headdim // 2) if self.fp8 else row  # e4m3: D bytes, in 16-bit columns
+        tiles = 16 * c.row_warps * row + c.stages * 2 * c.block_n * kv_row
         merge = 64 * (self.headdim + 4 + 2) * 4
         if c.tma:  # the ring's mbarriers after it, and 1 KB of slack to align the tiles to 1024 bytes
             return max(tiles + 8 * c.stages, merge) + 1024
@@ -140,7 +151,7 @@ def all_specs(arch: str) -> list:
         for d in plan.COMPILED_HEADDIMS:
             for rows in (1, 64):
                 for mod in (False, True):
-                    specs.append(DecodeSpec(dtype, d, decode_config(d, rows), mod))
+                    specs += [DecodeSpec(dtype, d, decode_config(d, rows, fp8), mod, fp8) for fp8 in (False, True)]
         if arch == "sm_90a":
             specs += [DecodeSpec(dtype, d, tma_config(stages), mod) for d in TMA_HEADDIMS
                       for stages in TMA_STAGE_CHOICES for mod in (False, True)]
@@ -172,12 +183,12 @@ class DecodeLaunch:
 
 @functools.lru_cache(maxsize=4096)
 def _plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int, sm_count: int, tma: bool,
-                 tma_stages: int) -> DecodeLaunch:
+                 tma_stages: int, fp8: bool) -> DecodeLaunch:
     dtype = plan.dtype_tag(problem.dtype)
     d = plan.compiled_headdim(problem.headdim)
     group = problem.nheads // problem.nheads_k
-    config = tma_config(tma_stages) if tma else decode_config(d, problem.seqlen_q * group)
-    spec = DecodeSpec(dtype, d, config, score_mod)
+    config = tma_config(tma_stages) if tma else decode_config(d, problem.seqlen_q * group, fp8)
+    spec = DecodeSpec(dtype, d, config, score_mod, fp8)
     m_tiles = math.ceil(problem.seqlen_q * group / (16 * spec.config.row_warps))
     n_blocks = max(1, math.ceil(problem.seqlen_k / spec.config.block_n))
     if num_splits == 0:
@@ -189,12 +200,12 @@ def _plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: in
 
 
 def plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int, sm_count: int,
-                tma: bool = False) -> DecodeLaunch:
+                tma: bool = False, fp8: bool = False) -> DecodeLaunch:
     """Decode kernel, its grid (row tiles x splits, KV heads, batch) and split count. `problem.seqlen_k` is
     the most keys a row can see (the cache capacity, or the known length); `num_splits` 0 picks by heuristic.
-    `tma`: the TMA kernel (the caller checked tma_applies)."""
+    `tma`: the TMA kernel (the caller checked tma_applies); `fp8`: an e4m3 cache (never with `tma`)."""
     return _plan_decode(problem, left, right, score_mod, num_splits, sm_count, tma,
-                        settings.current().decode_tma_stages)
+                        settings.current().decode_tma_stages, fp8)
 
 
 plan_decode.cache_clear = _plan_decode.cache_clear  # for tables changed in place (benchmarks/tune_decode.py)
@@ -203,11 +214,12 @@ plan_decode.cache_clear = _plan_decode.cache_clear  # for tables changed in plac
 PARAMS_DTYPE = plan.struct(
     ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "cache_seqlens",
      "cache_batch_idx", "block_table", "alibi", "split_counters", "rotary_cos", "rotary_sin", "cache_leftpad",
-     "q_rot"),
+     "q_rot", "k_descale", "v_descale"),
     plan.stride_fields("q", "k", "v", "kn", "vn", "o") + ["alibi_batch_stride", "block_table_stride"],
     ("batch", "seqlen_q", "seqlen_new_k", "cache_len", "nheads", "heads_per_kv", "headdim", "page_size",
      "window_left", "window_right", "num_splits", "kv_evict_first", "cache_capacity", "cache_rows", "rotary_dim",
-     "rotary_interleaved", "rotary_q_per_row", "seqlen_ro"),
+     "rotary_interleaved", "rotary_q_per_row", "seqlen_ro", "cache_fp8", "descale_batch_stride",
+     "descale_head_stride"),
     ("scale_log2", "mod_scale", "softcap"))
 
 # DecodeTmaParams (decode.cu): DecodeParams, then the K and V caches' tensor maps on 64-byte boundaries.
@@ -218,9 +230,9 @@ TMA_PARAMS_DTYPE = np.dtype({
     "offsets": [PARAMS_DTYPE.fields[n][1] for n in PARAMS_DTYPE.names] + [TMA_MAPS_OFFSET, TMA_MAPS_OFFSET + 128],
     "itemsize": TMA_MAPS_OFFSET + 256})
 
-# DecodeParams starts with 18 pointers (q .. q_rot, params.cuh); every kernel of a call (append, decode, combine)
-# takes the same struct, so one KernelCall launches them all.
-POINTERS = PARAMS_DTYPE.names[:18]
+# DecodeParams starts with 20 pointers (q .. v_descale, params.cuh); every kernel of a call (append, decode,
+# combine) takes the same struct, so one KernelCall launches them all.
+POINTERS = PARAMS_DTYPE.names[:20]
 _calls: dict = {}         # call signature -> DecodeCall: checks, plan and constant params, done once
 _counters: dict = {}      # (device id, stream pointer) -> int32 zeros: the split counters of calls on that stream
 _retired: list = []       # outgrown counter buffers, kept: a kernel still queued may use one
@@ -269,16 +281,19 @@ class DecodeCall(NamedTuple):
 
 def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
             window_size, softcap, alibi_slopes, num_splits, return_lse, rotary_cos=None, rotary_sin=None,
-            rotary_interleaved=True, cache_leftpad=None) -> DecodeCall:
+            rotary_interleaved=True, cache_leftpad=None, k_descale=None, v_descale=None) -> DecodeCall:
     """Everything about a decode call that depends only on shapes, strides, dtypes and options."""
     problem = checks.check_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                                    cache_batch_idx=cache_batch_idx, block_table=block_table,
                                    num_splits=num_splits, softmax_scale=softmax_scale, causal=causal,
                                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                    rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                   rotary_interleaved=rotary_interleaved, cache_leftpad=cache_leftpad)
+                                   rotary_interleaved=rotary_interleaved, cache_leftpad=cache_leftpad,
+                                   k_descale=k_descale, v_descale=v_descale)
     runtime.require_device_arrays(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, alibi_slopes=alibi_slopes,
-                                  rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+                                  rotary_cos=rotary_cos, rotary_sin=rotary_sin, k_descale=k_descale,
+                                  v_descale=v_descale)
+    fp8 = k_cache.dtype == np.uint8  # an e4m3 cache (the checks allow uint8 only so)
     seqlens_is_array = not (cache_seqlens is None or checks.is_int(cache_seqlens))
     runtime.require_device_index_arrays(cache_seqlens=cache_seqlens if seqlens_is_array else None,
                                         cache_batch_idx=cache_batch_idx, block_table=block_table,
@@ -295,10 +310,10 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     known_keys = capacity if seqlens_is_array else cache_len + seqlen_new_k  # bounds the split count
     device_id = q.device.id
     # the TMA kernel's blocks start at multiples of its block in the cache: not with cache_leftpad's offsets
-    maps = None if cache_leftpad is not None else tma_maps(problem, k_cache, v_cache, block_table,
-                                                           build.device_arch(device_id))
+    maps = None if cache_leftpad is not None or fp8 else tma_maps(problem, k_cache, v_cache, block_table,
+                                                                    build.device_arch(device_id))
     launch = plan_decode(dataclasses.replace(problem, seqlen_k=max(known_keys, 1)), options.left, options.right,
-                         options.score_mod, int(num_splits), build.sm_count(device_id), maps is not None)
+                         options.score_mod, int(num_splits), build.sm_count(device_id), maps is not None, fp8)
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
 
     p = np.zeros((), dtype=PARAMS_DTYPE if maps is None else TMA_PARAMS_DTYPE)
@@ -313,7 +328,7 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     p["page_size"] = k_cache.shape[1] if block_table is not None else 0
     p["window_left"], p["window_right"] = options.left, options.right
     p["num_splits"] = launch.splits
-    kv_bytes = 2 * b * max(known_keys, 1) * problem.nheads_k * d * q.itemsize  # what the call reads at most
+    kv_bytes = 2 * b * max(known_keys, 1) * problem.nheads_k * d * k_cache.itemsize  # what the call reads at most
     p["kv_evict_first"] = int(maps is not None and evict_first(kv_bytes))
     p["cache_capacity"], p["cache_rows"] = capacity, k_cache.shape[0]
     if rotary_cos is not None:  # flash-attn's rule: per-query positions where the mask makes the queries ordered
@@ -322,6 +337,9 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
         p["rotary_q_per_row"] = int(bool(causal) or tuple(window_size) != (-1, -1))
     for name, value in options.scales.items():
         p[name] = value
+    p["cache_fp8"] = int(fp8)
+    per_head = [x for x in (k_descale, v_descale) if x is not None and x.size > 1]
+    p["descale_batch_stride"], p["descale_head_stride"] = (problem.nheads_k, 1) if per_head else (0, 0)
 
     dtype = launch.spec.dtype
     launches = []
@@ -372,12 +390,13 @@ def tma_maps(problem, k_cache, v_cache, block_table, arch: str):
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, num_splits, return_lse, stream,
-                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None,
+                           k_descale=None, v_descale=None):
     """:func:`cuflash.attention_with_kvcache`: checks, options and plan once per call signature (prepare), then
     one allocation and the launches."""
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
             window_size, softcap, alibi_slopes, num_splits, return_lse, rotary_cos, rotary_sin, rotary_interleaved,
-            cache_leftpad)
+            cache_leftpad, k_descale, v_descale)
     key = checks.call_signature(args)
     prep = _calls.get(key) if key is not None else None
     if prep is None:
@@ -399,13 +418,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
             runtime.ptr(v), runtime.ptr(prep.seqlens_array(cache_seqlens)), runtime.ptr(cache_batch_idx),
             runtime.ptr(block_table), runtime.ptr(alibi_slopes), runtime.ptr(lse),
             bool(prep.counter_tiles) and current.is_capturing(), runtime.ptr(rotary_cos), runtime.ptr(rotary_sin),
-            runtime.ptr(cache_leftpad))
+            runtime.ptr(cache_leftpad), runtime.ptr(k_descale), runtime.ptr(v_descale))
     return (out, lse) if return_lse else out
 
 
 def run(prep: DecodeCall, stream_ptr: int, mem: int, q: int, k_cache: int, v_cache: int, k: int, v: int,
         cache_seqlens: int, cache_batch_idx: int, block_table: int, alibi_slopes: int, lse: int,
-        capturing: bool = False, rotary_cos: int = 0, rotary_sin: int = 0, cache_leftpad: int = 0) -> None:
+        capturing: bool = False, rotary_cos: int = 0, rotary_sin: int = 0, cache_leftpad: int = 0,
+        k_descale: int = 0, v_descale: int = 0) -> None:
     """The launches of a prepared call on stream `stream_ptr`, given data pointers (0 where absent), `mem`, the
     call's allocation of ``prep.nbytes`` (out, then the split workspace and the rotated queries), and `lse` (0: none;
     its place in `mem` or elsewhere). prep's device must be current.
@@ -425,7 +445,7 @@ def run(prep: DecodeCall, stream_ptr: int, mem: int, q: int, k_cache: int, v_cac
             counters = split_counters(prep.device_id, stream_ptr, prep.counter_tiles)
     pointers = (q, k_cache, v_cache, k, v, mem, lse, o_partial, lse_partial, cache_seqlens, cache_batch_idx,
                 block_table, alibi_slopes, counters, rotary_cos, rotary_sin, cache_leftpad,
-                mem + prep.q_rot_offset if prep.q_rot_offset else 0)
+                mem + prep.q_rot_offset if prep.q_rot_offset else 0, k_descale, v_descale)
     if prep.maps is None:
         prep.launch(stream_ptr, *pointers)
     else:  # the TMA kernel: the caches' tensor maps (cached per address) after the struct's plain fields
