@@ -697,12 +697,13 @@ def signature(x):
 
 
 def call_signature(args: tuple):
-    """A hashable key of a call's arguments (see signature), or None if some argument has none."""
+    """A hashable key of a call's arguments (see signature), or None if some argument has none (a shaped value without
+    strides, such as a jax tracer given for an int, has none either: the check itself then says what is wrong)."""
     try:
         key = tuple(signature(a) for a in args)
         hash(key)
         return key
-    except TypeError:
+    except (TypeError, AttributeError):
         return None
 
 

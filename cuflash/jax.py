@@ -36,13 +36,14 @@ from . import checks, runtime  # noqa: E402
 from .options import normalize_window, resolve  # noqa: E402
 from .ops import backward, forward, forward_fp8  # noqa: E402
 
-__all__ = ["attention", "attention_fp8", "attention_varlen", "backward_workspace_bytes"]
+__all__ = ["attention", "attention_fp8", "attention_varlen", "attention_varlen_fp8", "backward_workspace_bytes"]
 
 FWD_TARGET = "cuflash_attention_fwd"
 BWD_TARGET = "cuflash_attention_bwd"
 VARLEN_FWD_TARGET = "cuflash_attention_varlen_fwd"
 VARLEN_BWD_TARGET = "cuflash_attention_varlen_bwd"
 FP8_TARGET = "cuflash_attention_fp8"
+VARLEN_FP8_TARGET = "cuflash_attention_varlen_fp8"
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
            "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8), "int32": np.dtype(np.int32),
@@ -134,27 +135,72 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
 
     V^T is a third result of the call, XLA's buffer (docs/fp8.md), dropped here.
     """
-    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    specs = []
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        spec = _spec(x, name)
-        if spec is not None and spec.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
-            raise TypeError(f"{name}: dtype {spec.dtype} is not supported; expected float8_e4m3fn")
-        specs.append(spec if spec is None else checks.TensorSpec(name, spec.shape, np.dtype(np.uint8), spec.strides,
-                                                                 None))
-    problem = checks.check_attention_fp8(*specs, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                         **{n: _spec(x, n) for n, x in descales.items()})
-    forward_fp8.descale_stride(problem, [_spec(x, n) for n, x in descales.items()])  # mixed forms raise here
+    return _fp8(q, k, v, (q_descale, k_descale, v_descale), None, softmax_scale, causal, window_size, return_lse)
+
+
+def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, q_descale=None,
+                         k_descale=None, v_descale=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         return_lse=False):
+    """:func:`cuflash.attention_varlen_fp8` on jax arrays: :func:`attention_fp8` over packed sequences, forward only
+    (not differentiable).
+
+    Parameters
+    ----------
+    q : jax.Array, (total_q, nheads, headdim), float8_e4m3fn, on a CUDA GPU of sm_90a
+    k, v : jax.Array, (total_k, nheads_k, headdim), float8_e4m3fn; ``nheads % nheads_k == 0``
+    cu_seqlens_q, cu_seqlens_k : jax.Array, int32, (batch + 1,) (traced values are fine)
+    max_seqlen_q, max_seqlen_k : int (static under ``jax.jit``: they size the grid and V^T)
+    q_descale, k_descale, v_descale : jax.Array of float32, optional: per tensor or ``(batch, nheads_k)``, row ``b``
+        for sequence ``b``
+    softmax_scale, causal, window_size, return_lse : as in :func:`attention_fp8`, per sequence
+
+    Returns
+    -------
+    out : jax.Array, (total_q, nheads, headdim), bfloat16; rows outside every sequence are left undefined
+    lse : jax.Array, (nheads, total_q), float32 -- only if ``return_lse``
+
+    V^T (``batch nheads_k headdim ceil(max_seqlen_k / 32) 32`` bytes) is a third result of the call, dropped here.
+    """
+    return _fp8(q, k, v, (q_descale, k_descale, v_descale), (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                softmax_scale, causal, window_size, return_lse)
+
+
+def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_lse):
+    """attention_fp8 (varlen None) and attention_varlen_fp8 (varlen: cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k): cuflash.checks' checks at trace time, then one ffi_call (inputs q, k, v, the cu_seqlens where
+    packed, the descales present; results out, lse, V^T)."""
+    names = ("q_descale", "k_descale", "v_descale")
+    options = dict(zip(names, (_spec(x, n) for x, n in zip(descales, names))), softmax_scale=softmax_scale,
+                   causal=causal, window_size=window_size)
+    qkv = [_e4m3_spec(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    if varlen:
+        problem = checks.check_varlen_fp8(*qkv, _spec(varlen[0], "cu_seqlens_q"), _spec(varlen[1], "cu_seqlens_k"),
+                                          *varlen[2:], **options)
+    else:
+        problem = checks.check_attention_fp8(*qkv, **options)
+    forward_fp8.descale_stride(problem, [options[n] for n in names])  # mixed forms raise here
     left, right = checks.window(causal, window_size)
-    present = tuple(x is not None for x in descales.values())
-    config = repr((None if softmax_scale is None else float(softmax_scale), left, right, present))
+    present = tuple(x is not None for x in descales)
+    config = (None if softmax_scale is None else float(softmax_scale), left, right, present)
+    if varlen:
+        config += (problem.seqlen_q, problem.seqlen_k)
     _register()
-    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
-    results = (jax.ShapeDtypeStruct((b, sq, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
-               jax.ShapeDtypeStruct((b, problem.nheads_k, d, -(-problem.seqlen_k // 32) * 32), jnp.uint8))
-    args = (q, k, v) + tuple(x for x in descales.values() if x is not None)
-    out, lse, _ = jax.ffi.ffi_call(FP8_TARGET, results, vmap_method="sequential")(*args, config=config)
+    b, sq, h = problem.batch, problem.seqlen_q, problem.nheads
+    lse_shape = (h, q.shape[0]) if varlen else (b, h, sq)
+    results = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16), jax.ShapeDtypeStruct(lse_shape, jnp.float32),
+               jax.ShapeDtypeStruct(forward_fp8.vt_shape(problem), jnp.uint8))
+    args = (q, k, v) + (tuple(varlen[:2]) if varlen else ()) + tuple(x for x in descales if x is not None)
+    target = VARLEN_FP8_TARGET if varlen else FP8_TARGET
+    out, lse, _ = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, config=repr(config))
     return (out, lse) if return_lse else out
+
+
+def _e4m3_spec(x, name):
+    """_spec of an e4m3 input, as the checks take it: uint8 (the bits, as in the CuPy API)."""
+    spec = _spec(x, name)
+    if spec is not None and spec.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+        raise TypeError(f"{name}: dtype {spec.dtype} is not supported; expected float8_e4m3fn")
+    return spec if spec is None else checks.TensorSpec(name, spec.shape, np.dtype(np.uint8), spec.strides, None)
 
 
 def _dropout_state(dropout_p, key):
@@ -412,8 +458,7 @@ def _parse_varlen(frame, first: int):
     (dout, q, k, v, out, lse) in the backward (first = 1)."""
     options, deterministic, (max_q, max_k) = _Options.decode(ffi.string_attr(frame, "config"))
     ins, outs = ffi.buffers(frame.args), ffi.buffers(frame.rets)
-    q, k, cu_q = ins[first], ins[first + 1], ins[3 if first == 0 else 6]
-    problem = checks.Problem(cu_q[1][0] - 1, max_q, max_k, q[1][1], k[1][1], q[1][2], _DTYPES[q[2]])
+    problem = _varlen_problem(ins[first], ins[first + 1], ins[3 if first == 0 else 6], max_q, max_k)
     return dict(options), deterministic, problem, ins, outs
 
 
@@ -429,6 +474,11 @@ def _parse_call(frame, varlen: bool, first: int):
 def _problem(q, k) -> checks.Problem:
     (b, sq, h, d), (sk, hk) = q[1], k[1][1:3]
     return checks.Problem(b, sq, sk, h, hk, d, _DTYPES[q[2]])
+
+
+def _varlen_problem(q, k, cu_q, max_q: int, max_k: int) -> checks.Problem:
+    """The problem of packed q (total_q, h, d) and k (total_k, hk, d): batch from cu_seqlens_q, lengths the maxima."""
+    return checks.Problem(cu_q[1][0] - 1, max_q, max_k, q[1][1], k[1][1], q[1][2], _DTYPES[q[2]])
 
 
 # A call's launch depends only on its options, its buffers' shapes and dtypes and its stream: it is built once
@@ -503,29 +553,42 @@ def _build_backward(device, frame, varlen: bool = False):
 
 
 def _parse_fp8(frame):
-    """(options, problem, inputs, outputs, slots) of an FP8 call: options (softmax_scale, left, right); inputs q, k,
-    v and the descales present; slots: the input index of q_descale, k_descale, v_descale (None where absent);
-    outputs out, lse and V^T's workspace."""
-    scale, left, right, present = ast.literal_eval(ffi.string_attr(frame, "config").decode())
+    """(options, problem, packed, inputs, outputs, slots) of an FP8 call: options (softmax_scale, left, right); inputs
+    q, k, v, then for packed sequences cu_seqlens_q and cu_seqlens_k, then the descales present; packed (total_q,
+    total_k) for packed sequences (the config then ends in max_seqlen_q, max_seqlen_k), else None; slots: the input
+    index of q_descale, k_descale, v_descale (None where absent); outputs out, lse and V^T's workspace."""
+    scale, left, right, present, *max_seqlens = ast.literal_eval(ffi.string_attr(frame, "config").decode())
     ins, outs = ffi.buffers(frame.args), ffi.buffers(frame.rets)
-    slots = [3 + sum(present[:i]) if given else None for i, given in enumerate(present)]
-    return (scale, left, right), _problem(ins[0], ins[1]), ins, outs, slots
+    fixed = 5 if max_seqlens else 3
+    slots = [fixed + sum(present[:i]) if given else None for i, given in enumerate(present)]
+    if max_seqlens:
+        problem, packed = _varlen_problem(ins[0], ins[1], ins[3], *max_seqlens), (ins[0][1][0], ins[1][1][0])
+    else:
+        problem, packed = _problem(ins[0], ins[1]), None
+    return (scale, left, right), problem, packed, ins, outs, slots
 
 
 def _build_fp8(device, frame):
-    """The FP8 forward's launch for the call of `frame` (_parse_fp8)."""
-    (scale, left, right), problem, ins, outs, slots = _parse_fp8(frame)
+    """The FP8 forward's launch for the call of `frame` (_parse_fp8), dense or packed; V^T is its third output."""
+    (scale, left, right), problem, packed, ins, outs, slots = _parse_fp8(frame)
     descales = [None if j is None else _buffer_spec(ins[j], "descale") for j in slots]
     call = forward_fp8.Fp8Call(problem, *(_buffer_spec(b, x).strides for b, x in zip(ins, "qkv")), left, right,
-                               scale, forward_fp8.descale_stride(problem, descales), device)
+                               scale, forward_fp8.descale_stride(problem, descales), device, packed)
+    if outs[2][1] != call.vt_shape:
+        raise ValueError(f"V^T workspace: shape {outs[2][1]}, the FP8 forward needs {call.vt_shape}")
 
     def launch(stream, i, o):
-        call(stream, i[0], i[1], i[2], o[2], o[0], o[1], *(0 if j is None else i[j] for j in slots))
+        cu = (i[3], i[4]) if packed else (0, 0)
+        call(stream, i[0], i[1], i[2], o[2], o[0], o[1], *(0 if j is None else i[j] for j in slots), *cu)
     return launch
 
 
 def _run_fp8(frame):
     _run(frame, FP8_TARGET, _build_fp8)
+
+
+def _run_varlen_fp8(frame):
+    _run(frame, VARLEN_FP8_TARGET, _build_fp8)
 
 
 def _run_forward(frame):
@@ -553,6 +616,6 @@ def _register() -> None:
         return
     for name, run in ((FWD_TARGET, _run_forward), (BWD_TARGET, _run_backward),
                       (VARLEN_FWD_TARGET, _run_varlen_forward), (VARLEN_BWD_TARGET, _run_varlen_backward),
-                      (FP8_TARGET, _run_fp8)):
+                      (FP8_TARGET, _run_fp8), (VARLEN_FP8_TARGET, _run_varlen_fp8)):
         _handlers[name] = handler = ffi.make_handler(run)
         jax.ffi.register_ffi_target(name, ffi.capsule(handler), platform="CUDA", api_version=1)

@@ -15,7 +15,7 @@ jnp = pytest.importorskip("jax.numpy")
 
 import cuflash.jax  # noqa: E402
 from cuflash import _xla_ffi, reference  # noqa: E402
-from cuflash.ops import backward
+from cuflash.ops import backward, forward_fp8
 
 _host_handlers = []
 
@@ -93,18 +93,44 @@ def _host_varlen_backward(frame):
         _np(dst)[...] = g.astype(_np(dst).dtype)
 
 
+def _fp8_descales(ins, slots):
+    """The descales an FP8 call's handler finds at `slots` (cuflash.jax._parse_fp8), as the reference takes them."""
+    descales = {n: None if j is None else _np(ins[j]) for n, j in zip(("q_descale", "k_descale", "v_descale"), slots)}
+    return {n: d if d is None or d.size > 1 else d.reshape(()) for n, d in descales.items()}  # (1,): per tensor
+
+
 def _host_fp8(frame):
     """The FP8 call as the CUDA handler parses it (cuflash.jax._parse_fp8), computed by reference.attention_fp8;
     V^T's workspace scribbled on."""
-    (scale, left, right), problem, ins, outs, slots = cuflash.jax._parse_fp8(frame)
-    assert (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim) == ins[0][1]
+    (scale, left, right), problem, packed, ins, outs, slots = cuflash.jax._parse_fp8(frame)
+    assert packed is None and (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim) == ins[0][1]
+    assert outs[2][1] == forward_fp8.vt_shape(problem)
     q8, k8, v8 = (_np(b) for b in ins[:3])
-    descales = {n: None if j is None else _np(ins[j]) for n, j in zip(("q_descale", "k_descale", "v_descale"), slots)}
-    descales = {n: d if d is None or d.size > 1 else d.reshape(()) for n, d in descales.items()}  # (1,): per tensor
     out, lse = (_np(b) for b in outs[:2])
     o, l = reference.attention_fp8(q8, k8, v8, softmax_scale=scale, window_size=(left, right), return_lse=True,
-                                   **descales)
+                                   **_fp8_descales(ins, slots))
     out[...], lse[...] = o.astype(out.dtype), l
+    _np(outs[2])[...] = 0xAB
+
+
+def _host_varlen_fp8(frame):
+    """The packed FP8 call as the CUDA handler parses it, computed sequence by sequence by reference.attention_fp8
+    (per-head descales: row b for sequence b)."""
+    (scale, left, right), problem, packed, ins, outs, slots = cuflash.jax._parse_fp8(frame)
+    q8, k8, v8 = (_np(b) for b in ins[:3])
+    cu_q, cu_k = (_np(b) for b in ins[3:5])
+    assert packed == (q8.shape[0], k8.shape[0]) and problem.batch == len(cu_q) - 1
+    assert (problem.nheads, problem.nheads_k, problem.headdim) == (q8.shape[1], k8.shape[1], q8.shape[2])
+    assert outs[2][1] == forward_fp8.vt_shape(problem)
+    assert problem.seqlen_q == np.diff(cu_q).max() and problem.seqlen_k == np.diff(cu_k).max()  # the test's maxima
+    descales = _fp8_descales(ins, slots)
+    out, lse = (_np(b) for b in outs[:2])
+    for b in range(problem.batch):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = {n: d if d is None or d.ndim == 0 else d[b:b + 1] for n, d in descales.items()}
+        o, l = reference.attention_fp8(q8[None, sq], k8[None, sk], v8[None, sk], softmax_scale=scale,
+                                       window_size=(left, right), return_lse=True, **one)
+        out[sq], lse[:, sq] = o[0].astype(out.dtype), l[0]
     _np(outs[2])[...] = 0xAB
 
 
@@ -114,7 +140,8 @@ def host_targets():
         for name, run in ((cuflash.jax.FWD_TARGET, _host_forward), (cuflash.jax.BWD_TARGET, _host_backward),
                           (cuflash.jax.VARLEN_FWD_TARGET, _host_varlen_forward),
                           (cuflash.jax.VARLEN_BWD_TARGET, _host_varlen_backward),
-                          (cuflash.jax.FP8_TARGET, _host_fp8)):
+                          (cuflash.jax.FP8_TARGET, _host_fp8),
+                          (cuflash.jax.VARLEN_FP8_TARGET, _host_varlen_fp8)):
             handler = _xla_ffi.make_handler(run)
             _host_handlers.append(handler)
             jax.ffi.register_ffi_target(name, _xla_ffi.capsule(handler), platform="cpu", api_version=1)
@@ -423,3 +450,72 @@ def test_fp8_trace_time_checks():
         cuflash.jax.attention_fp8(q, q, q, q_descale=jnp.ones((1, 2), jnp.float32),
                                   k_descale=jnp.ones((1,), jnp.float32))
 
+
+
+def _packed_fp8(lens_q, lens_k, h, hk, d, per, seed=0):
+    """e4m3 q, k, v packed from sequences of the given lengths, each quantized as its own batch entry (per-head
+    descales stacked, row b for sequence b; per-tensor: one value), and cu_seqlens_q / cu_seqlens_k."""
+    rng = np.random.default_rng(seed)
+    x8 = {n: [] for n in "qkv"}
+    descales = {n: [] for n in "qkv"}
+    for sq, sk in zip(lens_q, lens_k):
+        for n, rows, heads in (("q", sq, h), ("k", sk, hk), ("v", sk, hk)):
+            a, ds = reference.quantize_e4m3(rng.standard_normal((1, rows, heads, d)), per, nheads_k=hk)
+            x8[n].append(a[0])
+            descales[n].append(np.asarray(ds, np.float32).reshape(1, -1))
+    x8 = {n: np.concatenate(a) for n, a in x8.items()}
+    descales = {n: np.concatenate(a) if per == "head" else a[0][0, :1] for n, a in descales.items()}
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    return x8, descales, cu_q, cu_k
+
+
+@pytest.mark.parametrize("per", ["tensor", "head", None])
+def test_fp8_varlen_under_jit_reaches_the_handler(per):
+    """cuflash.jax.attention_varlen_fp8 under jit (lengths 0, 30, 17 against 11, 0, 40; GQA 2:1; causal): the
+    cu_seqlens, the descales present (or none), max_seqlen and the options reach the handler in the order it reads
+    them; each sequence's rows are the FP8 reference's for that sequence alone, and V^T is the call's third result."""
+    lens_q, lens_k = [0, 30, 17], [11, 0, 40]
+    x8, descales, cu_q, cu_k = _packed_fp8(lens_q, lens_k, 4, 2, 32, per or "tensor", seed=4)
+    ds = {n + "_descale": jnp.asarray(d) for n, d in descales.items()} if per else {}
+    f = jax.jit(lambda q, k, v, cq, ck, ds: cuflash.jax.attention_varlen_fp8(
+        q, k, v, cq, ck, 30, 40, causal=True, softmax_scale=0.3, return_lse=True, **ds))
+    args = (*(jnp.asarray(x8[n]) for n in "qkv"), jnp.asarray(cu_q), jnp.asarray(cu_k), ds)
+    text = f.lower(*args).as_text()
+    assert text.count("@cuflash_attention_varlen_fp8") == 1 and "callback" not in text
+    assert "tensor<3x2x32x64xui8>" in text  # V^T: 3 sequences, 2 KV heads, d 32, max_seqlen_k 40 to 64 keys
+    out, lse = f(*args)
+    assert out.shape == (47, 4, 32) and out.dtype == jnp.bfloat16 and lse.shape == (4, 47)
+    for b in range(3):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        one = {n + "_descale": d[b:b + 1] if per == "head" else d.reshape(()) for n, d in descales.items()} if per \
+            else {}
+        want, want_lse = reference.attention_fp8(*(x8[n][None, s] for n, s in (("q", sq), ("k", sk), ("v", sk))),
+                                                 causal=True, softmax_scale=0.3, return_lse=True, **one)
+        np.testing.assert_allclose(np.asarray(out[sq], np.float64), want[0], atol=1e-2, rtol=1e-2)
+        np.testing.assert_array_equal(np.asarray(lse[:, sq]), want_lse[0].astype(np.float32))
+
+
+def test_fp8_varlen_trace_time_checks():
+    """Bad packed FP8 input raises at trace time with cuflash.checks' messages (argument, axis, expected, got)."""
+    cu = jnp.asarray([0, 7, 20], jnp.int32)
+    q = jnp.zeros((20, 4, 32), jnp.float8_e4m3fn)
+    k = jnp.zeros((20, 2, 32), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="k: dtype bfloat16 is not supported; expected float8_e4m3fn"):
+        cuflash.jax.attention_varlen_fp8(q, k.astype(jnp.bfloat16), k, cu, cu, 13, 13)
+    with pytest.raises(ValueError, match=r"q: head dim \(axis 2\) is 40; the FP8 kernel takes multiples of 16"):
+        cuflash.jax.attention_varlen_fp8(*(jnp.zeros((20, 2, 40), jnp.float8_e4m3fn),) * 3, cu, cu, 13, 13)
+    with pytest.raises(ValueError, match="not a multiple of nheads_k"):
+        cuflash.jax.attention_varlen_fp8(q[:, :3], k, k, cu, cu, 13, 13)
+    with pytest.raises(TypeError, match="cu_seqlens_k: dtype float32"):
+        cuflash.jax.attention_varlen_fp8(q, k, k, cu, cu.astype(jnp.float32), 13, 13)
+    with pytest.raises(ValueError, match="max_seqlen_k: expected a positive int, got 0"):
+        cuflash.jax.attention_varlen_fp8(q, k, k, cu, cu, 13, 0)
+    with pytest.raises(TypeError, match="max_seqlen_q: expected a positive int"):
+        jax.jit(lambda n: cuflash.jax.attention_varlen_fp8(q, k, k, cu, cu, n, 13))(13)
+    with pytest.raises(ValueError, match=r"v_descale: expected shape \(\) or \(1,\).*\(2, 2\), got \(3, 2\)"):
+        cuflash.jax.attention_varlen_fp8(q, k, k, cu, cu, 13, 13, v_descale=jnp.ones((3, 2), jnp.float32))
+    with pytest.raises(ValueError, match="cannot be mixed"):
+        cuflash.jax.attention_varlen_fp8(q, k, k, cu, cu, 13, 13, q_descale=jnp.ones((2, 2), jnp.float32),
+                                         k_descale=jnp.ones((1,), jnp.float32))
+    with pytest.raises(ValueError, match="window_size"):
+        cuflash.jax.attention_varlen_fp8(q, k, k, cu, cu, 13, 13, window_size=(-2, 0))

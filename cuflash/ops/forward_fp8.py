@@ -114,8 +114,8 @@ class Fp8Call:
         b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
         sk, hk = problem.seqlen_k, problem.nheads_k
         rows_q, rows_k = packed or (sq, sk)
-        keys = -(-sk // 32) * 32
-        self.vt_shape, self.device_id = (b, hk, d, keys), device_id
+        self.vt_shape, self.device_id = vt_shape(problem), device_id
+        keys = self.vt_shape[3]
         spec = kernel_spec(d, left >= 0 or right >= 0)
         tp = np.zeros((), dtype=TRANSPOSE_DTYPE)
         # packed: the row stride is the batch stride (cuda_src/seqlen.cuh)
@@ -164,6 +164,12 @@ def _map_strides(shape: tuple, strides: tuple) -> tuple:
     contiguous = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3])
     batch, rows, heads = (s if n > 1 else c for n, s, c in zip(shape[:3], strides[:3], contiguous))
     return heads, rows, batch
+
+
+def vt_shape(problem) -> tuple:
+    """V^T's workspace, uint8 ``(batch, nheads_k, headdim, keys)``: seqlen_k (packed sequences: max_seqlen_k) rounded
+    up to the transpose's 32-key chunks, each sequence zero-padded to it."""
+    return problem.batch, problem.nheads_k, problem.headdim, -(-problem.seqlen_k // 32) * 32
 
 
 _calls: dict = {}  # key of an attention_fp8() call (runtime.call_key) -> its Fp8Call

@@ -243,3 +243,28 @@ def test_fp8_varlen_from_torch_matches_cupy():
     assert out.shape == (360, 4, 128) and lse.shape == (4, 360)
     assert np.array_equal(out.view(torch.int16).cpu().numpy(), cupy.asnumpy(want.view(cupy.int16)))
     assert np.array_equal(lse.cpu().numpy(), cupy.asnumpy(want_lse))
+
+
+def test_fp8_varlen_from_jax_matches_cupy():
+    """cuflash.jax.attention_varlen_fp8 under jit on float8_e4m3fn arrays (GQA 2:1, causal, a sequence without queries
+    and one without keys, per-head descales, lse): the CuPy call's result, bit for bit."""
+    jax = pytest.importorskip("jax")
+    import cupy
+    import jax.numpy as jnp
+    import cuflash.jax as cfj
+    if not hopper():
+        pytest.skip("the FP8 kernel is sm_90a's")
+    lens_q, lens_k = [100, 0, 260, 7], [300, 5, 129, 0]
+    _, cat, cu_q, cu_k, descales = packed(np.random.default_rng(13), lens_q, lens_k, 4, 2, 128, "head")
+    jq, jk, jv = (jnp.asarray(cat[n].view(jnp.float8_e4m3fn)) for n in "qkv")
+    jds = {n + "_descale": jnp.asarray(descales[n]) for n in "qkv"}
+    f = jax.jit(lambda q, k, v, cq, ck, ds: cfj.attention_varlen_fp8(q, k, v, cq, ck, 260, 300, causal=True,
+                                                                     return_lse=True, **ds))
+    out, lse = f(jq, jk, jv, jnp.asarray(cu_q), jnp.asarray(cu_k), jds)
+    cds = {n + "_descale": cupy.asarray(descales[n]) for n in "qkv"}
+    want, want_lse = cuflash.attention_varlen_fp8(*(cupy.asarray(cat[n]) for n in "qkv"), cupy.asarray(cu_q),
+                                                  cupy.asarray(cu_k), 260, 300, causal=True, return_lse=True, **cds)
+    assert out.shape == (367, 4, 128) and out.dtype == jnp.bfloat16 and lse.shape == (4, 367)
+    assert np.array_equal(np.asarray(out).view(np.uint16), cupy.asnumpy(want).view(np.uint16))
+    assert np.array_equal(np.asarray(lse), cupy.asnumpy(want_lse))
+    assert np.all(np.asarray(lse)[:, 360:] == -np.inf)  # the sequence without keys
