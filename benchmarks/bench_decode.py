@@ -5,7 +5,10 @@ batch {1, 8, 32, 64} x KV length {1k, 8k, 64k, 256k} (cells whose K/V exceed --m
 Reports microseconds per call and TB/s of K/V read (2 * batch * len * nheads_k * d * 2 bytes over the
 time). cuflash and the peers read the same K/V storage: it is allocated once as (batch, nheads_k, len, d),
 SDPA's layout, and cuflash takes the (batch, len, nheads_k, d) view of it (strides, no copy). The paged
-column (page size 64, pages shuffled) uses its own pool and runs where K/V fit under --paged-max-gb.
+column (page size 64, pages shuffled) uses its own pool and runs where K/V fit under --paged-max-gb. The e4m3
+column reads the same keys and values quantized to an e4m3 cache (per-tensor descales; its own contiguous
+(batch, len, nheads_k, d) arrays, half the bytes): its TB/s counts the bytes it reads, and x bf16 is cuflash bf16's
+time over its time.
 
 Timing: triton.testing.do_bench (CUDA events, L2 flushed before every call), median; the least of --repeats such
 medians per implementation and cell.
@@ -56,8 +59,8 @@ def main(argv=None) -> int:
     batches, lengths = ((1, 32), (8192, 65536)) if args.quick else (BATCHES, LENGTHS)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    header = (f"{'batch':>5} {'len':>7} {'KV MB':>8} | {'cuflash':>8} {'TB/s':>5} {'paged':>8} {'flash':>8} "
-              f"{'cudnn':>8} | {'cf/flash':>8} {'cf/cudnn':>8}  (us per call)")
+    header = (f"{'batch':>5} {'len':>7} {'KV MB':>8} | {'cuflash':>8} {'TB/s':>5} {'paged':>8} {'e4m3':>8} "
+              f"{'TB/s':>5} {'x bf16':>6} {'flash':>8} {'cudnn':>8} | {'cf/flash':>8} {'cf/cudnn':>8}  (us per call)")
     print(header)
     print("-" * len(header))
     for b in batches:
@@ -109,6 +112,23 @@ def main(argv=None) -> int:
                 row["paged_us"] = time_us(cf_paged)
                 del pool_k, pool_v, pk, pv, table
 
+            scale = float(torch.maximum(k.abs().max(), v.abs().max())) / 448.0
+            descale = cupy.asarray([scale], dtype=cupy.float32)
+            k8, v8 = (cupy.from_dlpack((x.transpose(1, 2) / scale).to(torch.float8_e4m3fn).contiguous()
+                                       .view(torch.uint8)) for x in (k, v))
+
+            def cf_e4m3():
+                with stream:
+                    return cuflash.attention_with_kvcache(qc, k8, v8, cache_seqlens=n, k_descale=descale,
+                                                          v_descale=descale)
+
+            e4m3_out = torch.from_dlpack(cf_e4m3()).transpose(1, 2)
+            if ref is not None:
+                row["e4m3_err"] = float((e4m3_out.float() - ref).abs().max())
+            row["e4m3_us"] = time_us(cf_e4m3)
+            row["e4m3_tbs"] = kv_bytes / 2 / row["e4m3_us"] / 1e6
+            del k8, v8, e4m3_out
+
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 def peer(backend=backend):
                     with sdpa_kernel([backend]):
@@ -128,14 +148,15 @@ def main(argv=None) -> int:
             def ratio(peer):
                 return f"{row[peer + '_us'] / row['cuflash_us']:>8.2f}" if peer + "_us" in row else f"{'n/a':>8}"
             print(f"{b:>5} {n:>7} {row['kv_mb']:>8.0f} | {us('cuflash_us')} {row['cuflash_tbs']:>5.2f} "
-                  f"{us('paged_us')} {us('flash_us')} {us('cudnn_us')} | {ratio('flash')} {ratio('cudnn')}",
-                  flush=True)
+                  f"{us('paged_us')} {us('e4m3_us')} {row['e4m3_tbs']:>5.2f} "
+                  f"{row['cuflash_us'] / row['e4m3_us']:>6.2f} {us('flash_us')} {us('cudnn_us')} | "
+                  f"{ratio('flash')} {ratio('cudnn')}", flush=True)
             del k, v, q, kc, vc, qc, ref, out
     for row in rows:
         for key in ("flash_error", "cudnn_error"):
             if key in row:
                 print(f"note: batch {row['batch']} len {row['len']}: {key[:-6]} failed: {row[key]}")
-        errs = {k: v for k, v in row.items() if k.endswith("_err")}
+        errs = {k: v for k, v in row.items() if k.endswith("_err") and k != "e4m3_err"}  # e4m3: quantized
         if errs and max(errs.values()) > 0.05:
             print(f"warning: batch {row['batch']} len {row['len']}: max errors vs fp32 {errs}")
         if row.get("paged_matches") is False:
