@@ -19,16 +19,17 @@
 // memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN.
 //
 // An e4m3 cache (FP8 = true; the cp.async kernel): K/V blocks land as bytes, a 16-byte chunk holding 16 columns, and
-// are widened in registers as ldmatrix hands them over (e4m3.cuh), so the ring holds half the bytes and no extra
-// pass over shared memory runs. ldmatrix on byte rows gives a thread four consecutive columns where a 16-bit
-// fragment has two pairs 8 apart; the math follows that order instead of moving bytes:
+// are converted to fp16 in registers as ldmatrix hands them over (e4m3.cuh), so the ring holds half the bytes and no
+// extra pass over shared memory runs. Both products are fp16 mma. ldmatrix on byte rows gives a thread four
+// consecutive columns where a 16-bit fragment has two pairs 8 apart; the math follows that order instead of moving
+// bytes:
 //  - S = Q K^T: the k index of the mma is a permutation of the head dim (pairs (2c, 2c + 1) and (2c + 8, 2c + 9) of
-//    a 16-column chunk are columns 4c..4c + 3), and Q's fragments are read from shared memory in the same order.
-//    K widens to Q's type; in bf16 Q is first scaled by 2^64 so that the products of the 2^-120-scaled K stay clear
-//    of fp32's subnormals.
-//  - O = P V: V widens to fp16 (P too is packed as fp16), and each 16-column chunk of O is two mma tiles, its even
-//    and its odd columns, which the epilogue puts back in order.
-// The widening's powers of two and the descales fold into one factor on S and one on O.
+//    a 16-column chunk are columns 4c..4c + 3), and Q's fragments are read from shared memory in the same order. A
+//    bf16 Q becomes fp16 times a power of two that brings the warp's largest |q| to [2^13, 2^14) (exact in fp16's
+//    range, no overflow).
+//  - O = P V: P is packed as fp16, and each 16-column chunk of O is two mma tiles, its even and its odd columns,
+//    which the epilogue puts back in order.
+// Q's power of two and the descales fold into one factor on S and one on O.
 #include "params.cuh"
 #include "kvcache.cuh"
 #include "tile.cuh"
@@ -58,9 +59,9 @@ struct DecodeTraits {
     using KVTile = SmemTile<BN, KV_DP>;
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;  // K, then V
     // Q's fragments stay in registers (D / 4 of them) unless a 16-row warp tile at d > 192 cannot afford them
-    // beside its O accumulator and scores, nor beside an e4m3 block's widened fragments at d > 192 or in a 16-row
-    // warp tile; then they are re-read from shared memory for every block.
-    static constexpr bool Q_IN_REGS = !(ROW_WARPS > 1 && D > 192) && !(FP8 && (ROW_WARPS > 1 || D > 192));
+    // beside its O accumulator and scores, nor an e4m3 kernel at d > 192 beside its converted fragments; then they
+    // are re-read from shared memory for every block.
+    static constexpr bool Q_IN_REGS = !((ROW_WARPS > 1 || FP8) && D > 192);
     // Merge buffer (reuses the tiles' space): per warp slot and row, O (padded rows), max and sum.
     static constexpr int O_STRIDE = D + 4;
     static constexpr int MERGE_ROWS = KEY_WARPS * BM;
@@ -78,10 +79,7 @@ struct DecodeBlock {
     static constexpr bool FP8 = Traits::FP8;
     static_assert(!(FP8 && TMA), "e4m3 caches load by cp.async");
     using E = typename Pick<FP8, u8, u16>::type;          // the cache's element
-    using PT = typename Pick<FP8, half_t, T>::type;       // P's type in P V (V's, widened)
-    // e4m3, bf16: Q's scale, and the factor on S that undoes it and K's widening (2^64 2^-120 = 2^-56).
-    static constexpr u32 Q_SCALE_BF16X2 = 0x5F805F80u;  // 2^64, 2^64
-    static constexpr float S_FACTOR = T::is_bf16 ? 7.205759403792794e16f : E4m3Widen<half_t>::INV_SCALE;
+    using MT = typename Pick<FP8, half_t, T>::type;       // the mma operands' type
     static constexpr int D = Traits::HEADDIM, DP = Traits::DP, BM = Traits::BM, BN = Traits::BN;
     static constexpr int THREADS = Traits::THREADS, NT = Traits::NT, DT = Traits::DT, STAGES = Traits::STAGES;
     using QTile = typename Traits::QTile;
@@ -99,7 +97,8 @@ struct DecodeBlock {
     LdmatrixAddr<QTile> q_addr;
     LdmatrixAddr<KVTile> k_addr, v_addr;  // into ring slot 0, as if K and V both started there
     CacheView<E> cache;
-    float k_factor = 1.f, v_factor = 1.f;  // e4m3: descales times the widening's powers of two, on S and on O
+    float k_factor = 1.f, v_factor = 1.f;  // e4m3: the factors on S (k_descale over Q's scale) and on O (v_descale)
+    float q_scale = 1.f;                   // e4m3, bf16 q: Q's power of two (set_q_scale)
     Mask<true> mask;
     ScoreMod mod;
     int query[2];    // query index of this thread's two rows
@@ -184,7 +183,7 @@ struct DecodeBlock {
     }
 
     // Q's A fragment for head-dim chunk ks (16 columns). e4m3: columns 16 ks + 4c .. 4c + 3 of the thread's rows
-    // (c = lane % 4), the order K's widened fragments have, as one 8-byte load per row; in bf16 scaled by 2^64.
+    // (c = lane % 4), the order K's converted fragments have, as one 8-byte load per row, and in fp16 (q_scale).
     __device__ __forceinline__ void load_q(u32 (&qa)[4], int ks) const {
         if constexpr (FP8) {
             const int row = row_warp * 16 + lane / 4, c = lane % 4;
@@ -194,12 +193,34 @@ struct DecodeBlock {
             if constexpr (T::is_bf16) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(qa[e]) : "r"(qa[e]), "r"(Q_SCALE_BF16X2),
-                        "r"(0x80008000u));
+                    qa[e] = pack2<half_t>(__uint_as_float(qa[e] << 16) * q_scale,
+                                          __uint_as_float(qa[e] & 0xffff0000u) * q_scale);
             }
         } else {
             ldmatrix_x4(qa, q_addr(row_warp, ks));
         }
+    }
+
+    // e4m3, bf16 q: q_scale, the power of two that brings the largest |q| of the warp's rows to [2^13, 2^14), and
+    // its inverse into k_factor. Once, when Q has landed.
+    __device__ __forceinline__ void set_q_scale() {
+        float m = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const int row = row_warp * 16 + lane / 4, c = lane % 4;
+            const u32 addr = sQ + QTile::offset(row, 2 * ks + c / 2) + (c % 2) * 8;
+            u32 x[4];
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(x[0]), "=r"(x[1]) : "r"(addr));
+            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(x[2]), "=r"(x[3]) : "r"(addr + 8 * 128));
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                m = fmaxf(m, fmaxf(fabsf(__uint_as_float(x[e] << 16)), fabsf(__uint_as_float(x[e] & 0xffff0000u))));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const int e = min(125, max(-125, 13 - ((int)(__float_as_uint(m) >> 23 & 0xff) - 127)));
+        q_scale = __uint_as_float((u32)(127 + e) << 23);
+        k_factor *= __uint_as_float((u32)(127 - e) << 23);
     }
 
     // S += Q K^T for this warp's keys of the block in ring slot offset k_slot, e4m3 K: each ldmatrix.x4 brings 16
@@ -225,9 +246,9 @@ struct DecodeBlock {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     u32 b0, b1;
-                    widen_e4m3x4<T>(kb[j], b0, b1);
+                    e4m3x4_to_f16(kb[j], b0, b1);
                     float(&acc)[4] = two_chains && j % 2 ? s_odd[2 * np + j / 2] : s[2 * np + j / 2];
-                    mma_16816<T>(acc, qa[j % 2], b0, b1);
+                    mma_16816<half_t>(acc, qa[j % 2], b0, b1);
                 }
             }
         }
@@ -244,8 +265,8 @@ struct DecodeBlock {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 u32 even0, odd0, even1, odd1;
-                widen_e4m3x4_interleaved<half_t>(vb[2 * h], even0, odd0);
-                widen_e4m3x4_interleaved<half_t>(vb[2 * h + 1], even1, odd1);
+                e4m3x4_to_f16_interleaved(vb[2 * h], even0, odd0);
+                e4m3x4_to_f16_interleaved(vb[2 * h + 1], even1, odd1);
                 const int q = 2 * dp2 + h;
                 mma_16816<half_t>(acc_o[0][2 * q], pa, even0, even1);
                 mma_16816<half_t>(acc_o[0][2 * q + 1], pa, odd0, odd1);
@@ -271,6 +292,9 @@ struct DecodeBlock {
             __syncthreads();  // block t has landed, and every warp is done with slot (t - 1) % STAGES
             if (n_end - 1 - t_next >= n_begin) load_kv(t_next % STAGES, n_end - 1 - t_next);
             cp_async_commit();  // possibly empty: keeps one group per iteration
+        }
+        if constexpr (FP8 && T::is_bf16) {
+            if (t == 0) set_q_scale();
         }
         if (t == 0 && Traits::Q_IN_REGS) {
 #pragma unroll
@@ -337,10 +361,10 @@ struct DecodeBlock {
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk) {
             u32 pa[4];
-            pa[0] = pack2<PT>(s[0][2 * kk][0], s[0][2 * kk][1]);
-            pa[1] = pack2<PT>(s[0][2 * kk][2], s[0][2 * kk][3]);
-            pa[2] = pack2<PT>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-            pa[3] = pack2<PT>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+            pa[0] = pack2<MT>(s[0][2 * kk][0], s[0][2 * kk][1]);
+            pa[1] = pack2<MT>(s[0][2 * kk][2], s[0][2 * kk][3]);
+            pa[2] = pack2<MT>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+            pa[3] = pack2<MT>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
             if constexpr (FP8) {
                 pv_e4m3(pa, kk, v_slot);
             } else {
@@ -511,8 +535,8 @@ struct DecodeBlock {
         if (SCORE_MOD) mod = ScoreMod{p.mod_scale, p.softcap, 0.f, len - p.seqlen_q};
         if constexpr (FP8) {
             const i64 di = (i64)b * p.descale_batch_stride + (i64)h_kv * p.descale_head_stride;
-            k_factor = (p.k_descale != nullptr ? p.k_descale[di] : 1.f) * S_FACTOR;
-            v_factor = (p.v_descale != nullptr ? p.v_descale[di] : 1.f) * E4m3Widen<half_t>::INV_SCALE;
+            k_factor = (p.k_descale != nullptr ? p.k_descale[di] : 1.f) * E4M3_F16_UNDO;
+            v_factor = (p.v_descale != nullptr ? p.v_descale[di] : 1.f) * E4M3_F16_UNDO;
         }
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)

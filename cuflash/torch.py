@@ -176,7 +176,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, num_splits=0, return_lse=False, rotary_cos=None, rotary_sin=None,
-                           rotary_interleaved=True, cache_leftpad=None):
+                           rotary_interleaved=True, cache_leftpad=None, k_descale=None, v_descale=None):
     """:func:`cuflash.attention_with_kvcache` on torch tensors: new query rows against a KV cache (decode).
 
     Not differentiable. When ``k`` and ``v`` are given, they are written into ``k_cache``/``v_cache`` in
@@ -206,6 +206,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         Pairs (2j, 2j + 1); False: (j, j + rotary_dim / 2).
     cache_leftpad : torch.Tensor int32 (batch,), optional
         Row b's keys start at cache position ``cache_leftpad[b]`` (masks and ALiBi count from there).
+    k_descale, v_descale : torch.Tensor float32, optional
+        An e4m3 cache: k_cache, v_cache (and k, v) torch.float8_e4m3fn, read as ``k_cache * k_descale`` and
+        ``v_cache * v_descale``; shape () or (1,) (per tensor) or (batch, nheads_k) contiguous. None: 1. q stays
+        float16 or bfloat16; the head dim a multiple of 16; no rotary embedding.
     return_lse : bool
         Also return the float32 log-sum-exp ``(batch, nheads, seqlen_new)``.
 
@@ -223,12 +227,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     if q.ndim and q.shape[-1] % 8:  # a head dim the kernels do not take: padded copies (_padded_kvcache)
         return _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_lse,
-                               rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
+                               rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, k_descale, v_descale)
     if _eager(q, k_cache, v_cache):
         window = window_size if type(window_size) is tuple and len(window_size) == 2 else _window(causal, window_size)
         out, lse = _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                                     alibi_slopes, softmax_scale, causal, window, softcap, num_splits, return_lse,
-                                    rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
+                                    rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, k_descale, v_descale)
         if k is not None:  # as the op's in-place bookkeeping does: autograd sees the caches as modified
             torch.autograd.graph.increment_version((k_cache, v_cache))
     else:
@@ -237,7 +241,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         out, lse = torch.ops.cuflash.attention_with_kvcache(
             q, k_cache, v_cache, k, v, seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
             softmax_scale, causal, left, right, softcap, num_splits, return_lse, rotary_cos, rotary_sin,
-            bool(rotary_interleaved), cache_leftpad)
+            bool(rotary_interleaved), cache_leftpad, k_descale, v_descale)
     return (out, lse) if return_lse else out
 
 
@@ -413,22 +417,25 @@ def _padded_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                     window_size, softcap, alibi_slopes, num_splits, return_lse, rotary_cos=None, rotary_sin=None,
-                    rotary_interleaved=True, cache_leftpad=None):
+                    rotary_interleaved=True, cache_leftpad=None, k_descale=None, v_descale=None):
     """:func:`attention_with_kvcache` on padded copies of q, k, v and of both caches (whole: the rows a call
-    reads are known on the device only); the appended rows are then copied back into the caller's caches."""
+    reads are known on the device only); the appended rows are then copied back into the caller's caches. An e4m3
+    cache never gets here: its head dim is a multiple of 16, which the checks enforce."""
     d = q.shape[-1]
     if _eager(q, k_cache, v_cache):  # errors name the caller's shapes
         seqlens, cache_len = _cache_seqlens(cache_seqlens)
         s = _specs(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens,
                         cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes,
-                        rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad))
+                        rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad,
+                        k_descale=k_descale, v_descale=v_descale), e4m3=_E4M3_CACHE)
         checks.check_kvcache(s["q"], s["k_cache"], s["v_cache"], k=s["k"], v=s["v"],
                              cache_seqlens=s["cache_seqlens"] if seqlens is not None else
                              None if cache_len < 0 else cache_len,
                              cache_batch_idx=s["cache_batch_idx"], block_table=s["block_table"],
                              alibi_slopes=s["alibi_slopes"], num_splits=num_splits, rotary_cos=s["rotary_cos"],
                              rotary_sin=s["rotary_sin"], rotary_interleaved=rotary_interleaved,
-                             cache_leftpad=s["cache_leftpad"], headdim_multiple=1,
+                             cache_leftpad=s["cache_leftpad"], k_descale=s["k_descale"],
+                             v_descale=s["v_descale"], headdim_multiple=1,
                              **_options(softmax_scale, causal, *_window(causal, window_size), softcap))
     padded = checks.padded_headdim(d)
     k_cache_padded, v_cache_padded = _pad(k_cache, padded), _pad(v_cache, padded)
@@ -869,15 +876,16 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
              alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
              window_right: int, softcap: float, num_splits: int, return_lse: bool,
              rotary_cos: Optional[torch.Tensor] = None, rotary_sin: Optional[torch.Tensor] = None,
-             rotary_interleaved: bool = False,
-             cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             rotary_interleaved: bool = False, cache_leftpad: Optional[torch.Tensor] = None,
+             k_descale: Optional[torch.Tensor] = None,
+             v_descale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op: ``cache_seqlens`` is given as a tensor, or as the int ``cache_len`` (-1: neither). Returns ``out,
     lse``; lse is empty, ``(0,)``, unless ``return_lse``. The rotary and leftpad arguments have defaults, so a call
     written before they existed keeps working."""
     seqlens = cache_seqlens if cache_seqlens is not None else None if cache_len < 0 else cache_len
     out, lse = _kvcache_compute(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, alibi_slopes,
                                 softmax_scale, causal, (window_left, window_right), softcap, num_splits, return_lse,
-                                rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
+                                rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, k_descale, v_descale)
     return out, lse if return_lse else q.new_empty((0,), dtype=torch.float32)
 
 
@@ -893,7 +901,8 @@ settings.on_change(_kv_plans.clear)
 
 def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
                      softmax_scale, causal, window_size, softcap, num_splits, return_lse, rotary_cos=None,
-                     rotary_sin=None, rotary_interleaved=True, cache_leftpad=None) -> tuple:
+                     rotary_sin=None, rotary_interleaved=True, cache_leftpad=None, k_descale=None,
+                     v_descale=None) -> tuple:
     """cuflash.attention_with_kvcache on torch tensors (``cache_seqlens`` a tensor, an int or None): checks and
     plan once per signature (:func:`_kvcache_plan`), then one torch allocation (out, then the split workspace) and
     the launches on torch's stream, from data pointers. Returns ``(out, lse or None)``."""
@@ -902,14 +911,15 @@ def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
                else cache_seqlens, softmax_scale, causal, window_size, softcap, num_splits, return_lse,
                _signature(q), _signature(k_cache), _signature(v_cache), _signature(k), _signature(v),
                _signature(cache_batch_idx), _signature(block_table), _signature(alibi_slopes),
-               _signature(rotary_cos), _signature(rotary_sin), rotary_interleaved, _signature(cache_leftpad))
+               _signature(rotary_cos), _signature(rotary_sin), rotary_interleaved, _signature(cache_leftpad),
+               _signature(k_descale), _signature(v_descale))
         plan = _kv_plans.get(key)
     except (AttributeError, TypeError):  # something that is not a tensor, or unhashable: the checks say what
         key = plan = None
     if plan is None:
         plan = _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                              alibi_slopes, softmax_scale, causal, window_size, softcap, num_splits, return_lse,
-                             rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
+                             rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, k_descale, v_descale)
     if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | (0 if k is None else k.data_ptr())
             | (0 if v is None else v.data_ptr()) | (0 if rotary_cos is None else rotary_cos.data_ptr())
             | (0 if rotary_sin is None else rotary_sin.data_ptr())) % 16:
@@ -934,7 +944,8 @@ def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
                    bool(prep.counter_tiles) and torch.cuda.is_current_stream_capturing(),
                    0 if rotary_cos is None else rotary_cos.data_ptr(),
                    0 if rotary_sin is None else rotary_sin.data_ptr(),
-                   0 if cache_leftpad is None else cache_leftpad.data_ptr())
+                   0 if cache_leftpad is None else cache_leftpad.data_ptr(),
+                   0 if k_descale is None else k_descale.data_ptr(), 0 if v_descale is None else v_descale.data_ptr())
     finally:
         if previous != index:
             _set_device(previous)
@@ -943,12 +954,13 @@ def _kvcache_compute(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
 
 def _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
                   softmax_scale, causal, window_size, softcap, num_splits, return_lse, rotary_cos=None,
-                  rotary_sin=None, rotary_interleaved=True, cache_leftpad=None) -> _KvPlan:
+                  rotary_sin=None, rotary_interleaved=True, cache_leftpad=None, k_descale=None,
+                  v_descale=None) -> _KvPlan:
     """Checks a kvcache call and plans it (decode.prepare on CuPy views of the tensors); remembered under `key`
     (None: not remembered)."""
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
                    block_table=block_table, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                   cache_leftpad=cache_leftpad)
+                   cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
     seqlens, cache_len = _cache_seqlens(cache_seqlens)
     _check_kvcache(dict(tensors, cache_seqlens=seqlens), cache_len,
                    dict(_options(softmax_scale, causal, *window_size, softcap), num_splits=num_splits,
@@ -960,17 +972,19 @@ def _kvcache_plan(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx
                               _view(cache_seqlens) if is_tensor else cache_seqlens, views["cache_batch_idx"],
                               views["block_table"], softmax_scale, causal, window_size, softcap,
                               views["alibi_slopes"], num_splits, return_lse, views["rotary_cos"],
-                              views["rotary_sin"], rotary_interleaved, views["cache_leftpad"])
+                              views["rotary_sin"], rotary_interleaved, views["cache_leftpad"], views["k_descale"],
+                              views["v_descale"])
     return runtime.keep(_kv_plans, key, _KvPlan(prep, -(-prep.nbytes // q.element_size()),
                                                 checks.contiguous("out", q.shape, np.float16).strides))
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_len, cache_batch_idx, block_table, alibi_slopes,
                   softmax_scale, causal, window_left, window_right, softcap, num_splits, return_lse, rotary_cos=None,
-                  rotary_sin=None, rotary_interleaved=False, cache_leftpad=None):
+                  rotary_sin=None, rotary_interleaved=False, cache_leftpad=None, k_descale=None, v_descale=None):
     tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
                    cache_batch_idx=cache_batch_idx, block_table=block_table, alibi_slopes=alibi_slopes,
-                   rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad)
+                   rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad, k_descale=k_descale,
+                   v_descale=v_descale)
     if _concrete(*tensors.values(), ints=(cache_len, num_splits)):
         _check_kvcache(tensors, cache_len,
                        dict(_options(softmax_scale, causal, window_left, window_right, softcap), num_splits=num_splits,
@@ -1060,12 +1074,13 @@ def _problem(options: dict, tensors: dict, max_seqlen_q=None, max_seqlen_k=None)
 
 
 def _check_kvcache(tensors: dict, cache_len: int, options: dict) -> checks.Problem:
-    s = _specs(tensors)
+    s = _specs(tensors, e4m3=_E4M3_CACHE)
     seqlens = s["cache_seqlens"] if s["cache_seqlens"] is not None else None if cache_len < 0 else cache_len
     problem = checks.check_kvcache(s["q"], s["k_cache"], s["v_cache"], k=s["k"], v=s["v"], cache_seqlens=seqlens,
                                    cache_batch_idx=s["cache_batch_idx"], block_table=s["block_table"],
                                    alibi_slopes=s["alibi_slopes"], rotary_cos=s.get("rotary_cos"),
-                                   rotary_sin=s.get("rotary_sin"), cache_leftpad=s.get("cache_leftpad"), **options)
+                                   rotary_sin=s.get("rotary_sin"), cache_leftpad=s.get("cache_leftpad"),
+                                   k_descale=s.get("k_descale"), v_descale=s.get("v_descale"), **options)
     _require_cuda(**tensors)
     return problem
 
@@ -1084,9 +1099,12 @@ def _signature(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _specs(tensors: dict, fp8: tuple = ()) -> dict:
-    """TensorSpecs of the tensors (None where absent); those named in `fp8` must be float8_e4m3fn, and their specs
-    hold uint8 (the e4m3 bits, as the CuPy API takes them)."""
+_E4M3_CACHE = ("k_cache", "v_cache", "k", "v")  # the kvcache arguments that may be float8_e4m3fn
+
+
+def _specs(tensors: dict, fp8: tuple = (), e4m3: tuple = ()) -> dict:
+    """TensorSpecs of the tensors (None where absent); those named in `fp8` must be float8_e4m3fn, those named in
+    `e4m3` may be, and the specs of float8_e4m3fn tensors hold uint8 (the e4m3 bits, as the CuPy API takes them)."""
     specs = {}
     for name, t in tensors.items():
         if t is None:
@@ -1096,7 +1114,8 @@ def _specs(tensors: dict, fp8: tuple = ()) -> dict:
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
         if name in fp8 and t.dtype != torch.float8_e4m3fn:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected torch.float8_e4m3fn")
-        dtype = np.dtype(np.uint8) if name in fp8 else _NUMPY_DTYPES.get(t.dtype)
+        e4m3_bits = name in fp8 or (name in e4m3 and t.dtype == torch.float8_e4m3fn)
+        dtype = np.dtype(np.uint8) if e4m3_bits else _NUMPY_DTYPES.get(t.dtype)
         if dtype is None:
             expected = _EXPECTED_DTYPE.get(name, "torch.float16 or torch.bfloat16")
             raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected {expected}")
@@ -1106,15 +1125,15 @@ def _specs(tensors: dict, fp8: tuple = ()) -> dict:
 
 
 def _require_cuda(**tensors) -> None:
-    """CUDA tensors; fp16/bf16 ones with strides that keep 16-byte chunks along the last axis aligned (the
+    """CUDA tensors; fp16, bf16 and e4m3 ones with strides that keep 16-byte chunks along the last axis aligned (the
     kernels copy 16 bytes at a time); the pointers are checked on every call by :func:`_require_aligned`."""
     for name, t in tensors.items():
         if t is None:
             continue
         if t.device.type != "cuda":
             raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
-        if t.dtype not in (torch.float16, torch.bfloat16):  # slopes, lse, index arrays: one element at a time
-            continue
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):  # slopes, lse, index arrays:
+            continue                                                                # one element at a time
         per16 = 16 // t.element_size()
         bad = [axis for axis, (n, s) in enumerate(zip(t.shape[:-1], t.stride()[:-1])) if n > 1 and s % per16]
         if bad:
@@ -1149,7 +1168,7 @@ def _view(t: torch.Tensor | None):
     key = (t.shape, t.stride(), t.dtype)
     layout = _layouts.get(key)
     if layout is None:
-        dtype = _NUMPY_DTYPES[t.dtype]
+        dtype = np.dtype(np.uint8) if t.dtype == torch.float8_e4m3fn else _NUMPY_DTYPES[t.dtype]  # e4m3 bits
         shape, strides = tuple(t.shape), t.stride()
         extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if t.numel() else 0
         layout = runtime.keep(_layouts, key, (shape, dtype, tuple(s * dtype.itemsize for s in strides),

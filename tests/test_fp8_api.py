@@ -115,3 +115,67 @@ def test_varlen_call_params():
     assert p.dtype.fields["cu_seqlens_k"][1] + 8 == 3 * 128 + 7 * 8  # the call's head: maps, then 7 pointers
     assert forward_fp8.TRANSPOSE_DTYPE.names[:3] == ("v", "vt", "cu_seqlens_k")
     assert problem.seqlen_k == 100 and -(-problem.seqlen_k // 32) * 32 == 128  # V^T keys: the longest, rounded to 32
+
+
+# ---- an e4m3 KV cache (cuflash.attention_with_kvcache with uint8 caches) ----
+
+def cache_arrays(b=2, sq=1, cap=300, h=8, hk=2, d=128, cache_dtype=U8, q_dtype=np.float16):
+    return (np.zeros((b, sq, h, d), q_dtype), np.zeros((b, cap, hk, d), cache_dtype),
+            np.zeros((b, cap, hk, d), cache_dtype))
+
+
+def test_kvcache_check_accepts_an_e4m3_cache_with_descales():
+    q, kc, vc = cache_arrays()
+    kn = np.zeros((2, 3, 2, 128), U8)
+    problem = checks.check_kvcache(q, kc, vc, k=kn, v=kn, cache_seqlens=np.zeros(2, np.int32),
+                                   k_descale=np.ones((2, 2), np.float32), v_descale=np.ones((1,), np.float32))
+    assert (problem.batch, problem.seqlen_k, problem.nheads_k, problem.headdim, problem.dtype) == \
+        (2, 300, 2, 128, np.float16)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(v_cache=np.zeros((2, 300, 2, 128), np.float16)), TypeError, "v_cache: dtype float16 differs from k_cache's"),
+    (dict(k=np.zeros((2, 3, 2, 128), np.float16), v=np.zeros((2, 3, 2, 128), np.float16)), TypeError,
+     "k: dtype float16 differs from k_cache's uint8"),
+    (dict(q=np.zeros((2, 1, 8, 128), U8)), TypeError, "q: dtype uint8 is not supported"),
+    (dict(k_descale=np.ones((2, 8), np.float32)), ValueError, r"k_descale: expected shape .*\(2, 2\), got \(2, 8\)"),
+    (dict(v_descale=np.ones((1,), np.float64)), TypeError, "v_descale: dtype float64"),
+    (dict(rotary_cos=np.zeros((400, 32), np.float16), rotary_sin=np.zeros((400, 32), np.float16)), ValueError,
+     "rotary_cos: not supported with an e4m3"),
+])
+def test_kvcache_check_rejects_bad_e4m3_arguments(change, error, match):
+    q, kc, vc = cache_arrays()
+    args = dict(q=q, k_cache=kc, v_cache=vc, k=np.zeros((2, 3, 2, 128), U8), v=np.zeros((2, 3, 2, 128), U8))
+    args.update(change)
+    with pytest.raises(error, match=match):
+        checks.check_kvcache(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"),
+                             cache_seqlens=np.zeros(2, np.int32), **args)
+
+
+def test_kvcache_check_e4m3_head_dim_and_strides():
+    q, kc, vc = cache_arrays(d=72)
+    with pytest.raises(ValueError, match=r"k_cache: head dim \(axis 3\) is 72; an e4m3 cache takes multiples of 16"):
+        checks.check_kvcache(q, kc, vc, headdim_multiple=1)
+    q, kc, vc = cache_arrays(hk=1, d=152)
+    with pytest.raises(ValueError, match="k_cache: stride of axis 1 is 152 bytes; the decode kernel's 16-byte loads"):
+        checks.check_kvcache(q[..., :144], kc[..., :144], vc[..., :144])  # rows 152 bytes apart
+
+
+def test_kvcache_check_descales_only_for_an_e4m3_cache():
+    q, kc, vc = cache_arrays(cache_dtype=np.float16)
+    with pytest.raises(ValueError, match="k_descale: only for an e4m3"):
+        checks.check_kvcache(q, kc, vc, k_descale=np.ones((1,), np.float32))
+
+
+def test_kvcache_e4m3_specs_and_configs():
+    from cuflash.ops import decode
+    specs = [s for s in decode.all_specs("sm_90a") if isinstance(s, decode.DecodeSpec) and s.fp8]
+    assert specs and all(s.name.endswith("_e4m3") and s.template.endswith(", true>") and not s.config.tma
+                         for s in specs)
+    for d in (32, 64, 96, 128, 160, 192, 224, 256):
+        for rows in (1, 64):
+            fp8, bf16 = decode.decode_config(d, rows, True), decode.decode_config(d, rows)
+            bf16_spec = decode.DecodeSpec("bf16", d, bf16, False)
+            fp8_spec = decode.DecodeSpec("bf16", d, fp8, False, True)
+            assert fp8_spec.smem_bytes <= bf16_spec.smem_bytes  # as many CTAs per SM as the 16-bit cache
+            assert fp8.stages >= 2 and fp8.row_warps == bf16.row_warps

@@ -98,7 +98,9 @@ def on_host(monkeypatch):
     monkeypatch.setattr(cuflash.torch, "_backward_launch", backward_launch)
     def kvcache_torch(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
                       softmax_scale, causal, window_size, softcap, num_splits, return_lse, rotary_cos=None,
-                      rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):  # the launch seam
+                      rotary_sin=None, rotary_interleaved=True, cache_leftpad=None, k_descale=None,
+                      v_descale=None):  # the launch seam (16-bit caches: no descales)
+        assert k_descale is None and v_descale is None
         options = dict(k=k, v=v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
                        block_table=block_table, alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, causal=causal,
                        window_size=window_size, softcap=softcap, num_splits=num_splits, rotary_cos=rotary_cos,

@@ -84,13 +84,19 @@ def tma_config(stages: int | None = None) -> DecodeConfig:
 
 def decode_config(headdim: int, packed_rows: int, fp8: bool = False) -> DecodeConfig:
     """packed_rows = seqlen_q * (nheads // nheads_k): the rows of one KV head's GQA group. An e4m3 cache (`fp8`)
-    keeps the 16-bit config's ring bytes, so more stages: at d = 128 and up, twice the blocks in flight."""
+    keeps the 16-bit config's ring bytes (so as many CTAs per SM): up to 16 rows in blocks of twice the keys where
+    that leaves at least 3 stages, else in as many more stages. (e4m3 decode is bound by the latency of a block's
+    step, not by memory: at d = 128, 128-key blocks in 3 stages ran 5% faster than 64-key blocks in 6, and blocks
+    that cost a CTA per SM 35-50% slower; docs/perf-notes.md, "e4m3 decode".)"""
     d = plan.compiled_headdim(headdim)
     config = DECODE_TABLE[d][0 if packed_rows <= 16 else 1]
     if not fp8:
         return config
-    ring = config.stages * plan.smem_row_bytes(d)
-    return dataclasses.replace(config, stages=min(FP8_MAX_STAGES, ring // plan.smem_row_bytes(d // 2)))
+    ring = config.stages * config.block_n * plan.smem_row_bytes(d)
+    row = plan.smem_row_bytes(d // 2)  # an e4m3 row: d bytes, in whole 128-byte panels
+    if config.row_warps == 1 and ring // (2 * config.block_n * row) >= 3:
+        return dataclasses.replace(config, block_n=2 * config.block_n, stages=ring // (2 * config.block_n * row))
+    return dataclasses.replace(config, stages=min(FP8_MAX_STAGES, ring // (config.block_n * row)))
 
 
 FP8_MAX_STAGES = 8

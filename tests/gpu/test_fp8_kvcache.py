@@ -163,3 +163,40 @@ def test_e4m3_cache_equals_a_bf16_cache_of_the_same_values(compiled):
     as_bf16 = [cupy.asarray(x.view(E4M3).astype(DTYPES["bf16"])) for x in (kc, vc)]
     want = cuflash.attention_with_kvcache(q, *as_bf16, cache_seqlens=lens)
     np.testing.assert_allclose(got.get().astype(np.float32), want.get().astype(np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_torch_float8_cache_matches_cupy_bitwise(compiled, paged):
+    """cuflash.torch.attention_with_kvcache on torch.float8_e4m3fn caches (appending in place) against the CuPy call
+    on the same bytes: the same output, lse and cache bytes."""
+    torch = pytest.importorskip("torch")
+    import cupy
+    import cuflash
+    import cuflash.torch
+    rng = np.random.default_rng(11)
+    b, sq, h, hk, d, cap, new = 2, 2, 8, 2, 128, 512, 2
+    shape = (b * cap // 64, 64, hk, d) if paged else (b, cap, hk, d)
+    kc, vc = e4m3_bits(rng, shape), e4m3_bits(rng, shape)
+    kn, vn = e4m3_bits(rng, (b, new, hk, d)), e4m3_bits(rng, (b, new, hk, d))
+    q = randn(rng, (b, sq, h, d), DTYPES["bf16"])
+    lens = np.array([300, 17], np.int32)
+    table = rng.permutation(b * cap // 64).reshape(b, cap // 64).astype(np.int32) if paged else None
+    descales = [rng.uniform(0.5, 2.0, (b, hk)).astype(np.float32) for _ in range(2)]
+
+    t = lambda x, dt=None: None if x is None else (  # noqa: E731
+        torch.from_numpy(x).cuda() if dt is None else torch.from_numpy(x).cuda().view(dt))
+    tk, tv = t(kc, torch.float8_e4m3fn), t(vc, torch.float8_e4m3fn)
+    out_t, lse_t = cuflash.torch.attention_with_kvcache(
+        t(q.view(np.int16), torch.bfloat16), tk, tv, k=t(kn, torch.float8_e4m3fn), v=t(vn, torch.float8_e4m3fn),
+        cache_seqlens=t(lens), block_table=t(table), k_descale=t(descales[0]), v_descale=t(descales[1]), causal=True,
+        return_lse=True)
+    c = lambda x: None if x is None else cupy.asarray(x)  # noqa: E731
+    ck, cv = c(kc), c(vc)
+    out_c, lse_c = cuflash.attention_with_kvcache(
+        c(q), ck, cv, k=c(kn), v=c(vn), cache_seqlens=c(lens), block_table=c(table),
+        k_descale=c(descales[0]), v_descale=c(descales[1]), causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(out_t.view(torch.int16).cpu().numpy(), out_c.view(np.int16).get())
+    np.testing.assert_array_equal(lse_t.cpu().numpy(), lse_c.get())
+    np.testing.assert_array_equal(tk.view(torch.uint8).cpu().numpy(), ck.get())
+    np.testing.assert_array_equal(tv.view(torch.uint8).cpu().numpy(), cv.get())

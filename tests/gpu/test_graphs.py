@@ -58,6 +58,8 @@ def _capture(step, stream=None, warm_up=True):
 
 def _assert_bitwise(got, want, what):
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
+    if got.dtype == torch.float8_e4m3fn:  # compared as bits
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
     if not torch.equal(got, want):
         diff = (got.float() - want.float()).abs()
         raise AssertionError(f"{what}: {int((got != want).sum())} of {got.numel()} elements differ, max |diff| "
@@ -79,6 +81,8 @@ def _generator(seed):
 
 
 def _randn(gen, shape, dtype):
+    if dtype == torch.float8_e4m3fn:  # an e4m3 cache: normal values, rounded
+        return torch.randn(shape, device="cuda", generator=gen).to(dtype)
     return torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
 
 
@@ -301,25 +305,34 @@ KV_CASES = {
     "paged16_splits4": dict(dtype="bfloat16", b=3, h=8, hk=2, d=128, capacity=4096, page_size=16, num_splits=4),
     "paged256_splits4": dict(dtype="bfloat16", b=3, h=8, hk=2, d=128, capacity=4096, page_size=256, num_splits=4),
     "speculative_d64": dict(dtype="float16", b=2, h=8, hk=2, d=64, capacity=1024, sq=4, page_size=256),
+    # an e4m3 cache (per-(batch, KV head) descales), split and paged
+    "e4m3_splits4": dict(dtype="bfloat16", b=3, h=8, hk=2, d=128, capacity=4096, num_splits=4, e4m3=True),
+    "e4m3_paged64_lse": dict(dtype="float16", b=2, h=16, hk=2, d=128, capacity=2048, page_size=64, e4m3=True,
+                             return_lse=True),
 }
 
 
 class _Decode:
     """One decode step's static tensors (q, new k/v, caches, cache_seqlens, block_table) and the call on them."""
 
-    def __init__(self, gen, dtype, b, h, hk, d, capacity, page_size=None, sq=1, num_splits=0, return_lse=False):
+    def __init__(self, gen, dtype, b, h, hk, d, capacity, page_size=None, sq=1, num_splits=0, return_lse=False,
+                 e4m3=False):
         dt = getattr(torch, dtype)
         self.gen, self.top = gen, capacity - sq  # the largest cache_seqlens that leaves room for the append
         self.options = dict(causal=True, num_splits=num_splits, return_lse=return_lse)
+        if e4m3:  # the caches and new rows e4m3, with descales per (batch row, KV head)
+            self.options.update(k_descale=torch.rand(b, hk, device="cuda", generator=gen) + 0.5,
+                                v_descale=torch.rand(b, hk, device="cuda", generator=gen) + 0.5)
+        kv_dt = torch.float8_e4m3fn if e4m3 else dt
         self.q = _randn(gen, (b, sq, h, d), dt)
-        self.k, self.v = _randn(gen, (b, sq, hk, d), dt), _randn(gen, (b, sq, hk, d), dt)
+        self.k, self.v = _randn(gen, (b, sq, hk, d), kv_dt), _randn(gen, (b, sq, hk, d), kv_dt)
         if page_size is None:
             self.table, cache_shape = None, (b, capacity, hk, d)
         else:
             pages = capacity // page_size
             self.table = torch.randperm(b * pages, device="cuda", generator=gen).to(torch.int32).view(b, pages)
             cache_shape = (b * pages, page_size, hk, d)
-        self.k_cache, self.v_cache = _randn(gen, cache_shape, dt), _randn(gen, cache_shape, dt)
+        self.k_cache, self.v_cache = _randn(gen, cache_shape, kv_dt), _randn(gen, cache_shape, kv_dt)
         self.lens = torch.full((b,), self.top, dtype=torch.int32, device="cuda")
 
     def __call__(self, k_cache=None, v_cache=None) -> tuple:
