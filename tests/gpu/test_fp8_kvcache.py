@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cuflash import reference
 from tests.gpu.helpers import DTYPES, assert_close_to_reference, assert_lse_close, naive_lowp, randn
+from tests.gpu.test_kvcache import _logical
 
 pytestmark = pytest.mark.gpu
 
@@ -89,10 +90,8 @@ def run_case(rng, *, b, sq, h, hk, d, dtype, capacity, lens, new_k=0, page_size=
         n = int(lens[i]) + new_k
         if n == 0:
             continue
-        gather = (lambda c: c[layout["block_table"][i, np.arange(n) // page_size], np.arange(n) % page_size]
-                  if page_size else c[rows_of_batch[i][0], :n])
-        naive[i] = naive_lowp(q[i:i + 1], gather(kf).astype(dt)[None], gather(vf).astype(dt)[None],
-                              alibi_slopes=slopes, **opts)[0]
+        naive[i] = naive_lowp(q[i:i + 1], _logical(kf, layout, i, n).astype(dt)[None],
+                              _logical(vf, layout, i, n).astype(dt)[None], alibi_slopes=slopes, **opts)[0]
     assert out.shape == q.shape and out.dtype == q.dtype, ctx
     assert_close_to_reference(out.get(), ref_out, naive, context=ctx, floor=2e-3)
     assert lse.shape == (b, h, sq) and lse.dtype == np.float32, ctx
