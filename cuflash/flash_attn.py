@@ -179,7 +179,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            k_descale=None, v_descale=None):
     """New query rows against a KV cache (flash-attn's ``flash_attn_with_kvcache``); not differentiable.
 
     When ``k`` and ``v`` are given they are written into ``k_cache``/``v_cache`` in place at positions
@@ -210,6 +211,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         Splits of the keys across CTAs; 0 chooses, 1 does not split.
     return_softmax_lse : bool
         Also return the float32 ``softmax_lse`` (batch, nheads, seqlen_q).
+    k_descale, v_descale : torch.Tensor float32, keyword only, optional
+        An e4m3 cache (``torch.float8_e4m3fn`` k_cache, v_cache, k, v; flash-attn 3's names): per tensor or
+        ``(batch, nheads_k)``. q stays float16 or bfloat16 (flash-attn 3 takes an FP8 q here; cuflash does not).
 
     Returns
     -------
@@ -222,7 +226,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                   num_splits=num_splits, return_lse=return_softmax_lse, rotary_cos=rotary_cos,
                                   rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                                  cache_leftpad=cache_leftpad)
+                                  cache_leftpad=cache_leftpad, k_descale=k_descale, v_descale=v_descale)
 
 
 # --------------------------------------------------------------------------------------------

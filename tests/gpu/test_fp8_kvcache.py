@@ -199,3 +199,14 @@ def test_torch_float8_cache_matches_cupy_bitwise(compiled, paged):
     np.testing.assert_array_equal(lse_t.cpu().numpy(), lse_c.get())
     np.testing.assert_array_equal(tk.view(torch.uint8).cpu().numpy(), ck.get())
     np.testing.assert_array_equal(tv.view(torch.uint8).cpu().numpy(), cv.get())
+    # flash-attn's name for the same call (k_descale / v_descale keyword arguments, as flash-attn 3's)
+    import cuflash.flash_attn
+    fk, fv = t(kc, torch.float8_e4m3fn), t(vc, torch.float8_e4m3fn)
+    out_f, lse_f = cuflash.flash_attn.flash_attn_with_kvcache(
+        t(q.view(np.int16), torch.bfloat16), fk, fv, t(kn, torch.float8_e4m3fn), t(vn, torch.float8_e4m3fn),
+        cache_seqlens=t(lens), block_table=t(table), causal=True, return_softmax_lse=True, k_descale=t(descales[0]),
+        v_descale=t(descales[1]))
+    torch.cuda.synchronize()
+    assert torch.equal(out_f.view(torch.int16), out_t.view(torch.int16)) and torch.equal(lse_f, lse_t)
+    assert torch.equal(fk.view(torch.uint8), tk.view(torch.uint8)) and torch.equal(fv.view(torch.uint8),
+                                                                                   tv.view(torch.uint8))
