@@ -1,6 +1,6 @@
 """Decode benchmark: cuflash.attention_with_kvcache beside PyTorch SDPA (flash, cudnn backends), same run.
 
-One new query row per sequence, 32 query heads, 8 KV heads, d = 128, bf16, on the grid
+One new query row per sequence, 32 query heads, 8 KV heads, d = 128 (--headdim), bf16, on the grid
 batch {1, 8, 32, 64} x KV length {1k, 8k, 64k, 256k} (cells whose K/V exceed --max-gb are skipped).
 Reports microseconds per call and TB/s of K/V read (2 * batch * len * nheads_k * d * 2 bytes over the
 time). cuflash and the peers read the same K/V storage: it is allocated once as (batch, nheads_k, len, d),
@@ -26,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 BATCHES = (1, 8, 32, 64)
 LENGTHS = (1024, 8192, 65536, 262144)
-H, HK, D = 32, 8, 128
+H, HK = 32, 8
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--quick", action="store_true", help="batch {1, 32} x len {8k, 64k} only")
+    p.add_argument("--headdim", type=int, default=128, help="head dim (default 128)")
     p.add_argument("--max-gb", type=float, default=72.0, help="skip cells whose K/V exceed this")
     p.add_argument("--paged-max-gb", type=float, default=8.0, help="paged column only up to this K/V size")
     p.add_argument("--rep", type=int, default=100, help="ms of timed calls per measurement (do_bench)")
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
                    for _ in range(args.repeats))
 
     batches, lengths = ((1, 32), (8192, 65536)) if args.quick else (BATCHES, LENGTHS)
+    D = args.headdim
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     header = (f"{'batch':>5} {'len':>7} {'KV MB':>8} | {'cuflash':>8} {'TB/s':>5} {'paged':>8} {'e4m3':>8} "
