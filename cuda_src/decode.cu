@@ -224,7 +224,7 @@ struct DecodeBlock {
     }
 
     // S += Q K^T for this warp's keys of the block in ring slot offset k_slot, e4m3 K: each ldmatrix.x4 brings 16
-    // keys x 32 columns, widened into the fragments of 4 mma (two 16-column chunks x two 8-key tiles).
+    // keys x 32 columns, converted to fp16 for the B fragments of 4 mma (two 16-column chunks x two 8-key tiles).
     __device__ __forceinline__ void scores_e4m3(float (&s)[NT][4], float (&s_odd)[NT][4], u32 k_slot,
                                                 bool two_chains) {
 #pragma unroll
