@@ -182,14 +182,19 @@ struct DecodeBlock {
         sm90::fence_proxy_async();
     }
 
-    // Q's A fragment for head-dim chunk ks (16 columns). e4m3: columns 16 ks + 4c .. 4c + 3 of the thread's rows
-    // (c = lane % 4), the order K's converted fragments have, as one 8-byte load per row, and in fp16 (q_scale).
+    // e4m3: Q's columns 16 ks + 4c .. 4c + 3 (c = lane % 4) of the thread's two rows, the order K's converted
+    // fragments have, as one 8-byte load per row: {qa[0], qa[2]} of row lane / 4, {qa[1], qa[3]} of row lane / 4 + 8.
+    __device__ __forceinline__ void load_q_e4m3_order(u32 (&qa)[4], int ks) const {
+        const int row = row_warp * 16 + lane / 4, c = lane % 4;
+        const u32 addr = sQ + QTile::offset(row, 2 * ks + c / 2) + (c % 2) * 8;  // row + 8: 8 swizzle rows on
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(qa[0]), "=r"(qa[2]) : "r"(addr));
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(qa[1]), "=r"(qa[3]) : "r"(addr + 8 * 128));
+    }
+
+    // Q's A fragment for head-dim chunk ks (16 columns); e4m3: in load_q_e4m3_order's order and in fp16 (q_scale).
     __device__ __forceinline__ void load_q(u32 (&qa)[4], int ks) const {
         if constexpr (FP8) {
-            const int row = row_warp * 16 + lane / 4, c = lane % 4;
-            const u32 addr = sQ + QTile::offset(row, 2 * ks + c / 2) + (c % 2) * 8;  // row + 8: 8 swizzle rows on
-            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(qa[0]), "=r"(qa[2]) : "r"(addr));
-            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(qa[1]), "=r"(qa[3]) : "r"(addr + 8 * 128));
+            load_q_e4m3_order(qa, ks);
             if constexpr (T::is_bf16) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
@@ -207,11 +212,8 @@ struct DecodeBlock {
         float m = 0.f;
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
-            const int row = row_warp * 16 + lane / 4, c = lane % 4;
-            const u32 addr = sQ + QTile::offset(row, 2 * ks + c / 2) + (c % 2) * 8;
             u32 x[4];
-            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(x[0]), "=r"(x[1]) : "r"(addr));
-            asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(x[2]), "=r"(x[3]) : "r"(addr + 8 * 128));
+            load_q_e4m3_order(x, ks);
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 m = fmaxf(m, fmaxf(fabsf(__uint_as_float(x[e] << 16)), fabsf(__uint_as_float(x[e] & 0xffff0000u))));

@@ -9,13 +9,6 @@
 
 namespace cuflash {
 
-// Before a call's attention: the new keys and values into the cache, and with rotary embedding the rotated keys
-// and queries (rotary.cuh; the queries to q_rot, which the decode kernels read). One 16-byte chunk per thread and
-// step: first (batch, new position, KV head, chunk) of the keys and values, then (batch, query, head, chunk) of the
-// queries. A key goes to the row's position cached + i only where that is inside the row's cache (CacheView::length):
-// past the capacity, in a page the pool does not have, or for a row with no place in the cache, it is dropped. Its
-// rotary position is its cache position, cache_seqlens[b] + i; a query's is cache_seqlens[b] (+ i, one position per
-// query, with rotary_q_per_row).
 // One 16-byte chunk of new key i and its value (KV head h_kv, batch row b) into the cache, of elements E (u16, or
 // u8 for an e4m3 cache, which takes no rotary embedding: the checks refuse it).
 template <class T, class E>
@@ -28,21 +21,26 @@ __device__ __forceinline__ void append_chunk(const DecodeParams& p, int b, int i
     const E* k_src = reinterpret_cast<const E*>(p.k_new) + b * p.kn_batch_stride + i * p.kn_row_stride +
                      h_kv * p.kn_head_stride;
     E* k_dst = const_cast<E*>(cache.k) + k_off;
+    bool rotated = false;
     if constexpr (sizeof(E) == 2) {
-        if (p.rotary_dim > 0) {
-            rotary_chunk<T>(p, k_src, k_dst, c, cache.start + pos);
-        } else {
-            *reinterpret_cast<uint4*>(k_dst + c * PER_CHUNK) = *reinterpret_cast<const uint4*>(k_src + c * PER_CHUNK);
-        }
-    } else {
-        *reinterpret_cast<uint4*>(k_dst + c * PER_CHUNK) = *reinterpret_cast<const uint4*>(k_src + c * PER_CHUNK);
+        rotated = p.rotary_dim > 0;
+        if (rotated) rotary_chunk<T>(p, k_src, k_dst, c, cache.start + pos);
     }
+    if (!rotated)
+        *reinterpret_cast<uint4*>(k_dst + c * PER_CHUNK) = *reinterpret_cast<const uint4*>(k_src + c * PER_CHUNK);
     const E* v_src = reinterpret_cast<const E*>(p.v_new) + b * p.vn_batch_stride + i * p.vn_row_stride +
                      h_kv * p.vn_head_stride;
     *reinterpret_cast<uint4*>(const_cast<E*>(cache.v) + v_off + c * PER_CHUNK) =
         *reinterpret_cast<const uint4*>(v_src + c * PER_CHUNK);
 }
 
+// Before a call's attention: the new keys and values into the cache, and with rotary embedding the rotated keys
+// and queries (rotary.cuh; the queries to q_rot, which the decode kernels read). One 16-byte chunk per thread and
+// step: first (batch, new position, KV head, chunk) of the keys and values, then (batch, query, head, chunk) of the
+// queries. A key goes to the row's position cached + i only where that is inside the row's cache (CacheView::length):
+// past the capacity, in a page the pool does not have, or for a row with no place in the cache, it is dropped. Its
+// rotary position is its cache position, cache_seqlens[b] + i; a query's is cache_seqlens[b] (+ i, one position per
+// query, with rotary_q_per_row).
 template <class T>
 __global__ void __launch_bounds__(256) decode_append(const __grid_constant__ DecodeParams p) {
     const int chunks = p.headdim / 8, nheads_k = p.nheads / p.heads_per_kv;
