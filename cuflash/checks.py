@@ -220,8 +220,8 @@ def _check_fp8(q, k, v, descales, batch: int, nheads_k: int) -> None:
 
 def _check_e4m3_rows(arrays, descales, batch: int, nheads_k: int, taker: str, loads: str) -> None:
     """e4m3 arrays (TensorSpecs, None where absent): head dim a multiple of 16, every stride but the last a multiple
-    of 16 bytes; their descales (TensorSpecs, None where absent): float32, one per tensor or ``(batch, nheads_k)``
-    contiguous."""
+    of 16 bytes; their descales (TensorSpecs, None where absent): float32, all one per tensor or all ``(batch,
+    nheads_k)`` contiguous."""
     for x in descales:
         if x is None:
             continue
@@ -231,6 +231,9 @@ def _check_e4m3_rows(arrays, descales, batch: int, nheads_k: int, taker: str, lo
                              f"({batch}, {nheads_k}), got {x.shape}")
         if x.shape == (batch, nheads_k) and x.strides != (nheads_k, 1) and batch * nheads_k > 1:
             raise ValueError(f"{x.name}: must be contiguous, got strides {x.strides} (elements)")
+    given = [x for x in descales if x is not None]
+    if len({math.prod(x.shape) == 1 for x in given}) > 1:
+        raise ValueError(f"{', '.join(x.name for x in given)}: per-tensor and per-head descales cannot be mixed")
     arrays = [x for x in arrays if x is not None]
     _same_device(*arrays, *descales)
     headdim = arrays[0].shape[-1]
@@ -410,8 +413,7 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
 def _check_cache(q, k_cache, v_cache, cache_batch_idx, block_table) -> int:
     """The KV cache, contiguous per sequence or paged; returns its capacity in keys."""
     paged = block_table is not None
-    _check_qkv(q, k_cache, v_cache, KVCACHE_Q_AXES, PAGED_CACHE_AXES if paged else CACHE_AXES,
-               kv_dtypes=ATTENTION_DTYPES + FP8_DTYPES)
+    _check_qkv(q, k_cache, v_cache, KVCACHE_Q_AXES, PAGED_CACHE_AXES if paged else CACHE_AXES, e4m3_kv=True)
     batch = q.shape[0]
     if paged:
         if cache_batch_idx is not None:
@@ -465,7 +467,7 @@ def _check_new_kv(q, k, v, k_cache, seqlen_k, cache_seqlens) -> int:
         raise ValueError(f"k and v must be given together; got {given} but not {missing}")
     if k is None:
         return 0
-    _check_qkv(q, k, v, KVCACHE_Q_AXES, NEW_K_AXES, kv_dtypes=ATTENTION_DTYPES + FP8_DTYPES)
+    _check_qkv(q, k, v, KVCACHE_Q_AXES, NEW_K_AXES, e4m3_kv=True)
     _check_same_dtype(k, k_cache)
     _same_axis(k, 0, q, 0, "batch")
     _same_axis(k, 2, k_cache, 2, "nheads_k")
@@ -482,14 +484,14 @@ def _check_new_kv(q, k, v, k_cache, seqlen_k, cache_seqlens) -> int:
 # Shared sub-checks
 # --------------------------------------------------------------------------------------------
 
-def _check_qkv(q, k, v, q_axes, k_axes, dtypes=ATTENTION_DTYPES, kv_dtypes=None):
+def _check_qkv(q, k, v, q_axes, k_axes, dtypes=ATTENTION_DTYPES, e4m3_kv=False):
     """q, k, v: rank, dtype (one of `dtypes`), layout, head dim, v shaped like k, and nheads a multiple of
-    nheads_k. k and v have q's dtype, or with `kv_dtypes` either q's or one of the FP8 ones (both the same).
-    Batch matching is left to the caller (the KV cache's batch differs)."""
+    nheads_k. k and v have q's dtype, or with `e4m3_kv` both the e4m3 bits' (a KV cache's). Batch matching is left
+    to the caller (the KV cache's batch differs)."""
     _check_tensor(q, q_axes)
     _check_dtype(q, dtypes)
     _check_headdim(q)
-    fp8_kv = kv_dtypes is not None and k.dtype.name in FP8_DTYPES and k.dtype.name in kv_dtypes
+    fp8_kv = e4m3_kv and k.dtype.name in FP8_DTYPES
     for x in (k, v):
         _check_tensor(x, k_axes)
         _check_same_dtype(x, k if fp8_kv else q)

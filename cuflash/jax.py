@@ -178,7 +178,6 @@ def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_l
                                           *varlen[2:], **options)
     else:
         problem = checks.check_attention_fp8(*qkv, **options)
-    forward_fp8.descale_stride(problem, [options[n] for n in names])  # mixed forms raise here
     left, right = checks.window(causal, window_size)
     present = tuple(x is not None for x in descales)
     config = (None if softmax_scale is None else float(softmax_scale), left, right, present)

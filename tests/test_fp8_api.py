@@ -16,7 +16,8 @@ def arrays(b=2, sq=33, sk=70, h=4, hk=2, d=64, dtype=U8):
 def test_check_accepts_uint8_and_descales():
     q, k, v = arrays()
     problem = checks.check_attention_fp8(q, k, v, q_descale=np.ones((2, 2), np.float32),
-                                         k_descale=np.ones((), np.float32), causal=True)
+                                         k_descale=np.ones((2, 2), np.float32), causal=True)
+    checks.check_attention_fp8(q, k, v, q_descale=np.ones((), np.float32), v_descale=np.ones((1,), np.float32))
     assert (problem.batch, problem.seqlen_q, problem.seqlen_k, problem.nheads, problem.nheads_k,
             problem.headdim) == (2, 33, 70, 4, 2, 64)
 
@@ -128,7 +129,7 @@ def test_kvcache_check_accepts_an_e4m3_cache_with_descales():
     q, kc, vc = cache_arrays()
     kn = np.zeros((2, 3, 2, 128), U8)
     problem = checks.check_kvcache(q, kc, vc, k=kn, v=kn, cache_seqlens=np.zeros(2, np.int32),
-                                   k_descale=np.ones((2, 2), np.float32), v_descale=np.ones((1,), np.float32))
+                                   k_descale=np.ones((2, 2), np.float32), v_descale=np.ones((2, 2), np.float32))
     assert (problem.batch, problem.seqlen_k, problem.nheads_k, problem.headdim, problem.dtype) == \
         (2, 300, 2, 128, np.float16)
 
@@ -179,3 +180,12 @@ def test_kvcache_e4m3_specs_and_configs():
             fp8_spec = decode.DecodeSpec("bf16", d, fp8, False, True)
             assert fp8_spec.smem_bytes <= bf16_spec.smem_bytes  # as many CTAs per SM as the 16-bit cache
             assert fp8.stages >= 2 and fp8.row_warps == bf16.row_warps
+
+
+def test_descales_of_both_forms_are_refused():
+    q, kc, vc = cache_arrays()
+    with pytest.raises(ValueError, match="k_descale, v_descale: per-tensor and per-head descales cannot be mixed"):
+        checks.check_kvcache(q, kc, vc, k_descale=np.ones((2, 2), np.float32), v_descale=np.ones((), np.float32))
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match="q_descale, v_descale: per-tensor and per-head descales cannot be mixed"):
+        checks.check_attention_fp8(q, k, v, q_descale=np.ones((1,), np.float32), v_descale=np.ones((2, 2), np.float32))

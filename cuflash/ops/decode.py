@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .. import build, checks, plan, runtime, settings, tma
+from . import forward_fp8
 from ..launcher import KernelCall
 from ..options import resolve
 
@@ -344,8 +345,8 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     for name, value in options.scales.items():
         p[name] = value
     p["cache_fp8"] = int(fp8)
-    per_head = [x for x in (k_descale, v_descale) if x is not None and x.size > 1]
-    p["descale_batch_stride"], p["descale_head_stride"] = (problem.nheads_k, 1) if per_head else (0, 0)
+    stride = forward_fp8.descale_stride(problem, (k_descale, v_descale))
+    p["descale_batch_stride"], p["descale_head_stride"] = stride, int(stride > 0)
 
     dtype = launch.spec.dtype
     launches = []

@@ -181,12 +181,10 @@ def _forget() -> None:
 
 
 def descale_stride(problem, descales) -> int:
-    """FwdFp8Params::descale_batch_stride of a call's descales (arrays or TensorSpecs, None where absent): 0 for
-    per-tensor ones, nheads_k for per-(sequence, KV head) ones; a mix is a ValueError."""
-    given = [0 if math.prod(x.shape) == 1 else problem.nheads_k for x in descales if x is not None]
-    if len(set(given)) > 1:
-        raise ValueError("q_descale, k_descale, v_descale: per-tensor and per-head descales cannot be mixed")
-    return given[0] if given else 0
+    """The batch stride of a call's descales (arrays or TensorSpecs, None where absent; the checks refuse a mix of
+    forms): 0 for per-tensor ones, nheads_k for per-(sequence, KV head) ones (FwdFp8Params::descale_batch_stride,
+    DecodeParams::descale_batch_stride)."""
+    return problem.nheads_k if any(x is not None and math.prod(x.shape) > 1 for x in descales) else 0
 
 
 def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
