@@ -420,7 +420,7 @@ def _padded_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
                     rotary_interleaved=True, cache_leftpad=None, k_descale=None, v_descale=None):
     """:func:`attention_with_kvcache` on padded copies of q, k, v and of both caches (whole: the rows a call
     reads are known on the device only); the appended rows are then copied back into the caller's caches. An e4m3
-    cache never gets here: its head dim is a multiple of 16, which the checks enforce."""
+    cache stops at the checks here (its head dim must be a multiple of 16): no copy of it is made."""
     d = q.shape[-1]
     if _eager(q, k_cache, v_cache):  # errors name the caller's shapes
         seqlens, cache_len = _cache_seqlens(cache_seqlens)
