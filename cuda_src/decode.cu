@@ -53,10 +53,14 @@ struct DecodeTraits {
     static constexpr int BM = 16 * ROW_WARPS, BN = BN_, STAGES = STAGES_;
     static constexpr int WARP_KEYS = BN / KEY_WARPS;  // keys of each block that one warp handles
     static constexpr int NT = WARP_KEYS / 8, DT = D / 8;
-    // A K/V row in 16-bit columns: D of them, or D / 2 holding an e4m3 row's D bytes.
+    // A K/V row in 16-bit columns: D of them, or D / 2 holding an e4m3 row's D bytes; e4m3 rows of 64 bytes
+    // (D = 64) in a dense NarrowTile rather than half of each 128-byte row.
     static constexpr int KV_COLS = FP8 ? D / 2 : D, KV_DP = (KV_COLS + 63) / 64 * 64;
+    static constexpr bool NARROW = KV_COLS == 32;
     using QTile = SmemTile<BM, DP>;
-    using KVTile = SmemTile<BN, KV_DP>;
+    using KVTile = typename Pick<NARROW, NarrowTile<BN>, SmemTile<BN, KV_DP>>::type;
+    using KVCopy = typename Pick<NARROW, NarrowTileCopy<BN, THREADS>, TileCopy<BN, KV_COLS, KV_DP, THREADS>>::type;
+    using KVAddr = typename Pick<NARROW, NarrowLdmatrixAddr, LdmatrixAddr<KVTile>>::type;
     static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;  // K, then V
     // Q's fragments stay in registers (D / 4 of them) unless a 16-row warp tile at d > 192 cannot afford them
     // beside its O accumulator and scores, nor an e4m3 kernel at d > 192 beside its converted fragments; then they
@@ -85,7 +89,7 @@ struct DecodeBlock {
     using QTile = typename Traits::QTile;
     using KVTile = typename Traits::KVTile;
     using QCopy = TileCopy<BM, D, DP, THREADS>;
-    using KVCopy = TileCopy<BN, Traits::KV_COLS, Traits::KV_DP, THREADS>;
+    using KVCopy = typename Traits::KVCopy;
 
     const DecodeParams& p;
     int tid, lane, row_warp, key_warp;
@@ -95,7 +99,7 @@ struct DecodeBlock {
     int tile;                        // (batch, KV head, row tile), the index of the tile's split counter
     u32 sQ, sKV;
     LdmatrixAddr<QTile> q_addr;
-    LdmatrixAddr<KVTile> k_addr, v_addr;  // into ring slot 0, as if K and V both started there
+    typename Traits::KVAddr k_addr, v_addr;  // into ring slot 0, as if K and V both started there
     CacheView<E> cache;
     float k_factor = 1.f, v_factor = 1.f;  // e4m3: the factors on S (k_descale over Q's scale) and on O (v_descale)
     float q_scale = 1.f;                   // e4m3, bf16 q: Q's power of two (set_q_scale)
@@ -524,8 +528,8 @@ struct DecodeBlock {
         sQ = smem_u32(smem);
         sKV = sQ + QTile::BYTES;
         q_addr = LdmatrixAddr<QTile>(sQ, lane % 16, lane / 16);
-        k_addr = LdmatrixAddr<KVTile>(sKV, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-        v_addr = LdmatrixAddr<KVTile>(sKV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);  // + the slot's V offset
+        k_addr = typename Traits::KVAddr(sKV, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+        v_addr = typename Traits::KVAddr(sKV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);  // + the slot's V offset
         mask = Mask<true>{len, len - p.seqlen_q, p.window_left, p.window_right};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

@@ -116,4 +116,49 @@ struct TileCopy {
     }
 };
 
+// Tiles of 64-byte rows (32 16-bit columns: an e4m3 K or V row at d = 64), dense: rows one after another, the four
+// 16-byte chunks of a row XOR-swizzled with (row / 2) % 4 (Hopper's 64-byte swizzle), so that eight consecutive rows
+// at the same logical chunk hit eight different bank groups. NarrowLdmatrixAddr and NarrowTileCopy are its
+// LdmatrixAddr and TileCopy.
+template <int ROWS>
+struct NarrowTile {
+    static constexpr int BYTES = ROWS * 64;
+
+    static __device__ __forceinline__ u32 offset(int row, int chunk) {
+        return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4);
+    }
+};
+
+// Piece (rows 16*i.., chunks 2*j, 2*j + 1), j < 2: a base per j, the swizzle being the same for rows 16 apart.
+struct NarrowLdmatrixAddr {
+    u32 base[2];
+
+    __device__ __forceinline__ NarrowLdmatrixAddr(u32 tile, int row, int chunk_lo) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) base[j] = tile + row * 64 + (((2 * j + chunk_lo) ^ ((row >> 1) & 3)) << 4);
+    }
+    __device__ __forceinline__ u32 operator()(int i, int j) const { return base[j] + i * 16 * 64; }
+};
+
+// Global -> shared copies of a ROWS x 32-column NarrowTile: four consecutive threads cover a row (64 bytes).
+template <int ROWS, int THREADS>
+struct NarrowTileCopy {
+    static constexpr int ROW_STEP = THREADS / 4;
+    static_assert(ROWS % ROW_STEP == 0, "every thread copies the same number of rows");
+
+    // As TileCopy::load_rows_async: row r from row_ptr(r), zero-filled where that is nullptr or past d_valid.
+    template <class RowPtr>
+    static __device__ __forceinline__ void load_rows_async(u32 smem, const RowPtr& row_ptr, int d_valid,
+                                                           const u16* any, int tid) {
+        const int row = tid / 4, chunk = tid % 4;
+        const u32 dst = smem + NarrowTile<ROWS>::offset(row, chunk);
+#pragma unroll
+        for (int r = 0; r < ROWS; r += ROW_STEP) {  // r is a multiple of 8: the swizzle of row + r is row's
+            const u16* src = row_ptr(row + r);
+            const bool valid = src != nullptr && chunk * 8 < d_valid;
+            cp_async_16(dst + r * 64, valid ? src + chunk * 8 : any, valid);
+        }
+    }
+};
+
 }  // namespace cuflash

@@ -94,13 +94,19 @@ def decode_config(headdim: int, packed_rows: int, fp8: bool = False) -> DecodeCo
     if not fp8:
         return config
     ring = config.stages * config.block_n * plan.smem_row_bytes(d)
-    row = plan.smem_row_bytes(d // 2)  # an e4m3 row: d bytes, in whole 128-byte panels
+    row = e4m3_row_bytes(d)
     if config.row_warps == 1 and ring // (2 * config.block_n * row) >= 3:
         return dataclasses.replace(config, block_n=2 * config.block_n, stages=ring // (2 * config.block_n * row))
     return dataclasses.replace(config, stages=min(FP8_MAX_STAGES, ring // (config.block_n * row)))
 
 
 FP8_MAX_STAGES = 8
+
+
+def e4m3_row_bytes(headdim: int) -> int:
+    """Shared-memory bytes of an e4m3 K/V row: d bytes in whole 128-byte panels, or 64 dense at d = 64
+    (DecodeTraits::NARROW)."""
+    return 64 if headdim == 64 else plan.smem_row_bytes(headdim // 2)
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,7 @@ class DecodeSpec:
         # DecodeTraits::SMEM_BYTES: Q tile and the K/V ring, or the merge buffer if larger.
         c = self.config
         row = plan.smem_row_bytes(self.headdim)
-        kv_row = plan.smem_row_bytes(self.headdim // 2) if self.fp8 else row  # e4m3: D bytes, in 16-bit columns
+        kv_row = e4m3_row_bytes(self.headdim) if self.fp8 else row
         tiles = 16 * c.row_warps * row + c.stages * 2 * c.block_n * kv_row
         merge = 64 * (self.headdim + 4 + 2) * 4
         if c.tma:  # the ring's mbarriers after it, and 1 KB of slack to align the tiles to 1024 bytes
