@@ -34,7 +34,7 @@ class KernelCall:
         :meth:`launch_head` fills instead.
     """
 
-    __slots__ = ("pointers", "launches", "_buffer", "_argv", "_pack", "_lock", "_kernels")
+    __slots__ = ("pointers", "launches", "_buffer", "_bytes", "_argv", "_pack", "_lock", "_kernels")
 
     def __init__(self, launches, params, pointers: tuple):
         params = np.asarray(params)
@@ -47,6 +47,7 @@ class KernelCall:
         self.pointers = tuple(pointers)
         raw = params.tobytes()
         self._buffer = ctypes.create_string_buffer(raw, len(raw))
+        self._bytes = memoryview(self._buffer).cast("B")  # slice assignment copies without a ctypes call
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buffer))  # void* args[] = {&struct}
         self._pack = struct.Struct(f"{len(pointers)}Q").pack_into
         self._lock = threading.Lock()
@@ -71,7 +72,7 @@ class KernelCall:
         decode kernel's tensor maps, which embed the caches' addresses, after its pointers and sizes)."""
         with self._lock:
             self._pack(self._buffer, 0, *pointers)
-            ctypes.memmove(ctypes.addressof(self._buffer) + offset, tail, len(tail))
+            self._bytes[offset:offset + len(tail)] = tail
             for launch in self.launches:
                 launch(stream)
 
@@ -79,7 +80,7 @@ class KernelCall:
         """Launch with the struct's first ``len(head)`` bytes replaced by ``head`` (for structs that do not start
         with plain pointers, e.g. TMA descriptors, which embed them)."""
         with self._lock:
-            ctypes.memmove(self._buffer, head, len(head))
+            self._bytes[:len(head)] = head
             for launch in self.launches:
                 launch(stream)
 
@@ -106,10 +107,11 @@ class _Launch:
     """One kernel of a KernelCall: a plain cuLaunchKernel, or (overlap) cuLaunchKernelEx with programmatic stream
     serialization allowed, its config built once."""
 
-    __slots__ = ("func", "grid", "block", "smem", "argv", "overlap", "_config", "_attr")
+    __slots__ = ("func", "grid", "block", "smem", "argv", "overlap", "_head", "_config", "_attr")
 
     def __init__(self, func: int, grid: tuple, block: tuple, smem: int, argv: int, overlap: bool):
         self.func, self.grid, self.block, self.smem, self.argv, self.overlap = func, grid, block, smem, argv, overlap
+        self._head = (func, *grid, *block, smem)  # cuLaunchKernel's arguments before the stream
         if overlap:
             self._attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
             self._config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), smem, None,
@@ -117,7 +119,7 @@ class _Launch:
 
     def __call__(self, stream: int) -> None:
         if not self.overlap:
-            _launch_kernel(self.func, *self.grid, *self.block, self.smem, stream, self.argv, 0)
+            _launch_kernel(*self._head, stream, self.argv, 0)
             return
         self._config.stream = stream
         status = _launch_kernel_ex(ctypes.byref(self._config), ctypes.c_void_p(self.func),

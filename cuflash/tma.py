@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["encode_tiled", "check_tiled", "encoder", "map_layout", "layout_encoder", "MAP_BYTES"]
+__all__ = ["encode_tiled", "check_tiled", "encoder", "map_layout", "layout_encoder", "joined_encoder", "MAP_BYTES"]
 
 MAP_BYTES = 128
 # CUtensorMapDataType (cuda.h, CUDA 12-13); uint8 carries e4m3
@@ -84,6 +84,26 @@ def map_layout(x, rows_box: int) -> tuple:
 def layout_encoder(x, rows_box: int):
     """ptr -> the tensor map (128-byte swizzle) of map_layout(x, rows_box) at that address."""
     return encoder(*map_layout(x, rows_box), swizzle=128)
+
+
+JOINED_KEPT = 256  # pointer tuples a joined_encoder keeps (a training loop's buffers come back from its allocator)
+
+
+def joined_encoder(encoders: tuple):
+    """``ptrs -> encoders[0](ptrs[0]) + encoders[1](ptrs[1]) + ...``: the maps of a kernel with several, joined, kept
+    per tuple of pointers (one dict lookup per call for pointers seen before). A map depends on nothing but its
+    pointer and the encoder's layout, so a kept one never goes stale; the dict is emptied when full."""
+    kept: dict = {}
+
+    def encode(ptrs: tuple) -> bytes:
+        maps = kept.get(ptrs)
+        if maps is None:
+            maps = b"".join(encode_one(ptr) for encode_one, ptr in zip(encoders, ptrs, strict=True))
+            if len(kept) >= JOINED_KEPT:
+                kept.clear()
+            kept[ptrs] = maps
+        return maps
+    return encode
 
 
 @functools.lru_cache(maxsize=4096)

@@ -138,17 +138,17 @@ class BackwardMain:
     ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k, dq_scale,
     kv_bound, dropout_seed, dropout_offset, dropout_state)``."""
 
-    __slots__ = ("kernel_call", "maps", "spec")
+    __slots__ = ("kernel_call", "maps", "spec", "_maps", "_launch_head")
 
     def __init__(self, kernel_call: KernelCall, maps: tuple, spec: BwdSm90Spec):
-        self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
+        self.kernel_call, self.maps, self.spec = kernel_call, maps, spec  # maps: q, k, v, dout, dq_accum's encoders
+        self._maps = tma.joined_encoder(maps)
+        self._launch_head = kernel_call.launch_head
 
     def __call__(self, stream: int, q: int, k: int, v: int, dout: int, dk: int, dv: int, dq_accum: int,
                  *rest: int) -> None:
-        q_map, k_map, v_map, do_map, dq_map = self.maps
-        self.kernel_call.launch_head(
-            stream, q_map(q) + k_map(k) + v_map(v) + do_map(dout) + dq_map(dq_accum)
-            + _POINTERS.pack(q, k, v, dout, dk, dv, dq_accum, *rest))
+        self._launch_head(stream, self._maps((q, k, v, dout, dq_accum))
+                          + _POINTERS.pack(q, k, v, dout, dk, dv, dq_accum, *rest))
 
 
 def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_id: int) -> BackwardMain:
