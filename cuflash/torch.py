@@ -771,9 +771,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
 def _run_backward(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                   dropout=None) -> tuple:
     """The allocations (the workspace too, from torch's caching allocator, freed in stream order) and the
-    launches."""
-    if (dout.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16:
-        _require_aligned(dout=dout, q=q, k=k, v=v, out=out)
+    launches (which check the inputs' alignment first)."""
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
@@ -795,7 +793,8 @@ def _plan_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_sl
 
 def _backward_launch(problem, specs: dict, options: dict, deterministic: bool, packed: bool) -> tuple:
     """(``launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace)``, the
-    workspace bytes): the backward of one call signature on torch's current stream, into contiguous dq, dk, dv."""
+    workspace bytes): the backward of one call signature on torch's current stream, into contiguous dq, dk, dv;
+    ValueError before it launches where dout, q, k, v or out is not 16-byte aligned."""
     index = specs["q"].device
     grads = (checks.contiguous(n, specs[x].shape, specs[x].dtype) for n, x in (("dq", "q"), ("dk", "k"), ("dv", "v")))
     with cupy.cuda.Device(index):
@@ -807,13 +806,15 @@ def _backward_launch(problem, specs: dict, options: dict, deterministic: bool, p
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, workspace,
                dropout_seed=0, dropout_offset=0, dropout_state=0):
+        p_dout, p_q, p_k, p_v, p_out = dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if (p_dout | p_q | p_k | p_v | p_out) % 16:
+            _require_aligned(dout=dout, q=q, k=k, v=v, out=out)
         previous = _get_device()
         if previous != index:
             _set_device(index)
         try:
-            call(_stream(index), dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                 lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
+            call(_stream(index), p_dout, p_q, p_k, p_v, p_out, lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                 dv.data_ptr(), 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
                  0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
                  0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(), workspace.data_ptr(), dropout_seed,
                  dropout_offset, dropout_state)
