@@ -490,7 +490,8 @@ def _eager_attention(q, k, v, args: tuple, deterministic: bool, return_lse: bool
     offset, state) or None (:func:`_dropout`). With a gradient to track, under an autograd.Function (lse stays with
     the backward unless asked for); else the forward alone."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return (_EagerAttentionLse if return_lse else _EagerAttention).apply(q, k, v, (*args, deterministic, dropout))
+        apply = _apply_eager_lse if return_lse else _apply_eager
+        return apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), (*args, deterministic, dropout))
     out, lse = _forward(q, k, v, *args, return_lse, dropout=dropout)
     return (out, lse) if return_lse else out
 
@@ -571,6 +572,14 @@ class _EagerAttentionLse(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         return (*_saved_backward(ctx, dout), None)
+
+
+# Their apply without torch.autograd.Function.apply's Python layer, for calls _eager has cleared: with no functorch
+# transform active and no setup_context defined, that layer only unwraps dead functorch wrappers among the tensor
+# arguments (q, k, v here; _unwrap_if_dead) and calls this C++ apply.
+_apply_eager = super(torch.autograd.Function, _EagerAttention).apply
+_apply_eager_lse = super(torch.autograd.Function, _EagerAttentionLse).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _saved_forward(ctx, q, k, v, args) -> tuple:
@@ -664,8 +673,7 @@ def _forward_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_
 
 def _run_forward(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, need_lse: bool, block_table=None,
                  seqused_k=None, dropout=None) -> tuple:
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-        _require_aligned(q=q, k=k, v=v)
+    """The allocations and the launch (which checks the inputs' alignment first)."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device) if need_lse else None
     plan.launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
@@ -689,7 +697,7 @@ def _plan_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_
 def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Callable:
     """``launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)``: the
     forward of one call signature on torch's current stream, into a contiguous ``out`` and ``lse`` (or None), from
-    data pointers."""
+    data pointers; ValueError before it launches where q, k or v is not 16-byte aligned."""
     q, index = specs["q"], specs["q"].device
     with cupy.cuda.Device(index):
         call = forward.forward_call(problem, q, specs["k"], specs["v"], checks.contiguous("out", q.shape, q.dtype),
@@ -700,11 +708,14 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
 
     def launch(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, dropout_seed,
                dropout_offset, dropout_state):
+        p_q, p_k, p_v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (p_q | p_k | p_v) % 16:
+            _require_aligned(q=q, k=k, v=v)
         previous = _get_device()
         if previous != index:
             _set_device(index)
         try:
-            call(_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+            call(_stream(index), p_q, p_k, p_v, out.data_ptr(),
                  0 if lse is None else lse.data_ptr(), 0 if alibi_slopes is None else alibi_slopes.data_ptr(),
                  0 if cu_seqlens_q is None else cu_seqlens_q.data_ptr(),
                  0 if cu_seqlens_k is None else cu_seqlens_k.data_ptr(),
