@@ -490,8 +490,7 @@ def _eager_attention(q, k, v, args: tuple, deterministic: bool, return_lse: bool
     offset, state) or None (:func:`_dropout`). With a gradient to track, under an autograd.Function (lse stays with
     the backward unless asked for); else the forward alone."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        apply = _apply_eager_lse if return_lse else _apply_eager
-        return apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), (*args, deterministic, dropout))
+        return (_EagerAttentionLse if return_lse else _EagerAttention).apply(q, k, v, (*args, deterministic, dropout))
     out, lse = _forward(q, k, v, *args, return_lse, dropout=dropout)
     return (out, lse) if return_lse else out
 
@@ -572,14 +571,6 @@ class _EagerAttentionLse(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         return (*_saved_backward(ctx, dout), None)
-
-
-# Their apply without torch.autograd.Function.apply's Python layer, for calls _eager has cleared: with no functorch
-# transform active and no setup_context defined, that layer only unwraps dead functorch wrappers among the tensor
-# arguments (q, k, v here; _unwrap_if_dead) and calls this C++ apply.
-_apply_eager = super(torch.autograd.Function, _EagerAttention).apply
-_apply_eager_lse = super(torch.autograd.Function, _EagerAttentionLse).apply
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def _saved_forward(ctx, q, k, v, args) -> tuple:
