@@ -1,5 +1,5 @@
 // The Hopper forward's consumer main loops (fwd_sm90.cu). Per key block each consumer warpgroup runs
-//     S = Q K^T            wgmma m64nBNk16 (BN = 64, 128 or 176 keys), both from shared memory (K-major, 128-byte
+//     S = Q K^T            wgmma m64nBNk16 (BN = 64, 80, 128 or 176 keys), both from shared memory (K-major, 128-byte
 //                          swizzle)
 //     mask, online softmax  on the accumulators, which have the mma.sync layout per warp (softmax.cuh, mask.cuh)
 //     O += P V              wgmma m64n64k16 with P in registers and V MN-major per 64-column panel of O (m64n128k16
@@ -49,6 +49,7 @@ struct FwdSm90Mainloop {
             const auto b = sm90::desc_advance(k_desc, (ks / 4) * Tr::KV_PANEL + (ks % 4) * 32);
             if constexpr (BN == 176) sm90::wgmma_m64n176k16_ss<T>(sf, a, b, ks > 0);
             else if constexpr (BN == 128) sm90::wgmma_m64n128k16_ss<T>(sf, a, b, ks > 0);
+            else if constexpr (BN == 80) sm90::wgmma_m64n80k16_ss<T>(sf, a, b, ks > 0);
             else sm90::wgmma_m64n64k16_ss<T>(sf, a, b, ks > 0);
         }
         sm90::wgmma_commit();

@@ -146,7 +146,7 @@ struct SharedStorage : OperandTiles<Q_BYTES, KV_BYTES, STAGES>, OStagingTile<Q_B
 // --------------------------------------------------------------------------------------------------- traits
 
 // What the template parameters decide: tile sizes, thread roles, which parts a kernel has, and its shared memory.
-//  T: bf16_t / half_t; D: head dim (64, 128, 256); BN: keys per block (64, 128, 176); BAND: a causal or local mask;
+//  T: bf16_t / half_t; D: head dim (64, 128, 256); BN: keys per block (64, 80, 128, 176); BAND: a causal or local mask;
 //  STAGES: K/V ring slots; WGS: consumer warpgroups of 64 query rows; WS: warp-specialized (a producer warpgroup);
 //  SCORE_MOD: softcap / ALiBi; PINGPONG: the consumer warpgroups take turns issuing GEMMs; PERSISTENT: one CTA per
 //  SM walks the tiles; SPLIT_TILES: tiles whose rows fit in 64 are worked by all three consumer warpgroups;
@@ -222,7 +222,8 @@ struct FwdSm90Traits {
     static constexpr bool PV_N128 = PANELS % 2 == 0;
 
     static_assert(D % 64 == 0, "whole 64-column panels");
-    static_assert(BN == 64 || BN == 128 || BN == 176, "S = Q K^T is one wgmma m64n64, n128 or n176 per k16 step");
+    static_assert(BN == 64 || BN == 80 || BN == 128 || BN == 176,
+                  "S = Q K^T is one wgmma m64n64, n80, n128 or n176 per k16 step");
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
     static_assert(WS || !PINGPONG, "ping-pong schedules the warp-specialized consumers");
     static_assert(WGS == 2 || (WGS == 3 && WS && !PINGPONG), "three consumer warpgroups: warp-specialized, no turns");

@@ -253,6 +253,12 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
     CUFLASH_WGMMA_SS("m64n32k16", TYPE, CUFLASH_D16, CUFLASH_ACC16, "%18", "%16, %17, acc, 1, 1, 0, 0")
 #define CUFLASH_SS_N128(TYPE) \
     CUFLASH_WGMMA_SS("m64n128k16", TYPE, CUFLASH_D64, CUFLASH_ACC64, "%66", "%64, %65, acc, 1, 1, 0, 0")
+#define CUFLASH_ACC40 CUFLASH_ACC32, CUFLASH_ACC8(32)
+#define CUFLASH_D40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "            \
+                    "%32, %33, %34, %35, %36, %37, %38, %39}, "
+#define CUFLASH_SS_N80(TYPE) \
+    CUFLASH_WGMMA_SS("m64n80k16", TYPE, CUFLASH_D40, CUFLASH_ACC40, "%42", "%40, %41, acc, 1, 1, 0, 0")
 #define CUFLASH_SS_N176(TYPE) \
     CUFLASH_WGMMA_SS("m64n176k16", TYPE, CUFLASH_D88, CUFLASH_ACC88, "%90", "%88, %89, acc, 1, 1, 0, 0")
 
@@ -296,6 +302,12 @@ template <class T> __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d
                                                                        unsigned long long b_desc, bool accumulate) {
     if constexpr (T::is_bf16) CUFLASH_SS_N128("bf16");
     else CUFLASH_SS_N128("f16");
+}
+// The same with N = 80 (S of an 80-key block, FA3's d = 256 tile): d[4j + e] for the 10 column groups j of 8.
+template <class T> __device__ __forceinline__ void wgmma_m64n80k16_ss(float (&d)[40], unsigned long long a_desc,
+                                                                      unsigned long long b_desc, bool accumulate) {
+    if constexpr (T::is_bf16) CUFLASH_SS_N80("bf16");
+    else CUFLASH_SS_N80("f16");
 }
 // The same with N = 176 (S of a 176-key block, FA3's d = 128 tile): d[4j + e] for the 22 column groups j of 8.
 template <class T> __device__ __forceinline__ void wgmma_m64n176k16_ss(float (&d)[88], unsigned long long a_desc,

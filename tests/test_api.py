@@ -546,8 +546,10 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
              for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)
              for mod in (False, True)}
     assert set(specs) == every | dropout | paged and len(specs) == len(every) + len(dropout) + len(paged)
-    assert {s.block_n for s in specs} == {64, 128, 176} and all(s.block_n == 64 for s in specs if s.headdim == 256)
-    assert all(s.headdim == 128 for s in specs if s.block_n == 176)
+    assert {s.block_n for s in specs} == {64, 80, 128, 176}
+    assert all(s.block_n in (64, 80) for s in specs if s.headdim == 256)
+    assert all(s.headdim == 128 for s in specs if s.block_n == 176) and all(s.headdim == 256 for s in specs
+                                                                           if s.block_n == 80)
     assert len({s.name for s in specs}) == len(specs) == len({s.template for s in specs})
 
 

@@ -173,7 +173,7 @@ def plan_forward(problem, left: int, right: int, score_mod: bool, arch: str, dro
 # Head dim -> the variant for any length (scripts/sm90_sweep.sh and scripts/pick_sm90_variants.py rank them by the
 # geometric mean TFLOP/s over seqlen 1k/4k/16k, causal or not; docs/perf-notes.md, "Hopper forward variants").
 # The sm90_variants setting overrides a head dim's.
-SM90_DEFAULT_VARIANTS = {64: "ws3_n128", 128: "pingpong_n128", 256: "lockstep"}
+SM90_DEFAULT_VARIANTS = {64: "ws3_n128", 128: "pingpong_n128", 256: "pingpong_n80"}
 
 # Short sequences: (head dim, masked by a band, most keys) -> the variant that beat the head dim's own up to that
 # many keys (bench_attention.py --op fwd on the ANCHORS grid, three rounds per cell; docs/perf-notes.md, "short

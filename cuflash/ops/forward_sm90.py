@@ -26,7 +26,7 @@ class FwdSm90Spec:
     dtype: str     # "fp16" | "bf16"
     headdim: int   # 64 | 128 | 256
     band: bool
-    block_n: int = BLOCK_N          # keys per block: 64, 128 or 176 (S by wgmma m64n128, m64n176)
+    block_n: int = BLOCK_N          # keys per block: 64, 80, 128 or 176 (S by wgmma m64n64, n80, n128, n176)
     consumers: int = 2              # consumer warpgroups of 64 query rows (3: warp-specialized, no ping-pong)
     persistent: bool = False        # one CTA per SM walking the tiles (warp-specialized only)
     warp_specialized: bool = False  # a producer warpgroup and "empty" mbarriers (fwd_sm90.cu, WS)
@@ -90,10 +90,12 @@ class FwdSm90Spec:
 # _s2: any variant with a two-slot ring (K and V are handed back separately, so two slots keep loads ahead; at
 #   d = 128 the slot saved leaves room for the persistent kernel's own O staging tile).
 # pingpong_n176: 176-key blocks and two slots at d = 128 without a score mod (elsewhere pingpong_n128).
+# pingpong_n80 (the default at d = 256): 80-key blocks and two slots at d = 256 (S by wgmma m64n80: 40 registers
+#   beside O's 128); elsewhere pingpong.
 # VARIANTS lists those the forward's tables use and the tests run.
 VARIANTS = ("lockstep", "ws", "pingpong", "ws_n128", "pingpong_n128", "ws3_n128", "ws_n128_p", "lockstep_n128",
             "pingpong_n128_p", "pingpong_n128_s2", "pingpong_n128_p_s2", "ws_n128_p_s2", "pingpong_n176", "ws3_n128_p",
-            "ws3_n128_p_split")
+            "ws3_n128_p_split", "pingpong_n80")
 
 
 def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict:
@@ -119,6 +121,10 @@ def variant_options(variant: str, headdim: int, score_mod: bool = False) -> dict
         if headdim != 128 or score_mod:  # (softcap/ALiBi beside S's 88 registers spill)
             return variant_options("pingpong_n128", headdim)
         return dict(warp_specialized=True, stages=2, pingpong=True, block_n=176)
+    if variant == "pingpong_n80":  # FA3's d = 256 tile: 80-key blocks, two slots (224 KiB of Q, K and V at d = 256)
+        if headdim != 256:
+            return variant_options("pingpong", headdim)
+        return dict(warp_specialized=True, stages=2, pingpong=True, block_n=80)
     if variant in ("ws_n128", "pingpong_n128"):
         if headdim > 128:
             return variant_options(variant[:-len("_n128")], headdim)
@@ -215,7 +221,7 @@ def o_tma(headdim: int) -> int:
 
 # Dropout runs on one variant per head dim, with or without a score mod: the head dim's default
 # (cuflash.ops.forward.SM90_DEFAULT_VARIANTS), but at d = 64 the two-warpgroup ws_n128 (with three warpgroups of 160
-# registers the keep bits spill).
+# registers the keep bits spill), and at d = 256 lockstep (dropout on 80-key blocks is neither tested nor measured).
 DROPOUT_VARIANTS = {64: "ws_n128", 128: "pingpong_n128", 256: "lockstep"}
 
 # Paged keys (block_table) run on the lockstep kernel (PAGED: its CTA barriers let every thread zero the tail of a
