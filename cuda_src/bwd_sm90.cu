@@ -497,7 +497,8 @@ struct BwdSm90 {
 
     // One step at d = 256 (DSPLIT): S^T and dP^T for this warpgroup's 32 queries, P^T and dS^T into shared memory
     // (both halves: a CTA barrier), then dV and dK for its 128 columns over all BM queries and dQ for them, one
-    // 64-column panel at a time through its staging tile. The next step's dO loads once both warpgroups' dV is done.
+    // 64-column panel at a time through its staging tile. The next step's dO loads once both warpgroups' dV is done;
+    // the second panel's staging tile is read out by TMA while the next step's S^T and dP^T compute.
     __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps) {
         asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
         base = uniform(base);
@@ -551,7 +552,8 @@ struct BwdSm90 {
                 sm90::st_shared_b32(base + OFF_DS + at, pack2<T>(dpt[j][2 * hh], dpt[j][2 * hh + 1]));
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
-        __syncthreads();            // both warpgroups' queries
+        if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // the last step's second dQ panel is read out of staging
+        __syncthreads();            // both warpgroups' queries; the staging tiles are free
         float dq[8][4];
         sm90::wgmma_fence();
         issue_keys_by_d_half(acc_dv, base + OFF_PT, do_tile(0));
@@ -571,8 +573,7 @@ struct BwdSm90 {
         sm90::wgmma_wait<0>();
         if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // the staging tile is read out by the first panel's add
         sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);
-        add_dq_tma(dq, h, m * BM, wg * WG_PANELS + 1, tt, false, lse + 2 * BM);
-        if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // and by the second one's, before the next step stages
+        add_dq_tma(dq, h, m * BM, wg * WG_PANELS + 1, tt, false, lse + 2 * BM);  // read out under the next S^T
     }
 
     // d = 64 with 64 rows (the score-mod kernel): both warpgroups add to every element of the 64 x 64 tile, each
