@@ -138,10 +138,11 @@ class BackwardMain:
     ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k, dq_scale,
     kv_bound, dropout_seed, dropout_offset, dropout_state)``."""
 
-    __slots__ = ("kernel_call", "maps", "spec", "_maps", "_launch_head")
+    __slots__ = ("kernel_call", "spec", "_maps", "_launch_head")
 
     def __init__(self, kernel_call: KernelCall, maps: tuple, spec: BwdSm90Spec):
-        self.kernel_call, self.maps, self.spec = kernel_call, maps, spec  # maps: q, k, v, dout, dq_accum's encoders
+        """``maps``: the encoders of q, k, v, dout and dq_accum's tensor maps (tma.encoder), kept joined."""
+        self.kernel_call, self.spec = kernel_call, spec
         self._maps = tma.joined_encoder(maps)
         self._launch_head = kernel_call.launch_head
 
