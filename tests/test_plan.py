@@ -408,6 +408,10 @@ def test_deterministic_fixed_point_rule(configure):
         d64 = checks.Problem(16384 // seqlen, seqlen, seqlen, 32, 32, 64, np.dtype(np.float16))  # d 64: 16 blocks
         assert backward.slots_sm90(seqlen // 128, 16384 // seqlen * 32, 132) == 1
         assert backward.plan_backward(d64, -1, 0 if causal else -1, False, True, "sm_90a", 132).fixed_point == want
+    for seqlen in (64, 512, 1024):  # d 256: the fixed point from one key block on, causal or not
+        d256 = checks.Problem(16384 // seqlen, seqlen, seqlen, 8, 8, 256, np.dtype(np.float16))
+        for right in (-1, 0):
+            assert backward.plan_backward(d256, -1, right, False, True, "sm_90a", 132).fixed_point
     capped = checks.Problem(1, 4096, 4096, 4, 4, 64, np.dtype(np.float16))
     assert backward.plan_backward(capped, -1, -1, False, True, "sm_90a", 132).fixed_point
     assert not backward.plan_backward(capped, -1, -1, True, True, "sm_90a", 132).fixed_point  # score mod: 64 rows

@@ -68,8 +68,9 @@ def dropout_config(headdim: int, arch: str, score_mod: bool) -> BwdConfig:
 # passes each add to the whole dQ of its heads, which misses the L2. "auto" (the bwd_sm90_det setting) takes the
 # fixed point where the slot rule gives a head more than one slot, or from FIXED_MIN_BLOCKS key blocks on (a causal
 # mask's blocks counted as half: each sees half the query blocks on average); measured in docs/perf-notes.md,
-# "deterministic backward: slices or fixed point". A fixed slot count (bwd_sm90_det_slots > 0) keeps the slices.
-FIXED_MIN_BLOCKS = {64: 16, 128: 8, 256: 16}  # (d = 256: 64-key blocks)
+# "deterministic backward: slices or fixed point". At d = 256 the fixed point is faster from one key block on: a
+# slot there adds a 64 x 256 dQ tile per step. A fixed slot count (bwd_sm90_det_slots > 0) keeps the slices.
+FIXED_MIN_BLOCKS = {64: 16, 128: 8, 256: 0}
 
 
 def bwd_config(headdim: int) -> BwdConfig:
