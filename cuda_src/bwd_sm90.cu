@@ -601,6 +601,11 @@ struct BwdSm90 {
 
     // This warpgroup's dQ tile (rows row0.. of head h in this sequence, columns panel 64..) added to dq_accum by TMA
     // from staging buffer tt % 2: (row r, column c) at box c / 32, line r, 16-byte chunk (c % 32) / 4 ^ (r % 8).
+    // A thread holds columns 8 j + 2 (lane % 4) + {0, 1} of rows lane / 4 (+ 8): a half-warp's 8-byte stores of one
+    // j fall on 4 chunk pairs twice each (rows 2i and 2i + 1 share a pair), two wavefronts where one would do. At
+    // d = 256 odd rows store j ^ 2 in j's turn instead (the other chunk pair of the same box), so that each half-warp
+    // covers all 32 banks once: 2-10% faster there. At d = 128 the selects cost more than the conflicts (1-2%
+    // slower, docs/perf-notes.md).
     // Deterministic mode 1: each slot adds to its own slice in program order. The steps of one key block add to
     // disjoint rows (one query block of one head each), so only the first step of a key block, which may add to the
     // rows of the last step before it (the zigzag walk), waits until the slot's earlier additions are made. Mode 2:
@@ -612,14 +617,18 @@ struct BwdSm90 {
         for (int hh = 0; hh < 2; ++hh) {
             const int r = warp * 16 + lane / 4 + 8 * hh;
             const float scale = FIXED ? scales[r] : 0.f;
+            const bool odd = DSPLIT && r % 2;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const int chunk = 2 * (j % 4) + (lane % 4) / 2;
+                const int jj = odd ? j ^ 2 : j;  // the same box (j / 4)
+                const int chunk = 2 * (jj % 4) + (lane % 4) / 2;
                 const u32 addr = tile + (j / 4) * DQ_BOX + r * 128 + ((chunk ^ (r % 8)) * 16) + (lane % 2) * 8;
+                const float x = odd ? dq[j ^ 2][2 * hh] : dq[j][2 * hh];
+                const float y = odd ? dq[j ^ 2][2 * hh + 1] : dq[j][2 * hh + 1];
                 if constexpr (FIXED)
-                    st_shared_fixed2(addr, dq[j][2 * hh], dq[j][2 * hh + 1], scale);
+                    st_shared_fixed2(addr, x, y, scale);
                 else
-                    st_shared_f2(addr, dq[j][2 * hh], dq[j][2 * hh + 1]);
+                    st_shared_f2(addr, x, y);
             }
         }
         sm90::fence_proxy_async();  // generic-proxy stores, read by TMA (async proxy) below
