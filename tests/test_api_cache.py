@@ -499,6 +499,9 @@ def test_varlen_forward_kept_launch_passes_the_bytes_of_an_uncached_one(fake_cup
     assert out.shape == (37, 4, 64) and (lse is None or lse.shape == (4, 37))  # lse packed: (nheads, total_q)
     (call, *_), = forward._varlen_calls.values()
     assert isinstance(call, forward_sm90.ForwardCall) == (sm90 and hopper)
+    if sm90 and hopper:  # the head: the maps of q, k, v and out (the fake encoder writes the pointer first), in order
+        maps = [struct.unpack_from("<Q", kept[0], 128 * i)[0] for i in range(4)]
+        assert maps == [x.data.ptr for x in (args["q"], args["k"], args["v"], out)]
     fake_cupy.clear()
     forward._launches.clear()
     options = {n: x for n, x in _launch_options(**options).items() if n not in ("deterministic", "return_lse")}

@@ -104,8 +104,8 @@ class Fp8Call:
     absent), ``vt`` a workspace of ``vt_shape`` uint8 (C-contiguous), ``o`` bf16 ``(batch, seqlen_q, nheads,
     headdim)`` C-contiguous, ``lse`` float32 ``(batch, nheads, seqlen_q)``. With ``packed = (total_q, total_k)`` the
     layouts are packed sequences (q ``(total_q, nheads, headdim)``, k and v ``(total_k, ...)``, o like q, lse
-    ``(nheads, total_q)``) and the problem's lengths are the maxima. The tensor maps embed the addresses: encoded per
-    call (cached per pointer by cuflash.tma)."""
+    ``(nheads, total_q)``) and the problem's lengths are the maxima. The tensor maps embed the addresses: kept joined
+    per pointer tuple (tma.joined_encoder)."""
 
     __slots__ = ("transpose", "main", "maps", "vt_shape", "device_id")
 
@@ -145,15 +145,13 @@ class Fp8Call:
         else:
             q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides), (128, 1, BLOCK_M, 1))
             k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides), (128, 1, BLOCK_N, 1))
-        self.maps = (q_map, k_map,
-                     tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (BLOCK_N, spec.headdim, 1,
-                                                                                           1)))
+        vt_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (BLOCK_N, spec.headdim, 1, 1))
+        self.maps = tma.joined_encoder((q_map, k_map, vt_map))
 
     def __call__(self, stream: int, q: int, k: int, v: int, vt: int, o: int, lse: int = 0, q_descale: int = 0,
                  k_descale: int = 0, v_descale: int = 0, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0) -> None:
-        q_map, k_map, vt_map = self.maps
-        head = q_map(q) + k_map(k) + vt_map(vt) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale,
-                                                                      cu_seqlens_q, cu_seqlens_k)
+        head = self.maps((q, k, vt)) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale, cu_seqlens_q,
+                                                           cu_seqlens_k)
         self.transpose(stream, v, vt, cu_seqlens_k)  # (after the maps: a map the driver refuses raises first)
         self.main.launch_head(stream, head)
 

@@ -257,19 +257,20 @@ class ForwardCall:
     """The Hopper forward behind the call interface of the portable forward's KernelCall
     (:func:`cuflash.ops.forward.forward_call`): ``call(stream, q, k, v, o, lse, alibi, cu_seqlens_q,
     cu_seqlens_k, 0, 0)`` with data pointers (0 where absent). The tensor maps embed q, k, v and o's addresses, so a
-    call encodes them (cached per pointer by cuflash.tma) into the head of the struct."""
+    call writes them into the head of the struct, kept joined per pointer tuple (tma.joined_encoder)."""
 
-    __slots__ = ("kernel_call", "maps", "spec")
+    __slots__ = ("kernel_call", "_maps", "spec")
 
     def __init__(self, kernel_call: KernelCall, maps: tuple, spec: FwdSm90Spec):
-        self.kernel_call, self.maps, self.spec = kernel_call, maps, spec
+        """``maps``: the encoders of q, k, v and o's tensor maps (tma.layout_encoder)."""
+        self.kernel_call, self.spec = kernel_call, spec
+        self._maps = tma.joined_encoder(maps)
 
     def __call__(self, stream: int, q: int, k: int, v: int, o: int, lse: int, alibi: int = 0, cu_seqlens_q: int = 0,
                  cu_seqlens_k: int = 0, block_table: int = 0, seqused_k: int = 0, dropout_seed: int = 0,
                  dropout_offset: int = 0, dropout_state: int = 0) -> None:
-        q_map, k_map, v_map, o_map = self.maps
         self.kernel_call.launch_head(
-            stream, q_map(q) + k_map(k) + v_map(v) + o_map(o)
+            stream, self._maps((q, k, v, o))
             + _POINTERS.pack(o, lse, alibi, cu_seqlens_q, cu_seqlens_k, dropout_state, dropout_seed, dropout_offset,
                              block_table, seqused_k))
 
