@@ -107,7 +107,7 @@ class Fp8Call:
     ``(nheads, total_q)``) and the problem's lengths are the maxima. The tensor maps embed the addresses: kept joined
     per pointer tuple (tma.joined_encoder)."""
 
-    __slots__ = ("transpose", "main", "maps", "vt_shape", "device_id")
+    __slots__ = ("transpose", "main", "_maps", "vt_shape", "device_id")
 
     def __init__(self, problem, q_strides: tuple, k_strides: tuple, v_strides: tuple, left: int, right: int,
                  softmax_scale: float | None, descale_stride: int, device_id: int, packed: tuple | None = None):
@@ -146,12 +146,12 @@ class Fp8Call:
             q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides), (128, 1, BLOCK_M, 1))
             k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides), (128, 1, BLOCK_N, 1))
         vt_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (BLOCK_N, spec.headdim, 1, 1))
-        self.maps = tma.joined_encoder((q_map, k_map, vt_map))
+        self._maps = tma.joined_encoder((q_map, k_map, vt_map))
 
     def __call__(self, stream: int, q: int, k: int, v: int, vt: int, o: int, lse: int = 0, q_descale: int = 0,
                  k_descale: int = 0, v_descale: int = 0, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0) -> None:
-        head = self.maps((q, k, vt)) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale, cu_seqlens_q,
-                                                           cu_seqlens_k)
+        head = self._maps((q, k, vt)) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale, cu_seqlens_q,
+                                                            cu_seqlens_k)
         self.transpose(stream, v, vt, cu_seqlens_k)  # (after the maps: a map the driver refuses raises first)
         self.main.launch_head(stream, head)
 
