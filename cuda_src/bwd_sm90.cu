@@ -147,6 +147,12 @@ struct BwdSm90 {
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
+    // d = 128: step t + 2's rows (lse, D) are stored into this step's buffer in the middle of step t, under its dQ,
+    // dV and dK products (the dS^T barrier has ended every read of the buffer's rows), and fetched a step before
+    // that, so that the warps storing them do not start the next step behind the others (docs/perf-notes.md, "rows
+    // in mid-step"). Not with the fixed point, whose row scales are read at the dQ additions, nor at d = 64 with 128
+    // rows, where it is slower; there both happen around the end-of-step barrier.
+    static constexpr bool MID_ROWS = PANELS == 2 && !FIXED;
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
     // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
     // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one makes ptxas spill.
@@ -159,6 +165,7 @@ struct BwdSm90 {
     int h_kv, b, q_begin, k_begin, n_key0;
     Mask<BAND> mask;
     bool backwards;  // this key block's walk in reverse (step_of)
+    float3 ahead;    // MID_ROWS: the rows of the step after next, in flight (threads < BM)
     float acc_dk[WG_PANELS * 8][4], acc_dv[WG_PANELS * 8][4];
 
     __device__ __forceinline__ explicit BwdSm90(const BwdSm90Params& params) : P(params), p(params.p) {}
@@ -331,7 +338,7 @@ struct BwdSm90 {
             }
     }
 
-    __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
+    __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int steps, int seqlen_q) {
         // Opaque per step (the same values): the shared-memory descriptors derived from them are made where used,
         // not hoisted out of the step loop and kept in registers across steps
         asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
@@ -442,6 +449,12 @@ struct BwdSm90 {
         }
         issue_keys_by_d(acc_dk, ds, q_tile(buf));
         sm90::wgmma_commit();
+        if constexpr (MID_ROWS) {  // step t + 2's rows into this buffer, the next ones' fetched
+            if (tid < BM && t + 2 < steps) {
+                store_rows(smem, tt + 2, ahead);
+                if (t + 3 < steps) ahead = fetch_rows(t + 3, m_min, m_count, seqlen_q);
+            }
+        }
         sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
         if constexpr (TMA_DQ) {
             add_dq_tma(dq[0], h, m * BM + half0 * 64, panel, tt, t == 0, lse + 2 * BM + half0 * 64);
@@ -726,14 +739,15 @@ struct BwdSm90 {
                     }
                     if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
                 }
+                if (MID_ROWS && tid < BM && steps > 2) ahead = fetch_rows(2, m_min, m_count, seq.seqlen_q);
                 __syncthreads();  // the rows of the first two steps
                 sm90::mbar_wait(kv_bar(), backwards);  // K and V of this key block
                 for (int t = 0; t < steps; ++t, ++tt) {
                     float3 next_rows;  // step t + 2's, in flight during this step
-                    if (tid < BM && t + 2 < steps)
+                    if (!MID_ROWS && tid < BM && t + 2 < steps)
                         next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
                     if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps);
-                    else step(smem, t, tt, m_min, m_count, seq.seqlen_q);
+                    else step(smem, t, tt, m_min, m_count, steps, seq.seqlen_q);
                     __syncthreads();  // every read of this buffer (and of dS^T) is done
                     if (t + 2 < steps) {
                         if constexpr (DSPLIT) {
@@ -741,7 +755,7 @@ struct BwdSm90 {
                         } else {
                             load_step(t + 2, tt + 2, m_min, m_count);
                         }
-                        if (tid < BM) store_rows(smem, tt + 2, next_rows);
+                        if (!MID_ROWS && tid < BM) store_rows(smem, tt + 2, next_rows);
                     }
                 }
                 __syncthreads();  // the last rows stores are read; K and V may be replaced; the last additions made
