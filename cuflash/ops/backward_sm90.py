@@ -100,7 +100,7 @@ class BwdSm90Spec:
     @property
     def smem_symbol(self) -> str:
         """The name expression of the shared-memory size bwd_sm90.cu states for this kernel (BwdSm90Smem, the layout
-        stated once there); build.smem_bytes reads it."""
+        stated once in bwd_sm90_layout.cuh); build.smem_bytes reads it."""
         return "&" + self.template.replace("bwd_sm90_kernel<", "bwd_sm90_smem_bytes<", 1)
 
 
