@@ -1,0 +1,500 @@
+// The Hopper backward (bwd_sm90.cu): the CTA's state and constants (BwdSm90), the loads, the masks and
+// probabilities, the step at d = 64 and 128, dK and dV out, and the walk over key blocks (run). The dQ
+// additions are defined in bwd_sm90_dq.cuh, the step at d = 256 in bwd_sm90_split.cuh.
+#pragma once
+#include "sm90.cuh"
+#include "mma.cuh"
+#include "mask.cuh"
+#include "score_mod.cuh"
+#include "seqlen.cuh"
+#include "fixed_dq.cuh"
+#include "params.cuh"
+#include "dropout.cuh"
+#include "bwd_sm90_layout.cuh"
+
+namespace cuflash {
+
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+struct BwdSm90 {
+    // d = 256: dK and dV of 128 keys would need 256 registers a thread, so a CTA holds 64 keys and its two warpgroups
+    // split the head dim instead of the keys: each computes S^T and dP^T for all 64 keys against its half of the
+    // step's queries, leaves P^T and dS^T in shared memory, and accumulates dK, dV and adds dQ for its 128 columns
+    // over all of them (step_split).
+    static constexpr bool DSPLIT = D == 256;
+    static constexpr int BN = DSPLIT ? 64 : 128, PANELS = D / 64, THREADS = 256;
+    static constexpr int WG_PANELS = DSPLIT ? PANELS / 2 : PANELS;  // 64-column panels of dK / dV a warpgroup holds
+    // S^T's n-tiles per warpgroup (DSPLIT: of its half of the queries), k-steps over queries, 64-query halves
+    static constexpr int NT = DSPLIT ? BM / 16 : BM / 8, KK = BM / 16, QH = BM / 64;
+    // dQ by TMA wherever each dQ element has one adding thread per step (all but d = 64 with 64 rows, where both
+    // warpgroups add to every element): a warpgroup's 64 x 64 fp32 tile is stored to a staging buffer (two boxes of
+    // 32 columns, 128-byte swizzle; two buffers, by step parity) and one thread adds it to dq_accum with bulk tensor
+    // reductions, which leave the compute threads as soon as they are issued.
+    static constexpr bool TMA_DQ = !(D == 64 && BM == 64);
+    using Smem = BwdSm90Smem<D, BM, TMA_DQ>;
+    using Tail = decltype(Smem::tail);
+    static constexpr u32 K_PANEL = BN * 128, Q_PANEL = BM * 128;  // bytes of one 64-column panel
+    static constexpr u32 DS_PANEL = BN * 128;                     // dS^T: all keys x 64 queries
+    static constexpr u32 KV_BYTES = sizeof(Smem::k), QD_BYTES = sizeof(Smem::q[0]);
+    static constexpr u32 DQ_BOX = sizeof(BwdSm90Tail<true>::dq[0][0][0]), DQ_TILE = 2 * DQ_BOX;
+    // byte offsets from the CTA's 1024-aligned base (K at 0; the dQ staging buffers first in the tail)
+    static constexpr u32 OFF_V = offsetof(Smem, v), OFF_Q = offsetof(Smem, q), OFF_DO = offsetof(Smem, dout);
+    static constexpr u32 OFF_DS = offsetof(Smem, ds), OFF_ROWS = offsetof(Smem, rows), OFF_DQ = offsetof(Smem, tail);
+    static constexpr u32 OFF_KV_BAR = OFF_DQ + offsetof(Tail, kv_full), OFF_QD_BAR = OFF_DQ + offsetof(Tail, qd_full);
+    static constexpr u32 OFF_PT = OFF_DS + sizeof(Smem::ds), OFF_DO_BAR = OFF_QD_BAR + sizeof(Tail::qd_full);
+    static constexpr u32 SMEM_BYTES = OFF_QD_BAR + sizeof(Tail::qd_full) + (DSPLIT ? 8 : 0) + 1024;  // + alignment
+    static_assert(BN == Smem::BN && sizeof(Smem::ds[0]) == DS_PANEL && offsetof(Smem, k) == 0 &&
+                  offsetof(BwdSm90Tail<true>, dq) == 0, "one layout");
+    static_assert(OFF_V % 1024 == 0 && OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_DS % 1024 == 0 &&
+                  QD_BYTES % 1024 == 0 && OFF_DQ % 1024 == 0, "every tile and staging panel 1024-aligned");
+    static_assert(OFF_QD_BAR == OFF_KV_BAR + 8, "the mbarriers side by side (initialized in one loop)");
+    static_assert(!DSPLIT || (OFF_PT % 1024 == 0 && OFF_PT + DS_PANEL <= OFF_ROWS), "P^T after dS^T, 1024-aligned");
+    static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
+    static_assert(D == 64 || D == 128 || (D == 256 && BM == 64 && !SCORE_MOD), "head dims 64, 128 and 256");
+    static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
+    static_assert(!DROPOUT || (BM == 64 && !FIXED && (!SCORE_MOD || D == 64)),
+                  "dropout: d 64 (a score mod too), 128, 256; 64 query rows");
+    // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
+    // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
+    static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64 && !DROPOUT;
+    // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
+    // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
+    static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
+    // d = 128: step t + 2's rows (lse, D) are stored into this step's buffer in the middle of step t, under its dQ,
+    // dV and dK products (the dS^T barrier has ended every read of the buffer's rows), and fetched a step before
+    // that, so that the warps storing them do not start the next step behind the others (docs/perf-notes.md, "rows
+    // in mid-step"). Not with the fixed point, whose row scales are read at the dQ additions, nor at d = 64 with 128
+    // rows, where it is slower; there both happen around the end-of-step barrier.
+    static constexpr bool MID_ROWS = PANELS == 2 && !FIXED;
+    // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
+    // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
+    // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one makes ptxas spill.
+    __device__ __forceinline__ static int uniform(int x) { return ROW_SPLIT ? x : sm90::warp_uniform(x); }
+
+    const BwdSm90Params& P;
+    const BwdParams& p;
+    int tid, wg, warp, lane;
+    u32 base;
+    int h_kv, b, q_begin, k_begin, n_key0;
+    Mask<BAND> mask;
+    bool backwards;  // this key block's walk in reverse (step_of)
+    float3 ahead;    // MID_ROWS: the rows of the step after next, in flight (threads < BM)
+    float acc_dk[WG_PANELS * 8][4], acc_dv[WG_PANELS * 8][4];
+
+    __device__ __forceinline__ explicit BwdSm90(const BwdSm90Params& params) : P(params), p(params.p) {}
+
+    __device__ __forceinline__ u32 q_tile(int buf) const { return base + OFF_Q + buf * QD_BYTES; }
+    __device__ __forceinline__ u32 do_tile(int buf) const { return base + OFF_DO + buf * QD_BYTES; }
+    __device__ __forceinline__ float* rows(char* smem, int buf) const {
+        return reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + OFF_ROWS) + buf * 3 * BM;
+    }
+    __device__ __forceinline__ u32 kv_bar() const { return base + OFF_KV_BAR; }
+    __device__ __forceinline__ u32 qd_bar(int buf) const { return base + OFF_QD_BAR + 8 * buf; }
+    __device__ __forceinline__ u32 do_bar() const { return base + OFF_DO_BAR; }  // DSPLIT
+
+    __device__ __forceinline__ void load_box(u32 dst, const sm90::TmaMap* map, int col, int head, int begin, int row,
+                                             u32 bar) const {
+        sm90::tma_load_rows(dst, map, p.cu_seqlens_q != nullptr, col, head, begin, row, b, bar);
+    }
+
+    // Step t of the walk over (query head of the group, query block): which head and block. A CTA with several key
+    // blocks (deterministic mode's slots) walks every other one backwards, so that the dQ slice lines and Q/dO tiles
+    // it touched last are the first it needs again, while some may still be in L2.
+    __device__ __forceinline__ void step_of(int t, int m_min, int m_count, int& h, int& m) const {
+        if (backwards) t = m_count * p.heads_per_kv - 1 - t;
+        h = h_kv * p.heads_per_kv + t / m_count;
+        m = m_min + t % m_count;
+    }
+
+    // Issue (thread 0) the TMA loads of Q and dO of step t into buffer tt % 2.
+    __device__ __forceinline__ void load_step(int t, int tt, int m_min, int m_count) const {
+        if (tid != 0) return;
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        const int buf = tt % 2;
+        sm90::mbar_arrive_expect_tx(qd_bar(buf), 2 * QD_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn) {
+            load_box(q_tile(buf) + pn * Q_PANEL, &P.q, pn * 64, h, q_begin, m * BM, qd_bar(buf));
+            load_box(do_tile(buf) + pn * Q_PANEL, &P.dout, pn * 64, h, q_begin, m * BM, qd_bar(buf));
+        }
+    }
+
+    // DSPLIT (thread 0): Q of step t into buffer tt % 2 (on its Q barrier), or dO of step t into the one dO tile.
+    __device__ __forceinline__ void load_q(int t, int tt, int m_min, int m_count) const {
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        const int buf = tt % 2;
+        sm90::mbar_arrive_expect_tx(qd_bar(buf), QD_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+            load_box(q_tile(buf) + pn * Q_PANEL, &P.q, pn * 64, h, q_begin, m * BM, qd_bar(buf));
+    }
+    __device__ __forceinline__ void load_do(int t, int m_min, int m_count) const {
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        sm90::mbar_arrive_expect_tx(do_bar(), QD_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+            load_box(do_tile(0) + pn * Q_PANEL, &P.dout, pn * 64, h, q_begin, m * BM, do_bar());
+    }
+
+    // Threads < BM: lse_log2 and D of row `tid` of step t, read from global memory into registers a step ahead (the
+    // load's latency hides behind a step's work) and stored to the rows of buffer tt % 2 once that buffer is free.
+    // Fixed point (deterministic mode 2): the row's dQ scale too, which bwd_fixed_scale wrote (fixed_dq.cuh), fetched
+    // like lse and D: making it here from |dO|, D and the KV head's bounds, or copying it by cp.async into a ring of
+    // its own, costs more (docs/perf-notes.md).
+    __device__ __forceinline__ float3 fetch_rows(int t, int m_min, int m_count, int seqlen_q) const {
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        const int row = m * BM + tid;
+        if (row >= seqlen_q) return make_float3(__int_as_float(0x7f800000), 0.f, 0.f);  // lse +inf: P = 0
+        const i64 i = SeqInfo::offset(q_begin, p.lse_batch_stride, 1, row) + (i64)h * p.lse_head_stride;
+        return make_float3(p.lse_log2[i], p.dsum[i], FIXED ? p.dq_scale[i] : 0.f);
+    }
+    __device__ __forceinline__ void store_rows(char* smem, int tt, float3 r) const {
+        float* at = rows(smem, tt % 2);
+        at[tid] = r.x;
+        at[BM + tid] = r.y;
+        if (FIXED) at[2 * BM + tid] = r.z;
+    }
+
+    // S^T or dP^T of this warpgroup's 64 keys against the BM queries of a buffer (A = keys tile, B = queries tile).
+    __device__ __forceinline__ void issue_keys_by_queries(float (&acc)[NT][4], u32 keys, u32 queries) const {
+        const auto desc0 = sm90::smem_desc(base);
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const u32 a_at = keys + wg * 64 * 128 + (ks / 4) * K_PANEL + (ks % 4) * 32;
+            const u32 q_at = queries + (ks / 4) * Q_PANEL + (ks % 4) * 32;
+            const auto a = ROW_SPLIT ? sm90::smem_desc(a_at) : sm90::desc_advance(desc0, a_at - base);
+            const auto q = ROW_SPLIT ? sm90::smem_desc(q_at) : sm90::desc_advance(desc0, q_at - base);
+            if constexpr (BM == 64)
+                sm90::wgmma_m64n64k16_ss<T>(*reinterpret_cast<float(*)[32]>(&acc[0][0]), a, q, ks > 0);
+            else
+                sm90::wgmma_m64n128k16_ss<T>(*reinterpret_cast<float(*)[64]>(&acc[0][0]), a, q, ks > 0);
+        }
+        sm90::wgmma_commit();
+    }
+
+    // acc (+)= A B over the BM queries, A (keys x queries) from registers, B a queries x D tile (MN-major).
+    __device__ __forceinline__ void issue_keys_by_d(float (&acc)[PANELS * 8][4], const u32 (&a)[KK][4], u32 tile) {
+        const auto desc0 = sm90::smem_desc_mn(base, Q_PANEL);
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn) {
+                const u32 at = tile + pn * Q_PANEL + kk * 2048;
+                sm90::wgmma_m64n64k16_rs<T>(*reinterpret_cast<float(*)[32]>(&acc[pn * 8][0]), a[kk],
+                                            ROW_SPLIT ? sm90::smem_desc_mn(at, Q_PANEL)
+                                                      : sm90::desc_advance(desc0, at - base), true);
+            }
+    }
+
+    // Key `key` of this sequence is in query `query`'s band and below seqlen_k (queries past seqlen_q have lse +inf).
+    __device__ __forceinline__ bool visible(int key, int query) const {
+        bool in = key < mask.seqlen_k;
+        if (BAND) {
+            if (mask.left >= 0) in = in && key >= query + mask.diag - mask.left;
+            if (mask.right >= 0) in = in && key <= query + mask.diag + mask.right;
+        }
+        return in;
+    }
+
+    // Every key of this CTA's block is below seqlen_k and in the band of every query of block m (queries past
+    // seqlen_q need no mask: their lse is +inf). Most steps: they skip the per-element mask.
+    __device__ __forceinline__ bool all_visible(int m) const {
+        bool all = n_key0 + BN <= mask.seqlen_k;
+        if (BAND) {
+            if (mask.right >= 0) all = all && n_key0 + BN - 1 <= m * BM + mask.diag + mask.right;
+            if (mask.left >= 0) all = all && n_key0 >= m * BM + BM - 1 + mask.diag - mask.left;
+        }
+        return all;
+    }
+
+    // P^T = exp2(S^T scale - lse), in place; MASKED: 0 where the key is not visible to the query. Per key (a
+    // thread holds two), the visible queries are one interval, so an element costs two compares. st's columns are
+    // queries m BM + col0 .. (col0: DSPLIT's query half), whose lse start at `lse`.
+    template <bool MASKED>
+    __device__ __forceinline__ void probabilities(float (&st)[NT][4], const float* lse, int key0, int m,
+                                                  int col0 = 0) const {
+        const int col_lane = 2 * (lane % 4);
+        int lo[2], hi[2];  // visible columns c (query m BM + col0 + col_lane + c) of key key0 + 8 i: lo <= c < hi
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int key = key0 + 8 * i, q0 = m * BM + col0 + col_lane;
+            lo[i] = 0;
+            hi[i] = key < mask.seqlen_k ? NT * 8 : 0;
+            if (BAND) {
+                if (mask.right >= 0) lo[i] = max(lo[i], key - mask.diag - mask.right - q0);
+                if (mask.left >= 0) hi[i] = min(hi[i], key - mask.diag + mask.left + 1 - q0);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * j + e % 2;
+                const float prob = exp2f(st[j][e] * p.scale_log2 - lse[col_lane + c]);
+                st[j][e] = !MASKED || (c >= lo[e / 2] && c < hi[e / 2]) ? prob : 0.f;
+            }
+    }
+
+    // Dropout: P^T's fragments times the keep mask M. Fragment [kk][r] packs elements [2 kk + r / 2][2 (r % 2)] and
+    // [..][2 (r % 2) + 1] (sm90::a_fragment): keep bits 8 kk + 2 r and 8 kk + 2 r + 1, its low and high halves.
+    __device__ __forceinline__ static void drop_fragments(u32 (&a)[KK][4], u32 kept) {
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const u32 bits = kept >> (8 * kk + 2 * r);
+                a[kk][r] &= (bits & 1u) * 0xFFFFu + (bits & 2u) * 0x7FFF8000u;
+            }
+    }
+
+    __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int steps, int seqlen_q) {
+        // Opaque per step (the same values): the shared-memory descriptors derived from them are made where used,
+        // not hoisted out of the step loop and kept in registers across steps
+        asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
+        base = uniform(base);
+        int h, m;
+        step_of(t, m_min, m_count, h, m);
+        const int buf = uniform(tt % 2);
+        const float* lse = rows(smem, buf);
+        const float* dsum = lse + BM;
+        // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
+        const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
+        // dropout: the keep bits of this warp's 16 keys x BM queries (bit 4 j + e: element [j][e]), drawn while Q and
+        // dO load and before S^T and dP^T take their registers (beside them, at d = 128, ptxas spills)
+        u32 kept = ~0u;
+        if constexpr (DROPOUT) {
+            if (p.dropout_threshold < (int)Dropout::LEVELS)
+                kept = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT>((key0 - lane / 4) / 16,
+                                                                                   m * BM / 16, lane);
+        }
+        sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);
+        float st[NT][4], dpt[NT][4];
+        sm90::wgmma_fence();
+        issue_keys_by_queries(st, base, q_tile(buf));
+        issue_keys_by_queries(dpt, base + OFF_V, do_tile(buf));
+        // Issue order: dV as soon as P^T is in registers (EARLY_DV), then, once dS^T is in shared memory, dQ (then
+        // dV if not yet) and dK, so that dQ's reductions overlap the wgmma after it. A fragment register an in-flight
+        // wgmma reads is not touched again before the wait that ends it.
+        u32 a[KK][4], ds[KK][4];
+        if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
+            const ScoreMod mod{p.mod_scale, p.softcap,
+                               p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f, mask.diag};
+            sm90::wgmma_wait<0>();
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col;
+                    float dmod;
+                    const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
+                    const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
+                    float dp = dpt[j][e];
+                    if constexpr (DROPOUT) dp = (kept >> (4 * j + e)) & 1u ? dp * p.dropout_scale : 0.f;
+                    st[j][e] = prob;
+                    dpt[j][e] = prob * (dp - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
+                }
+            sm90::a_fragments<T>(st, a);
+            if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M
+        } else {
+            sm90::wgmma_wait<1>();  // S^T (dP^T still computing)
+            if (all_visible(m)) probabilities<false>(st, lse, key0, m);
+            else probabilities<true>(st, lse, key0, m);
+            // P^T's fragments: BM = 128 packs them after dS, so that its floats and fragments are not both live
+            if constexpr (BM == 64) sm90::a_fragments<T>(st, a);
+            if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M (its 1 / keep applied in store_dkdv)
+            if constexpr (EARLY_DV) {
+                sm90::wgmma_fence();
+                issue_keys_by_d(acc_dv, a, do_tile(buf));
+                sm90::wgmma_commit();
+                sm90::wgmma_wait<1>();  // dP^T (dV still computing)
+            } else {
+                sm90::wgmma_wait<0>();  // dP^T
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                    float dp = dpt[j][e];
+                    if constexpr (DROPOUT) dp = (kept >> (4 * j + e)) & 1u ? dp * p.dropout_scale : 0.f;
+                    dpt[j][e] = st[j][e] * (dp - dsum[col]) * p.softmax_scale;  // dS^T, in place
+                }
+            if constexpr (BM == 128) sm90::a_fragments<T>(st, a);
+        }
+        sm90::a_fragments<T>(dpt, ds);
+        // dS^T to shared memory, 128-byte swizzled rows of keys, one panel per 64 queries: (key r, query c) at
+        // (c / 64) DS_PANEL + r 128 + (((c % 64) / 8) ^ (r % 8)) 16 + (c % 8) 2
+        const u32 ds_tile = base + OFF_DS;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int r = wg * 64 + warp * 16 + lane / 4 + 8 * hh;
+                const u32 addr = ds_tile + (j / 8) * DS_PANEL + r * 128 + (((j % 8) ^ (r % 8)) * 16) + (lane % 4) * 4;
+                sm90::st_shared_b32(addr, ds[j / 2][(j % 2) * 2 + hh]);
+            }
+        sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
+        if (PANELS == 2 || ROW_SPLIT) __syncthreads();  // both dS^T halves
+        else sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);  // its own keys only
+        // dQ over 64 columns, as 64-row halves: d = 128, panel wg, all BM rows, over all 128 keys; d = 64 with 128
+        // rows (ROW_SPLIT), the half wg over all 128 keys; d = 64 with 64 rows, all of it over its own 64 keys
+        constexpr int KEYS = PANELS == 2 || ROW_SPLIT ? BN : 64, HALVES = ROW_SPLIT ? 1 : QH;
+        const int key_base = KEYS == BN ? 0 : wg * 64, panel = PANELS == 2 ? wg : 0, half0 = ROW_SPLIT ? wg : 0;
+        float dq[HALVES][8][4];
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int qh = 0; qh < HALVES; ++qh)
+#pragma unroll
+            for (int kk = 0; kk < KEYS / 16; ++kk)
+                sm90::wgmma_m64n64k16_ss_mn<T>(*reinterpret_cast<float(*)[32]>(&dq[qh][0][0]),
+                                               sm90::smem_desc_mn(ds_tile + (half0 + qh) * DS_PANEL +
+                                                                  (key_base + kk * 16) * 128, DS_PANEL),
+                                               sm90::smem_desc_mn(base + panel * K_PANEL + (key_base + kk * 16) * 128,
+                                                                  K_PANEL), kk > 0);
+        sm90::wgmma_commit();
+        if constexpr (!EARLY_DV) {
+            issue_keys_by_d(acc_dv, a, do_tile(buf));
+            sm90::wgmma_commit();
+        }
+        issue_keys_by_d(acc_dk, ds, q_tile(buf));
+        sm90::wgmma_commit();
+        if constexpr (MID_ROWS) {  // step t + 2's rows into this buffer, the next ones' fetched
+            if (tid < BM && t + 2 < steps) {
+                store_rows(smem, tt + 2, ahead);
+                if (t + 3 < steps) ahead = fetch_rows(t + 3, m_min, m_count, seqlen_q);
+            }
+        }
+        sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
+        if constexpr (TMA_DQ) {
+            add_dq_tma(dq[0], h, m * BM + half0 * 64, panel, tt, t == 0, lse + 2 * BM + half0 * 64);
+            sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
+            if (tid % 128 == 0) sm90::bulk_wait_read<1>();  // the staging buffer of step tt + 1 is read out
+        } else {
+            add_dq_red(dq, h, m, seqlen_q);
+            sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
+        }
+    }
+
+    // d = 256 (DSPLIT): its step and the products it issues (bwd_sm90_split.cuh)
+    __device__ __forceinline__ void issue_keys_by_query_half(float (&acc)[NT][4], u32 keys, u32 queries) const;
+    __device__ __forceinline__ void issue_keys_by_d_half(float (&acc)[WG_PANELS * 8][4], u32 a_tile, u32 tile) const;
+    __device__ __forceinline__ void issue_dq_panel(float (&dq)[8][4], int pn) const;
+    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps);
+
+    // dQ added to dq_accum: by vector reductions, or by TMA from a staging tile (bwd_sm90_dq.cuh)
+    __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;
+    __device__ __forceinline__ void add_dq_tma(const float (&dq)[8][4], int h, int row0, int panel, int tt, bool first,
+                                               const float* scales) const;
+
+    // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
+    __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int key = n_key0 + (DSPLIT ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * hh;
+            if (key >= seqlen_k) continue;
+            u16* dk =
+                p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
+            u16* dv =
+                p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
+#pragma unroll
+            for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
+                const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane % 4);
+                if (D > 64 && col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
+                const float dv_scale = DROPOUT ? p.dropout_scale : 1.f;  // dropout: dV = (P M)^T dO / keep
+                *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
+                *reinterpret_cast<u32*>(dv + col) =
+                    pack2<T>(acc_dv[dt][2 * hh] * dv_scale, acc_dv[dt][2 * hh + 1] * dv_scale);
+            }
+        }
+    }
+
+    __device__ __forceinline__ void run(char* smem) {
+        tid = threadIdx.x;
+        wg = uniform(tid / 128);
+        warp = (tid / 32) % 4;
+        lane = tid % 32;
+        base = (smem_u32(smem) + 1023) & ~1023u;
+        h_kv = blockIdx.y;
+        b = blockIdx.z;
+        const SeqInfo seq(p, b);
+        q_begin = seq.q_begin;
+        k_begin = seq.k_begin;
+        const int diag = seq.seqlen_k - seq.seqlen_q;
+        mask = Mask<BAND>{seq.seqlen_k, diag, p.window_left, p.window_right};
+        const int m_blocks = ceil_div(seq.seqlen_q, BM);  // (key blocks: in the loop's test, or ptxas spills)
+        if (tid == 0) {
+            for (int i = 0; i < (DSPLIT ? 4 : 3); ++i) sm90::mbar_init(kv_bar() + 8 * i, 1);  // kv, qd[2] (, dO)
+            sm90::mbar_fence_init();
+        }
+        __syncthreads();
+        int tt = 0;  // steps so far (the Q/dO barriers' phases)
+        // Slot x takes key blocks x, 2 slots - 1 - x, 2 slots + x, ... (a snake: under a causal mask every two of
+        // them make the same number of steps for every slot), walking every other one backwards (atomic mode: one).
+        // Each key block completes one phase of the K/V barrier (its loads, or a bare arrival where it has no
+        // steps), so that phase's parity is `backwards`: no counter of loads stays live beside the step loop, which
+        // at 255 registers (d = 64, 128 query rows) newer ptxas versions would spill.
+        backwards = false;
+        for (int n = blockIdx.x; n < ceil_div(mask.seqlen_k, BN);
+             n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
+            n_key0 = n * BN;
+            // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
+            int m_min = 0, m_max = m_blocks;
+            if (BAND) {
+                if (p.window_right >= 0) m_min = max(0, floor_div(n * BN - diag - p.window_right, BM));
+                if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
+            }
+            const int m_count = max(0, m_max - m_min), steps = m_count * p.heads_per_kv;
+#pragma unroll
+            for (int dt = 0; dt < WG_PANELS * 8; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
+            if (tid == 0 && steps == 0) sm90::mbar_arrive(kv_bar());  // this key block's K/V phase
+            if (steps > 0) {
+                if (tid == 0) {
+                    sm90::mbar_arrive_expect_tx(kv_bar(), 2 * KV_BYTES);
+#pragma unroll
+                    for (int pn = 0; pn < PANELS; ++pn) {
+                        load_box(base + pn * K_PANEL, &P.k, pn * 64, h_kv, k_begin, n_key0, kv_bar());
+                        load_box(base + OFF_V + pn * K_PANEL, &P.v, pn * 64, h_kv, k_begin, n_key0, kv_bar());
+                    }
+                }
+                for (int t = 0; t < 2 && t < steps; ++t) {
+                    if constexpr (DSPLIT) {
+                        if (tid == 0) load_q(t, tt + t, m_min, m_count);
+                        if (tid == 0 && t == 0) load_do(t, m_min, m_count);
+                    } else {
+                        load_step(t, tt + t, m_min, m_count);
+                    }
+                    if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
+                }
+                if (MID_ROWS && tid < BM && steps > 2) ahead = fetch_rows(2, m_min, m_count, seq.seqlen_q);
+                __syncthreads();  // the rows of the first two steps
+                sm90::mbar_wait(kv_bar(), backwards);  // K and V of this key block
+                for (int t = 0; t < steps; ++t, ++tt) {
+                    float3 next_rows;  // step t + 2's, in flight during this step
+                    if (!MID_ROWS && tid < BM && t + 2 < steps)
+                        next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
+                    if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps);
+                    else step(smem, t, tt, m_min, m_count, steps, seq.seqlen_q);
+                    __syncthreads();  // every read of this buffer (and of dS^T) is done
+                    if (t + 2 < steps) {
+                        if constexpr (DSPLIT) {
+                            if (tid == 0) load_q(t + 2, tt + 2, m_min, m_count);
+                        } else {
+                            load_step(t + 2, tt + 2, m_min, m_count);
+                        }
+                        if (!MID_ROWS && tid < BM) store_rows(smem, tt + 2, next_rows);
+                    }
+                }
+                __syncthreads();  // the last rows stores are read; K and V may be replaced; the last additions made
+            }
+            store_dkdv(seq.seqlen_k);
+        }
+        if (TMA_DQ && tid % 128 == 0) sm90::bulk_wait<0>();  // every dQ addition made, no staging buffer still read
+    }
+};
+
+}  // namespace cuflash
