@@ -105,6 +105,23 @@ struct BwdSm90 {
         m = m_min + t % m_count;
     }
 
+    // The start of step t (the tt-th of this CTA): base and the mask's values made opaque per step, so that the
+    // shared-memory descriptors derived from them are made where used, not hoisted out of the step loop and kept in
+    // registers across steps; the step's head, query block, buffer and rows (lse, then D at + BM).
+    struct StepAt {
+        int h, m, buf;
+        const float* lse;
+    };
+    __device__ __forceinline__ StepAt begin_step(char* smem, int t, int tt, int m_min, int m_count) {
+        asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
+        base = uniform(base);
+        StepAt at;
+        step_of(t, m_min, m_count, at.h, at.m);
+        at.buf = uniform(tt % 2);
+        at.lse = rows(smem, at.buf);
+        return at;
+    }
+
     // Issue (thread 0) the TMA loads of Q and dO of step t into buffer tt % 2.
     __device__ __forceinline__ void load_step(int t, int tt, int m_min, int m_count) const {
         if (tid != 0) return;
@@ -251,14 +268,7 @@ struct BwdSm90 {
     }
 
     __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int steps, int seqlen_q) {
-        // Opaque per step (the same values): the shared-memory descriptors derived from them are made where used,
-        // not hoisted out of the step loop and kept in registers across steps
-        asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
-        base = uniform(base);
-        int h, m;
-        step_of(t, m_min, m_count, h, m);
-        const int buf = uniform(tt % 2);
-        const float* lse = rows(smem, buf);
+        const auto [h, m, buf, lse] = begin_step(smem, t, tt, m_min, m_count);
         const float* dsum = lse + BM;
         // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
         const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;

@@ -60,6 +60,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::step_split(
     char* smem, int t, int tt, int m_min, int m_count, int steps) {
+    // begin_step's work, written out: through it ptxas schedules this kernel differently (not measured)
     asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
     base = uniform(base);
     int h, m;
