@@ -34,8 +34,8 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 // A thread holds columns 8 j + 2 (lane % 4) + {0, 1} of rows lane / 4 (+ 8): a half-warp's 8-byte stores of one
 // j fall on 4 chunk pairs twice each (rows 2i and 2i + 1 share a pair), two wavefronts where one would do. At
 // d = 256 odd rows store j ^ 2 in j's turn instead (the other chunk pair of the same box), so that each half-warp
-// covers all 32 banks once: 2-10% faster there. At d = 128 the selects cost more than the conflicts (1-2%
-// slower, docs/perf-notes.md).
+// covers all 32 banks once. At d = 128 the selects cost more than the conflicts save, so the plain order stays
+// there (docs/perf-notes.md, the dQ staging stores).
 // Deterministic mode 1: each slot adds to its own slice in program order. The steps of one key block add to
 // disjoint rows (one query block of one head each), so only the first step of a key block, which may add to the
 // rows of the last step before it (the zigzag walk), waits until the slot's earlier additions are made. Mode 2:
