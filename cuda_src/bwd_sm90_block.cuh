@@ -59,12 +59,14 @@ struct BwdSm90 {
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
-    // d = 128: step t + 2's rows (lse, D) are stored into this step's buffer in the middle of step t, under its dQ,
-    // dV and dK products (the dS^T barrier has ended every read of the buffer's rows), and fetched a step before
-    // that, so that the warps storing them do not start the next step behind the others (docs/perf-notes.md, "rows
-    // in mid-step"). Not with the fixed point, whose row scales are read at the dQ additions, nor at d = 64 with 128
-    // rows, where it is slower; there both happen around the end-of-step barrier.
-    static constexpr bool MID_ROWS = PANELS == 2 && !FIXED;
+    // d = 128 and 256: step t + 2's rows (lse, D, the fixed point's dQ scale) are stored in the middle of step t,
+    // under its dQ, dV and dK products, into the third of three rows buffers (the one step t - 1 read), and fetched a
+    // step before that, so that the warps storing them do not start the next step behind the others
+    // (docs/perf-notes.md, "rows in mid-step"). Not at d = 64, where it is slower with 128 rows: there both happen
+    // around the end-of-step barrier, with two buffers.
+    static constexpr bool MID_ROWS = PANELS == 2 || DSPLIT;
+    static constexpr int ROW_BUFS = MID_ROWS ? 3 : 2;  // rows buffers: step tt's is tt % ROW_BUFS
+    static_assert(sizeof(Smem::rows) == ROW_BUFS * 3 * BM * 4, "one rows buffer per step in flight");
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
     // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
     // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one makes ptxas spill.
@@ -118,7 +120,7 @@ struct BwdSm90 {
         StepAt at;
         step_of(t, m_min, m_count, at.h, at.m);
         at.buf = uniform(tt % 2);
-        at.lse = rows(smem, at.buf);
+        at.lse = rows(smem, tt % ROW_BUFS);
         return at;
     }
 
@@ -169,7 +171,7 @@ struct BwdSm90 {
         return make_float3(p.lse_log2[i], p.dsum[i], FIXED ? p.dq_scale[i] : 0.f);
     }
     __device__ __forceinline__ void store_rows(char* smem, int tt, float3 r) const {
-        float* at = rows(smem, tt % 2);
+        float* at = rows(smem, tt % ROW_BUFS);
         at[tid] = r.x;
         at[BM + tid] = r.y;
         if (FIXED) at[2 * BM + tid] = r.z;
@@ -371,7 +373,7 @@ struct BwdSm90 {
         }
         issue_keys_by_d(acc_dk, ds, q_tile(buf));
         sm90::wgmma_commit();
-        if constexpr (MID_ROWS) {  // step t + 2's rows into this buffer, the next ones' fetched
+        if constexpr (MID_ROWS) {  // step t + 2's rows stored, step t + 3's fetched
             if (tid < BM && t + 2 < steps) {
                 store_rows(smem, tt + 2, ahead);
                 if (t + 3 < steps) ahead = fetch_rows(t + 3, m_min, m_count, seqlen_q);
@@ -392,7 +394,7 @@ struct BwdSm90 {
     __device__ __forceinline__ void issue_keys_by_query_half(float (&acc)[NT][4], u32 keys, u32 queries) const;
     __device__ __forceinline__ void issue_keys_by_d_half(float (&acc)[WG_PANELS * 8][4], u32 a_tile, u32 tile) const;
     __device__ __forceinline__ void issue_dq_panel(float (&dq)[8][4], int pn) const;
-    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps);
+    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps, int seqlen_q);
 
     // dQ added to dq_accum: by vector reductions, or by TMA from a staging tile (bwd_sm90_dq.cuh)
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;
@@ -487,7 +489,7 @@ struct BwdSm90 {
                     float3 next_rows;  // step t + 2's, in flight during this step
                     if (!MID_ROWS && tid < BM && t + 2 < steps)
                         next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
-                    if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps);
+                    if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps, seq.seqlen_q);
                     else step(smem, t, tt, m_min, m_count, steps, seq.seqlen_q);
                     __syncthreads();  // every read of this buffer (and of dS^T) is done
                     if (t + 2 < steps) {

@@ -44,7 +44,7 @@ template <int D, int BM, bool TMA_DQ> struct BwdSm90Smem {
     unsigned char k[BN * D * 2], v[BN * D * 2];          // this CTA's keys and values, resident per key block
     unsigned char q[2][BM * D * 2], dout[2][BM * D * 2];  // Q and dO of a step, double-buffered by step parity
     unsigned char ds[BM / 64][BN * 128];                  // dS^T: all keys x 64 queries per panel
-    float rows[2][3][BM];                                 // per buffer: lse_log2, D and the fixed-point dQ scale
+    float rows[D == 128 ? 3 : 2][3][BM];  // per buffer: lse_log2, D and the fixed-point dQ scale (BwdSm90::ROW_BUFS)
     BwdSm90Tail<TMA_DQ> tail;
 };
 
@@ -63,7 +63,7 @@ template <int BM, bool TMA_DQ> struct BwdSm90Smem<256, BM, TMA_DQ> {
     unsigned char q[2][BM * D * 2], dout[1][BM * D * 2];
     unsigned char ds[BM / 64][BN * 128];  // dS^T: 64 keys x 64 queries
     unsigned char pt[BN * 128];           // P^T, the same
-    float rows[2][3][BM];
+    float rows[3][3][BM];  // three buffers (BwdSm90::ROW_BUFS)
     BwdSm90SplitTail<BM> tail;
 };
 

@@ -59,14 +59,14 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 // the second panel's staging tile is read out by TMA while the next step's S^T and dP^T compute.
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::step_split(
-    char* smem, int t, int tt, int m_min, int m_count, int steps) {
+    char* smem, int t, int tt, int m_min, int m_count, int steps, int seqlen_q) {
     // begin_step's work, written out: through it ptxas schedules this kernel differently (not measured)
     asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
     base = uniform(base);
     int h, m;
     step_of(t, m_min, m_count, h, m);
     const int buf = uniform(tt % 2);
-    const float* lse = rows(smem, buf);
+    const float* lse = rows(smem, tt % ROW_BUFS);
     const float* dsum = lse + BM;
     const int key0 = n_key0 + warp * 16 + lane / 4, col0 = wg * 32;
     // dropout: the keep bits of this warp's 16 keys x the warpgroup's 32 queries (bit 4 j + e: element [j][e]),
@@ -120,6 +120,10 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     issue_keys_by_d_half(acc_dv, base + OFF_PT, do_tile(0));
     issue_keys_by_d_half(acc_dk, base + OFF_DS, q_tile(buf));
     issue_dq_panel(dq, wg * WG_PANELS);
+    if (tid < BM && t + 2 < steps) {  // MID_ROWS: step t + 2's rows stored, step t + 3's fetched
+        store_rows(smem, tt + 2, ahead);
+        if (t + 3 < steps) ahead = fetch_rows(t + 3, m_min, m_count, seqlen_q);
+    }
     sm90::wgmma_wait<2>();  // dV: this warpgroup is done with dO
     if (wg == 1) {
         sm90::named_arrive<BwdBarrier::DoFree, 256>();
