@@ -144,6 +144,71 @@ struct Dropout {
             }
     }
 
+    // Rows = queries, applied to P packed as the A fragments of O += P V (sm90::a_fragment: a[2 ch + rh] holds row
+    // g + 8 rh, keys 16 kk + 8 ch + 2c (low half) and + 1 (high half)): the dropped elements of a warp's 16 rows from
+    // query row row16 16 on, x KT 16-key tiles from key16 on, set to 0. Of tiles 2j and 2j + 1 this thread draws
+    // tile 2j + odd and lane ^ 4 the other (one call per 16 elements); a last odd tile each draws itself.
+    //  - A word's bytes odd and odd + 2 (ch = 0, 1) are this thread's draws, the others its neighbour's. Each pair
+    //    goes to bits 7.. and 23.. (times 128), where adding (256 - threshold) 128 per 16-bit lane sets bit 15 or 31
+    //    when the draw is at or above the threshold: dropped.
+    //  - The four words' flags gather into one word by byte permutes: byte 2 ch + rh holds element (rh, ch)'s flag
+    //    of set 0 at bit 7 and of set 1 at bit 6. The neighbour's word crosses in one shuffle.
+    //  - A register's mask is one sign-replicating byte permute (0xFFFF per dropped half), applied by one AND.
+    // prmt's sign mode (which __byte_perm leaves out): a selector nibble of 8 + i replicates bit 7 of byte i of
+    // (hi:lo) over the result's byte.
+    static __device__ __forceinline__ u32 sign_bytes(u32 lo, u32 hi, u32 selector) {
+#ifdef __CUDA_ARCH__
+        u32 r;
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(selector));
+        return r;
+#else  // the same on the host (tests/dropout_warp.cpp)
+        const unsigned long long both = (unsigned long long)hi << 32 | lo;
+        u32 r = 0;
+        for (int i = 0; i < 4; ++i) {
+            const u32 nibble = (selector >> (4 * i)) & 0xFu, byte = (u32)(both >> (8 * (nibble & 7u))) & 0xFFu;
+            r |= ((nibble & 8u) ? ((byte & 0x80u) ? 0xFFu : 0u) : byte) << (8 * i);
+        }
+        return r;
+#endif
+    }
+    template <class Fragments>
+    __device__ __forceinline__ void drop_fragments(Fragments& pa, int row16, int key16, int lane) const {
+        constexpr int KT = sizeof(Fragments) / sizeof(pa[0]);
+        static_assert(sizeof(pa[0]) == 16, "A fragments of 16-key tiles");
+        const int g = lane / 4, odd = g % 2;
+        const u32 add = ((LEVELS - threshold) << 7) * 0x00010001u;
+        const u32 mine = odd ? 0x4341u : 0x4240u, theirs = odd ? 0x4240u : 0x4341u;  // bytes odd, odd + 2 to lanes
+#pragma unroll
+        for (int j = 0; j < (KT + 1) / 2; ++j) {
+            const bool lone = 2 * j + 1 == KT;  // a last odd tile: each thread draws its own
+            const uint4 w = pair(row16, key16 + 2 * j + (lone ? 0 : odd), g / 2, lane % 4);
+            const u32 words[4] = {w.x, w.y, w.z, w.w};  // word 2 s + rh
+            u32 m[4], t[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                m[q] = __byte_perm(words[q], 0, mine) * 128u + add;
+                t[q] = __byte_perm(words[q], 0, theirs) * 128u + add;
+            }
+            // bytes (rh 0, ch 0), (1, 0), (0, 1), (1, 1): bit 15 (ch 0) and 31 (ch 1) of words rh and 2 + rh
+            const u32 own = (__byte_perm(m[0], m[1], 0x7351) & 0x80808080u) |
+                            ((__byte_perm(m[2], m[3], 0x7351) >> 1) & 0x40404040u);
+            u32 flags[2] = {own, own};
+            if (!lone) {
+                const u32 sent = (__byte_perm(t[0], t[1], 0x7351) & 0x80808080u) |
+                                 ((__byte_perm(t[2], t[3], 0x7351) >> 1) & 0x40404040u);
+                const u32 got = __shfl_xor_sync(0xFFFFFFFFu, sent, 4);
+                flags[0] = odd ? got : own;  // tile 2j
+                flags[1] = odd ? own : got;  // tile 2j + 1
+            }
+#pragma unroll
+            for (int x = 0; x < (lone ? 1 : 2); ++x) {
+                const u32 set1 = flags[x] << 1;  // set 1's flags to bit 7
+#pragma unroll
+                for (int r = 0; r < 4; ++r) pa[2 * j + x][r] &= ~sign_bytes(flags[x], set1, 0xCC88u + 0x1111u * r);
+            }
+        }
+    }
+
     // Rows = keys (the backward's S^T): a warp's 16 keys from key key16 16 on, x NT 8-query tiles from query row
     // query16 16 on (NT even); bit 4 nt + e of the result set where element [nt][e] (key g + 8 (e / 2), query
     // 8 nt + 2c + e % 2) is kept (NT <= 8). That element is draw 4 ch + e (ch = nt % 2) of set g % 2 of pair

@@ -185,7 +185,7 @@ struct FwdSm90 {
                 sm90::mbar_arrive(s.smem.empty(prev, 1));
                 epilogue().store_done(done, done_softmax);
                 s.zero_o();
-                sm90::a_fragments<T>(sc[0], pa);
+                mainloop().pack(sc, pa, next.n_max - 1);
             } else {
                 mainloop().last_pv(pa, last);
                 epilogue().store_done(done, s.softmax);

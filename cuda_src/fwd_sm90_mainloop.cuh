@@ -91,19 +91,23 @@ struct FwdSm90Mainloop {
             s.tile.mask.apply_row(sc[0], 1, r + 8, col_lane);
         }
         s.softmax.template update_scores<FIRST, MASK>(sc, s.p.scale_log2, alpha);
-        if constexpr (Tr::DROPOUT) drop(sc[0], n);
     }
 
     // Dropout (DROPOUT kernels, where the call asks for it): this warp's probabilities of block n that the mask
-    // drops set to 0, after the row sums took them (out = (P M / keep) V; the epilogue scales by 1 / keep). The keep
-    // bits of the warp's 16 rows: one Philox set per 16 x 16 tile and thread (dropout.cuh).
-    template <int NT>
-    __device__ __forceinline__ void drop(float (&p)[NT][4], int n) const {
-        if (s.p.dropout_threshold >= (int)Dropout::LEVELS) return;
-        u32 words[(4 * NT + 31) / 32];
-        Dropout::of(s.p, s.tile.b * s.p.nheads + s.tile.h).template keep_rows<NT>(words, s.warp_row0() / 16,
-                                                                                   n * BN / 16, s.lane);
-        Dropout::drop<NT>(p, words);
+    // drops set to 0 in P's A fragments, after the row sums took them (out = (P M / keep) V; the epilogue scales by
+    // 1 / keep). One Philox call per 16 elements (dropout.cuh).
+    __device__ __forceinline__ void drop(Fragments& pa, int n) const {
+        if constexpr (Tr::DROPOUT) {
+            if (s.p.dropout_threshold >= (int)Dropout::LEVELS) return;
+            Dropout::of(s.p, s.tile.b * s.p.nheads + s.tile.h).drop_fragments(pa, s.warp_row0() / 16, n * BN / 16,
+                                                                               s.lane);
+        }
+    }
+
+    // P of block n as the A fragments of O += P V, dropout applied.
+    __device__ __forceinline__ void pack(const Scores& sc, Fragments& pa, int n) const {
+        sm90::a_fragments<T>(sc[0], pa);
+        drop(pa, n);
     }
 
     // probabilities() of block t of the walk (n = range.n_max - 1 - t), masked where the block needs it.
@@ -161,14 +165,21 @@ struct FwdSm90Mainloop {
         probabilities<MASK, FIRST>(sc, n, alpha);
         if (!FIRST) OnlineSoftmax<1>::rescale(s.acc_o, alpha);
         sm90::mbar_wait(full(slot, 1), pass_of<STAGES>(t));
-        sm90::wgmma_fence();
+        if constexpr (Tr::DROPOUT) {
+            Fragments pa;
+            pack(sc, pa, n);
+            sm90::wgmma_fence();
+            issue_pv(pa, slot);
+        } else {
+            sm90::wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {  // P packed a fragment at a time, next to its wgmma
-            u32 a[4];
-            sm90::a_fragment<T>(sc[0], kk, a);
-            issue_pv_k16(a, kk, slot);
+            for (int kk = 0; kk < BN / 16; ++kk) {  // P packed a fragment at a time, next to its wgmma
+                u32 a[4];
+                sm90::a_fragment<T>(sc[0], kk, a);
+                issue_pv_k16(a, kk, slot);
+            }
+            sm90::wgmma_commit();
         }
-        sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
     }
 
@@ -226,7 +237,7 @@ struct FwdSm90Mainloop {
         sm90::mbar_arrive(empty(slot, 0));
         s_done(0, count);
         first_probabilities(range, sc, alpha);
-        sm90::a_fragments<T>(sc[0], pa);
+        pack(sc, pa, range.n_max - 1);
     }
 
     // Blocks 1 .. count - 1: S of block t and O += P V of block t - 1 in flight together, then block t's softmax
@@ -246,7 +257,7 @@ struct FwdSm90Mainloop {
             sm90::wgmma_wait<0>();  // and O += P V of block t - 1
             sm90::mbar_arrive(empty(prev, 1));
             OnlineSoftmax<1>::rescale(s.acc_o, alpha);
-            sm90::a_fragments<T>(sc[0], pa);
+            pack(sc, pa, range.n_max - 1 - t);
         }
     }
 
@@ -308,7 +319,7 @@ struct FwdSm90Mainloop {
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(empty(slot_of<STAGES>(last), 0));
         probabilities_of<true>(range, wg, sc, alpha);
-        sm90::a_fragments<T>(sc[0], pa);
+        pack(sc, pa, range.n_max - 1 - wg);
         for (int t = wg + 1; t < count; ++t) {
             const int it = it0 + t;
             if (t % WGS != wg) {
@@ -325,7 +336,7 @@ struct FwdSm90Mainloop {
             sm90::wgmma_wait<0>();  // and O += P V of the block before
             sm90::mbar_arrive(empty(prev, 1));
             OnlineSoftmax<1>::rescale(s.acc_o, alpha);
-            sm90::a_fragments<T>(sc[0], pa);
+            pack(sc, pa, range.n_max - 1 - t);
             last = it;
         }
         last_pv(pa, last);

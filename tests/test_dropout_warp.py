@@ -1,7 +1,8 @@
 """cuda_src/dropout.cuh's own code, run on the host with 32 threads as a warp's lanes (tests/dropout_warp.cpp, built
 with the host's C++ compiler; skipped without one): keep_rows (the forward's layout) and keep_mask_cols (the
 backward's transposed one) give every element of 1 to 8 16 x 16 tiles the keep bit of cuflash.reference.dropout_keep,
-in the mma.sync C-fragment positions, for seeds and offsets across their 64 bits."""
+in the mma.sync C-fragment positions, and drop_fragments (the Hopper forward's, on P's A fragments) zeroes exactly the
+dropped elements of 1 to 8 tiles, an odd count included, for seeds and offsets across their 64 bits."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -35,19 +36,20 @@ def warp(tmp_path_factory):
 
 
 @pytest.mark.parametrize("seed, offset, p", CASES)
-@pytest.mark.parametrize("nt", [2, 4, 6, 8, 16])
+@pytest.mark.parametrize("nt", [2, 4, 6, 8, 10, 16])
 def test_dropout_cuh_lanes_match_the_reference(warp, seed, offset, p, nt):
     bh, R, C = 7, 2, 1
     keep = ref.dropout_keep(seed, offset, 1, bh + 1, 16 * (nt // 2 + 3), 16 * (nt // 2 + 3), p)[0, bh]
     threshold = ref.dropout_threshold(p)
-    rows = warp(seed, offset, bh, threshold, "rows", nt, R, C)
-    for lane in range(32):
-        g, c = lane // 4, lane % 4
-        for n in range(nt):
-            for e in range(4):
-                bit = 4 * n + e
-                row, col = 16 * R + g + 8 * (e // 2), 16 * C + 8 * n + 2 * c + e % 2
-                assert bool((rows[lane][bit // 32] >> (bit % 32)) & 1) == keep[row, col], ("keep_rows", lane, n, e)
+    for mode in ("rows", "frags"):
+        out = warp(seed, offset, bh, threshold, mode, nt, R, C)
+        for lane in range(32):
+            g, c = lane // 4, lane % 4
+            for n in range(nt):
+                for e in range(4):
+                    bit = 4 * n + e
+                    row, col = 16 * R + g + 8 * (e // 2), 16 * C + 8 * n + 2 * c + e % 2
+                    assert bool((out[lane][bit // 32] >> (bit % 32)) & 1) == keep[row, col], (mode, lane, n, e)
     if nt > 8:
         return
     cols = warp(seed, offset, bh, threshold, "cols", nt, R, C)

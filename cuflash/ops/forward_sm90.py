@@ -220,10 +220,9 @@ def o_tma(headdim: int) -> int:
 
 
 # Dropout runs on one variant per head dim, with or without a score mod: the head dim's default
-# (cuflash.ops.forward.SM90_DEFAULT_VARIANTS), but at d = 64 the two-warpgroup ws_n128 (with three warpgroups of 160
-# registers the keep bits spill), and at d = 256 lockstep (pingpong_n80's 80-key blocks fail dropout.cuh's
-# static_assert on pairs of 8-key tiles).
-DROPOUT_VARIANTS = {64: "ws_n128", 128: "pingpong_n128", 256: "lockstep"}
+# (cuflash.ops.forward.SM90_DEFAULT_VARIANTS), but at d = 64 the two-warpgroup ws_n128 (three warpgroups are 14% slower
+# with dropout at 1k causal keys, 7-10% faster at 4k-16k; docs/perf-notes.md, "dropout variants").
+DROPOUT_VARIANTS = {64: "ws_n128", 128: "pingpong_n128", 256: "pingpong_n80"}
 
 # Paged keys (block_table) run on the lockstep kernel (PAGED: its CTA barriers let every thread zero the tail of a
 # sequence's last V block), with 128-key blocks where the head dim has them (64 at d = 256), without dropout.
