@@ -394,7 +394,8 @@ struct BwdSm90 {
     __device__ __forceinline__ void issue_keys_by_query_half(float (&acc)[NT][4], u32 keys, u32 queries) const;
     __device__ __forceinline__ void issue_keys_by_d_half(float (&acc)[WG_PANELS * 8][4], u32 a_tile, u32 tile) const;
     __device__ __forceinline__ void issue_dq_panel(float (&dq)[8][4], int pn) const;
-    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps, int seqlen_q);
+    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps,
+                                               int seqlen_q);
 
     // dQ added to dq_accum: by vector reductions, or by TMA from a staging tile (bwd_sm90_dq.cuh)
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;

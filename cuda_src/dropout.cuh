@@ -144,16 +144,6 @@ struct Dropout {
             }
     }
 
-    // Rows = queries, applied to P packed as the A fragments of O += P V (sm90::a_fragment: a[2 ch + rh] holds row
-    // g + 8 rh, keys 16 kk + 8 ch + 2c (low half) and + 1 (high half)): the dropped elements of a warp's 16 rows from
-    // query row row16 16 on, x KT 16-key tiles from key16 on, set to 0. Of tiles 2j and 2j + 1 this thread draws
-    // tile 2j + odd and lane ^ 4 the other (one call per 16 elements); a last odd tile each draws itself.
-    //  - A word's bytes odd and odd + 2 (ch = 0, 1) are this thread's draws, the others its neighbour's. Each pair
-    //    goes to bits 7.. and 23.. (times 128), where adding (256 - threshold) 128 per 16-bit lane sets bit 15 or 31
-    //    when the draw is at or above the threshold: dropped.
-    //  - The four words' flags gather into one word by byte permutes: byte 2 ch + rh holds element (rh, ch)'s flag
-    //    of set 0 at bit 7 and of set 1 at bit 6. The neighbour's word crosses in one shuffle.
-    //  - A register's mask is one sign-replicating byte permute (0xFFFF per dropped half), applied by one AND.
     // prmt's sign mode (which __byte_perm leaves out): a selector nibble of 8 + i replicates bit 7 of byte i of
     // (hi:lo) over the result's byte.
     static __device__ __forceinline__ u32 sign_bytes(u32 lo, u32 hi, u32 selector) {
@@ -171,6 +161,17 @@ struct Dropout {
         return r;
 #endif
     }
+
+    // Rows = queries, applied to P packed as the A fragments of O += P V (sm90::a_fragment: a[2 ch + rh] holds row
+    // g + 8 rh, keys 16 kk + 8 ch + 2c (low half) and + 1 (high half)): the dropped elements of a warp's 16 rows from
+    // query row row16 16 on, x KT 16-key tiles from key16 on, set to 0. Of tiles 2j and 2j + 1 this thread draws
+    // tile 2j + odd and lane ^ 4 the other (one call per 16 elements); a last odd tile each draws itself.
+    //  - A word's bytes odd and odd + 2 (ch = 0, 1) are this thread's draws, the others its neighbour's. Each pair
+    //    goes to bits 7.. and 23.. (times 128), where adding (256 - threshold) 128 per 16-bit lane sets bit 15 or 31
+    //    when the draw is at or above the threshold: dropped.
+    //  - The four words' flags gather into one word by byte permutes: byte 2 ch + rh holds element (rh, ch)'s flag
+    //    of set 0 at bit 7 and of set 1 at bit 6. The neighbour's word crosses in one shuffle.
+    //  - A register's mask is one sign-replicating byte permute (0xFFFF per dropped half), applied by one AND.
     template <class Fragments>
     __device__ __forceinline__ void drop_fragments(Fragments& pa, int row16, int key16, int lane) const {
         constexpr int KT = sizeof(Fragments) / sizeof(pa[0]);
