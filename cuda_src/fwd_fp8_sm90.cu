@@ -8,8 +8,10 @@
 // of each 16. So slot s of a chunk holds key 16 (s / 16) + {2c, 2c + 1, 2c + 8, 2c + 9}[s % 4], c = (s % 16) / 4,
 // in V^T, and the sum over the chunk's keys is the same.
 // One CTA: 128 query rows of one head, as two consumer warpgroups of 64 rows, and a producer warpgroup whose thread 0
-// loads Q once and K, V^T blocks of 128 keys into a ring of STAGES slots. Per block, in each consumer warpgroup:
-//     S  = Q K^T                     wgmma m64n128k32 ss (both K-major)
+// loads Q once and K, V^T blocks of BN keys into a ring of STAGES slots. BN is 128, or 224 at d = 128 without a
+// window (FA3's FP8 d = 128 tile: a block's fixed costs, the row max and sum reductions, O's rescale and the waits,
+// spread over 1.75 times the scores). Per block, in each consumer warpgroup:
+//     S  = Q K^T                     wgmma m64n{BN}k32 ss (both K-major)
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
 //     O += P V                       wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous)
@@ -47,9 +49,12 @@ struct FwdFp8Params {
 };
 static_assert(sizeof(FwdFp8Params) == 512, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
 
-template <int D, bool BAND, bool PIPE>
+template <int D, bool BAND, bool PIPE, int BN>
 struct FwdFp8 {
-    static constexpr int BM = 128, BN = 128, STAGES = D == 256 ? 2 : 4, THREADS = 384;
+    static constexpr int BM = 128, STAGES = D == 256 ? 2 : BN == 224 ? 3 : 4, THREADS = 384;
+    // V^T comes in boxes of 128 keys (one 128-byte swizzle span per row of the head dim): a 224-key block takes two,
+    // the second reaching 32 keys past the block (the next block's, or TMA's zero fill), which no wgmma reads.
+    static constexpr int V_BOXES = (BN + 127) / 128;
     static constexpr float P_SCALE = 256.f;  // P's scale before e4m3: probabilities down to 2^-14 stay normal
     // Each row's max and sum in CHAINS independent chains where that pays (A/B, docs/perf-notes.md): d 64, whose
     // GEMMs are shortest beside the softmax.
@@ -57,7 +62,8 @@ struct FwdFp8 {
     // 128-byte panels of a Q or K row (TMA boxes of 128 columns; at d 64 one, its second half TMA's zero fill)
     static constexpr int PANELS = D / 128 > 0 ? D / 128 : 1;
     static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
-    static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = D * BN;  // V^T: D rows
+    static constexpr u32 V_BOX = D * 128;  // V^T: D rows of 128 keys
+    static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = V_BOXES * V_BOX;
     // O += P V in N chunks of the head dim: 128 columns (64 at d 64)
     static constexpr int NCH = D == 64 ? 64 : 128, CHUNKS = D / NCH;
     // shared memory from the 1024-aligned base: Q, the K ring, the V^T ring, then the mbarriers
@@ -65,7 +71,8 @@ struct FwdFp8 {
     static constexpr u32 SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
     static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
-    static_assert(V_BYTES % 1024 == 0, "tiles of whole swizzle atoms");
+    static_assert(V_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles of whole swizzle atoms");
+    static_assert(BN == 128 || (BN == 224 && D == 128), "224-key blocks at d = 128");
 
     const FwdFp8Params& p;
     int tid, wg, warp, lane;
@@ -98,7 +105,10 @@ struct FwdFp8 {
             for (int pn = 0; pn < PANELS; ++pn)
                 sm90::tma_load_rows(base + OFF_K + slot * K_BYTES + pn * K_PANEL, &p.k, packed, pn * 128, h_kv,
                                     k_begin, n * BN, b, full(slot));
-            sm90::tma_load_4d(base + OFF_V + slot * V_BYTES, &p.vt, n * BN, 0, h_kv, b, full(slot));
+#pragma unroll
+            for (int vb = 0; vb < V_BOXES; ++vb)
+                sm90::tma_load_4d(base + OFF_V + slot * V_BYTES + vb * V_BOX, &p.vt, n * BN + vb * 128, 0, h_kv, b,
+                                  full(slot));
         }
     }
 
@@ -107,11 +117,12 @@ struct FwdFp8 {
 #pragma unroll
         for (int ks = 0; ks < D / 32; ++ks) {
             const u32 at = (ks / 4) * Q_PANEL + (ks % 4) * 32;
-            sm90::wgmma_m64n128k32_e4m3_ss(*reinterpret_cast<float(*)[64]>(&sc[0][0][0]),
-                                           sm90::smem_desc(base + wg * 64 * 128 + at),
-                                           sm90::smem_desc(base + OFF_K + slot * K_BYTES + (ks / 4) * K_PANEL +
-                                                           (ks % 4) * 32),
-                                           ks > 0);
+            const auto a = sm90::smem_desc(base + wg * 64 * 128 + at);
+            const auto k = sm90::smem_desc(base + OFF_K + slot * K_BYTES + (ks / 4) * K_PANEL + (ks % 4) * 32);
+            if constexpr (BN == 224)
+                sm90::wgmma_m64n224k32_e4m3_ss(*reinterpret_cast<float(*)[112]>(&sc[0][0][0]), a, k, ks > 0);
+            else
+                sm90::wgmma_m64n128k32_e4m3_ss(*reinterpret_cast<float(*)[64]>(&sc[0][0][0]), a, k, ks > 0);
         }
         sm90::wgmma_commit();
     }
@@ -130,13 +141,14 @@ struct FwdFp8 {
         }
     }
 
-    // O += P V over the block in `slot` (B = V^T, K-major: D rows of the block's 128 keys).
+    // O += P V over the block in `slot` (B = V^T, K-major: D rows of the block's keys, 128 a box).
     __device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 32][4], int slot) {
 #pragma unroll
         for (int kk = 0; kk < BN / 32; ++kk)
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c) {
-                const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + c * NCH * 128 + kk * 32);
+                const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + (kk / 4) * V_BOX + c * NCH * 128 +
+                                                  (kk % 4) * 32);
                 if constexpr (NCH == 128)
                     sm90::wgmma_m64n128k32_e4m3_rs(*reinterpret_cast<float(*)[64]>(&acc_o[0][c * 16][0]), pa[kk],
                                                    desc, true);
@@ -311,14 +323,14 @@ struct FwdFp8 {
     }
 };
 
-template <int D, bool BAND, bool PIPE>
+template <int D, bool BAND, bool PIPE, int BN>
 __global__ void __launch_bounds__(384, 1) fwd_fp8_sm90_kernel(const __grid_constant__ FwdFp8Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdFp8<D, BAND, PIPE> block(p);
+    FwdFp8<D, BAND, PIPE, BN> block(p);
     block.run(smem);
 }
 
-template <int D, bool BAND, bool PIPE>
-__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE>::SMEM_BYTES;
+template <int D, bool BAND, bool PIPE, int BN>
+__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE, BN>::SMEM_BYTES;
 
 }  // namespace cuflash

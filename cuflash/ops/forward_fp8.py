@@ -17,7 +17,13 @@ from .. import build, checks, plan, runtime, settings, tma
 from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
-BLOCK_M = BLOCK_N = 128
+BLOCK_M = 128
+# Keys per block: 128, or a wider block by head dim without a window (FA3's FP8 d = 128 tile has 224;
+# fwd_fp8_sm90.cu). A wide block costs WIDE_COST of a 128-key block's time per key, but the last block of a row is
+# padded to its width: the wide one runs where its padded keys cost less (a same-run A/B, docs/perf-notes.md, "FP8
+# 224-key blocks": -7% at 1k keys, +3% at 4k, +6% at 16k).
+WIDE_BLOCK_N = {128: 224}
+WIDE_COST = 0.93
 BF16 = np.dtype(ml_dtypes.bfloat16)
 P_SCALE = 256.0  # P's scale before its e4m3 conversion (the kernel's; reference.P_SCALE)
 
@@ -27,18 +33,20 @@ class FwdFp8Spec:
     headdim: int  # compiled: 64, 128, 256 (a call's head dim is a multiple of 16 up to it)
     band: bool
     pipelined: bool = False  # each block's softmax under the last block's P V (fwd_fp8_sm90.cu PIPE)
+    block_n: int = 128  # keys per block: 128, or WIDE_BLOCK_N's
 
     source = "fwd_fp8_sm90.cu"
     threads = 384
 
     @property
     def name(self) -> str:
-        return f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}{'_band' if self.band else ''}"
+        return (f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}{'_band' if self.band else ''}"
+                f"{'' if self.block_n == 128 else f'_n{self.block_n}'}")
 
     @property
     def template(self) -> str:
         flags = ", ".join("true" if f else "false" for f in (self.band, self.pipelined))
-        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {flags}>"
+        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {flags}, {self.block_n}>"
 
     @property
     def smem_symbol(self) -> str:
@@ -61,15 +69,24 @@ class Fp8TransposeSpec:
 PIPELINED = {64: True, 128: True, 256: False}
 
 
+def block_n(headdim: int, band: bool, seqlen_k: int) -> int:
+    """Keys per block of the compiled head dim for rows of seqlen_k keys: WIDE_BLOCK_N's where the model above
+    prefers it (no window), else 128."""
+    wide = None if band else WIDE_BLOCK_N.get(headdim)
+    if wide is None or -(-seqlen_k // wide) * wide * WIDE_COST >= -(-seqlen_k // 128) * 128:
+        return 128
+    return wide
+
+
 def all_specs() -> list:
-    return [FwdFp8Spec(d, band, pipe) for d in HEADDIMS for band in (False, True) for pipe in (False, True)] + [
-        Fp8TransposeSpec()]
+    return [FwdFp8Spec(d, band, pipe, n) for d in HEADDIMS for band in (False, True) for pipe in (False, True)
+            for n in {128, 128 if band else WIDE_BLOCK_N.get(d, 128)}] + [Fp8TransposeSpec()]
 
 
-def kernel_spec(headdim: int, band: bool) -> FwdFp8Spec:
+def kernel_spec(headdim: int, band: bool, seqlen_k: int) -> FwdFp8Spec:
     d = compiled_headdim(headdim)
     forced = settings.current().fp8_pipelined
-    return FwdFp8Spec(d, band, PIPELINED[d] if forced is None else bool(forced))
+    return FwdFp8Spec(d, band, PIPELINED[d] if forced is None else bool(forced), block_n(d, band, seqlen_k))
 
 
 def compiled_headdim(headdim: int) -> int:
@@ -116,7 +133,7 @@ class Fp8Call:
         rows_q, rows_k = packed or (sq, sk)
         self.vt_shape, self.device_id = vt_shape(problem), device_id
         keys = self.vt_shape[3]
-        spec = kernel_spec(d, left >= 0 or right >= 0)
+        spec = kernel_spec(d, left >= 0 or right >= 0, sk)
         tp = np.zeros((), dtype=TRANSPOSE_DTYPE)
         # packed: the row stride is the batch stride (cuda_src/seqlen.cuh)
         tp["v_batch_stride"], tp["v_row_stride"], tp["v_head_stride"] = (
@@ -141,11 +158,12 @@ class Fp8Call:
             q_map = tma.encoder("uint8", (d, h, rows_q), _map_strides((1, rows_q, h, d), (0,) + q_strides)[:2],
                                 (128, 1, BLOCK_M))
             k_map = tma.encoder("uint8", (d, hk, rows_k), _map_strides((1, rows_k, hk, d), (0,) + k_strides)[:2],
-                                (128, 1, BLOCK_N))
+                                (128, 1, spec.block_n))
         else:
             q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides), (128, 1, BLOCK_M, 1))
-            k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides), (128, 1, BLOCK_N, 1))
-        vt_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (BLOCK_N, spec.headdim, 1, 1))
+            k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides),
+                                (128, 1, spec.block_n, 1))
+        vt_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (128, spec.headdim, 1, 1))
         self._maps = tma.joined_encoder((q_map, k_map, vt_map))
 
     def __call__(self, stream: int, q: int, k: int, v: int, vt: int, o: int, lse: int = 0, q_descale: int = 0,

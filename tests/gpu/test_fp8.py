@@ -87,6 +87,17 @@ def test_fp8_forward_within_bound(fp8_form, b, sq, sk, hk, group, d, per, mask, 
     run_and_check(make(np.random.default_rng(seed), b, sq, sk, hk * group, hk, d, per), **options)
 
 
+@pytest.mark.parametrize("sk, block_n", [(150, 224), (300, 128), (600, 224), (1000, 128), (1800, 224)])
+@pytest.mark.parametrize("d", [112, 128])
+def test_fp8_forward_block_widths(fp8_form, sk, block_n, d):
+    """d 128 without a window on both block widths (forward_fp8.block_n picks one per seqlen_k), each row's last
+    block partial, the 224-key block's second V^T box past the keys."""
+    if not hopper():
+        pytest.skip("the FP8 kernel is sm_90a's")
+    assert forward_fp8.block_n(128, False, sk) == block_n
+    run_and_check(make(np.random.default_rng(sk + d), 2, 333, sk, 6, 2, d, "head"))
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp8_forward_outlier_channels(fp8_form, d):
     """A few head-dim columns of q and k 100x the rest (what per-tensor scaling of activations meets)."""
