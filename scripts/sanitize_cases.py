@@ -308,7 +308,7 @@ def _fp8_cases() -> list[dict]:
     return [
         dict(name="fp8_fwd_d128_gqa_head", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, sk=600),
              opts=dict(descale="head", return_lse=True)),
-        # 224-key blocks (forward_fp8.block_n), the ring of three refilled, the last second V^T box past the keys
+        # 224-key blocks (forward_fp8.block_n): the ring of three refilled, the last V^T box past the keys
         dict(name="fp8_fwd_d128_n224", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, sk=1800),
              opts=dict(descale="tensor", return_lse=True)),
         dict(name="fp8_fwd_d80_causal", fn="attention_fp8", dtype="bf16", shape=dict(SQ_GT_SK, d=80),
