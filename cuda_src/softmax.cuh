@@ -38,7 +38,7 @@ struct OnlineSoftmax {
     // is the factor the output accumulator must then be scaled by (see rescale; 1 when FIRST: nothing accumulated
     // yet). CHECK_INF: rows may be fully masked (max = -inf). CHAINS > 1 splits each row's max and sum into that many
     // independent chains (shorter dependency chains where the softmax is exposed rather than hidden under GEMMs).
-    template <bool FIRST, bool CHECK_INF, int CHAINS = 1, int NT>
+    template <bool FIRST, bool CHECK_INF, int CHAINS = 1, int LOG2_P = 0, int NT>
     __device__ __forceinline__ void update_scores(float (&s)[MT][NT][4], float scale_log2, float (&alpha)[MT][2]) {
         static_assert(NT % CHAINS == 0, "column tiles split evenly over the chains");
 #pragma unroll
@@ -60,6 +60,7 @@ struct OnlineSoftmax {
                 float m_safe = (CHECK_INF && m == NEG_INF) ? 0.f : m;
                 float neg_m_scaled = -m_safe * scale_log2;
                 alpha[mt][h] = FIRST ? 1.f : exp2f(fmaf(row_max[mt][h], scale_log2, neg_m_scaled));
+                if constexpr (LOG2_P != 0) neg_m_scaled += (float)LOG2_P;  // probabilities times 2^LOG2_P
                 row_max[mt][h] = m;
                 float sc[CHAINS];
 #pragma unroll
@@ -100,7 +101,7 @@ struct OnlineSoftmax {
     }
 
     // Deferred normalization: acc_o /= l once, and lse = ln(sum) + max (-inf for an empty row, whose output is 0).
-    template <int DT>
+    template <int LOG2_P = 0, int DT>
     __device__ __forceinline__ void finalize(float (&acc_o)[MT][DT][4], float scale_log2, float (&lse)[MT][2]) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -109,7 +110,7 @@ struct OnlineSoftmax {
                 float sum = quad_sum(row_sum[mt][h]);
                 bool empty = !(sum > 0.f);
                 float inv = empty ? 0.f : 1.f / sum;
-                lse[mt][h] = empty ? NEG_INF : (row_max[mt][h] * scale_log2 + __log2f(sum)) * LN2;
+                lse[mt][h] = empty ? NEG_INF : (row_max[mt][h] * scale_log2 + __log2f(sum) - LOG2_P) * LN2;
 #pragma unroll
                 for (int dt = 0; dt < DT; ++dt) {
                     acc_o[mt][dt][2 * h] *= inv;
