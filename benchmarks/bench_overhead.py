@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -50,7 +51,8 @@ import warnings
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported: share the GPU with torch
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if importlib.util.find_spec("cuflash") is None:  # a checkout without pip install; a PYTHONPATH package (an A/B's
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # base) is the one measured
 
 DENSE_SHAPES = {"small": (1, 128, 16, 64), "typical": (4, 1024, 16, 128)}  # (b, s, h, d), causal
 KV_SHAPES = {"b1 8k": (1, 8192), "b8 4k": (8, 4096)}                      # (batch, keys in the cache)
