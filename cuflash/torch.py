@@ -478,17 +478,11 @@ def _appended_rows(cache, batch: int, seqlen_new: int, cache_seqlens, cache_batc
 # Eager or traced: the ops when something traces or intercepts, else their implementations directly
 # --------------------------------------------------------------------------------------------
 
-def _eager(a, b, c) -> bool:
+def _eager(*tensors) -> bool:
     """A plain eager call on real tensors: nothing that should see the op is tracing or intercepting."""
-    return (not _compiling() and type(a) is _Tensor and type(b) is _Tensor and type(c) is _Tensor
-            and not _dispatch_modes() and not _functorch_active() and not _tracing())
-
-
-_Tensor = torch.Tensor
-_compiling = torch.compiler.is_compiling
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_functorch_active = torch._C._are_functorch_transforms_active
-_tracing = torch._C._get_tracing_state
+    return (not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors)
+            and not torch._C._len_torch_dispatch_stack() and not torch._C._are_functorch_transforms_active()
+            and not torch._C._get_tracing_state())
 
 
 def _eager_attention(q, k, v, args: tuple, deterministic: bool, return_lse: bool, dropout=None):
@@ -496,8 +490,7 @@ def _eager_attention(q, k, v, args: tuple, deterministic: bool, return_lse: bool
     offset, state) or None (:func:`_dropout`). With a gradient to track, under an autograd.Function (lse stays with
     the backward unless asked for); else the forward alone."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        apply = _apply_with_lse if return_lse else _apply
-        return apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), (*args, deterministic, dropout))
+        return (_EagerAttentionLse if return_lse else _EagerAttention).apply(q, k, v, (*args, deterministic, dropout))
     out, lse = _forward(q, k, v, *args, return_lse, dropout=dropout)
     return (out, lse) if return_lse else out
 
@@ -580,20 +573,6 @@ class _EagerAttentionLse(torch.autograd.Function):
         return (*_saved_backward(ctx, dout), None)
 
 
-def _c_apply(function):
-    """``function.apply`` without the Python wrapper of ``torch.autograd.Function.apply``: an eager call has already
-    ruled out functorch transforms (:func:`_eager`), which is all the wrapper looks at besides unwrapping dead
-    functorch wrappers (:func:`_unwrap_if_dead`, applied by the caller). The wrapper's own work costs several
-    microseconds per call."""
-    base = getattr(torch._C, "_FunctionBase", None)
-    method = base.__dict__.get("apply") if base is not None else None
-    return method.__get__(None, function) if hasattr(method, "__get__") else function.apply
-
-
-_apply, _apply_with_lse = _c_apply(_EagerAttention), _c_apply(_EagerAttentionLse)
-_unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", lambda t: t)
-
-
 def _saved_forward(ctx, q, k, v, args) -> tuple:
     """out, lse of an eager forward; what its backward needs saved in ``ctx`` (args: the forward's, deterministic,
     dropout)."""
@@ -669,13 +648,9 @@ def _forward_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_
                   causal, left, right, softcap, block_table=None, seqused_k=None, dropout_p=0.0) -> _Plan:
     """The forward's plan for the call's signature: looked up, else checked and planned."""
     try:
-        key = ("fwd", max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap, dropout_p,
-               q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-               k.device, v.device)
-        if alibi_slopes is not None or cu_seqlens_q is not None or cu_seqlens_k is not None or \
-                block_table is not None or seqused_k is not None:
-            key += (_signature(alibi_slopes), _signature(cu_seqlens_q), _signature(cu_seqlens_k),
-                    _signature(block_table), _signature(seqused_k))
+        key = ("fwd", max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap, _signature(q),
+               _signature(k), _signature(v), _signature(alibi_slopes), _signature(cu_seqlens_q),
+               _signature(cu_seqlens_k), _signature(block_table), _signature(seqused_k), dropout_p)
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # something that is not a tensor, or unhashable: the checks say what
         key = plan = None
