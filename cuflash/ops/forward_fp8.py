@@ -25,7 +25,6 @@ BLOCK_M = 128
 WIDE_BLOCK_N = {128: 224}
 WIDE_COST = 0.93
 BF16 = np.dtype(ml_dtypes.bfloat16)
-P_SCALE = 256.0  # P's scale before its e4m3 conversion (the kernel's; reference.P_SCALE)
 
 
 @dataclass(frozen=True)
