@@ -6,7 +6,8 @@
 // keys, as two warpgroups of 64 keys each, and loops over the query heads of its KV head and their BM-row query
 // blocks that see the keys (BM 64, or 128 at d = 64 without a score mod: twice the work per step for the same fixed
 // cost of barriers and waits).
-// Per query block, with K and V resident and Q, dO, lse, D double-buffered (TMA; thread 0 issues, lockstep):
+// Per query block, with K and V resident and Q, dO, lse, D double-buffered (TMA; at d = 64 and 256 thread 0 issues
+// and the warpgroups meet at a CTA barrier after each step; at d = 128 a producer warpgroup loads and adds dQ, WS):
 //     S^T  = K_w Q^T      wgmma m64n{BM} ss (A = this warpgroup's keys, K-major; B = Q, K-major)
 //     dP^T = V_w dO^T     wgmma m64n{BM} ss
 //     P^T = exp2(S^T scale - lse), masked; dS^T = P^T (dP^T - D) softmax_scale    (per query column)
@@ -35,15 +36,18 @@
 //  - bwd_sm90_block.cuh   the CTA (BwdSm90): its constants and state, the loads, masks and probabilities, the step
 //                         at d = 64 and 128, dK and dV out, the walk over key blocks (run);
 //  - bwd_sm90_dq.cuh      dQ added to dq_accum: by vector reductions, or by TMA from a staging tile;
-//  - bwd_sm90_split.cuh   the step at d = 256 (DSPLIT).
+//  - bwd_sm90_split.cuh   the step at d = 256 (DSPLIT);
+//  - bwd_sm90_ws.cuh      the warp-specialized CTA at d = 128 (WS): a producer warpgroup's roles, the consumers'
+//                         walk over key blocks.
 #include "bwd_sm90_block.cuh"
 #include "bwd_sm90_dq.cuh"
 #include "bwd_sm90_split.cuh"
+#include "bwd_sm90_ws.cuh"
 
 namespace cuflash {
 
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
-__global__ void __launch_bounds__(256, 1) bwd_sm90_kernel(const __grid_constant__ BwdSm90Params P) {
+__global__ void __launch_bounds__((BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::THREADS), 1) bwd_sm90_kernel(const __grid_constant__ BwdSm90Params P) {
     extern __shared__ __align__(1024) char smem[];
     BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT> block(P);
     block.run(smem);

@@ -21,7 +21,12 @@ struct BwdSm90 {
     // step's queries, leaves P^T and dS^T in shared memory, and accumulates dK, dV and adds dQ for its 128 columns
     // over all of them (step_split).
     static constexpr bool DSPLIT = D == 256;
-    static constexpr int BN = DSPLIT ? 64 : 128, PANELS = D / 64, THREADS = 256;
+    // d = 128: warp-specialized (bwd_sm90_ws.cuh). A producer warpgroup loads Q, dO and their rows ahead into two
+    // buffers and adds the dQ staging tiles by TMA; the two consumer warpgroups hand buffers back through mbarriers
+    // instead of meeting the producer at CTA barriers.
+    static constexpr bool WS = D == 128;
+    static constexpr int BN = DSPLIT ? 64 : 128, PANELS = D / 64, THREADS = WS ? 384 : 256;
+    static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // WS: setmaxnreg
     static constexpr int WG_PANELS = DSPLIT ? PANELS / 2 : PANELS;  // 64-column panels of dK / dV a warpgroup holds
     // S^T's n-tiles per warpgroup (DSPLIT: of its half of the queries), k-steps over queries, 64-query halves
     static constexpr int NT = DSPLIT ? BM / 16 : BM / 8, KK = BM / 16, QH = BM / 64;
@@ -41,7 +46,7 @@ struct BwdSm90 {
     static constexpr u32 OFF_DS = offsetof(Smem, ds), OFF_ROWS = offsetof(Smem, rows), OFF_DQ = offsetof(Smem, tail);
     static constexpr u32 OFF_KV_BAR = OFF_DQ + offsetof(Tail, kv_full), OFF_QD_BAR = OFF_DQ + offsetof(Tail, qd_full);
     static constexpr u32 OFF_PT = OFF_DS + sizeof(Smem::ds), OFF_DO_BAR = OFF_QD_BAR + sizeof(Tail::qd_full);
-    static constexpr u32 SMEM_BYTES = OFF_QD_BAR + sizeof(Tail::qd_full) + (DSPLIT ? 8 : 0) + 1024;  // + alignment
+    static constexpr u32 SMEM_BYTES = OFF_QD_BAR + sizeof(Tail::qd_full) + (DSPLIT ? 8 : 0) + (WS ? 32 : 0) + 1024;
     static_assert(BN == Smem::BN && sizeof(Smem::ds[0]) == DS_PANEL && offsetof(Smem, k) == 0 &&
                   offsetof(BwdSm90Tail<true>, dq) == 0, "one layout");
     static_assert(OFF_V % 1024 == 0 && OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_DS % 1024 == 0 &&
@@ -59,12 +64,12 @@ struct BwdSm90 {
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
-    // d = 128 and 256: step t + 2's rows (lse, D, the fixed point's dQ scale) are stored in the middle of step t,
+    // d = 256: step t + 2's rows (lse, D, the fixed point's dQ scale) are stored in the middle of step t,
     // under its dQ, dV and dK products, into the third of three rows buffers (the one step t - 1 read), and fetched a
     // step before that, so that the warps storing them do not start the next step behind the others
     // (docs/perf-notes.md, "rows in mid-step"). Not at d = 64, where it is slower with 128 rows: there both happen
     // around the end-of-step barrier, with two buffers.
-    static constexpr bool MID_ROWS = PANELS == 2 || DSPLIT;
+    static constexpr bool MID_ROWS = DSPLIT;
     static constexpr int ROW_BUFS = MID_ROWS ? 3 : 2;  // rows buffers: step tt's is tt % ROW_BUFS
     static_assert(sizeof(Smem::rows) == ROW_BUFS * 3 * BM * 4, "one rows buffer per step in flight");
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
@@ -92,6 +97,10 @@ struct BwdSm90 {
     __device__ __forceinline__ u32 kv_bar() const { return base + OFF_KV_BAR; }
     __device__ __forceinline__ u32 qd_bar(int buf) const { return base + OFF_QD_BAR + 8 * buf; }
     __device__ __forceinline__ u32 do_bar() const { return base + OFF_DO_BAR; }  // DSPLIT
+    // WS: the consumers' hand-backs (Q/dO and rows of a buffer, K/V), and the dQ warp's (staging buffers read out)
+    __device__ __forceinline__ u32 qd_empty(int buf) const { return base + OFF_DQ + offsetof(Tail, qd_empty) + 8 * buf; }
+    __device__ __forceinline__ u32 kv_empty() const { return base + OFF_DQ + offsetof(Tail, kv_empty); }
+    __device__ __forceinline__ u32 dq_empty() const { return base + OFF_DQ + offsetof(Tail, dq_empty); }
 
     __device__ __forceinline__ void load_box(u32 dst, const sm90::TmaMap* map, int col, int head, int begin, int row,
                                              u32 bar) const {
@@ -340,6 +349,9 @@ struct BwdSm90 {
         // dS^T to shared memory, 128-byte swizzled rows of keys, one panel per 64 queries: (key r, query c) at
         // (c / 64) DS_PANEL + r 128 + (((c % 64) / 8) ^ (r % 8)) 16 + (c % 8) 2
         const u32 ds_tile = base + OFF_DS;
+        if constexpr (WS) {  // the other consumer's dQ of the step before has read the tile
+            if (tt > 0) sm90::named_sync<256>(int(BwdBarrier::DsFree0) + wg);
+        }
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -349,7 +361,8 @@ struct BwdSm90 {
                 sm90::st_shared_b32(addr, ds[j / 2][(j % 2) * 2 + hh]);
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
-        if (PANELS == 2 || ROW_SPLIT) __syncthreads();  // both dS^T halves
+        if (WS) sm90::named_sync<BwdBarrier::DsReady, 256>();  // both dS^T halves (the consumers only)
+        else if (PANELS == 2 || ROW_SPLIT) __syncthreads();  // both dS^T halves
         else sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);  // its own keys only
         // dQ over 64 columns, as 64-row halves: d = 128, panel wg, all BM rows, over all 128 keys; d = 64 with 128
         // rows (ROW_SPLIT), the half wg over all 128 keys; d = 64 with 64 rows, all of it over its own 64 keys
@@ -380,10 +393,15 @@ struct BwdSm90 {
             }
         }
         sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
+        if (WS) sm90::named_arrive<256>(int(BwdBarrier::DsFree1) - wg);  // dS^T read: the other's next store waits
         if constexpr (TMA_DQ) {
             add_dq_tma(dq[0], h, m * BM + half0 * 64, panel, tt, t == 0, lse + 2 * BM + half0 * 64);
             sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
-            if (tid % 128 == 0) sm90::bulk_wait_read<1>();  // the staging buffer of step tt + 1 is read out
+            if constexpr (WS) {
+                sm90::mbar_arrive(qd_empty(buf));  // this thread is done with Q, dO and their rows
+            } else if (tid % 128 == 0) {
+                sm90::bulk_wait_read<1>();  // the staging buffer of step tt + 1 is read out
+            }
         } else {
             add_dq_red(dq, h, m, seqlen_q);
             sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
@@ -404,6 +422,8 @@ struct BwdSm90 {
 
     // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
+        // (WS: the sequence's start read again here rather than held through the step loop at 240 registers)
+        const int k_begin = WS ? SeqInfo::k_begin_of(p, b) : this->k_begin;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int key = n_key0 + (DSPLIT ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * hh;
@@ -424,7 +444,19 @@ struct BwdSm90 {
         }
     }
 
+    // d = 128 (WS): the warp-specialized CTA and its roles (bwd_sm90_ws.cuh)
+    template <class F> __device__ __forceinline__ void walk_key_blocks(int m_blocks, F&& f);
+    __device__ __forceinline__ void run_ws(char* smem);
+    __device__ __forceinline__ void produce_loads(int m_blocks);
+    __device__ __forceinline__ void produce_rows(char* smem, int m_blocks, int seqlen_q);
+    __device__ __forceinline__ void produce_dq(int m_blocks);
+    __device__ __forceinline__ void consume(char* smem, int m_blocks, int seqlen_q);
+
     __device__ __forceinline__ void run(char* smem) {
+        if constexpr (WS) {
+            run_ws(smem);
+            return;
+        }
         tid = threadIdx.x;
         wg = uniform(tid / 128);
         warp = (tid / 32) % 4;

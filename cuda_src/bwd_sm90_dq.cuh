@@ -44,6 +44,9 @@ template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DR
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::add_dq_tma(
     const float (&dq)[8][4], int h, int row0, int panel, int tt, bool first, const float* scales) const {
     const u32 tile = base + OFF_DQ + (DSPLIT ? 0 : (tt % 2) * 2 * DQ_TILE) + wg * DQ_TILE;
+    if constexpr (WS) {
+        if (tt > 0) sm90::mbar_wait(dq_empty(), (tt - 1) & 1);  // the dQ warp has read step tt - 2's tile out
+    }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int r = warp * 16 + lane / 4 + 8 * hh;
@@ -63,6 +66,10 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         }
     }
     sm90::fence_proxy_async();  // generic-proxy stores, read by TMA (async proxy) below
+    if constexpr (WS) {  // the dQ warp adds it (produce_dq)
+        sm90::named_arrive<160>(int(BwdBarrier::DqFull0) + wg);
+        return;
+    }
     sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);
     if (tid % 128 != 0) return;
     if (!FIXED && p.deterministic == 1 && first) sm90::bulk_wait<0>();

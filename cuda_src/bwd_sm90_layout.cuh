@@ -21,19 +21,28 @@ enum class BwdBarrier : int {
     Warpgroup1 = 2,
     DqOrder = 3,  // deterministic add_dq_red: warpgroup 0's reductions before warpgroup 1's (256 threads)
     DoFree = 4,   // d = 256: both warpgroups are done with the step's dO (warpgroup 1 arrives, 0 waits, then loads)
+    // The warp-specialized kernel (d = 128, BwdSm90::WS), over the consumer warpgroups wg = 0, 1:
+    DsReady = 5,  // both consumers' dS^T of the step stored (256 threads)
+    DsFree0 = 6,  // DsFree0 + wg: the other consumer's dQ has read the last step's dS^T (it arrives, wg waits; 256)
+    DsFree1 = 7,
+    DqFull0 = 8,  // DqFull0 + wg: consumer wg's dQ staging tile stored (its 128 threads arrive, the dQ warp waits; 160)
+    DqFull1 = 9,
 };
 static_assert(int(BwdBarrier::Warpgroup1) == int(BwdBarrier::Warpgroup0) + 1, "one barrier per warpgroup, by index");
+static_assert(int(BwdBarrier::DsFree1) == int(BwdBarrier::DsFree0) + 1 &&
+              int(BwdBarrier::DqFull1) == int(BwdBarrier::DqFull0) + 1, "one barrier per consumer, by index");
 
 // The end of the shared memory: with dQ added by TMA (TMA_DQ), its staging buffers, per step parity and warpgroup a
 // 64 x 64 fp32 tile as two boxes of 32 columns (64 lines of 128 bytes, 128-byte swizzle); then the mbarriers: K/V
-// full, and Q/dO full per buffer.
+// full, and Q/dO full per buffer; the warp-specialized kernel's (BwdSm90::WS) Q/dO empty per buffer, K/V empty,
+// and dQ staging free.
 template <bool TMA_DQ> struct BwdSm90Tail {
     alignas(1024) float dq[2][2][2][64][32];
-    unsigned long long kv_full, qd_full[2];
+    unsigned long long kv_full, qd_full[2], qd_empty[2], kv_empty, dq_empty;
 };
 template <> struct BwdSm90Tail<false> {  // dQ by vector reductions: the mbarriers only
     alignas(1024) unsigned long long kv_full;
-    unsigned long long qd_full[2];
+    unsigned long long qd_full[2], qd_empty[2], kv_empty, dq_empty;
 };
 
 // The shared memory of a CTA from its first 1024-byte boundary, as laid out; the kernel's offsets are offsetof this.
@@ -44,7 +53,7 @@ template <int D, int BM, bool TMA_DQ> struct BwdSm90Smem {
     unsigned char k[BN * D * 2], v[BN * D * 2];          // this CTA's keys and values, resident per key block
     unsigned char q[2][BM * D * 2], dout[2][BM * D * 2];  // Q and dO of a step, double-buffered by step parity
     unsigned char ds[BM / 64][BN * 128];                  // dS^T: all keys x 64 queries per panel
-    float rows[D == 128 ? 3 : 2][3][BM];  // per buffer: lse_log2, D and the fixed-point dQ scale (BwdSm90::ROW_BUFS)
+    float rows[2][3][BM];  // per Q/dO buffer: lse_log2, D and the fixed-point dQ scale (BwdSm90::ROW_BUFS)
     BwdSm90Tail<TMA_DQ> tail;
 };
 

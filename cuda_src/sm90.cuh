@@ -193,6 +193,9 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 template <int THREADS> __device__ __forceinline__ void named_sync(int id) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(THREADS) : "memory");
 }
+template <int THREADS> __device__ __forceinline__ void named_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(THREADS) : "memory");
+}
 template <auto ID, int THREADS> __device__ __forceinline__ void named_sync() {
     static_assert(int(ID) >= 1 && int(ID) <= 15, "named barrier ids are 1..15");
     asm volatile("bar.sync %0, %1;\n" ::"n"(int(ID)), "n"(THREADS) : "memory");

@@ -80,7 +80,11 @@ class BwdSm90Spec:
     dropout: bool = False  # BwdSm90::DROPOUT: regenerates the forward's dropout mask (dropout_spec)
 
     source = "bwd_sm90.cu"
-    threads = 256
+
+    @property
+    def threads(self) -> int:
+        """BwdSm90::THREADS: two consumer warpgroups, and at d = 128 a producer warpgroup before them (WS)."""
+        return 384 if self.headdim == 128 else 256
 
     @property
     def name(self) -> str:

@@ -1,0 +1,186 @@
+// The Hopper backward at d = 128, warp-specialized (BwdSm90::WS; the class in bwd_sm90_block.cuh). 384 threads:
+// warpgroup 0 produces, warpgroups 1 and 2 consume (as wg 0 and 1, their tid counted from 0).
+//  - Thread 0 loads by TMA: a key block's K and V once the consumers are done with the last one's (kv_empty), and a
+//    step's Q and dO once the consumers have handed its buffer back (qd_empty).
+//  - Warps 1-2, a thread per query row of a step: the step's rows (lse, D, the fixed point's dQ scale), into the
+//    same buffer once it is handed back. The 64 and thread 0 arrive on the buffer's qd_full, which also counts the
+//    copies' bytes.
+//  - Warp 3, the dQ warp: for each step and consumer, waits until the consumer's staging tile is stored
+//    (DqFull0 + wg), and its lane 0 adds the tile to dq_accum by TMA; once the step before's additions have read
+//    their tiles out, it hands that staging buffer back (dq_empty).
+// The consumers run BwdSm90::step with no CTA barrier: a step waits for its buffer (qd_full), the two consumers meet
+// to exchange dS^T halves (DsReady) and to free dS^T's tile (DsFree0 + wg), and every thread hands the buffer back
+// (qd_empty) once its products are done.
+#pragma once
+#include "bwd_sm90_block.cuh"
+#include "bwd_sm90_dq.cuh"
+
+namespace cuflash {
+
+// Calls f(m_min, m_count, steps) for each key block of this CTA's walk (bwd_sm90_block.cuh, run), with n_key0 and
+// backwards set: slot x takes key blocks x, 2 slots - 1 - x, 2 slots + x, ..., every other one walked backwards.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+template <class F>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::walk_key_blocks(int m_blocks,
+                                                                                                    F&& f) {
+    backwards = false;
+    for (int n = blockIdx.x; n < ceil_div(mask.seqlen_k, BN);
+         n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
+        n_key0 = n * BN;
+        // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
+        int m_min = 0, m_max = m_blocks;
+        if (BAND) {
+            if (p.window_right >= 0) m_min = max(0, floor_div(n * BN - mask.diag - p.window_right, BM));
+            if (p.window_left >= 0)
+                m_max = min(m_max, floor_div(n * BN + BN - 1 - mask.diag + p.window_left, BM) + 1);
+        }
+        const int m_count = max(0, m_max - m_min);
+        f(m_min, m_count, m_count * p.heads_per_kv);
+    }
+}
+
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::run_ws(char* smem) {
+    static_assert(offsetof(Tail, dq_empty) == offsetof(Tail, qd_full) + 40 && TMA_DQ && BM == 64 && !SCORE_MOD &&
+                      128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536,
+                  "its mbarriers after qd_full (SMEM_BYTES); dQ by TMA; 64 query rows (a rows thread each)");
+    tid = threadIdx.x;
+    base = (smem_u32(smem) + 1023) & ~1023u;
+    h_kv = blockIdx.y;
+    b = blockIdx.z;
+    const SeqInfo seq(p, b);  // (the producer reads the starts where it needs them: it has 24 registers)
+    mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
+    const int m_blocks = ceil_div(seq.seqlen_q, BM);
+    if (tid == 0) {
+        sm90::mbar_init(kv_bar(), 1);
+        sm90::mbar_init(kv_empty(), 256);  // every consumer thread's arrival (each read the buffer: racecheck)
+        sm90::mbar_init(dq_empty(), 1);
+        for (int i = 0; i < 2; ++i) {
+            sm90::mbar_init(qd_bar(i), BM + 1);  // the rows' threads and the copies'
+            sm90::mbar_init(qd_empty(i), 256);
+        }
+        sm90::mbar_fence_init();
+    }
+    __syncthreads();  // the kernel's only CTA barrier
+    if (sm90::warp_uniform(tid / 128) == 0) {
+        sm90::regs_dealloc<PRODUCER_REGS>();
+        const int w = sm90::warp_uniform(tid / 32);
+        if (w == 0) {
+            if (tid == 0) produce_loads(m_blocks);
+        } else if (w < 3) {
+            tid -= 32;  // the row
+            produce_rows(smem, m_blocks, seq.seqlen_q);
+        } else {
+            produce_dq(m_blocks);
+        }
+        return;
+    }
+    sm90::regs_alloc<CONSUMER_REGS>();
+    tid -= 128;
+    wg = uniform(tid / 128);
+    warp = (tid / 32) % 4;
+    lane = tid % 32;
+    consume(smem, m_blocks, seq.seqlen_q);
+}
+
+// Thread 0: the TMA loads.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_loads(int m_blocks) {
+    // Every key block completes one phase of kv_full (its loads, or a bare arrival where it has no steps) and one of
+    // kv_empty (the consumers' hand-back), so that key block i's phase parity is `backwards` (i % 2) and the
+    // consumers keep no counter of key blocks beside the step loop.
+    int tt = 0;  // steps so far (the buffers' phases)
+    bool first = true;
+    walk_key_blocks(m_blocks, [&](int m_min, int m_count, int steps) {
+        k_begin = SeqInfo::k_begin_of(p, b);
+        q_begin = SeqInfo::q_begin_of(p, b);
+        if (!first) sm90::mbar_wait(kv_empty(), !backwards);  // the key block before's hand-back
+        first = false;
+        if (steps == 0) {
+            sm90::mbar_arrive(kv_bar());
+            return;
+        }
+        sm90::mbar_arrive_expect_tx(kv_bar(), 2 * KV_BYTES);
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn) {
+            load_box(base + pn * K_PANEL, &P.k, pn * 64, h_kv, k_begin, n_key0, kv_bar());
+            load_box(base + OFF_V + pn * K_PANEL, &P.v, pn * 64, h_kv, k_begin, n_key0, kv_bar());
+        }
+        for (int t = 0; t < steps; ++t, ++tt) {
+            if (tt >= 2) sm90::mbar_wait(qd_empty(tt % 2), (tt / 2 - 1) & 1);  // step tt - 2 handed it back
+            load_step(t, tt, m_min, m_count);  // one arrival, announcing the copies' bytes
+        }
+    });
+}
+
+// Warps 1-2 (tid: the row): the rows of each step.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_rows(char* smem,
+                                                                                                 int m_blocks,
+                                                                                                 int seqlen_q) {
+    int tt = 0;
+    walk_key_blocks(m_blocks, [&](int m_min, int m_count, int steps) {
+        q_begin = SeqInfo::q_begin_of(p, b);
+        for (int t = 0; t < steps; ++t, ++tt) {
+            const float3 rows = fetch_rows(t, m_min, m_count, seqlen_q);  // in flight during the wait
+            if (tt >= 2) sm90::mbar_wait(qd_empty(tt % 2), (tt / 2 - 1) & 1);
+            store_rows(smem, tt, rows);
+            sm90::mbar_arrive(qd_bar(tt % 2));
+        }
+    });
+}
+
+// The dQ warp (warp 3).
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_dq(int m_blocks) {
+    const bool issuer = tid % 32 == 0;
+    const int slice = !FIXED && p.deterministic == 1 ? blockIdx.x : 0;
+    int tt = 0;
+    walk_key_blocks(m_blocks, [&](int m_min, int m_count, int steps) {
+        for (int t = 0; t < steps; ++t, ++tt) {
+            int h, m;
+            step_of(t, m_min, m_count, h, m);
+            // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b]
+            const int row = (p.cu_seqlens_q != nullptr ? SeqInfo::q_begin_of(p, b) : b * p.seqlen_q) + m * BM;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {  // consumer c's tile: dQ's columns 64 c ..
+                sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
+                if (issuer) {
+                    // slices (deterministic mode 1): a key block's first step may add to the last one's rows
+                    if (!FIXED && p.deterministic == 1 && t == 0 && c == 0) sm90::bulk_wait<0>();
+                    const u32 tile = base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + c * DQ_TILE;
+#pragma unroll
+                    for (int box = 0; box < 2; ++box)
+                        sm90::tma_reduce_add_4d(&P.dq, c * 64 + box * 32, h, row, slice, tile + box * DQ_BOX);
+                }
+            }
+            if (issuer) {
+                sm90::bulk_commit();
+                sm90::bulk_wait_read<1>();  // step tt - 1's tiles are read out: step tt + 1 may store there
+                sm90::mbar_arrive(dq_empty());
+            }
+        }
+    });
+    if (issuer) sm90::bulk_wait<0>();  // every addition made before the CTA's shared memory goes
+}
+
+// The consumers: the key blocks' steps, then dK and dV.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::consume(char* smem, int m_blocks,
+                                                                                            int seqlen_q) {
+    int tt = 0;
+    walk_key_blocks(m_blocks, [&](int m_min, int m_count, int steps) {
+#pragma unroll
+        for (int dt = 0; dt < WG_PANELS * 8; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
+        if (steps > 0) {
+            sm90::mbar_wait(kv_bar(), backwards);  // (produce_loads: a phase per key block)
+            for (int t = 0; t < steps; ++t, ++tt) step(smem, t, tt, m_min, m_count, steps, seqlen_q);
+        }
+        sm90::mbar_arrive(kv_empty());  // this thread's products are done with K and V
+        store_dkdv(mask.seqlen_k);
+    });
+}
+
+}  // namespace cuflash
