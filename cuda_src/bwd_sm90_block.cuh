@@ -444,8 +444,27 @@ struct BwdSm90 {
         }
     }
 
+    // Calls f(m_min, m_count, steps) for each key block of this CTA's walk, with n_key0 and backwards set; diag is
+    // read per key block (the lockstep kernel's local copy, or mask.diag as begin_step leaves it). Slot x
+    // takes key blocks x, 2 slots - 1 - x, 2 slots + x, ... (a snake: under a causal mask every two of them make the
+    // same number of steps for every slot), walking every other one backwards (atomic mode: one).
+    template <class F> __device__ __forceinline__ void walk_key_blocks(int m_blocks, const int& diag, F&& f) {
+        backwards = false;
+        for (int n = blockIdx.x; n < ceil_div(mask.seqlen_k, BN);
+             n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
+            n_key0 = n * BN;
+            // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
+            int m_min = 0, m_max = m_blocks;
+            if (BAND) {
+                if (p.window_right >= 0) m_min = max(0, floor_div(n * BN - diag - p.window_right, BM));
+                if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
+            }
+            const int m_count = max(0, m_max - m_min);
+            f(m_min, m_count, m_count * p.heads_per_kv);
+        }
+    }
+
     // d = 128 (WS): the warp-specialized CTA and its roles (bwd_sm90_ws.cuh)
-    template <class F> __device__ __forceinline__ void walk_key_blocks(int m_blocks, F&& f);
     __device__ __forceinline__ void run_ws(char* smem);
     __device__ __forceinline__ void produce_loads(int m_blocks);
     __device__ __forceinline__ void produce_rows(char* smem, int m_blocks, int seqlen_q);
@@ -476,22 +495,10 @@ struct BwdSm90 {
         }
         __syncthreads();
         int tt = 0;  // steps so far (the Q/dO barriers' phases)
-        // Slot x takes key blocks x, 2 slots - 1 - x, 2 slots + x, ... (a snake: under a causal mask every two of
-        // them make the same number of steps for every slot), walking every other one backwards (atomic mode: one).
         // Each key block completes one phase of the K/V barrier (its loads, or a bare arrival where it has no
         // steps), so that phase's parity is `backwards`: no counter of loads stays live beside the step loop, which
         // at 255 registers (d = 64, 128 query rows) newer ptxas versions would spill.
-        backwards = false;
-        for (int n = blockIdx.x; n < ceil_div(mask.seqlen_k, BN);
-             n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
-            n_key0 = n * BN;
-            // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
-            int m_min = 0, m_max = m_blocks;
-            if (BAND) {
-                if (p.window_right >= 0) m_min = max(0, floor_div(n * BN - diag - p.window_right, BM));
-                if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
-            }
-            const int m_count = max(0, m_max - m_min), steps = m_count * p.heads_per_kv;
+        walk_key_blocks(m_blocks, diag, [&](int m_min, int m_count, int steps) {
 #pragma unroll
             for (int dt = 0; dt < WG_PANELS * 8; ++dt)
 #pragma unroll
@@ -537,7 +544,7 @@ struct BwdSm90 {
                 __syncthreads();  // the last rows stores are read; K and V may be replaced; the last additions made
             }
             store_dkdv(seq.seqlen_k);
-        }
+        });
         if (TMA_DQ && tid % 128 == 0) sm90::bulk_wait<0>();  // every dQ addition made, no staging buffer still read
     }
 };

@@ -17,28 +17,6 @@
 
 namespace cuflash {
 
-// Calls f(m_min, m_count, steps) for each key block of this CTA's walk (bwd_sm90_block.cuh, run), with n_key0 and
-// backwards set: slot x takes key blocks x, 2 slots - 1 - x, 2 slots + x, ..., every other one walked backwards.
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
-template <class F>
-__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::walk_key_blocks(int m_blocks,
-                                                                                                    F&& f) {
-    backwards = false;
-    for (int n = blockIdx.x; n < ceil_div(mask.seqlen_k, BN);
-         n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
-        n_key0 = n * BN;
-        // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
-        int m_min = 0, m_max = m_blocks;
-        if (BAND) {
-            if (p.window_right >= 0) m_min = max(0, floor_div(n * BN - mask.diag - p.window_right, BM));
-            if (p.window_left >= 0)
-                m_max = min(m_max, floor_div(n * BN + BN - 1 - mask.diag + p.window_left, BM) + 1);
-        }
-        const int m_count = max(0, m_max - m_min);
-        f(m_min, m_count, m_count * p.heads_per_kv);
-    }
-}
-
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::run_ws(char* smem) {
     static_assert(offsetof(Tail, dq_empty) == offsetof(Tail, qd_full) + 40 && TMA_DQ && BM == 64 && !SCORE_MOD &&
@@ -91,7 +69,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     // consumers keep no counter of key blocks beside the step loop.
     int tt = 0;  // steps so far (the buffers' phases)
     bool first = true;
-    walk_key_blocks(m_blocks, [&](int m_min, int m_count, int steps) {
+    walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
         k_begin = SeqInfo::k_begin_of(p, b);
         q_begin = SeqInfo::q_begin_of(p, b);
         if (!first) sm90::mbar_wait(kv_empty(), !backwards);  // the key block before's hand-back
@@ -119,7 +97,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                                                                                                  int m_blocks,
                                                                                                  int seqlen_q) {
     int tt = 0;
-    walk_key_blocks(m_blocks, [&](int m_min, int m_count, int steps) {
+    walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
         q_begin = SeqInfo::q_begin_of(p, b);
         for (int t = 0; t < steps; ++t, ++tt) {
             const float3 rows = fetch_rows(t, m_min, m_count, seqlen_q);  // in flight during the wait
@@ -136,7 +114,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     const bool issuer = tid % 32 == 0;
     const int slice = !FIXED && p.deterministic == 1 ? blockIdx.x : 0;
     int tt = 0;
-    walk_key_blocks(m_blocks, [&](int m_min, int m_count, int steps) {
+    walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
         for (int t = 0; t < steps; ++t, ++tt) {
             int h, m;
             step_of(t, m_min, m_count, h, m);
@@ -169,7 +147,7 @@ template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DR
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::consume(char* smem, int m_blocks,
                                                                                             int seqlen_q) {
     int tt = 0;
-    walk_key_blocks(m_blocks, [&](int m_min, int m_count, int steps) {
+    walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
 #pragma unroll
         for (int dt = 0; dt < WG_PANELS * 8; ++dt)
 #pragma unroll
