@@ -40,9 +40,9 @@ template <bool TMA_DQ> struct BwdSm90Tail {
     alignas(1024) float dq[2][2][2][64][32];
     unsigned long long kv_full, qd_full[2], qd_empty[2], kv_empty, dq_empty;
 };
-template <> struct BwdSm90Tail<false> {  // dQ by vector reductions: the mbarriers only
+template <> struct BwdSm90Tail<false> {  // dQ by vector reductions (never warp-specialized): the mbarriers only
     alignas(1024) unsigned long long kv_full;
-    unsigned long long qd_full[2], qd_empty[2], kv_empty, dq_empty;
+    unsigned long long qd_full[2];
 };
 
 // The shared memory of a CTA from its first 1024-byte boundary, as laid out; the kernel's offsets are offsetof this.

@@ -19,9 +19,9 @@ namespace cuflash {
 
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::run_ws(char* smem) {
-    static_assert(offsetof(Tail, dq_empty) == offsetof(Tail, qd_full) + 40 && TMA_DQ && BM == 64 && !SCORE_MOD &&
-                      128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536,
-                  "its mbarriers after qd_full (SMEM_BYTES); dQ by TMA; 64 query rows (a rows thread each)");
+    static_assert(OFF_DQ + offsetof(Tail, dq_empty) + sizeof(Tail::dq_empty) + 1024 == SMEM_BYTES && TMA_DQ &&
+                      BM == 64 && !SCORE_MOD && 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536,
+                  "SMEM_BYTES ends at its last mbarrier; dQ by TMA; 64 query rows (a rows thread each)");
     tid = threadIdx.x;
     base = (smem_u32(smem) + 1023) & ~1023u;
     h_kv = blockIdx.y;
