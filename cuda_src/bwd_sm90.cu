@@ -6,8 +6,8 @@
 // keys, as two warpgroups of 64 keys each, and loops over the query heads of its KV head and their BM-row query
 // blocks that see the keys (BM 64, or 128 at d = 64 without a score mod: twice the work per step for the same fixed
 // cost of barriers and waits).
-// Per query block, with K and V resident and Q, dO, lse, D double-buffered (TMA; at d = 64 and 256 thread 0 issues
-// and the warpgroups meet at a CTA barrier after each step; at d = 128 a producer warpgroup loads and adds dQ, WS):
+// Per query block, with K and V resident and Q, dO, lse, D double-buffered (TMA; a producer warpgroup loads and adds
+// dQ, WS, but at d = 64 with 64 query rows, where thread 0 issues and the warpgroups meet at a CTA barrier each step):
 //     S^T  = K_w Q^T      wgmma m64n{BM} ss (A = this warpgroup's keys, K-major; B = Q, K-major)
 //     dP^T = V_w dO^T     wgmma m64n{BM} ss
 //     P^T = exp2(S^T scale - lse), masked; dS^T = P^T (dP^T - D) softmax_scale    (per query column)

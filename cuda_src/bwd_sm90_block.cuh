@@ -21,10 +21,10 @@ struct BwdSm90 {
     // step's queries, leaves P^T and dS^T in shared memory, and accumulates dK, dV and adds dQ for its 128 columns
     // over all of them (step_split).
     static constexpr bool DSPLIT = D == 256;
-    // d = 128: warp-specialized (bwd_sm90_ws.cuh). A producer warpgroup loads Q, dO and their rows ahead into two
-    // buffers and adds the dQ staging tiles by TMA; the two consumer warpgroups hand buffers back through mbarriers
-    // instead of meeting the producer at CTA barriers.
-    static constexpr bool WS = D == 128;
+    // Warp-specialized (bwd_sm90_ws.cuh) at d = 128 and 256, and at d = 64 with 128 query rows (the only d = 64 kernel
+    // with dQ by TMA). A producer warpgroup loads Q, dO and their rows ahead and adds the dQ staging tiles by TMA; the
+    // two consumer warpgroups hand buffers back through mbarriers instead of meeting the producer at CTA barriers.
+    static constexpr bool WS = D != 64 || BM == 128;
     static constexpr int BN = DSPLIT ? 64 : 128, PANELS = D / 64, THREADS = WS ? 384 : 256;
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // WS: setmaxnreg
     static constexpr int WG_PANELS = DSPLIT ? PANELS / 2 : PANELS;  // 64-column panels of dK / dV a warpgroup holds
@@ -46,7 +46,8 @@ struct BwdSm90 {
     static constexpr u32 OFF_DS = offsetof(Smem, ds), OFF_ROWS = offsetof(Smem, rows), OFF_DQ = offsetof(Smem, tail);
     static constexpr u32 OFF_KV_BAR = OFF_DQ + offsetof(Tail, kv_full), OFF_QD_BAR = OFF_DQ + offsetof(Tail, qd_full);
     static constexpr u32 OFF_PT = OFF_DS + sizeof(Smem::ds), OFF_DO_BAR = OFF_QD_BAR + sizeof(Tail::qd_full);
-    static constexpr u32 SMEM_BYTES = OFF_QD_BAR + sizeof(Tail::qd_full) + (DSPLIT ? 8 : 0) + (WS ? 32 : 0) + 1024;
+    static constexpr u32 SMEM_BYTES =
+        OFF_QD_BAR + sizeof(Tail::qd_full) + (DSPLIT ? 8 : 0) + (WS ? (DSPLIT ? 48 : 32) : 0) + 1024;
     static_assert(BN == Smem::BN && sizeof(Smem::ds[0]) == DS_PANEL && offsetof(Smem, k) == 0 &&
                   offsetof(BwdSm90Tail<true>, dq) == 0, "one layout");
     static_assert(OFF_V % 1024 == 0 && OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_DS % 1024 == 0 &&
@@ -69,7 +70,7 @@ struct BwdSm90 {
     // step before that, so that the warps storing them do not start the next step behind the others
     // (docs/perf-notes.md, "rows in mid-step"). Not at d = 64, where it is slower with 128 rows: there both happen
     // around the end-of-step barrier, with two buffers.
-    static constexpr bool MID_ROWS = DSPLIT;
+    static constexpr bool MID_ROWS = DSPLIT && !WS;
     static constexpr int ROW_BUFS = MID_ROWS ? 3 : 2;  // rows buffers: step tt's is tt % ROW_BUFS
     static_assert(sizeof(Smem::rows) == ROW_BUFS * 3 * BM * 4, "one rows buffer per step in flight");
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
@@ -100,7 +101,10 @@ struct BwdSm90 {
     // WS: the consumers' hand-backs (Q/dO and rows of a buffer, K/V), and the dQ warp's (staging buffers read out)
     __device__ __forceinline__ u32 qd_empty(int buf) const { return base + OFF_DQ + offsetof(Tail, qd_empty) + 8 * buf; }
     __device__ __forceinline__ u32 kv_empty() const { return base + OFF_DQ + offsetof(Tail, kv_empty); }
-    __device__ __forceinline__ u32 dq_empty() const { return base + OFF_DQ + offsetof(Tail, dq_empty); }
+    __device__ __forceinline__ u32 dq_empty(int c = 0) const {  // DSPLIT: one per consumer's staging tile
+        return base + OFF_DQ + offsetof(Tail, dq_empty) + 8 * c;
+    }
+    __device__ __forceinline__ u32 do_empty() const { return base + OFF_DQ + offsetof(Tail, do_empty); }  // DSPLIT
 
     __device__ __forceinline__ void load_box(u32 dst, const sm90::TmaMap* map, int col, int head, int begin, int row,
                                              u32 bar) const {
@@ -464,7 +468,7 @@ struct BwdSm90 {
         }
     }
 
-    // d = 128 (WS): the warp-specialized CTA and its roles (bwd_sm90_ws.cuh)
+    // WS: the warp-specialized CTA and its roles (bwd_sm90_ws.cuh)
     __device__ __forceinline__ void run_ws(char* smem);
     __device__ __forceinline__ void produce_loads(int m_blocks);
     __device__ __forceinline__ void produce_rows(char* smem, int m_blocks, int seqlen_q);

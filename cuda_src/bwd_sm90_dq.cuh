@@ -44,19 +44,26 @@ template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DR
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::add_dq_tma(
     const float (&dq)[8][4], int h, int row0, int panel, int tt, bool first, const float* scales) const {
     const u32 tile = base + OFF_DQ + (DSPLIT ? 0 : (tt % 2) * 2 * DQ_TILE) + wg * DQ_TILE;
-    if constexpr (WS) {
+    if constexpr (WS && DSPLIT) {  // one tile per consumer, two panels a step: the dQ warp has read the last out
+        const int k = 2 * tt + panel % 2;
+        if (k > 0) sm90::mbar_wait(dq_empty(wg), (k - 1) & 1);
+    } else if constexpr (WS) {
         if (tt > 0) sm90::mbar_wait(dq_empty(), (tt - 1) & 1);  // the dQ warp has read step tt - 2's tile out
     }
+    // (WS with 128 rows: the lane made opaque per step, so that ptxas computes the swizzled offsets here rather than
+    // hoisting them out of the step loop, where they spill at 240 registers)
+    int ln = lane;
+    if constexpr (WS && ROW_SPLIT) asm volatile("" : "+r"(ln));
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        const int r = warp * 16 + lane / 4 + 8 * hh;
+        const int r = warp * 16 + ln / 4 + 8 * hh;
         const float scale = FIXED ? scales[r] : 0.f;
         const bool odd = DSPLIT && r % 2;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             const int jj = odd ? j ^ 2 : j;  // the same box (j / 4)
-            const int chunk = 2 * (jj % 4) + (lane % 4) / 2;
-            const u32 addr = tile + (j / 4) * DQ_BOX + r * 128 + ((chunk ^ (r % 8)) * 16) + (lane % 2) * 8;
+            const int chunk = 2 * (jj % 4) + (ln % 4) / 2;
+            const u32 addr = tile + (j / 4) * DQ_BOX + r * 128 + ((chunk ^ (r % 8)) * 16) + (ln % 2) * 8;
             const float x = odd ? dq[j ^ 2][2 * hh] : dq[j][2 * hh];
             const float y = odd ? dq[j ^ 2][2 * hh + 1] : dq[j][2 * hh + 1];
             if constexpr (FIXED)

@@ -21,7 +21,7 @@ enum class BwdBarrier : int {
     Warpgroup1 = 2,
     DqOrder = 3,  // deterministic add_dq_red: warpgroup 0's reductions before warpgroup 1's (256 threads)
     DoFree = 4,   // d = 256: both warpgroups are done with the step's dO (warpgroup 1 arrives, 0 waits, then loads)
-    // The warp-specialized kernel (d = 128, BwdSm90::WS), over the consumer warpgroups wg = 0, 1:
+    // The warp-specialized kernel (BwdSm90::WS), over the consumer warpgroups wg = 0, 1:
     DsReady = 5,  // both consumers' dS^T of the step stored (256 threads)
     DsFree0 = 6,  // DsFree0 + wg: the other consumer's dQ has read the last step's dS^T (it arrives, wg waits; 256)
     DsFree1 = 7,
@@ -63,6 +63,7 @@ template <int D, int BM, bool TMA_DQ> struct BwdSm90Smem {
 template <int BM> struct BwdSm90SplitTail {
     alignas(1024) float dq[2][2][64][32];
     unsigned long long kv_full, qd_full[2], do_full;
+    unsigned long long qd_empty[2], kv_empty, do_empty, dq_empty[2];  // warp-specialized (BwdSm90::WS)
 };
 static_assert(offsetof(BwdSm90SplitTail<64>, do_full) == offsetof(BwdSm90SplitTail<64>, qd_full) + 16,
               "dO's mbarrier right after Q's two (BwdSm90::OFF_DO_BAR)");
@@ -72,7 +73,7 @@ template <int BM, bool TMA_DQ> struct BwdSm90Smem<256, BM, TMA_DQ> {
     unsigned char q[2][BM * D * 2], dout[1][BM * D * 2];
     unsigned char ds[BM / 64][BN * 128];  // dS^T: 64 keys x 64 queries
     unsigned char pt[BN * 128];           // P^T, the same
-    float rows[3][3][BM];  // three buffers (BwdSm90::ROW_BUFS)
+    float rows[2][3][BM];  // per Q buffer (BwdSm90::ROW_BUFS)
     BwdSm90SplitTail<BM> tail;
 };
 

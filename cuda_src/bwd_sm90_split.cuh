@@ -103,6 +103,9 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         }
     // P^T and dS^T, 64 keys x 64 queries each, 128-byte swizzled rows of keys: (key r, query c) at r 128 +
     // (((c / 8) ^ (r % 8)) 16) + (c % 8) 2
+    if constexpr (WS) {  // the other consumer's products of the step before have read both tiles
+        if (tt > 0) sm90::named_sync<256>(int(BwdBarrier::DsFree0) + wg);
+    }
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -113,19 +116,27 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
             sm90::st_shared_b32(base + OFF_DS + at, pack2<T>(dpt[j][2 * hh], dpt[j][2 * hh + 1]));
         }
     sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
-    if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // the last step's second dQ panel is read out of staging
-    __syncthreads();            // both warpgroups' queries; the staging tiles are free
+    if constexpr (WS) {
+        sm90::named_sync<BwdBarrier::DsReady, 256>();  // both consumers' queries
+    } else {
+        if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // the last step's second dQ panel is read out of staging
+        __syncthreads();                                // both warpgroups' queries; the staging tiles are free
+    }
     float dq[8][4];
     sm90::wgmma_fence();
     issue_keys_by_d_half(acc_dv, base + OFF_PT, do_tile(0));
     issue_keys_by_d_half(acc_dk, base + OFF_DS, q_tile(buf));
     issue_dq_panel(dq, wg * WG_PANELS);
-    if (tid < BM && t + 2 < steps) {  // MID_ROWS: step t + 2's rows stored, step t + 3's fetched
-        store_rows(smem, tt + 2, ahead);
-        if (t + 3 < steps) ahead = fetch_rows(t + 3, m_min, m_count, seqlen_q);
+    if constexpr (MID_ROWS) {
+        if (tid < BM && t + 2 < steps) {  // step t + 2's rows stored, step t + 3's fetched
+            store_rows(smem, tt + 2, ahead);
+            if (t + 3 < steps) ahead = fetch_rows(t + 3, m_min, m_count, seqlen_q);
+        }
     }
     sm90::wgmma_wait<2>();  // dV: this warpgroup is done with dO
-    if (wg == 1) {
+    if constexpr (WS) {
+        sm90::mbar_arrive(do_empty());  // the producer loads the next step's dO once both consumers are here
+    } else if (wg == 1) {
         sm90::named_arrive<BwdBarrier::DoFree, 256>();
     } else {
         sm90::named_sync<BwdBarrier::DoFree, 256>();
@@ -136,9 +147,14 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     sm90::wgmma_fence();
     issue_dq_panel(dq, wg * WG_PANELS + 1);
     sm90::wgmma_wait<0>();
-    if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // the staging tile is read out by the first panel's add
-    sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);
+    if constexpr (WS) {  // (add_dq_tma waits for the staging tile) every product has read P^T and dS^T
+        sm90::named_arrive<256>(int(BwdBarrier::DsFree1) - wg);
+    } else {
+        if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // the staging tile is read out by the first panel's add
+        sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);
+    }
     add_dq_tma(dq, h, m * BM, wg * WG_PANELS + 1, tt, false, lse + 2 * BM);  // read out under the next S^T
+    if constexpr (WS) sm90::mbar_arrive(qd_empty(tt % 2));  // done with Q and the rows
 }
 
 }  // namespace cuflash

@@ -1,10 +1,14 @@
-// The Hopper backward at d = 128, warp-specialized (BwdSm90::WS; the class in bwd_sm90_block.cuh). 384 threads:
+// The Hopper backward, warp-specialized (BwdSm90::WS: d = 128 and 256, and d = 64 with 128 query rows; the class in
+// bwd_sm90_block.cuh). At d = 256 (DSPLIT) dO has one tile, loaded once both consumers' dV of the step before is done
+// (do_empty), and each consumer's staging tile carries its two dQ panels in turn (dq_empty per consumer). At d = 64
+// with 128 rows (ROW_SPLIT) each consumer's tile holds its 64 rows of dQ, and each rows thread stores two rows.
+// 384 threads:
 // warpgroup 0 produces, warpgroups 1 and 2 consume (as wg 0 and 1, their tid counted from 0).
 //  - Thread 0 loads by TMA: a key block's K and V once the consumers are done with the last one's (kv_empty), and a
 //    step's Q and dO once the consumers have handed its buffer back (qd_empty).
-//  - Warps 1-2, a thread per query row of a step: the step's rows (lse, D, the fixed point's dQ scale), into the
-//    same buffer once it is handed back. The 64 and thread 0 arrive on the buffer's qd_full, which also counts the
-//    copies' bytes.
+//  - Warps 1-2, a thread per query row of a step (per two at BM = 128): the step's rows (lse, D, the fixed point's
+//    dQ scale), into the same buffer once it is handed back. The 64 and thread 0 arrive on the buffer's qd_full,
+//    which also counts the copies' bytes.
 //  - Warp 3, the dQ warp: for each step and consumer, waits until the consumer's staging tile is stored
 //    (DqFull0 + wg), and its lane 0 adds the tile to dq_accum by TMA; once the step before's additions have read
 //    their tiles out, it hands that staging buffer back (dq_empty).
@@ -20,8 +24,8 @@ namespace cuflash {
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::run_ws(char* smem) {
     static_assert(OFF_DQ + offsetof(Tail, dq_empty) + sizeof(Tail::dq_empty) + 1024 == SMEM_BYTES && TMA_DQ &&
-                      BM == 64 && !SCORE_MOD && 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536,
-                  "SMEM_BYTES ends at its last mbarrier; dQ by TMA; 64 query rows (a rows thread each)");
+                      BM % 64 == 0 && !SCORE_MOD && 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536,
+                  "SMEM_BYTES ends at its last mbarrier; dQ by TMA; query rows in 64s (a rows thread per 64)");
     tid = threadIdx.x;
     base = (smem_u32(smem) + 1023) & ~1023u;
     h_kv = blockIdx.y;
@@ -32,10 +36,14 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     if (tid == 0) {
         sm90::mbar_init(kv_bar(), 1);
         sm90::mbar_init(kv_empty(), 256);  // every consumer thread's arrival (each read the buffer: racecheck)
-        sm90::mbar_init(dq_empty(), 1);
         for (int i = 0; i < 2; ++i) {
-            sm90::mbar_init(qd_bar(i), BM + 1);  // the rows' threads and the copies'
+            sm90::mbar_init(qd_bar(i), 64 + 1);  // the 64 rows threads' (BM / 64 rows each) and the copies'
             sm90::mbar_init(qd_empty(i), 256);
+            if (DSPLIT || i == 0) sm90::mbar_init(dq_empty(i), 1);  // DSPLIT: one per consumer
+        }
+        if constexpr (DSPLIT) {
+            sm90::mbar_init(do_bar(), 1);
+            sm90::mbar_init(do_empty(), 256);
         }
         sm90::mbar_fence_init();
     }
@@ -86,7 +94,13 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         }
         for (int t = 0; t < steps; ++t, ++tt) {
             if (tt >= 2) sm90::mbar_wait(qd_empty(tt % 2), (tt / 2 - 1) & 1);  // step tt - 2 handed it back
-            load_step(t, tt, m_min, m_count);  // one arrival, announcing the copies' bytes
+            if constexpr (DSPLIT) {  // Q into its buffer; dO into the one tile once step tt - 1's dV has read it
+                load_q(t, tt, m_min, m_count);
+                if (tt >= 1) sm90::mbar_wait(do_empty(), (tt - 1) & 1);
+                load_do(t, m_min, m_count);
+            } else {
+                load_step(t, tt, m_min, m_count);  // one arrival, announcing the copies' bytes
+            }
         }
     });
 }
@@ -100,9 +114,20 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
         q_begin = SeqInfo::q_begin_of(p, b);
         for (int t = 0; t < steps; ++t, ++tt) {
-            const float3 rows = fetch_rows(t, m_min, m_count, seqlen_q);  // in flight during the wait
+            float3 rows[BM / 64];  // rows tid + 64 i, in flight during the wait
+            const int row0 = tid;
+#pragma unroll
+            for (int i = 0; i < BM / 64; ++i) {
+                tid = row0 + 64 * i;
+                rows[i] = fetch_rows(t, m_min, m_count, seqlen_q);
+            }
             if (tt >= 2) sm90::mbar_wait(qd_empty(tt % 2), (tt / 2 - 1) & 1);
-            store_rows(smem, tt, rows);
+#pragma unroll
+            for (int i = 0; i < BM / 64; ++i) {
+                tid = row0 + 64 * i;
+                store_rows(smem, tt, rows[i]);
+            }
+            tid = row0;
             sm90::mbar_arrive(qd_bar(tt % 2));
         }
     });
@@ -120,22 +145,44 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
             step_of(t, m_min, m_count, h, m);
             // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b]
             const int row = (p.cu_seqlens_q != nullptr ? SeqInfo::q_begin_of(p, b) : b * p.seqlen_q) + m * BM;
+            if constexpr (DSPLIT) {
+                // consumer c's tile holds its panels 2 c and 2 c + 1 in turn: each read out before it is handed back
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {  // consumer c's tile: dQ's columns 64 c ..
-                sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
-                if (issuer) {
-                    // slices (deterministic mode 1): a key block's first step may add to the last one's rows
-                    if (!FIXED && p.deterministic == 1 && t == 0 && c == 0) sm90::bulk_wait<0>();
-                    const u32 tile = base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + c * DQ_TILE;
+                for (int pl = 0; pl < 2; ++pl)
 #pragma unroll
-                    for (int box = 0; box < 2; ++box)
-                        sm90::tma_reduce_add_4d(&P.dq, c * 64 + box * 32, h, row, slice, tile + box * DQ_BOX);
+                    for (int c = 0; c < 2; ++c) {
+                        sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
+                        if (issuer) {
+                            if (!FIXED && p.deterministic == 1 && t == 0 && pl == 0 && c == 0) sm90::bulk_wait<0>();
+                            const u32 tile = base + OFF_DQ + c * DQ_TILE;
+#pragma unroll
+                            for (int box = 0; box < 2; ++box)
+                                sm90::tma_reduce_add_4d(&P.dq, (2 * c + pl) * 64 + box * 32, h, row, slice,
+                                                        tile + box * DQ_BOX);
+                            sm90::bulk_commit();
+                            sm90::bulk_wait_read<0>();
+                            sm90::mbar_arrive(dq_empty(c));
+                        }
+                    }
+            } else {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {  // consumer c's tile: dQ's columns 64 c ..
+                    sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
+                    if (issuer) {
+                        // slices (deterministic mode 1): a key block's first step may add to the last one's rows
+                        if (!FIXED && p.deterministic == 1 && t == 0 && c == 0) sm90::bulk_wait<0>();
+                        const u32 tile = base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + c * DQ_TILE;
+#pragma unroll
+                        for (int box = 0; box < 2; ++box)  // ROW_SPLIT: rows 64 c ..; else columns 64 c ..
+                            sm90::tma_reduce_add_4d(&P.dq, (ROW_SPLIT ? 0 : c * 64) + box * 32, h,
+                                                    row + (ROW_SPLIT ? c * 64 : 0), slice, tile + box * DQ_BOX);
+                    }
                 }
-            }
-            if (issuer) {
-                sm90::bulk_commit();
-                sm90::bulk_wait_read<1>();  // step tt - 1's tiles are read out: step tt + 1 may store there
-                sm90::mbar_arrive(dq_empty());
+                if (issuer) {
+                    sm90::bulk_commit();
+                    sm90::bulk_wait_read<1>();  // step tt - 1's tiles are read out: step tt + 1 may store there
+                    sm90::mbar_arrive(dq_empty());
+                }
             }
         }
     });
@@ -154,7 +201,10 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
             for (int e = 0; e < 4; ++e) acc_dk[dt][e] = acc_dv[dt][e] = 0.f;
         if (steps > 0) {
             sm90::mbar_wait(kv_bar(), backwards);  // (produce_loads: a phase per key block)
-            for (int t = 0; t < steps; ++t, ++tt) step(smem, t, tt, m_min, m_count, steps, seqlen_q);
+            for (int t = 0; t < steps; ++t, ++tt) {
+                if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps, seqlen_q);
+                else step(smem, t, tt, m_min, m_count, steps, seqlen_q);
+            }
         }
         sm90::mbar_arrive(kv_empty());  // this thread's products are done with K and V
         store_dkdv(mask.seqlen_k);
