@@ -15,10 +15,11 @@
 //     dK  += dS^T Q       wgmma rs
 //     dQ  += dS K         wgmma ss, both MN-major: dS^T goes to shared memory (rows of keys, 64 queries = one
 //                         128-byte swizzled line; BM / 64 such panels), K is read transposed; added to dq_accum
-//                         by TMA bulk reductions from shared memory, 64 x 64 per warpgroup (add_dq_tma)
-// dQ is split between the warpgroups (after both stored dS^T: a CTA barrier) by 64-column panel at d = 128 and by
-// 64-row half at d = 64 with 128 rows, so that each dQ element gets one addition per step; at d = 64 with 64 rows
-// (score mods) each warpgroup adds its own 64 keys' part to every element, with vector reductions (add_dq_red).
+//                         by the producer's dQ warp, TMA bulk reductions from a staging tile of 64 x 64 per
+//                         warpgroup (stage_dq)
+// dQ is split between the warpgroups (after both stored dS^T) by 64-column panel at d = 128 and 256 and by 64-row
+// half at d = 64 with 128 rows, so that each dQ element gets one addition per step; at d = 64 with 64 rows (score
+// mods, dropout) each warpgroup adds its own 64 keys' part to every element, with vector reductions (add_dq_red).
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
 // waited for first) at d = 64 (at 128 that kernel spills); head dims D = 64, 128 and 256 (DSPLIT: 64 keys per CTA,
 // the warpgroups splitting the head dim; step_split), and at D = 128 and 256 the multiples of 8 down to the one
@@ -34,11 +35,11 @@
 // The kernel is assembled from parts, each in its own header:
 //  - bwd_sm90_layout.cuh  the parameters, the named barriers, the shared-memory layout (BwdSm90Smem);
 //  - bwd_sm90_block.cuh   the CTA (BwdSm90): its constants and state, the loads, masks and probabilities, the step
-//                         at d = 64 and 128, dK and dV out, the walk over key blocks (run);
-//  - bwd_sm90_dq.cuh      dQ added to dq_accum: by vector reductions, or by TMA from a staging tile;
+//                         at d = 64 and 128, dK and dV out, the walk over key blocks, the lockstep CTA;
+//  - bwd_sm90_dq.cuh      dQ: added to dq_accum by vector reductions, or stored to a staging tile for the dQ warp;
 //  - bwd_sm90_split.cuh   the step at d = 256 (DSPLIT);
-//  - bwd_sm90_ws.cuh      the warp-specialized CTA at d = 128 (WS): a producer warpgroup's roles, the consumers'
-//                         walk over key blocks.
+//  - bwd_sm90_ws.cuh      the warp-specialized CTA (WS): a producer warpgroup's roles, the consumers' walk over key
+//                         blocks.
 #include "bwd_sm90_block.cuh"
 #include "bwd_sm90_dq.cuh"
 #include "bwd_sm90_split.cuh"

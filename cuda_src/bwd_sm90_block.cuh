@@ -35,6 +35,7 @@ struct BwdSm90 {
     // 32 columns, 128-byte swizzle; two buffers, by step parity) and one thread adds it to dq_accum with bulk tensor
     // reductions, which leave the compute threads as soon as they are issued.
     static constexpr bool TMA_DQ = !(D == 64 && BM == 64);
+    static_assert(TMA_DQ == WS, "the warp-specialized kernels are those that add dQ by TMA (its dQ warp)");
     using Smem = BwdSm90Smem<D, BM, TMA_DQ>;
     using Tail = decltype(Smem::tail);
     static constexpr u32 K_PANEL = BN * 128, Q_PANEL = BM * 128;  // bytes of one 64-column panel
@@ -65,14 +66,7 @@ struct BwdSm90 {
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
-    // d = 256: step t + 2's rows (lse, D, the fixed point's dQ scale) are stored in the middle of step t,
-    // under its dQ, dV and dK products, into the third of three rows buffers (the one step t - 1 read), and fetched a
-    // step before that, so that the warps storing them do not start the next step behind the others
-    // (docs/perf-notes.md, "rows in mid-step"). Not at d = 64, where it is slower with 128 rows: there both happen
-    // around the end-of-step barrier, with two buffers.
-    static constexpr bool MID_ROWS = DSPLIT && !WS;
-    static constexpr int ROW_BUFS = MID_ROWS ? 3 : 2;  // rows buffers: step tt's is tt % ROW_BUFS
-    static_assert(sizeof(Smem::rows) == ROW_BUFS * 3 * BM * 4, "one rows buffer per step in flight");
+    static_assert(sizeof(Smem::rows) == 2 * 3 * BM * 4, "a rows buffer per Q/dO buffer: step tt's is tt % 2");
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
     // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
     // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one makes ptxas spill.
@@ -85,7 +79,6 @@ struct BwdSm90 {
     int h_kv, b, q_begin, k_begin, n_key0;
     Mask<BAND> mask;
     bool backwards;  // this key block's walk in reverse (step_of)
-    float3 ahead;    // MID_ROWS: the rows of the step after next, in flight (threads < BM)
     float acc_dk[WG_PANELS * 8][4], acc_dv[WG_PANELS * 8][4];
 
     __device__ __forceinline__ explicit BwdSm90(const BwdSm90Params& params) : P(params), p(params.p) {}
@@ -133,7 +126,7 @@ struct BwdSm90 {
         StepAt at;
         step_of(t, m_min, m_count, at.h, at.m);
         at.buf = uniform(tt % 2);
-        at.lse = rows(smem, tt % ROW_BUFS);
+        at.lse = rows(smem, tt % 2);
         return at;
     }
 
@@ -184,7 +177,7 @@ struct BwdSm90 {
         return make_float3(p.lse_log2[i], p.dsum[i], FIXED ? p.dq_scale[i] : 0.f);
     }
     __device__ __forceinline__ void store_rows(char* smem, int tt, float3 r) const {
-        float* at = rows(smem, tt % ROW_BUFS);
+        float* at = rows(smem, tt % 2);
         at[tid] = r.x;
         at[BM + tid] = r.y;
         if (FIXED) at[2 * BM + tid] = r.z;
@@ -282,7 +275,7 @@ struct BwdSm90 {
             }
     }
 
-    __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int steps, int seqlen_q) {
+    __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
         const auto [h, m, buf, lse] = begin_step(smem, t, tt, m_min, m_count);
         const float* dsum = lse + BM;
         // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
@@ -366,8 +359,7 @@ struct BwdSm90 {
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
         if (WS) sm90::named_sync<BwdBarrier::DsReady, 256>();  // both dS^T halves (the consumers only)
-        else if (PANELS == 2 || ROW_SPLIT) __syncthreads();  // both dS^T halves
-        else sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);  // its own keys only
+        else sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);  // its own keys only (d = 64, 64 rows)
         // dQ over 64 columns, as 64-row halves: d = 128, panel wg, all BM rows, over all 128 keys; d = 64 with 128
         // rows (ROW_SPLIT), the half wg over all 128 keys; d = 64 with 64 rows, all of it over its own 64 keys
         constexpr int KEYS = PANELS == 2 || ROW_SPLIT ? BN : 64, HALVES = ROW_SPLIT ? 1 : QH;
@@ -390,22 +382,12 @@ struct BwdSm90 {
         }
         issue_keys_by_d(acc_dk, ds, q_tile(buf));
         sm90::wgmma_commit();
-        if constexpr (MID_ROWS) {  // step t + 2's rows stored, step t + 3's fetched
-            if (tid < BM && t + 2 < steps) {
-                store_rows(smem, tt + 2, ahead);
-                if (t + 3 < steps) ahead = fetch_rows(t + 3, m_min, m_count, seqlen_q);
-            }
-        }
         sm90::wgmma_wait<EARLY_DV ? 1 : 2>();  // dQ done (and dV where issued early), dK computing
         if (WS) sm90::named_arrive<256>(int(BwdBarrier::DsFree1) - wg);  // dS^T read: the other's next store waits
-        if constexpr (TMA_DQ) {
-            add_dq_tma(dq[0], h, m * BM + half0 * 64, panel, tt, t == 0, lse + 2 * BM + half0 * 64);
-            sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
-            if constexpr (WS) {
-                sm90::mbar_arrive(qd_empty(buf));  // this thread is done with Q, dO and their rows
-            } else if (tid % 128 == 0) {
-                sm90::bulk_wait_read<1>();  // the staging buffer of step tt + 1 is read out
-            }
+        if constexpr (WS) {  // (TMA_DQ)
+            stage_dq(dq[0], panel, tt, lse + 2 * BM + half0 * 64);
+            sm90::wgmma_wait<0>();                 // dK: its fragments (ds) are free again
+            sm90::mbar_arrive(qd_empty(buf));      // this thread is done with Q, dO and their rows
         } else {
             add_dq_red(dq, h, m, seqlen_q);
             sm90::wgmma_wait<0>();  // dK: its fragments (ds) are free again
@@ -416,13 +398,12 @@ struct BwdSm90 {
     __device__ __forceinline__ void issue_keys_by_query_half(float (&acc)[NT][4], u32 keys, u32 queries) const;
     __device__ __forceinline__ void issue_keys_by_d_half(float (&acc)[WG_PANELS * 8][4], u32 a_tile, u32 tile) const;
     __device__ __forceinline__ void issue_dq_panel(float (&dq)[8][4], int pn) const;
-    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, int steps,
-                                               int seqlen_q);
+    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count);
 
-    // dQ added to dq_accum: by vector reductions, or by TMA from a staging tile (bwd_sm90_dq.cuh)
+    // dQ added to dq_accum by vector reductions (lockstep), or stored to a staging tile for the dQ warp (WS), which
+    // adds it by TMA (bwd_sm90_dq.cuh)
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;
-    __device__ __forceinline__ void add_dq_tma(const float (&dq)[8][4], int h, int row0, int panel, int tt, bool first,
-                                               const float* scales) const;
+    __device__ __forceinline__ void stage_dq(const float (&dq)[8][4], int panel, int tt, const float* scales) const;
 
     // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
@@ -476,10 +457,14 @@ struct BwdSm90 {
     __device__ __forceinline__ void consume(char* smem, int m_blocks, int seqlen_q);
 
     __device__ __forceinline__ void run(char* smem) {
-        if constexpr (WS) {
-            run_ws(smem);
-            return;
-        }
+        if constexpr (WS) run_ws(smem);
+        else run_lockstep(smem);
+    }
+
+    // d = 64 with 64 query rows: 256 threads in lockstep. Thread 0 issues the loads, threads < BM store the rows, and
+    // the warpgroups meet at a CTA barrier after each step, before the freed buffer is loaded again.
+    __device__ __forceinline__ void run_lockstep(char* smem) {
+        static_assert(!WS && !DSPLIT && !TMA_DQ, "d = 64 with 64 query rows: dQ by vector reductions");
         tid = threadIdx.x;
         wg = uniform(tid / 128);
         warp = (tid / 32) % 4;
@@ -494,7 +479,7 @@ struct BwdSm90 {
         mask = Mask<BAND>{seq.seqlen_k, diag, p.window_left, p.window_right};
         const int m_blocks = ceil_div(seq.seqlen_q, BM);  // (key blocks: in the loop's test, or ptxas spills)
         if (tid == 0) {
-            for (int i = 0; i < (DSPLIT ? 4 : 3); ++i) sm90::mbar_init(kv_bar() + 8 * i, 1);  // kv, qd[2] (, dO)
+            for (int i = 0; i < 3; ++i) sm90::mbar_init(kv_bar() + 8 * i, 1);  // kv, qd[2]
             sm90::mbar_fence_init();
         }
         __syncthreads();
@@ -518,38 +503,25 @@ struct BwdSm90 {
                     }
                 }
                 for (int t = 0; t < 2 && t < steps; ++t) {
-                    if constexpr (DSPLIT) {
-                        if (tid == 0) load_q(t, tt + t, m_min, m_count);
-                        if (tid == 0 && t == 0) load_do(t, m_min, m_count);
-                    } else {
-                        load_step(t, tt + t, m_min, m_count);
-                    }
+                    load_step(t, tt + t, m_min, m_count);
                     if (tid < BM) store_rows(smem, tt + t, fetch_rows(t, m_min, m_count, seq.seqlen_q));
                 }
-                if (MID_ROWS && tid < BM && steps > 2) ahead = fetch_rows(2, m_min, m_count, seq.seqlen_q);
                 __syncthreads();  // the rows of the first two steps
                 sm90::mbar_wait(kv_bar(), backwards);  // K and V of this key block
                 for (int t = 0; t < steps; ++t, ++tt) {
                     float3 next_rows;  // step t + 2's, in flight during this step
-                    if (!MID_ROWS && tid < BM && t + 2 < steps)
-                        next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
-                    if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps, seq.seqlen_q);
-                    else step(smem, t, tt, m_min, m_count, steps, seq.seqlen_q);
+                    if (tid < BM && t + 2 < steps) next_rows = fetch_rows(t + 2, m_min, m_count, seq.seqlen_q);
+                    step(smem, t, tt, m_min, m_count, seq.seqlen_q);
                     __syncthreads();  // every read of this buffer (and of dS^T) is done
                     if (t + 2 < steps) {
-                        if constexpr (DSPLIT) {
-                            if (tid == 0) load_q(t + 2, tt + 2, m_min, m_count);
-                        } else {
-                            load_step(t + 2, tt + 2, m_min, m_count);
-                        }
-                        if (!MID_ROWS && tid < BM) store_rows(smem, tt + 2, next_rows);
+                        load_step(t + 2, tt + 2, m_min, m_count);
+                        if (tid < BM) store_rows(smem, tt + 2, next_rows);
                     }
                 }
-                __syncthreads();  // the last rows stores are read; K and V may be replaced; the last additions made
+                __syncthreads();  // the last rows stores are read; K and V may be replaced
             }
             store_dkdv(seq.seqlen_k);
         });
-        if (TMA_DQ && tid % 128 == 0) sm90::bulk_wait<0>();  // every dQ addition made, no staging buffer still read
     }
 };
 

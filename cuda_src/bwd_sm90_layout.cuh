@@ -17,10 +17,9 @@ struct BwdSm90Params {
 
 // Named barriers (0 is __syncthreads).
 enum class BwdBarrier : int {
-    Warpgroup0 = 1,  // Warpgroup0 + wg: warpgroup wg's own 128 threads (its dS^T stores, its dQ staging tile)
+    Warpgroup0 = 1,  // Warpgroup0 + wg: warpgroup wg's own 128 threads (its dS^T stores, lockstep)
     Warpgroup1 = 2,
     DqOrder = 3,  // deterministic add_dq_red: warpgroup 0's reductions before warpgroup 1's (256 threads)
-    DoFree = 4,   // d = 256: both warpgroups are done with the step's dO (warpgroup 1 arrives, 0 waits, then loads)
     // The warp-specialized kernel (BwdSm90::WS), over the consumer warpgroups wg = 0, 1:
     DsReady = 5,  // both consumers' dS^T of the step stored (256 threads)
     DsFree0 = 6,  // DsFree0 + wg: the other consumer's dQ has read the last step's dS^T (it arrives, wg waits; 256)
@@ -53,7 +52,7 @@ template <int D, int BM, bool TMA_DQ> struct BwdSm90Smem {
     unsigned char k[BN * D * 2], v[BN * D * 2];          // this CTA's keys and values, resident per key block
     unsigned char q[2][BM * D * 2], dout[2][BM * D * 2];  // Q and dO of a step, double-buffered by step parity
     unsigned char ds[BM / 64][BN * 128];                  // dS^T: all keys x 64 queries per panel
-    float rows[2][3][BM];  // per Q/dO buffer: lse_log2, D and the fixed-point dQ scale (BwdSm90::ROW_BUFS)
+    float rows[2][3][BM];  // per Q/dO buffer: lse_log2, D and the fixed-point dQ scale
     BwdSm90Tail<TMA_DQ> tail;
 };
 
@@ -73,7 +72,7 @@ template <int BM, bool TMA_DQ> struct BwdSm90Smem<256, BM, TMA_DQ> {
     unsigned char q[2][BM * D * 2], dout[1][BM * D * 2];
     unsigned char ds[BM / 64][BN * 128];  // dS^T: 64 keys x 64 queries
     unsigned char pt[BN * 128];           // P^T, the same
-    float rows[2][3][BM];  // per Q buffer (BwdSm90::ROW_BUFS)
+    float rows[2][3][BM];  // per Q buffer
     BwdSm90SplitTail<BM> tail;
 };
 

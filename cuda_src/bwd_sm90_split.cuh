@@ -53,20 +53,22 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     sm90::wgmma_commit();
 }
 
-// One step at d = 256 (DSPLIT): S^T and dP^T for this warpgroup's 32 queries, P^T and dS^T into shared memory
-// (both halves: a CTA barrier), then dV and dK for its 128 columns over all BM queries and dQ for them, one
-// 64-column panel at a time through its staging tile. The next step's dO loads once both warpgroups' dV is done;
-// the second panel's staging tile is read out by TMA while the next step's S^T and dP^T compute.
+// One step at d = 256 (DSPLIT; a consumer of the warp-specialized CTA): S^T and dP^T for this warpgroup's 32 queries,
+// P^T and dS^T into shared memory (both consumers' halves: DsReady), then dV and dK for its 128 columns over all BM
+// queries and dQ for them, one 64-column panel at a time through its staging tile. The producer loads the next
+// step's dO once both consumers' dV is done (do_empty); the dQ warp reads the second panel's staging tile out while
+// the next step's S^T and dP^T compute.
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::step_split(
-    char* smem, int t, int tt, int m_min, int m_count, int steps, int seqlen_q) {
+    char* smem, int t, int tt, int m_min, int m_count) {
+    static_assert(WS, "the d = 256 step runs in the warp-specialized CTA");
     // begin_step's work, written out: through it ptxas schedules this kernel differently (not measured)
     asm volatile("" : "+r"(base), "+r"(mask.seqlen_k), "+r"(mask.diag));
     base = uniform(base);
     int h, m;
     step_of(t, m_min, m_count, h, m);
     const int buf = uniform(tt % 2);
-    const float* lse = rows(smem, tt % ROW_BUFS);
+    const float* lse = rows(smem, tt % 2);
     const float* dsum = lse + BM;
     const int key0 = n_key0 + warp * 16 + lane / 4, col0 = wg * 32;
     // dropout: the keep bits of this warp's 16 keys x the warpgroup's 32 queries (bit 4 j + e: element [j][e]),
@@ -103,9 +105,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         }
     // P^T and dS^T, 64 keys x 64 queries each, 128-byte swizzled rows of keys: (key r, query c) at r 128 +
     // (((c / 8) ^ (r % 8)) 16) + (c % 8) 2
-    if constexpr (WS) {  // the other consumer's products of the step before have read both tiles
-        if (tt > 0) sm90::named_sync<256>(int(BwdBarrier::DsFree0) + wg);
-    }
+    if (tt > 0) sm90::named_sync<256>(int(BwdBarrier::DsFree0) + wg);  // the other's products have read both tiles
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -116,45 +116,23 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
             sm90::st_shared_b32(base + OFF_DS + at, pack2<T>(dpt[j][2 * hh], dpt[j][2 * hh + 1]));
         }
     sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
-    if constexpr (WS) {
-        sm90::named_sync<BwdBarrier::DsReady, 256>();  // both consumers' queries
-    } else {
-        if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // the last step's second dQ panel is read out of staging
-        __syncthreads();                                // both warpgroups' queries; the staging tiles are free
-    }
+    sm90::named_sync<BwdBarrier::DsReady, 256>();  // both consumers' queries
     float dq[8][4];
     sm90::wgmma_fence();
     issue_keys_by_d_half(acc_dv, base + OFF_PT, do_tile(0));
     issue_keys_by_d_half(acc_dk, base + OFF_DS, q_tile(buf));
     issue_dq_panel(dq, wg * WG_PANELS);
-    if constexpr (MID_ROWS) {
-        if (tid < BM && t + 2 < steps) {  // step t + 2's rows stored, step t + 3's fetched
-            store_rows(smem, tt + 2, ahead);
-            if (t + 3 < steps) ahead = fetch_rows(t + 3, m_min, m_count, seqlen_q);
-        }
-    }
     sm90::wgmma_wait<2>();  // dV: this warpgroup is done with dO
-    if constexpr (WS) {
-        sm90::mbar_arrive(do_empty());  // the producer loads the next step's dO once both consumers are here
-    } else if (wg == 1) {
-        sm90::named_arrive<BwdBarrier::DoFree, 256>();
-    } else {
-        sm90::named_sync<BwdBarrier::DoFree, 256>();
-        if (tid == 0 && t + 1 < steps) load_do(t + 1, m_min, m_count);
-    }
+    sm90::mbar_arrive(do_empty());  // the producer loads the next step's dO once both consumers are here
     sm90::wgmma_wait<0>();  // dK and dQ's first panel
-    add_dq_tma(dq, h, m * BM, wg * WG_PANELS, tt, t == 0, lse + 2 * BM);
+    stage_dq(dq, wg * WG_PANELS, tt, lse + 2 * BM);
     sm90::wgmma_fence();
     issue_dq_panel(dq, wg * WG_PANELS + 1);
     sm90::wgmma_wait<0>();
-    if constexpr (WS) {  // (add_dq_tma waits for the staging tile) every product has read P^T and dS^T
-        sm90::named_arrive<256>(int(BwdBarrier::DsFree1) - wg);
-    } else {
-        if (tid % 128 == 0) sm90::bulk_wait_read<0>();  // the staging tile is read out by the first panel's add
-        sm90::named_sync<128>(int(BwdBarrier::Warpgroup0) + wg);
-    }
-    add_dq_tma(dq, h, m * BM, wg * WG_PANELS + 1, tt, false, lse + 2 * BM);  // read out under the next S^T
-    if constexpr (WS) sm90::mbar_arrive(qd_empty(tt % 2));  // done with Q and the rows
+    // (stage_dq waits for the staging tile) every product has read P^T and dS^T
+    sm90::named_arrive<256>(int(BwdBarrier::DsFree1) - wg);
+    stage_dq(dq, wg * WG_PANELS + 1, tt, lse + 2 * BM);  // read out under the next S^T
+    sm90::mbar_arrive(qd_empty(tt % 2));  // done with Q and the rows
 }
 
 }  // namespace cuflash

@@ -202,8 +202,8 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         if (steps > 0) {
             sm90::mbar_wait(kv_bar(), backwards);  // (produce_loads: a phase per key block)
             for (int t = 0; t < steps; ++t, ++tt) {
-                if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, steps, seqlen_q);
-                else step(smem, t, tt, m_min, m_count, steps, seqlen_q);
+                if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count);
+                else step(smem, t, tt, m_min, m_count, seqlen_q);
             }
         }
         sm90::mbar_arrive(kv_empty());  // this thread's products are done with K and V
