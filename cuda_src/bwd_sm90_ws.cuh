@@ -2,8 +2,7 @@
 // bwd_sm90_block.cuh). At d = 256 (DSPLIT) dO has one tile, loaded once both consumers' dV of the step before is done
 // (do_empty), and each consumer's staging tile carries its two dQ panels in turn (dq_empty per consumer). At d = 64
 // with 128 rows (ROW_SPLIT) each consumer's tile holds its 64 rows of dQ, and each rows thread stores two rows.
-// 384 threads:
-// warpgroup 0 produces, warpgroups 1 and 2 consume (as wg 0 and 1, their tid counted from 0).
+// 384 threads: warpgroup 0 produces, warpgroups 1 and 2 consume (as wg 0 and 1, their tid counted from 0).
 //  - Thread 0 loads by TMA: a key block's K and V once the consumers are done with the last one's (kv_empty), and a
 //    step's Q and dO once the consumers have handed its buffer back (qd_empty).
 //  - Warps 1-2, a thread per query row of a step (per two at BM = 128): the step's rows (lse, D, the fixed point's
@@ -11,7 +10,7 @@
 //    which also counts the copies' bytes.
 //  - Warp 3, the dQ warp: for each step and consumer, waits until the consumer's staging tile is stored
 //    (DqFull0 + wg), and its lane 0 adds the tile to dq_accum by TMA; once the step before's additions have read
-//    their tiles out, it hands that staging buffer back (dq_empty).
+//    their tiles out, it hands that staging buffer back (dq_empty; at d = 256 each panel's tile once it is read out).
 // The consumers run BwdSm90::step with no CTA barrier: a step waits for its buffer (qd_full), the two consumers meet
 // to exchange dS^T halves (DsReady) and to free dS^T's tile (DsFree0 + wg), and every thread hands the buffer back
 // (qd_empty) once its products are done.
@@ -25,7 +24,7 @@ template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DR
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::run_ws(char* smem) {
     static_assert(OFF_DQ + offsetof(Tail, dq_empty) + sizeof(Tail::dq_empty) + 1024 == SMEM_BYTES && TMA_DQ &&
                       BM % 64 == 0 && !SCORE_MOD && 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536,
-                  "SMEM_BYTES ends at its last mbarrier; dQ by TMA; query rows in 64s (a rows thread per 64)");
+                  "SMEM_BYTES ends at its last mbarrier; dQ by TMA; 64 or 128 query rows (BM / 64 a rows thread)");
     tid = threadIdx.x;
     base = (smem_u32(smem) + 1023) & ~1023u;
     h_kv = blockIdx.y;
