@@ -32,8 +32,8 @@ struct BwdSm90 {
     static constexpr int NT = DSPLIT ? BM / 16 : BM / 8, KK = BM / 16, QH = BM / 64;
     // dQ by TMA wherever each dQ element has one adding thread per step (all but d = 64 with 64 rows, where both
     // warpgroups add to every element): a warpgroup's 64 x 64 fp32 tile is stored to a staging buffer (two boxes of
-    // 32 columns, 128-byte swizzle; two buffers, by step parity) and one thread adds it to dq_accum with bulk tensor
-    // reductions, which leave the compute threads as soon as they are issued.
+    // 32 columns, 128-byte swizzle; two buffers, by step parity) and the producer's dQ warp adds it to dq_accum with
+    // bulk tensor reductions, so that the compute threads are done with dQ once the tile is stored.
     static constexpr bool TMA_DQ = !(D == 64 && BM == 64);
     static_assert(TMA_DQ == WS, "the warp-specialized kernels are those that add dQ by TMA (its dQ warp)");
     using Smem = BwdSm90Smem<D, BM, TMA_DQ>;

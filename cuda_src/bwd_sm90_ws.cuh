@@ -144,6 +144,14 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
             step_of(t, m_min, m_count, h, m);
             // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b]
             const int row = (p.cu_seqlens_q != nullptr ? SeqInfo::q_begin_of(p, b) : b * p.seqlen_q) + m * BM;
+            // lane 0: a staging tile's two boxes added at (column col, row row + r0); in slices (deterministic
+            // mode 1) a key block's first addition waits for the last one's, which may add to the same rows
+            const auto add_tile = [&](u32 tile, int col, int r0, bool first) {
+                if (!FIXED && p.deterministic == 1 && t == 0 && first) sm90::bulk_wait<0>();
+#pragma unroll
+                for (int box = 0; box < 2; ++box)
+                    sm90::tma_reduce_add_4d(&P.dq, col + box * 32, h, row + r0, slice, tile + box * DQ_BOX);
+            };
             if constexpr (DSPLIT) {
                 // consumer c's tile holds its panels 2 c and 2 c + 1 in turn: each read out before it is handed back
 #pragma unroll
@@ -152,12 +160,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                     for (int c = 0; c < 2; ++c) {
                         sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
                         if (issuer) {
-                            if (!FIXED && p.deterministic == 1 && t == 0 && pl == 0 && c == 0) sm90::bulk_wait<0>();
-                            const u32 tile = base + OFF_DQ + c * DQ_TILE;
-#pragma unroll
-                            for (int box = 0; box < 2; ++box)
-                                sm90::tma_reduce_add_4d(&P.dq, (2 * c + pl) * 64 + box * 32, h, row, slice,
-                                                        tile + box * DQ_BOX);
+                            add_tile(base + OFF_DQ + c * DQ_TILE, (2 * c + pl) * 64, 0, pl == 0 && c == 0);
                             sm90::bulk_commit();
                             sm90::bulk_wait_read<0>();
                             sm90::mbar_arrive(dq_empty(c));
@@ -165,17 +168,11 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                     }
             } else {
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {  // consumer c's tile: dQ's columns 64 c ..
+                for (int c = 0; c < 2; ++c) {  // consumer c's tile: ROW_SPLIT, dQ's rows 64 c ..; else columns 64 c ..
                     sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
-                    if (issuer) {
-                        // slices (deterministic mode 1): a key block's first step may add to the last one's rows
-                        if (!FIXED && p.deterministic == 1 && t == 0 && c == 0) sm90::bulk_wait<0>();
-                        const u32 tile = base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + c * DQ_TILE;
-#pragma unroll
-                        for (int box = 0; box < 2; ++box)  // ROW_SPLIT: rows 64 c ..; else columns 64 c ..
-                            sm90::tma_reduce_add_4d(&P.dq, (ROW_SPLIT ? 0 : c * 64) + box * 32, h,
-                                                    row + (ROW_SPLIT ? c * 64 : 0), slice, tile + box * DQ_BOX);
-                    }
+                    if (issuer)
+                        add_tile(base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + c * DQ_TILE, ROW_SPLIT ? 0 : c * 64,
+                                 ROW_SPLIT ? c * 64 : 0, c == 0);
                 }
                 if (issuer) {
                     sm90::bulk_commit();

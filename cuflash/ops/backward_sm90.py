@@ -84,8 +84,8 @@ class BwdSm90Spec:
     @property
     def threads(self) -> int:
         """BwdSm90::THREADS: two consumer warpgroups, and a producer warpgroup before them where the kernel is
-        warp-specialized (BwdSm90::WS: d = 128 and 256, and d = 64 with 128 query rows)."""
-        return 384 if self.headdim != 64 or self.block_m == 128 else 256
+        warp-specialized (BwdSm90::WS, the kernels that add dQ by TMA: its dQ warp issues the reductions)."""
+        return 384 if self.tma_dq else 256
 
     @property
     def name(self) -> str:
