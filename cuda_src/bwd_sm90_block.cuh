@@ -58,8 +58,8 @@ struct BwdSm90 {
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(D == 64 || D == 128 || (D == 256 && BM == 64 && !SCORE_MOD), "head dims 64, 128 and 256");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
-    static_assert(!DROPOUT || (BM == 64 && !FIXED && (!SCORE_MOD || D == 64)),
-                  "dropout: d 64 (a score mod too), 128, 256; 64 query rows");
+    static_assert(!DROPOUT || ((BM == 64 || !SCORE_MOD) && !FIXED && (!SCORE_MOD || D == 64)),
+                  "dropout: d 64 (a score mod too: 64 query rows), 128, 256");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
     static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64 && !DROPOUT;
@@ -265,12 +265,12 @@ struct BwdSm90 {
 
     // Dropout: P^T's fragments times the keep mask M. Fragment [kk][r] packs elements [2 kk + r / 2][2 (r % 2)] and
     // [..][2 (r % 2) + 1] (sm90::a_fragment): keep bits 8 kk + 2 r and 8 kk + 2 r + 1, its low and high halves.
-    __device__ __forceinline__ static void drop_fragments(u32 (&a)[KK][4], u32 kept) {
+    __device__ __forceinline__ static void drop_fragments(u32 (&a)[KK][4], const u32 (&kept)[QH]) {
 #pragma unroll
         for (int kk = 0; kk < KK; ++kk)
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
-                const u32 bits = kept >> (8 * kk + 2 * r);
+                const u32 bits = kept[kk / 4] >> (8 * (kk % 4) + 2 * r);
                 a[kk][r] &= (bits & 1u) * 0xFFFFu + (bits & 2u) * 0x7FFF8000u;
             }
     }
@@ -280,13 +280,19 @@ struct BwdSm90 {
         const float* dsum = lse + BM;
         // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
         const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
-        // dropout: the keep bits of this warp's 16 keys x BM queries (bit 4 j + e: element [j][e]), drawn while Q and
-        // dO load and before S^T and dP^T take their registers (beside them, at d = 128, ptxas spills)
-        u32 kept = ~0u;
+        // dropout: the keep bits of this warp's 16 keys x BM queries (word j / 8, bit 4 (j % 8) + e: element [j][e]),
+        // drawn while Q and dO load and before S^T and dP^T take their registers (beside them, at d = 128, ptxas
+        // spills)
+        u32 kept[QH];
+#pragma unroll
+        for (int qh = 0; qh < QH; ++qh) kept[qh] = ~0u;
         if constexpr (DROPOUT) {
-            if (p.dropout_threshold < (int)Dropout::LEVELS)
-                kept = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT>((key0 - lane / 4) / 16,
-                                                                                   m * BM / 16, lane);
+            if (p.dropout_threshold < (int)Dropout::LEVELS) {
+#pragma unroll
+                for (int qh = 0; qh < QH; ++qh)
+                    kept[qh] = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT / QH>(
+                        (key0 - lane / 4) / 16, m * BM / 16 + 4 * qh, lane);
+            }
         }
         sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);
         float st[NT][4], dpt[NT][4];
@@ -310,7 +316,7 @@ struct BwdSm90 {
                     const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
                     const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
                     float dp = dpt[j][e];
-                    if constexpr (DROPOUT) dp = (kept >> (4 * j + e)) & 1u ? dp * p.dropout_scale : 0.f;
+                    if constexpr (DROPOUT) dp = (kept[j / 8] >> (4 * (j % 8) + e)) & 1u ? dp * p.dropout_scale : 0.f;
                     st[j][e] = prob;
                     dpt[j][e] = prob * (dp - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
                 }
@@ -321,8 +327,10 @@ struct BwdSm90 {
             if (all_visible(m)) probabilities<false>(st, lse, key0, m);
             else probabilities<true>(st, lse, key0, m);
             // P^T's fragments: BM = 128 packs them after dS, so that its floats and fragments are not both live
-            if constexpr (BM == 64) sm90::a_fragments<T>(st, a);
-            if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M (its 1 / keep applied in store_dkdv)
+            if constexpr (BM == 64) {
+                sm90::a_fragments<T>(st, a);
+                if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M (its 1 / keep in store_dkdv)
+            }
             if constexpr (EARLY_DV) {
                 sm90::wgmma_fence();
                 issue_keys_by_d(acc_dv, a, do_tile(buf));
@@ -337,10 +345,13 @@ struct BwdSm90 {
                 for (int e = 0; e < 4; ++e) {
                     const int col = 8 * j + 2 * (lane % 4) + e % 2;
                     float dp = dpt[j][e];
-                    if constexpr (DROPOUT) dp = (kept >> (4 * j + e)) & 1u ? dp * p.dropout_scale : 0.f;
+                    if constexpr (DROPOUT) dp = (kept[j / 8] >> (4 * (j % 8) + e)) & 1u ? dp * p.dropout_scale : 0.f;
                     dpt[j][e] = st[j][e] * (dp - dsum[col]) * p.softmax_scale;  // dS^T, in place
                 }
-            if constexpr (BM == 128) sm90::a_fragments<T>(st, a);
+            if constexpr (BM == 128) {
+                sm90::a_fragments<T>(st, a);
+                if constexpr (DROPOUT) drop_fragments(a, kept);
+            }
         }
         sm90::a_fragments<T>(dpt, ds);
         // dS^T to shared memory, 128-byte swizzled rows of keys, one panel per 64 queries: (key r, query c) at

@@ -148,10 +148,10 @@ def test_dropout_forward_plan(arch):
 
 
 def test_dropout_backward_plan():
-    """Dropout's backward: on sm_90a the Hopper kernel's dropout variant at d 64 and 128 (64 query rows; in
-    deterministic mode the fp32 slices; with a score mod at d 64 only), elsewhere with a score mod the portable
-    kernel with one Q/dO buffer (at d 128 the 32-key configuration: the kernels that would spill leave dropout out,
-    BwdTraits::DROPOUT); above 128 it raises there, and on sm_90a the d 256 Hopper kernel takes 136-248."""
+    """Dropout's backward: on sm_90a the Hopper kernel's dropout variant at d 64 and 128 (64 query rows, 128 at d 64
+    without a score mod; in deterministic mode the fp32 slices; with a score mod at d 64 only), elsewhere with a score
+    mod the portable kernel with one Q/dO buffer (at d 128 the 32-key configuration: the kernels that would spill leave
+    dropout out, BwdTraits::DROPOUT); above 128 it raises there, and on sm_90a the d 256 Hopper kernel takes 136-248."""
     problem = checks.Problem(2, 300, 500, 8, 2, 128, np.dtype(np.float16))
     assert backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).sm90.dropout is False
     hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132, dropout=True)
@@ -160,7 +160,7 @@ def test_dropout_backward_plan():
     det = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132, dropout=True)
     assert det.sm90.dropout and not det.fixed_point and det.slices == det.grid[0]
     narrow = checks.Problem(2, 300, 500, 8, 2, 64, np.dtype(np.float16))
-    assert backward.plan_backward(narrow, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90.block_m == 64
+    assert backward.plan_backward(narrow, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90.block_m == 128
     modded = backward.plan_backward(problem, -1, 0, True, False, "sm_90a", 132, dropout=True)
     assert modded.sm90 is None and modded.spec.config == backward.DROPOUT_CONFIG
     assert modded.spec in backward.all_specs("sm_90a")

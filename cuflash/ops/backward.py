@@ -199,7 +199,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
                          slots if deterministic else 1)
     s = settings.current()
     d = backward_sm90.compiled_headdim(problem.headdim)  # the Hopper kernel's compiled head dim
-    block_m = backward_sm90.BLOCK_M if dropout else backward_sm90.block_m(d, score_mod)
+    block_m = backward_sm90.block_m(d, score_mod)
     n_blocks = math.ceil(problem.seqlen_k / backward_sm90.block_n(d))
     fixed = False
     if not deterministic:

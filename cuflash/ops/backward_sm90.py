@@ -17,8 +17,9 @@ from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
 SCORE_MOD_HEADDIMS = (64,)  # at 128 the score-mod kernel spills: 255 registers are already taken without it
-# Dropout (BwdSm90::DROPOUT) at every head dim, with 64 query rows (128 at d = 64 take 255 registers without the keep
-# bits) and no fixed-point variant (deterministic mode keeps the fp32 slices)
+# Dropout (BwdSm90::DROPOUT) at every head dim, with the head dim's query rows (128 at d = 64 without a score mod:
+# the warp-specialized kernel, two keep words a thread) and no fixed-point variant (deterministic mode keeps the fp32
+# slices)
 DROPOUT_HEADDIMS = (64, 128, 256)
 BLOCK_N = 128               # keys per CTA (BwdSm90::BN), 64 at d = 256 (block_n)
 BLOCK_M = 64                # query rows per step by default
@@ -121,7 +122,8 @@ def all_specs() -> list:
             for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))
             for rows in BLOCK_M_CHOICES if block_m_allowed(d, mod, rows)
             for fixed in ((False, True) if tma_dq(d, rows) else (False,))] + [
-        BwdSm90Spec(dtype, d, band, mod, dropout=True) for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
+        BwdSm90Spec(dtype, d, band, mod, block_m(d, mod), dropout=True)
+        for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
         for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))]
 
 
