@@ -274,6 +274,15 @@ struct BwdSm90 {
                 a[kk][r] &= (bits & 1u) * 0xFFFFu + (bits & 2u) * 0x7FFF8000u;
             }
     }
+    // P^T's fragments for dV, packed from its floats st, and with dropout times M (its 1 / keep applied in store_dkdv)
+    __device__ __forceinline__ static void pack_pt(u32 (&a)[KK][4], const float (&st)[NT][4], const u32 (&kept)[QH]) {
+        sm90::a_fragments<T>(st, a);
+        if constexpr (DROPOUT) drop_fragments(a, kept);
+    }
+    // dP^T's element [j][e] with dropout: times 1 / keep where it is kept (word j / 8, bit 4 (j % 8) + e), else 0
+    __device__ __forceinline__ float dropped(float dp, const u32 (&kept)[QH], int j, int e) const {
+        return (kept[j / 8] >> (4 * (j % 8) + e)) & 1u ? dp * p.dropout_scale : 0.f;
+    }
 
     __device__ __forceinline__ void step(char* smem, int t, int tt, int m_min, int m_count, int seqlen_q) {
         const auto [h, m, buf, lse] = begin_step(smem, t, tt, m_min, m_count);
@@ -316,7 +325,7 @@ struct BwdSm90 {
                     const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
                     const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
                     float dp = dpt[j][e];
-                    if constexpr (DROPOUT) dp = (kept[j / 8] >> (4 * (j % 8) + e)) & 1u ? dp * p.dropout_scale : 0.f;
+                    if constexpr (DROPOUT) dp = dropped(dp, kept, j, e);
                     st[j][e] = prob;
                     dpt[j][e] = prob * (dp - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
                 }
@@ -327,10 +336,7 @@ struct BwdSm90 {
             if (all_visible(m)) probabilities<false>(st, lse, key0, m);
             else probabilities<true>(st, lse, key0, m);
             // P^T's fragments: BM = 128 packs them after dS, so that its floats and fragments are not both live
-            if constexpr (BM == 64) {
-                sm90::a_fragments<T>(st, a);
-                if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M (its 1 / keep in store_dkdv)
-            }
+            if constexpr (BM == 64) pack_pt(a, st, kept);
             if constexpr (EARLY_DV) {
                 sm90::wgmma_fence();
                 issue_keys_by_d(acc_dv, a, do_tile(buf));
@@ -345,13 +351,10 @@ struct BwdSm90 {
                 for (int e = 0; e < 4; ++e) {
                     const int col = 8 * j + 2 * (lane % 4) + e % 2;
                     float dp = dpt[j][e];
-                    if constexpr (DROPOUT) dp = (kept[j / 8] >> (4 * (j % 8) + e)) & 1u ? dp * p.dropout_scale : 0.f;
+                    if constexpr (DROPOUT) dp = dropped(dp, kept, j, e);
                     dpt[j][e] = st[j][e] * (dp - dsum[col]) * p.softmax_scale;  // dS^T, in place
                 }
-            if constexpr (BM == 128) {
-                sm90::a_fragments<T>(st, a);
-                if constexpr (DROPOUT) drop_fragments(a, kept);
-            }
+            if constexpr (BM == 128) pack_pt(a, st, kept);
         }
         sm90::a_fragments<T>(dpt, ds);
         // dS^T to shared memory, 128-byte swizzled rows of keys, one panel per 64 queries: (key r, query c) at
