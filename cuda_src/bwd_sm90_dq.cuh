@@ -1,4 +1,5 @@
-// The Hopper backward's dQ additions (BwdSm90::add_dq_red, stage_dq; the class in bwd_sm90_block.cuh).
+// The Hopper backward's dQ additions (BwdSm90::add_dq_red, stage_dq) and the fused convert (count_dq, convert_dq,
+// zero_unseen_dq); the class in bwd_sm90_block.cuh.
 #pragma once
 #include "bwd_sm90_block.cuh"
 
@@ -73,6 +74,143 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     }
     sm90::fence_proxy_async();  // generic-proxy stores, read by TMA (async proxy) in the dQ warp
     sm90::named_arrive<160>(int(BwdBarrier::DqFull0) + wg);
+}
+
+// Lane 0 of the dQ warp: a staging tile's two boxes added to dq_accum at (column col, head h, row row, slice). In
+// slices (deterministic mode 1) a key block's first addition waits for the last one's (`wait_slices`), which may
+// add to the same rows.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::add_tile(
+    u32 tile, int col, int h, int row, int slice, bool wait_slices) const {
+    if (!FIXED && p.deterministic == 1 && wait_slices) sm90::bulk_wait<0>();
+#pragma unroll
+    for (int box = 0; box < 2; ++box) sm90::tma_reduce_add_4d(&P.dq, col + box * 32, h, row, slice, tile + box * DQ_BOX);
+}
+
+// The dQ warp (not DSPLIT): step tt's two staging tiles, each once its consumer stored it, added by lane 0 as one
+// bulk group (consumer c's tile: ROW_SPLIT, dQ's rows 64 c ..; else its columns 64 c ..). `first`: the key
+// block's first step.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::add_step(int tt, int h, int row,
+                                                                                             int slice,
+                                                                                             bool first) const {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
+        if (tid % 32 == 0)
+            add_tile(base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + c * DQ_TILE, ROW_SPLIT ? 0 : c * 64, h,
+                     row + (ROW_SPLIT ? c * 64 : 0), slice, first && c == 0);
+    }
+    if (tid % 32 == 0) sm90::bulk_commit();
+}
+
+// The fused convert (the dQ warp of a warp-specialized kernel but at d = 256, where p.dq_count is set: atomic mode
+// and the fixed point). Each query block (sequence b, head h, block m) has an int32 counter, zeroed by
+// bwd_preprocess. Once a CTA's additions to the block are made, the dQ warp adds 1 to it; the CTA whose addition
+// makes it key_blocks_seeing(m) has the block's last additions, loads the block's accumulator rows into the
+// staging buffer the additions came from, and casts them to dq. bwd_convert_dq does not run.
+
+// How many key blocks see query block m: those whose walk (walk_key_blocks) includes m, in closed form: key block n
+// has m_min <= m < m_max exactly where lo <= n <= hi.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ int BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::key_blocks_seeing(int m) const {
+    int lo = 0, hi = ceil_div(mask.seqlen_k, BN) - 1;
+    if (BAND) {
+        if (p.window_right >= 0) hi = min(hi, floor_div((m + 1) * BM + mask.diag + p.window_right - 1, BN));
+        if (p.window_left >= 0) lo = max(lo, floor_div(m * BM + mask.diag - p.window_left, BN));
+    }
+    return max(0, hi - lo + 1);
+}
+
+// The dQ warp, after query block (h, m)'s additions from staging buffer `buf` are made (bulk_wait): lane 0 counts
+// them (a release: the additions, then the count); the last key block's CTA converts the block.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::count_dq(
+    int h, int m, int buf, u32& conversions) const {
+    int last = 0;
+    if (tid % 32 == 0) {
+        sm90::fence_proxy_async_global();
+        __threadfence();
+        const int blocks = ceil_div(p.seqlen_q, BM);  // the counters' stride: the longest sequence's query blocks
+        if (m < blocks)  // (a packed sequence longer than max_seqlen_q stays inside the counters)
+            last = atomicAdd(p.dq_count + ((i64)b * p.nheads + h) * blocks + m, 1) == key_blocks_seeing(m) - 1;
+    }
+    if (__shfl_sync(~0u, last, 0)) convert_dq(h, m, buf, conversions++);
+}
+
+// Query block (h, m) of dq_accum cast to dq by the dQ warp: its rows loaded by TMA into staging buffer `buf` (the
+// layout stage_dq stores), then each lane casts 16 bytes at a time, rows past the sequence and columns past the
+// head dim left out; in the fixed point, times each row's unit (conv_unit, read while the loads run). `phase`:
+// conv_full's. The cast runs one load at a time: the warp has 24 registers.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::convert_dq(
+    int h, int m, int buf, u32 phase) const {
+    static_assert(WS && !DSPLIT, "two staging tiles hold a query block");
+    const int lane = tid % 32;
+    const u32 tiles = base + OFF_DQ + buf * 2 * DQ_TILE;
+    const int row0 = dq_row0(m);
+    if (lane == 0) {
+        __threadfence();  // the count's acquire: every other CTA's additions before the loads
+        sm90::fence_proxy_async_global();
+        sm90::fence_proxy_async();  // this warp's reads of the staging buffers before the loads' writes
+        sm90::mbar_arrive_expect_tx(conv_full(), 2 * DQ_TILE);
+#pragma unroll
+        for (int c = 0; c < 2; ++c)
+#pragma unroll
+            for (int box = 0; box < 2; ++box)
+                sm90::tma_load_4d(tiles + c * DQ_TILE + box * DQ_BOX, &P.dq, (ROW_SPLIT ? 0 : 64 * c) + 32 * box, h,
+                                  row0 + (ROW_SPLIT ? 64 * c : 0), 0, conv_full());
+    }
+    const int rows = min(BM, mask.seqlen_k - mask.diag - m * BM);  // (seqlen_q: the warp has 24 registers)
+    if constexpr (FIXED) {
+        const i64 first = SeqInfo::offset(SeqInfo::q_begin_of(p, b), p.lse_batch_stride, 1, m * BM) +
+                          (i64)h * p.lse_head_stride;
+        for (int r = lane; r < rows; r += 32)
+            sm90::st_shared_b32(conv_unit() + 4 * r, __float_as_uint(dq_fixed_unit(p.dq_scale[first + r])));
+        __syncwarp();
+    }
+    sm90::mbar_wait(conv_full(), phase & 1);
+    // lane: 16-byte chunk k of lines lane / 16, + 2, ... of each tile (two half-warps, two lines at a time)
+    const int k = lane % 16, row_stride = p.nheads * p.headdim;
+    u16* dq = p.dq + ((i64)row0 * p.nheads + h) * p.headdim;
+#pragma unroll 1
+    for (int i = lane / 16; i < 128; i += 2) {  // (tile c = i / 64, line r = i % 64)
+        const int c = i / 64, r = i % 64;
+        const int row = ROW_SPLIT ? i : r, col = (ROW_SPLIT ? 0 : 64 * c) + 4 * k;
+        if (row >= rows || col >= p.headdim) continue;
+        const uint4 x = sm90::ld_shared_v4(tiles + c * DQ_TILE + (k / 8) * DQ_BOX + r * 128 + (((k % 8) ^ (r % 8)) * 16));
+        float4 v;
+        if constexpr (FIXED) {
+            const float u = __uint_as_float(sm90::ld_shared_b32(conv_unit() + 4 * row));
+            v = make_float4((float)(int)x.x * u, (float)(int)x.y * u, (float)(int)x.z * u, (float)(int)x.w * u);
+        } else {
+            v = make_float4(__uint_as_float(x.x), __uint_as_float(x.y), __uint_as_float(x.z), __uint_as_float(x.w));
+        }
+        *reinterpret_cast<uint2*>(dq + (u32)(row * row_stride + col)) = make_uint2(pack2<T>(v.x, v.y), pack2<T>(v.z, v.w));
+    }
+    __syncwarp();  // every lane's reads of the buffer and the units done before it is handed back
+}
+
+// CTA 0 of each (KV head, sequence): the query blocks no key block sees are zeros in dq: the first ones under a
+// causal mask or a window with seqlen_q past seqlen_k, all of them in a sequence without keys. A warp's 32 blocks
+// are tested at once, and each one found is zeroed by the whole warp.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::zero_unseen_dq(
+    int m_blocks) const {
+    const int lane = tid % 32, row_stride = p.nheads * p.headdim, chunks = p.headdim / 4;
+    for (int m0 = 0; m0 < m_blocks; m0 += 32) {
+        u32 unseen = __ballot_sync(~0u, m0 + lane < m_blocks && key_blocks_seeing(m0 + lane) == 0);
+        while (unseen != 0) {
+            const int m = m0 + __ffs(unseen) - 1;
+            unseen &= unseen - 1;
+            const int rows = min(BM, mask.seqlen_k - mask.diag - m * BM);
+            for (int hh = 0; hh < p.heads_per_kv; ++hh) {
+                u16* dq = p.dq + ((i64)dq_row0(m) * p.nheads + h_kv * p.heads_per_kv + hh) * p.headdim;
+                for (int i = lane; i < rows * chunks; i += 32)
+                    *reinterpret_cast<uint2*>(dq + (i64)(i / chunks) * row_stride + 4 * (i % chunks)) = make_uint2(0, 0);
+            }
+        }
+    }
 }
 
 }  // namespace cuflash

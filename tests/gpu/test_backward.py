@@ -336,3 +336,110 @@ def test_sm90_backward_varlen(compiled, sm90_backward, deterministic):
                  dtype="fp16", deterministic=deterministic)
     run_backward(np.random.default_rng(23), lens_q=[70, 0, 190], lens_k=[129, 3, 200], h=4, hk=1, d=256,
                  dtype="bf16", causal=True, deterministic=deterministic)
+
+
+# The fused dQ convert (bwd_fused_convert): the Hopper kernel casts dQ itself in atomic mode and the fixed point
+# --------------------------------------------------------------------------------------------------------------
+
+FUSED_MODES = {"fused": (True, False), "fused fixed point": (True, True), "convert kernel": (False, False)}
+
+
+def poisoned_backward(dout, q, k, v, out, lse, opts, deterministic, cu=None):
+    """dq, dk, dv of backward.launch into outputs filled with NaN first (so that a row nobody writes shows); `cu`:
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of packed sequences."""
+    import cupy
+    from cuflash import checks
+    if cu is None:
+        problem = checks.check_backward(dout, q, k, v, out, lse, **opts)
+        packed = {}
+    else:
+        problem = checks.check_varlen_backward(dout, q, k, v, out, lse, *cu, **opts)
+        packed = dict(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+    dq, dk, dv = (cupy.full(x.shape, 0x7FFF, np.uint16).view(x.dtype) for x in (q, k, v))
+    backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes=None, deterministic=deterministic,
+                    **opts, **packed)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("mode", list(FUSED_MODES))
+@pytest.mark.parametrize("d", [64, 120, 128, 256])
+def test_sm90_fused_convert_writes_every_row(configure, compiled, mode, d):
+    """dq poisoned with NaN is written in every row: query blocks that no key block sees (seqlen_q past seqlen_k,
+    whose first rows see no key under a causal mask or a window), GQA, lengths off the tiles; against
+    the reference, and in the fixed point bitwise equal to the convert kernel's. d 256 keeps the convert kernel."""
+    import cupy
+    import cuflash
+    from cuflash import checks
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    fused, fixed = FUSED_MODES[mode]
+    configure(bwd_sm90=True)
+    configure(bwd_fused_convert=fused)
+    configure(bwd_sm90_det="fixed" if fixed else "auto")
+    problem = checks.Problem(2, 333, 200, 4, 2, d, np.dtype(np.float16))
+    launch = backward.plan_backward(problem, -1, 0, False, fixed, "sm_90a", 132)
+    assert launch.fused_convert == (fused and d != 256) and launch.fixed_point == fixed
+    rng = np.random.default_rng(51)
+    shapes = [(dict(b=2, sq=333, sk=200, h=4, hk=2), dict(causal=True, window_size=(-1, -1))),
+              (dict(b=1, sq=300, sk=130, h=2, hk=1), dict(causal=False, window_size=(40, 10))),
+              (dict(b=2, sq=77, sk=500, h=3, hk=3), dict(causal=False, window_size=(-1, -1)))]
+    backward._launches.clear()
+    try:
+        for shape, mask in shapes:
+            q, k, v, dout, _ = make_case(rng, **shape, d=d, dtype="bf16")
+            opts = dict(mask, softcap=0.0, softmax_scale=None)
+            out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+            grads = poisoned_backward(dout, q, k, v, out, lse, opts, fixed)
+            host = [x.get() for x in (q, k, v, dout)]
+            _, ref_lse = reference.attention(*host[:3], return_lse=True, **opts)
+            ref = reference.attention_backward(host[3], *host[:3], out.get().astype(np.float32), ref_lse, **opts)
+            naive = naive_lowp_backward(host[3], *host[:3], **opts)
+            for name, got, want, lowp in zip(("dq", "dk", "dv"), grads, ref, naive):
+                assert_close_to_reference(got.get(), want, lowp, what=name, context=f"{mode} d={d} {shape} {mask}")
+            if fixed:  # integer sums: the same bits whichever CTA converts
+                with cuflash_settings.override(bwd_fused_convert=False):
+                    unfused = poisoned_backward(dout, q, k, v, out, lse, opts, True)[0]
+                assert bool(cupy.array_equal(grads[0].view(np.uint16), unfused.view(np.uint16))), (mode, d, shape)
+    finally:
+        backward._launches.clear()
+
+
+@pytest.mark.parametrize("mode", list(FUSED_MODES))
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_fused_convert_packed(configure, compiled, mode, d):
+    """Packed sequences: an empty one, one without keys (its dq zeros), lengths off the tiles, and rows of q past
+    the last sequence (their dq zeros: the preprocess writes them)."""
+    import cupy
+    import cuflash
+    from tests.gpu.test_varlen import make_case as make_varlen, naive_varlen_backward
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    fused, fixed = FUSED_MODES[mode]
+    configure(bwd_sm90=True)
+    configure(bwd_fused_convert=fused)
+    configure(bwd_sm90_det="fixed" if fixed else "auto")
+    lens_q, lens_k, pad = [130, 0, 70, 200], [260, 9, 0, 150], 45
+    rng = np.random.default_rng(52)
+    q, k, v, dout, cu_q, cu_k, _ = make_varlen(rng, lens_q=lens_q, lens_k=lens_k, h=4, hk=2, d=d, dtype="fp16")
+    q, dout = (cupy.concatenate([x, cupy.asarray(randn(rng, (pad,) + x.shape[1:], np.float16))]) for x in (q, dout))
+    opts = dict(causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None)
+    cu = (cu_q, cu_k, max(lens_q), max(lens_k))
+    backward._launches.clear()
+    try:
+        out, lse = cuflash.attention_varlen(q, k, v, *cu, return_lse=True, **opts)
+        dq, dk, dv = poisoned_backward(dout, q, k, v, out, lse, opts, fixed, cu)
+        total = sum(lens_q)
+        assert not bool(dq[total:].view(np.uint16).any()), "rows past the last sequence: dq = 0"
+        qh, kh, vh, doh, cqh, ckh = (x.get() for x in (q[:total], k, v, dout[:total], cu_q, cu_k))
+        _, ref_lse = reference.attention_varlen(qh, kh, vh, cqh, ckh, *cu[2:], return_lse=True, **opts)
+        ref = reference.attention_varlen_backward(doh, qh, kh, vh, out[:total].get().astype(np.float32), ref_lse,
+                                                  cqh, ckh, *cu[2:], **opts)
+        naive = naive_varlen_backward(doh, qh, kh, vh, cqh, ckh, None, opts)
+        for name, got, want, lowp in zip(("dq", "dk", "dv"), (dq[:total], dk, dv), ref, naive):
+            assert_close_to_reference(got.get(), want, lowp, what=name, context=f"{mode} d={d}")
+        if fixed:
+            with cuflash_settings.override(bwd_fused_convert=False):
+                unfused = poisoned_backward(dout, q, k, v, out, lse, opts, True, cu)[0]
+            assert bool(cupy.array_equal(dq.view(np.uint16), unfused.view(np.uint16)))
+    finally:
+        backward._launches.clear()
