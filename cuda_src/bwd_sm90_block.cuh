@@ -98,7 +98,8 @@ struct BwdSm90 {
         return base + OFF_DQ + offsetof(Tail, dq_empty) + 8 * c;
     }
     __device__ __forceinline__ u32 do_empty() const { return base + OFF_DQ + offsetof(Tail, do_empty); }  // DSPLIT
-    // the fused convert (WS, not DSPLIT): a query block's accumulator rows loaded into a staging buffer
+    // the fused convert (WS, not DSPLIT): a box of a query block's accumulator, loaded by TMA
+    __device__ __forceinline__ u32 conv_box() const { return base + OFF_DQ + offsetof(Tail, conv); }
     __device__ __forceinline__ u32 conv_full() const { return base + OFF_DQ + offsetof(Tail, conv_full); }
     __device__ __forceinline__ u32 conv_unit() const { return base + OFF_DQ + offsetof(Tail, conv_unit); }
 
@@ -426,8 +427,8 @@ struct BwdSm90 {
     // The fused convert (WS, not DSPLIT; p.dq_count set): the dQ warp counts each query block's additions and the
     // last key block's CTA casts the block to dq (bwd_sm90_dq.cuh)
     __device__ __forceinline__ int key_blocks_seeing(int m) const;
-    __device__ __forceinline__ void count_dq(int h, int m, int buf, u32& conversions) const;
-    __device__ __forceinline__ void convert_dq(int h, int m, int buf, u32 phase) const;
+    __device__ __forceinline__ void count_dq(int h, int m, u32& conversions) const;
+    __device__ __forceinline__ void convert_dq(int h, int m, u32& conversions) const;
     __device__ __forceinline__ void zero_unseen_dq(int m_blocks) const;
     __device__ __forceinline__ int dq_row0(int m) const {  // dq's row of query block m's first row (all sequences)
         return (p.cu_seqlens_q != nullptr ? SeqInfo::q_begin_of(p, b) : b * p.seqlen_q) + m * BM;

@@ -107,8 +107,8 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 // The fused convert (the dQ warp of a warp-specialized kernel but at d = 256, where p.dq_count is set: atomic mode
 // and the fixed point). Each query block (sequence b, head h, block m) has an int32 counter, zeroed by
 // bwd_preprocess. Once a CTA's additions to the block are made, the dQ warp adds 1 to it; the CTA whose addition
-// makes it key_blocks_seeing(m) has the block's last additions, loads the block's accumulator rows into the
-// staging buffer the additions came from, and casts them to dq. bwd_convert_dq does not run.
+// makes it key_blocks_seeing(m) has the block's last additions, loads the block's accumulator rows into a tile of
+// its own (the staging buffers stay with the steps), and casts them to dq. bwd_convert_dq does not run.
 
 // How many key blocks see query block m: those whose walk (walk_key_blocks) includes m, in closed form: key block n
 // has m_min <= m < m_max exactly where lo <= n <= hi.
@@ -122,11 +122,11 @@ __device__ __forceinline__ int BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT
     return max(0, hi - lo + 1);
 }
 
-// The dQ warp, after query block (h, m)'s additions from staging buffer `buf` are made (bulk_wait): lane 0 counts
-// them (a release: the additions, then the count); the last key block's CTA converts the block.
+// The dQ warp, after query block (h, m)'s additions are made (bulk_wait): lane 0 counts them (a release: the
+// additions, then the count); the last key block's CTA converts the block.
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
-__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::count_dq(
-    int h, int m, int buf, u32& conversions) const {
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::count_dq(int h, int m,
+                                                                                             u32& conversions) const {
     int last = 0;
     if (tid % 32 == 0) {
         sm90::fence_proxy_async_global();
@@ -135,60 +135,60 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         if (m < blocks)  // (a packed sequence longer than max_seqlen_q stays inside the counters)
             last = atomicAdd(p.dq_count + ((i64)b * p.nheads + h) * blocks + m, 1) == key_blocks_seeing(m) - 1;
     }
-    if (__shfl_sync(~0u, last, 0)) convert_dq(h, m, buf, conversions++);
+    if (__shfl_sync(~0u, last, 0)) convert_dq(h, m, conversions);
 }
 
-// Query block (h, m) of dq_accum cast to dq by the dQ warp: its rows loaded by TMA into staging buffer `buf` (the
-// layout stage_dq stores), then each lane casts 16 bytes at a time, rows past the sequence and columns past the
-// head dim left out; in the fixed point, times each row's unit (conv_unit, read while the loads run). `phase`:
-// conv_full's. The cast runs one load at a time: the warp has 24 registers.
+// Query block (h, m) of dq_accum cast to dq by the dQ warp, a box (64 rows, 32 columns) at a time: box i of tile
+// c = i / 2 (ROW_SPLIT: rows 64 c ..; else columns 64 c ..) is loaded by TMA into the convert's box (the layout
+// stage_dq stores), then each lane casts 16 bytes at a time, rows past the sequence and columns past the head dim
+// left out; in the fixed point, times each row's unit (conv_unit, read while the first box loads).
+// `conversions`: conv_full's phases so far. The cast runs one load at a time: the warp has 24 registers.
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::convert_dq(
-    int h, int m, int buf, u32 phase) const {
-    static_assert(WS && !DSPLIT, "two staging tiles hold a query block");
+    int h, int m, u32& conversions) const {
+    static_assert(WS && !DSPLIT && BM * PANELS == 128, "a query block is two 64 x 64 tiles");
     const int lane = tid % 32;
-    const u32 tiles = base + OFF_DQ + buf * 2 * DQ_TILE;
-    const int row0 = dq_row0(m);
+    const int row0 = dq_row0(m), rows = min(BM, mask.seqlen_k - mask.diag - m * BM);  // (seqlen_q: 24 registers)
     if (lane == 0) {
         __threadfence();  // the count's acquire: every other CTA's additions before the loads
         sm90::fence_proxy_async_global();
-        sm90::fence_proxy_async();  // this warp's reads of the staging buffers before the loads' writes
-        sm90::mbar_arrive_expect_tx(conv_full(), 2 * DQ_TILE);
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-#pragma unroll
-            for (int box = 0; box < 2; ++box)
-                sm90::tma_load_4d(tiles + c * DQ_TILE + box * DQ_BOX, &P.dq, (ROW_SPLIT ? 0 : 64 * c) + 32 * box, h,
-                                  row0 + (ROW_SPLIT ? 64 * c : 0), 0, conv_full());
     }
-    const int rows = min(BM, mask.seqlen_k - mask.diag - m * BM);  // (seqlen_q: the warp has 24 registers)
-    if constexpr (FIXED) {
-        const i64 first = SeqInfo::offset(SeqInfo::q_begin_of(p, b), p.lse_batch_stride, 1, m * BM) +
-                          (i64)h * p.lse_head_stride;
-        for (int r = lane; r < rows; r += 32)
-            sm90::st_shared_b32(conv_unit() + 4 * r, __float_as_uint(dq_fixed_unit(p.dq_scale[first + r])));
-        __syncwarp();
-    }
-    sm90::mbar_wait(conv_full(), phase & 1);
-    // lane: 16-byte chunk k of lines lane / 16, + 2, ... of each tile (two half-warps, two lines at a time)
-    const int k = lane % 16, row_stride = p.nheads * p.headdim;
+    const int k = lane % 8, row_stride = p.nheads * p.headdim;  // lane: chunk k of lines lane / 8, + 4, ..
     u16* dq = p.dq + ((i64)row0 * p.nheads + h) * p.headdim;
 #pragma unroll 1
-    for (int i = lane / 16; i < 128; i += 2) {  // (tile c = i / 64, line r = i % 64)
-        const int c = i / 64, r = i % 64;
-        const int row = ROW_SPLIT ? i : r, col = (ROW_SPLIT ? 0 : 64 * c) + 4 * k;
-        if (row >= rows || col >= p.headdim) continue;
-        const uint4 x = sm90::ld_shared_v4(tiles + c * DQ_TILE + (k / 8) * DQ_BOX + r * 128 + (((k % 8) ^ (r % 8)) * 16));
-        float4 v;
-        if constexpr (FIXED) {
-            const float u = __uint_as_float(sm90::ld_shared_b32(conv_unit() + 4 * row));
-            v = make_float4((float)(int)x.x * u, (float)(int)x.y * u, (float)(int)x.z * u, (float)(int)x.w * u);
-        } else {
-            v = make_float4(__uint_as_float(x.x), __uint_as_float(x.y), __uint_as_float(x.z), __uint_as_float(x.w));
+    for (int i = 0; i < 4; ++i) {
+        const int first = ROW_SPLIT ? 64 * (i / 2) : 0, col0 = (ROW_SPLIT ? 0 : 64 * (i / 2)) + 32 * (i % 2);
+        if (lane == 0) {
+            sm90::fence_proxy_async();  // the lanes' reads of the box before the load's writes
+            sm90::mbar_arrive_expect_tx(conv_full(), DQ_BOX);
+            sm90::tma_load_4d(conv_box(), &P.dq, col0, h, row0 + first, 0, conv_full());
         }
-        *reinterpret_cast<uint2*>(dq + (u32)(row * row_stride + col)) = make_uint2(pack2<T>(v.x, v.y), pack2<T>(v.z, v.w));
+        if (FIXED && i == 0) {
+            const i64 at = SeqInfo::offset(SeqInfo::q_begin_of(p, b), p.lse_batch_stride, 1, m * BM) +
+                           (i64)h * p.lse_head_stride;
+#pragma unroll 1
+            for (int r = lane; r < rows; r += 32)
+                sm90::st_shared_b32(conv_unit() + 4 * r, __float_as_uint(dq_fixed_unit(p.dq_scale[at + r])));
+            __syncwarp();
+        }
+        sm90::mbar_wait(conv_full(), conversions++ & 1);
+        const int col = col0 + 4 * k;
+#pragma unroll 1
+        for (int r = lane / 8; r < 64 && first + r < rows && col < p.headdim; r += 4) {
+            const uint4 x = sm90::ld_shared_v4(conv_box() + r * 128 + ((k ^ (r % 8)) * 16));
+            float4 v;
+            if constexpr (FIXED) {
+                const float u = __uint_as_float(sm90::ld_shared_b32(conv_unit() + 4 * (first + r)));
+                v = make_float4((float)(int)x.x * u, (float)(int)x.y * u, (float)(int)x.z * u, (float)(int)x.w * u);
+            } else {
+                v = make_float4(__uint_as_float(x.x), __uint_as_float(x.y), __uint_as_float(x.z),
+                                __uint_as_float(x.w));
+            }
+            *reinterpret_cast<uint2*>(dq + (u32)((first + r) * row_stride + col)) =
+                make_uint2(pack2<T>(v.x, v.y), pack2<T>(v.z, v.w));
+        }
+        __syncwarp();  // every lane's reads of the box (and of the units) done before it is loaded again
     }
-    __syncwarp();  // every lane's reads of the buffer and the units done before it is handed back
 }
 
 // CTA 0 of each (KV head, sequence): the query blocks no key block sees are zeros in dq: the first ones under a

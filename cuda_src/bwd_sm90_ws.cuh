@@ -181,8 +181,9 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 
 // The dQ warp with the fused convert (p.dq_count set; not at d = 256). Its grids (atomic mode, the fixed point)
 // give each CTA one key block, blockIdx.x, which walk_key_blocks walks forwards; the warp's 24 registers hold no
-// more walk than that. Step t's query block is counted at step t + 1, once its additions are made (bulk_wait<1>),
-// and its staging buffer, which the block's conversion may reuse, is handed back after that.
+// more walk than that. A step's staging buffer is handed back as soon as its additions have read it, as without
+// the fused convert; step t's query block is counted at step t + 1, once its additions are made (bulk_wait<1>),
+// while the consumers compute.
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_dq_fused(int m_blocks) {
     const bool issuer = tid % 32 == 0;
@@ -197,19 +198,22 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     for (int t = 0; t < steps; ++t) {
         step_of(t, m_min, m_count, h, m);
         add_step(t, h, dq_row0(m), 0, false);
-        if (issuer) sm90::bulk_wait<1>();
-        __syncwarp();
-        if (t > 0) {
-            step_of(t - 1, m_min, m_count, h, m);
-            count_dq(h, m, (t - 1) % 2, conversions);
+        if (issuer) {
+            sm90::bulk_wait_read<1>();  // step t - 1's tiles are read out: step t + 1 may store there
+            sm90::mbar_arrive(dq_empty());
         }
-        if (issuer) sm90::mbar_arrive(dq_empty());
+        if (t > 0) {
+            if (issuer) sm90::bulk_wait<1>();
+            __syncwarp();
+            step_of(t - 1, m_min, m_count, h, m);
+            count_dq(h, m, conversions);
+        }
     }
     if (issuer) sm90::bulk_wait<0>();
     __syncwarp();
     if (steps > 0) {
         step_of(steps - 1, m_min, m_count, h, m);
-        count_dq(h, m, (steps - 1) % 2, conversions);
+        count_dq(h, m, conversions);
     }
     if (n == 0) zero_unseen_dq(m_blocks);
 }
