@@ -9,8 +9,7 @@ namespace cuflash {
 
 // Grid (row blocks, heads, sequences); a row is read by p.lanes adjacent threads (a power of two, 16 bytes of O and
 // of dO each per pass), so a warp covers several rows with every lane loading: no index division anywhere. The same
-// threads zero the row's dQ accumulator in every slice (one pass over memory instead of a memset launch), and with
-// the Hopper kernel's fused convert (p.dq_count set) its counters and the packed rows no sequence holds.
+// threads zero the row's dQ accumulator in every slice (one pass over memory instead of a memset launch).
 template <class T>
 __global__ void bwd_preprocess(const BwdPreParams p) {
     const int sub = threadIdx.x % p.lanes, row = blockIdx.x * (blockDim.x / p.lanes) + threadIdx.x / p.lanes;
@@ -39,16 +38,6 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
     for (int off = p.lanes / 2; off > 0; off /= 2) {  // within a row
         acc += __shfl_xor_sync(0xffffffff, acc, off);
         sq += __shfl_xor_sync(0xffffffff, sq, off);
-    }
-    if (p.dq_count != nullptr) {  // the fused convert: its counters zeroed, and packed rows past every sequence
-        const int threads = gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-        for (int i = ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-             i < p.counts; i += threads)
-            p.dq_count[i] = 0;
-        if (p.cu_seqlens_q != nullptr && row < p.seqlen_q && row >= p.cu_seqlens_q[p.sequences]) {
-            u16* dq = p.dq + ((i64)row * p.nheads + h) * p.headdim;
-            for (int c = sub * 4; c < p.headdim; c += p.lanes * 4) *reinterpret_cast<uint2*>(dq + c) = make_uint2(0, 0);
-        }
     }
     if (sub == 0 && row < p.seqlen_q) {
         const i64 i = ((i64)b * p.nheads + h) * p.seqlen_q + row;

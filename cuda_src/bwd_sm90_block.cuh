@@ -48,7 +48,7 @@ struct BwdSm90 {
     static constexpr u32 OFF_KV_BAR = OFF_DQ + offsetof(Tail, kv_full), OFF_QD_BAR = OFF_DQ + offsetof(Tail, qd_full);
     static constexpr u32 OFF_PT = OFF_DS + sizeof(Smem::ds), OFF_DO_BAR = OFF_QD_BAR + sizeof(Tail::qd_full);
     static constexpr u32 SMEM_BYTES =
-        OFF_QD_BAR + sizeof(Tail::qd_full) + (DSPLIT ? 8 : 0) + (WS ? (DSPLIT ? 48 : 40) : 0) + 1024;
+        OFF_QD_BAR + sizeof(Tail::qd_full) + (DSPLIT ? 8 : 0) + (WS ? (DSPLIT ? 48 : 32) : 0) + 1024;
     static_assert(BN == Smem::BN && sizeof(Smem::ds[0]) == DS_PANEL && offsetof(Smem, k) == 0 &&
                   offsetof(BwdSm90Tail<true>, dq) == 0, "one layout");
     static_assert(OFF_V % 1024 == 0 && OFF_Q % 1024 == 0 && OFF_DO % 1024 == 0 && OFF_DS % 1024 == 0 &&
@@ -98,10 +98,6 @@ struct BwdSm90 {
         return base + OFF_DQ + offsetof(Tail, dq_empty) + 8 * c;
     }
     __device__ __forceinline__ u32 do_empty() const { return base + OFF_DQ + offsetof(Tail, do_empty); }  // DSPLIT
-    // the fused convert (WS, not DSPLIT): a box of a query block's accumulator, loaded by TMA
-    __device__ __forceinline__ u32 conv_box() const { return base + OFF_DQ + offsetof(Tail, conv); }
-    __device__ __forceinline__ u32 conv_full() const { return base + OFF_DQ + offsetof(Tail, conv_full); }
-    __device__ __forceinline__ u32 conv_unit() const { return base + OFF_DQ + offsetof(Tail, conv_unit); }
 
     __device__ __forceinline__ void load_box(u32 dst, const sm90::TmaMap* map, int col, int head, int begin, int row,
                                              u32 bar) const {
@@ -422,17 +418,6 @@ struct BwdSm90 {
     // adds it by TMA (bwd_sm90_dq.cuh)
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;
     __device__ __forceinline__ void stage_dq(const float (&dq)[8][4], int panel, int tt, const float* scales) const;
-    __device__ __forceinline__ void add_tile(u32 tile, int col, int h, int row, int slice, bool wait_slices) const;
-    __device__ __forceinline__ void add_step(int tt, int h, int row, int slice, bool first) const;
-    // The fused convert (WS, not DSPLIT; p.dq_count set): the dQ warp counts each query block's additions and the
-    // last key block's CTA casts the block to dq (bwd_sm90_dq.cuh)
-    __device__ __forceinline__ int key_blocks_seeing(int m) const;
-    __device__ __forceinline__ void count_dq(int h, int m, u32& conversions) const;
-    __device__ __forceinline__ void convert_dq(int h, int m, u32& conversions) const;
-    __device__ __forceinline__ void zero_unseen_dq(int m_blocks) const;
-    __device__ __forceinline__ int dq_row0(int m) const {  // dq's row of query block m's first row (all sequences)
-        return (p.cu_seqlens_q != nullptr ? SeqInfo::q_begin_of(p, b) : b * p.seqlen_q) + m * BM;
-    }
 
     // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
@@ -467,22 +452,15 @@ struct BwdSm90 {
         for (int n = blockIdx.x; n < ceil_div(mask.seqlen_k, BN);
              n += backwards ? 2 * blockIdx.x + 1 : 2 * gridDim.x - 1 - 2 * blockIdx.x, backwards = !backwards) {
             n_key0 = n * BN;
-            int m_min;
-            const int m_count = query_blocks_of(n, m_blocks, diag, m_min);
+            // query blocks that see keys [n BN, n BN + BN): i in [j - diag - right, j - diag + left]
+            int m_min = 0, m_max = m_blocks;
+            if (BAND) {
+                if (p.window_right >= 0) m_min = max(0, floor_div(n * BN - diag - p.window_right, BM));
+                if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
+            }
+            const int m_count = max(0, m_max - m_min);
             f(m_min, m_count, m_count * p.heads_per_kv);
         }
-    }
-
-    // The query blocks that see keys [n BN, n BN + BN): [m_min, m_min + the count returned); query i sees key j
-    // where i is in [j - diag - right, j - diag + left].
-    __device__ __forceinline__ int query_blocks_of(int n, int m_blocks, int diag, int& m_min) const {
-        m_min = 0;
-        int m_max = m_blocks;
-        if (BAND) {
-            if (p.window_right >= 0) m_min = max(0, floor_div(n * BN - diag - p.window_right, BM));
-            if (p.window_left >= 0) m_max = min(m_max, floor_div(n * BN + BN - 1 - diag + p.window_left, BM) + 1);
-        }
-        return max(0, m_max - m_min);
     }
 
     // WS: the warp-specialized CTA and its roles (bwd_sm90_ws.cuh)
@@ -490,7 +468,6 @@ struct BwdSm90 {
     __device__ __forceinline__ void produce_loads(int m_blocks);
     __device__ __forceinline__ void produce_rows(char* smem, int m_blocks, int seqlen_q);
     __device__ __forceinline__ void produce_dq(int m_blocks);
-    __device__ __forceinline__ void produce_dq_fused(int m_blocks);
     __device__ __forceinline__ void consume(char* smem, int m_blocks, int seqlen_q);
 
     __device__ __forceinline__ void run(char* smem) {

@@ -32,15 +32,12 @@ static_assert(int(BwdBarrier::DsFree1) == int(BwdBarrier::DsFree0) + 1 &&
               int(BwdBarrier::DqFull1) == int(BwdBarrier::DqFull0) + 1, "one barrier per consumer, by index");
 
 // The end of the shared memory: with dQ added by TMA (TMA_DQ), its staging buffers, per step parity and warpgroup a
-// 64 x 64 fp32 tile as two boxes of 32 columns (64 lines of 128 bytes, 128-byte swizzle); the fused convert's box
-// (a query block's accumulator, loaded one such box at a time: at d = 128 two tiles would not fit) and the fixed
-// point's units of its rows; then the mbarriers: K/V full, and Q/dO full per buffer; the warp-specialized kernel's (BwdSm90::WS)
-// Q/dO empty per buffer, K/V empty, dQ staging free, and the fused convert's tile loaded (conv_full).
+// 64 x 64 fp32 tile as two boxes of 32 columns (64 lines of 128 bytes, 128-byte swizzle); then the mbarriers: K/V
+// full, and Q/dO full per buffer; the warp-specialized kernel's (BwdSm90::WS) Q/dO empty per buffer, K/V empty,
+// and dQ staging free.
 template <bool TMA_DQ> struct BwdSm90Tail {
     alignas(1024) float dq[2][2][2][64][32];
-    float conv[64][32];
-    float conv_unit[128];
-    unsigned long long kv_full, qd_full[2], qd_empty[2], kv_empty, dq_empty, conv_full;
+    unsigned long long kv_full, qd_full[2], qd_empty[2], kv_empty, dq_empty;
 };
 template <> struct BwdSm90Tail<false> {  // dQ by vector reductions (never warp-specialized): the mbarriers only
     alignas(1024) unsigned long long kv_full;

@@ -22,11 +22,9 @@ namespace cuflash {
 
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::run_ws(char* smem) {
-    static_assert(OFF_DQ + offsetof(Tail, dq_empty) + sizeof(Tail::dq_empty) + (DSPLIT ? 0 : 8) + 1024 == SMEM_BYTES &&
-                      TMA_DQ &&
+    static_assert(OFF_DQ + offsetof(Tail, dq_empty) + sizeof(Tail::dq_empty) + 1024 == SMEM_BYTES && TMA_DQ &&
                       BM % 64 == 0 && !SCORE_MOD && 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536,
-                  "SMEM_BYTES ends at its last mbarrier (conv_full after dq_empty but at d = 256); dQ by TMA; 64 or "
-                  "128 query rows (BM / 64 a rows thread)");
+                  "SMEM_BYTES ends at its last mbarrier; dQ by TMA; 64 or 128 query rows (BM / 64 a rows thread)");
     tid = threadIdx.x;
     base = (smem_u32(smem) + 1023) & ~1023u;
     h_kv = blockIdx.y;
@@ -42,7 +40,6 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
             sm90::mbar_init(qd_empty(i), 256);
             if (DSPLIT || i == 0) sm90::mbar_init(dq_empty(i), 1);  // DSPLIT: one per consumer
         }
-        if constexpr (!DSPLIT) sm90::mbar_init(conv_full(), 1);
         if constexpr (DSPLIT) {
             sm90::mbar_init(do_bar(), 1);
             sm90::mbar_init(do_empty(), 256);
@@ -138,12 +135,6 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 // The dQ warp (warp 3).
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_dq(int m_blocks) {
-    if constexpr (!DSPLIT) {
-        if (p.dq_count != nullptr) {
-            produce_dq_fused(m_blocks);
-            return;
-        }
-    }
     const bool issuer = tid % 32 == 0;
     const int slice = !FIXED && p.deterministic == 1 ? blockIdx.x : 0;
     int tt = 0;
@@ -151,7 +142,16 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         for (int t = 0; t < steps; ++t, ++tt) {
             int h, m;
             step_of(t, m_min, m_count, h, m);
-            const int row = dq_row0(m);
+            // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b]
+            const int row = (p.cu_seqlens_q != nullptr ? SeqInfo::q_begin_of(p, b) : b * p.seqlen_q) + m * BM;
+            // lane 0: a staging tile's two boxes added at (column col, row row + r0); in slices (deterministic
+            // mode 1) a key block's first addition waits for the last one's, which may add to the same rows
+            const auto add_tile = [&](u32 tile, int col, int r0, bool first) {
+                if (!FIXED && p.deterministic == 1 && t == 0 && first) sm90::bulk_wait<0>();
+#pragma unroll
+                for (int box = 0; box < 2; ++box)
+                    sm90::tma_reduce_add_4d(&P.dq, col + box * 32, h, row + r0, slice, tile + box * DQ_BOX);
+            };
             if constexpr (DSPLIT) {
                 // consumer c's tile holds its panels 2 c and 2 c + 1 in turn: each read out before it is handed back
 #pragma unroll
@@ -160,16 +160,22 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                     for (int c = 0; c < 2; ++c) {
                         sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
                         if (issuer) {
-                            add_tile(base + OFF_DQ + c * DQ_TILE, (2 * c + pl) * 64, h, row, slice,
-                                     t == 0 && pl == 0 && c == 0);
+                            add_tile(base + OFF_DQ + c * DQ_TILE, (2 * c + pl) * 64, 0, pl == 0 && c == 0);
                             sm90::bulk_commit();
                             sm90::bulk_wait_read<0>();
                             sm90::mbar_arrive(dq_empty(c));
                         }
                     }
             } else {
-                add_step(tt, h, row, slice, t == 0);
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {  // consumer c's tile: ROW_SPLIT, dQ's rows 64 c ..; else columns 64 c ..
+                    sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
+                    if (issuer)
+                        add_tile(base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + c * DQ_TILE, ROW_SPLIT ? 0 : c * 64,
+                                 ROW_SPLIT ? c * 64 : 0, c == 0);
+                }
                 if (issuer) {
+                    sm90::bulk_commit();
                     sm90::bulk_wait_read<1>();  // step tt - 1's tiles are read out: step tt + 1 may store there
                     sm90::mbar_arrive(dq_empty());
                 }
@@ -177,45 +183,6 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         }
     });
     if (issuer) sm90::bulk_wait<0>();  // every addition made before the CTA's shared memory goes
-}
-
-// The dQ warp with the fused convert (p.dq_count set; not at d = 256). Its grids (atomic mode, the fixed point)
-// give each CTA one key block, blockIdx.x, which walk_key_blocks walks forwards; the warp's 24 registers hold no
-// more walk than that. A step's staging buffer is handed back as soon as its additions have read it, as without
-// the fused convert; step t's query block is counted at step t + 1, once its additions are made (bulk_wait<1>),
-// while the consumers compute.
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
-__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_dq_fused(int m_blocks) {
-    const bool issuer = tid % 32 == 0;
-    const int n = blockIdx.x;
-    if (2 * (int)gridDim.x - 1 - n < ceil_div(mask.seqlen_k, BN)) __trap();  // a second key block: past the grid
-    backwards = false;
-    int m_min = 0, m_count = 0;
-    if (n * BN < mask.seqlen_k) m_count = query_blocks_of(n, m_blocks, mask.diag, m_min);
-    const int steps = m_count * p.heads_per_kv;
-    u32 conversions = 0;  // conv_full's phases so far
-    int h, m;
-    for (int t = 0; t < steps; ++t) {
-        step_of(t, m_min, m_count, h, m);
-        add_step(t, h, dq_row0(m), 0, false);
-        if (issuer) {
-            sm90::bulk_wait_read<1>();  // step t - 1's tiles are read out: step t + 1 may store there
-            sm90::mbar_arrive(dq_empty());
-        }
-        if (t > 0) {
-            if (issuer) sm90::bulk_wait<1>();
-            __syncwarp();
-            step_of(t - 1, m_min, m_count, h, m);
-            count_dq(h, m, conversions);
-        }
-    }
-    if (issuer) sm90::bulk_wait<0>();
-    __syncwarp();
-    if (steps > 0) {
-        step_of(steps - 1, m_min, m_count, h, m);
-        count_dq(h, m, conversions);
-    }
-    if (n == 0) zero_unseen_dq(m_blocks);
 }
 
 // The consumers: the key blocks' steps, then dK and dV.

@@ -64,9 +64,6 @@ struct BwdParams {
     const unsigned* kv_bound; // mode 2: (nheads_k, 2) max |K| and max row norm of V, as float bits (not read here)
     i64 dropout_seed, dropout_offset;  // the forward's dropout (FwdParams); set per call
     const i64* dropout_state;          // as in FwdParams
-    u16* dq;               // the fused convert (the Hopper kernel; nullptr elsewhere): like dq_accum's slice 0
-    int* dq_count;         // the fused convert's counters, (sequences, nheads, query blocks of the longest
-                           // sequence), zeroed by bwd_preprocess; nullptr: bwd_convert_dq runs after the kernel
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -99,9 +96,6 @@ struct BwdPreParams {
     unsigned* kv_bound;    // fixed point: (nheads_k, 2), zeroed by bwd_preprocess, maxima taken by bwd_kv_bound
     const u16* k;          // fixed point: (kv_batch, seqlen_k, nheads_k, headdim), read by bwd_kv_bound
     const u16* v;
-    u16* dq;               // the fused convert: packed rows past cu_seqlens_q[sequences] zeroed here
-    int* dq_count;         // the fused convert's counters (BwdParams), `counts` of them, zeroed here
-    const int* cu_seqlens_q;  // packed sequences (the fused convert), else nullptr
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
@@ -112,7 +106,6 @@ struct BwdPreParams {
     int slices;
     int fixed_point;       // 1: deterministic mode 2 (fixed_dq.cuh): row norms and K/V bounds too
     int kv_batch, seqlen_k, nheads_k;  // bwd_kv_bound's rows (packed: 1, total_k)
-    int counts, sequences;  // the fused convert: dq_count's length; packed sequences
     float softmax_scale;   // fixed point: bwd_fixed_scale's bounds
 };
 

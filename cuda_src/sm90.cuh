@@ -131,21 +131,6 @@ __device__ __forceinline__ void bulk_wait() {
 
 // Shared memory written by ordinary stores, read next by wgmma or TMA: each writer fences, then a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Global memory's async-proxy writes (TMA reductions, made: bulk_wait) ordered with the generic proxy's accesses
-// after them, and the generic proxy's before the async proxy's reads after it.
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-// 4 bytes from shared memory, and 16 (a 16-aligned address) as four 32-bit words.
-__device__ __forceinline__ u32 ld_shared_b32(u32 addr) {
-    u32 x;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(x) : "r"(addr) : "memory");
-    return x;
-}
-__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
-    uint4 x;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(addr)
-                 : "memory");
-    return x;
-}
 
 // One 32-bit store to shared memory, ordered with the asm around it (the fence and barrier that publish it).
 __device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {

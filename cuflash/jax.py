@@ -34,7 +34,7 @@ import ml_dtypes  # noqa: E402
 from . import _xla_ffi as ffi  # noqa: E402
 from . import checks, runtime  # noqa: E402
 from .options import normalize_window, resolve  # noqa: E402
-from .ops import backward, backward_sm90, forward, forward_fp8  # noqa: E402
+from .ops import backward, forward, forward_fp8  # noqa: E402
 
 __all__ = ["attention", "attention_fp8", "attention_varlen", "attention_varlen_fp8", "backward_workspace_bytes"]
 
@@ -402,23 +402,19 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     """
     left, right = normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
     rows = problem.batch * problem.seqlen_q if rows is None else rows  # total_q for packed sequences
-    slices, counts, refused = [], [0], None
+    slices, refused = [], None
     for arch in _archs():
         try:
-            launch = backward.plan_backward(problem, left, right, score_mod, deterministic, arch, _max_sm_count(),
-                                            dropout=dropout)
+            slices.append(backward.plan_backward(problem, left, right, score_mod, deterministic, arch,
+                                                 _max_sm_count(), dropout=dropout).slices)
         except NotImplementedError as err:
             refused = err
-            continue
-        slices.append(launch.slices)
-        if launch.fused_convert:  # the Hopper kernel's counters, one per query block
-            counts.append(backward_sm90.dq_counts(problem.batch, problem.nheads, problem.seqlen_q,
-                                                  launch.sm90.block_m))
     if not slices:
         raise refused
+    slices = max(slices)
     # room for the fixed point's pieces too in deterministic mode (whether a GPU takes it depends on its SM count)
-    return backward.workspace(rows, problem.nheads, problem.headdim, max(slices),
-                              problem.nheads_k if deterministic else 0, max(counts))[2]
+    return backward.workspace(rows, problem.nheads, problem.headdim, slices,
+                                   problem.nheads_k if deterministic else 0)[2]
 
 
 @functools.lru_cache(maxsize=None)

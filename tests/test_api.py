@@ -264,17 +264,16 @@ def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
     assert call.dq_bytes == slices * rows * h * d * 4 and dq_off + call.dq_bytes <= total
 
-    main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 120))
-    assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:19]] == list(range(101, 120))
+    main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 118))
+    assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:17]] == list(range(101, 118))
     assert main["dropout_threshold"] == options.DROPOUT_LEVELS and main["dropout_scale"] == 1.0
     assert (main["lse_batch_stride"], main["lse_head_stride"]) == ((1, rows) if packed else (h * sq, sq))
     assert main["dq_batch_stride"] == (h * d if packed else sq * h * d) and main["dq_slice_stride"] == rows * h * d
     assert (main["batch"], main["seqlen_q"], main["seqlen_k"], main["heads_per_kv"]) == (b, sq, sk, 2)
     assert (main["q_row_stride"], main["k_row_stride"], main["deterministic"]) == (h * d, hk * d, deterministic)
-    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 14))
+    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 11))
     assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound",
-                                  "k", "v", "dq", "dq_count", "cu_seqlens_q")] == list(range(1, 14))
-    assert call.count_offset is None and pre["counts"] == 0  # the portable kernel: the convert runs
+                                  "k", "v")] == list(range(1, 11))
     assert len(call.preprocess.launches) == 1 and pre["fixed_point"] == 0 and call.fixed_offsets is None
     assert (pre["batch"], pre["seqlen_q"], pre["nheads"]) == ((1, rows, h) if packed else (b, sq, h))
     assert (pre["dq_slice_stride"], pre["slices"]) == (rows * h * d, slices)  # it zeroes every slice
@@ -295,7 +294,6 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
     from cuflash.ops import backward, backward_sm90
     configure(bwd_sm90=True)
     configure(bwd_sm90_det="auto")
-    configure(bwd_fused_convert=False)  # the convert kernel's layout (the fused one: test_fused_convert_layout)
     b, sq, sk, h, hk, d = 3, 20, 400, 4, 2, 64
     call, rows, problem = _fake_backward_call(b, sq, sk, h, hk, d, 555, packed, True, rows_packed=37)
     launch = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
@@ -316,7 +314,7 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
                                     launch.grid, 0)
     dtype, dims, _, _ = backward_sm90.dq_accum_layout(main, launch.grid)
     assert dtype == np.int32 and dims == (d, h, rows, 1)
-    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 14))
+    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 11))
     assert pre["fixed_point"] == 1 and pre["nheads_k"] == hk
     rows_k = (1, 555) if packed else (b, sk)
     assert (pre["kv_batch"], pre["seqlen_k"]) == rows_k and pre["k_row_stride"] == hk * d
@@ -378,7 +376,7 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     assert main.main.kernel_call.launches[0][1:5] == (slots, hk, b, threads)
     got = np.frombuffer(main.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
     want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
-    ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 19))
+    ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 17))
     for name in backward.PARAMS_DTYPE.names[14:]:
         if name not in ("mod_scale", "softcap", "scale_log2"):  # the score-mod kernel's natural-log scores
             assert got[name] == ref[name] == want[name], name

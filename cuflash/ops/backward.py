@@ -173,7 +173,6 @@ class BwdLaunch:
     slices: int      # fp32 dQ accumulator slices (1 unless deterministic)
     fixed_point: bool = False  # deterministic mode 2: one int32 accumulator on the atomic grid
     sm90: backward_sm90.BwdSm90Spec | None = None  # the Hopper main kernel, which then runs instead of `spec`
-    fused_convert: bool = False  # the Hopper kernel casts dQ itself (backward_sm90.fused_convert): no convert
 
 
 def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
@@ -214,11 +213,10 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
         fixed = not dropout and backward_sm90.tma_dq(d, block_m) and (
             s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det == "auto" and auto))
     sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)
-    fused = backward_sm90.fused_convert(sm90, 2 if fixed else int(deterministic))
     if fixed:
-        return BwdLaunch(spec, plan.check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, True, sm90, fused)
+        return BwdLaunch(spec, plan.check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, True, sm90)
     return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1,
-                     False, sm90, fused)
+                     False, sm90)
 
 
 def slots_sm90(n_blocks: int, groups: int, sm_count: int, max_passes: int = 0) -> int:
@@ -242,18 +240,15 @@ def _aligned(n: int) -> int:
     return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
-def workspace(rows: int, nheads: int, headdim: int, slices: int, nheads_k: int = 0,
-              counts: int = 0) -> tuple[int, int, int]:
+def workspace(rows: int, nheads: int, headdim: int, slices: int, nheads_k: int = 0) -> tuple[int, int, int]:
     """The backward's workspaces as one aligned block: byte offsets of lse_log2 and of the dQ accumulator, and
     the total. In the order :func:`launch` lays them out: dsum and lse_log2 (fp32, one per query row and head),
     then the fp32 dQ accumulator (slices x rows x heads x headdim), each piece rounded up to WORKSPACE_ALIGN
     (cuflash.jax hands them out of one XLA buffer this size). `rows`: batch * seqlen_q, or total_q when packed.
-    `nheads_k` > 0: deterministic mode's fixed point, whose two pieces follow (fixed_point_offsets). `counts` > 0:
-    the fused convert's int32 counters, last (at the total without them)."""
+    `nheads_k` > 0: deterministic mode's fixed point, whose two pieces follow (fixed_point_offsets)."""
     per_row = _aligned(rows * nheads * 4)
     total = 2 * per_row + _aligned(slices * rows * nheads * headdim * 4)
-    total += per_row + _aligned(nheads_k * 2 * 4) if nheads_k > 0 else 0
-    return per_row, 2 * per_row, total + _aligned(counts * 4)
+    return per_row, 2 * per_row, total + (per_row + _aligned(nheads_k * 2 * 4) if nheads_k > 0 else 0)
 
 
 def kv_bound_blocks(rows: int, rows_per_block: int, groups: int, sm_count: int) -> int:
@@ -272,18 +267,16 @@ def fixed_point_offsets(rows: int, nheads: int, headdim: int) -> tuple[int, int]
 # Layouts of the structs in cuda_src/params.cuh: same field order, C alignment (tests/test_plan.py checks).
 PARAMS_DTYPE = plan.struct(
     ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi", "cu_seqlens_q", "cu_seqlens_k",
-     "dq_scale", "kv_bound", "dropout_seed", "dropout_offset", "dropout_state", "dq", "dq_count"),
+     "dq_scale", "kv_bound", "dropout_seed", "dropout_offset", "dropout_state"),
     plan.stride_fields("q", "k", "v", "do", "dk", "dv")
     + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
     ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
      "deterministic", "dropout_threshold"),
     ("dropout_scale", "scale_log2", "mod_scale", "softcap", "softmax_scale"))
 PRE_PARAMS_DTYPE = plan.struct(
-    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v", "dq", "dq_count",
-     "cu_seqlens_q"),
+    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v"),
     plan.stride_fields("o", "do", "k", "v") + ["dq_slice_stride"],
-    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k",
-     "counts", "sequences"),
+    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k"),
     ("softmax_scale",))
 CONVERT_PARAMS_DTYPE = plan.struct(
     ("dq_accum", "dq", "dq_scale"), ("slice_stride",), ("slices", "fixed_point", "seqlen_q", "nheads", "headdim"), ())
@@ -294,25 +287,20 @@ class BackwardCall(NamedTuple):
     """The backward's launches for one call signature, and where its workspace pieces lie: dsum at 0, lse_log2 at
     ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed by the preprocess) at ``dq_offset``, and in
     deterministic mode's fixed point the row scales and the K/V bounds at ``fixed_offsets``
-    (:func:`workspace`, :func:`fixed_point_offsets`), and with the fused convert its counters at
-    ``count_offset``."""
+    (:func:`workspace`, :func:`fixed_point_offsets`)."""
     # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed (fixed point: |dO| per row, the K/V bounds, then each
-    # row's dQ scale over its |dO|; the fused convert: its counters and the packed rows past every sequence):
-    # out, dout, lse, dsum, lse_log2, dq_accum, dq_scale, kv_bound, k, v, dq, dq_count, cu_seqlens_q
+    # row's dQ scale over its |dO|):
+    # out, dout, lse, dsum, lse_log2, dq_accum, dq_scale, kv_bound, k, v
     preprocess: KernelCall
     # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k, dq_scale,
-    # kv_bound (not read by the kernel), dropout_seed, dropout_offset, dropout_state, dq, dq_count (the fused
-    # convert, else 0)
+    # kv_bound (not read by the kernel), dropout_seed, dropout_offset, dropout_state
     main: KernelCall
-    # dQ = sum of the slices (fixed point: over the row scales), cast: dq_accum, dq, dq_scale; None where the main
-    # kernel casts dQ itself (the fused convert)
-    convert: KernelCall | None
+    convert: KernelCall      # dQ = sum of the slices (fixed point: over the row scales), cast: dq_accum, dq, dq_scale
     lse_log2_offset: int
     dq_offset: int
     dq_bytes: int
     workspace_bytes: int
     fixed_offsets: tuple | None = None  # (dq_scale, kv_bound) byte offsets; None: not fixed point
-    count_offset: int | None = None  # the fused convert's counters; None: the convert kernel runs
 
     def __call__(self, stream, dout, q, k, v, out, lse, dq, dk, dv, alibi, cu_seqlens_q, cu_seqlens_k, workspace,
                  dropout_seed=0, dropout_offset=0, dropout_state=0):
@@ -320,16 +308,9 @@ class BackwardCall(NamedTuple):
         seed and offset, or a pointer to them in device memory (dropout_state)."""
         dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
         row_scale, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
-        if self.convert is None:  # the fused convert
-            count = workspace + self.count_offset
-            self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v, dq, count,
-                            cu_seqlens_q)
-            self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
-                      row_scale, kv_bound, dropout_seed, dropout_offset, dropout_state, dq, count)
-            return
-        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v, 0, 0, 0)
+        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v)
         self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
-                  row_scale, kv_bound, dropout_seed, dropout_offset, dropout_state, 0, 0)
+                  row_scale, kv_bound, dropout_seed, dropout_offset, dropout_state)
         self.convert(stream, dq_accum, dq, row_scale)
 
 
@@ -347,10 +328,8 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
     rows = pre_b * pre_sq  # query rows of all sequences
     fixed = launch.fixed_point
-    counts = backward_sm90.dq_counts(b, h, sq, launch.sm90.block_m) if launch.fused_convert else 0
     lse_log2_offset, dq_offset, workspace_bytes = workspace(rows, h, d, launch.slices,
-                                                            problem.nheads_k if fixed else 0, counts)
-    count_offset = workspace(rows, h, d, launch.slices, problem.nheads_k if fixed else 0)[2] if counts else None
+                                                            problem.nheads_k if fixed else 0)
 
     # D = rowsum(dO * O) and lse in the log2 domain: pre_lanes(d) threads per row; grid (row blocks, heads,
     # sequences)
@@ -360,7 +339,6 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
     pp["lanes"] = pre_lanes(d)
     pp["dq_slice_stride"], pp["slices"] = rows * h * d, launch.slices
-    pp["counts"], pp["sequences"] = counts, b
     pre_rows = pre.threads // int(pp["lanes"])
     pre_launches = [(build.get_kernel(pre, device_id), plan.check_grid((-(-pre_sq // pre_rows), h, pre_b)),
                      (pre.threads,), 0)]
@@ -377,7 +355,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
         pp["softmax_scale"] = scale
         pre_launches.append((build.get_kernel(scale_spec, device_id),
                              plan.check_grid((-(-pre_sq // scale_spec.threads), h, pre_b)), (scale_spec.threads,), 0))
-    preprocess = KernelCall(pre_launches, pp, PRE_PARAMS_DTYPE.names[:13])
+    preprocess = KernelCall(pre_launches, pp, PRE_PARAMS_DTYPE.names[:10])
 
     # the main kernel; dsum and lse_log2 are (pre_b, h, pre_sq) contiguous, seen per sequence
     bp = np.zeros((), dtype=PARAMS_DTYPE)
@@ -397,7 +375,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
         main = backward_sm90.backward_main(launch.sm90, bp, q, k, v, dout, launch.grid, device_id)
     else:
         main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
-                            launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:19])
+                            launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:17])
 
     # dQ: sum the slices (fixed order), cast; fixed point: the int32 accumulator times each row's unit, grid (groups
     # of four elements of a row, rows)
@@ -408,10 +386,10 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     if fixed:
         cp["fixed_point"], cp["seqlen_q"], cp["nheads"], cp["headdim"] = 1, pre_sq, h, d
         conv_grid = (-(-(h * d // 4) // conv.threads), min(rows, 65535))
-    convert = None if counts else KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)],
-                                             cp, CONVERT_PARAMS_DTYPE.names[:3])
+    convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
+                         CONVERT_PARAMS_DTYPE.names[:3])
     return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
-                        workspace_bytes, fixed_point_offsets(rows, h, d) if fixed else None, count_offset)
+                        workspace_bytes, fixed_point_offsets(rows, h, d) if fixed else None)
 
 
 _launches: dict = {}  # call signature -> BackwardCall

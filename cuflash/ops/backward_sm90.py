@@ -110,18 +110,6 @@ class BwdSm90Spec:
         return "&" + self.template.replace("bwd_sm90_kernel<", "bwd_sm90_smem_bytes<", 1)
 
 
-def fused_convert(spec: BwdSm90Spec, mode: int) -> bool:
-    """The kernel casts dQ itself (BwdParams::dq_count; bwd_convert_dq does not run): the warp-specialized kernels
-    but d = 256 (whose staging tiles hold half a query block), in atomic mode and the fixed point (mode 0 or 2; the
-    slices are summed by the convert), setting on."""
-    return (settings.current().bwd_fused_convert and spec.tma_dq and spec.headdim != 256 and mode != 1)
-
-
-def dq_counts(sequences: int, nheads: int, seqlen_q: int, block_m: int) -> int:
-    """The fused convert's counters: one per (sequence, head, query block of the longest sequence)."""
-    return sequences * nheads * -(-seqlen_q // block_m)
-
-
 def dropout_applies(problem, score_mod: bool, arch: str) -> bool:
     """The Hopper kernel runs this backward with dropout: as :func:`applies` (a score mod at SCORE_MOD_HEADDIMS),
     at the DROPOUT_HEADDIMS."""
@@ -149,14 +137,13 @@ def params_dtype(inner: np.dtype) -> np.dtype:
                      "itemsize": 640 + -(-inner.itemsize // 64) * 64})
 
 
-_POINTERS = struct.Struct("19Q")  # BwdParams' leading per-call fields, right after the maps
+_POINTERS = struct.Struct("17Q")  # BwdParams' leading per-call fields, right after the maps
 
 
 class BackwardMain:
     """The Hopper backward's main launch behind the call interface of the portable one (``BackwardCall.main``):
     ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k, dq_scale,
-    kv_bound, dropout_seed, dropout_offset, dropout_state, dq, dq_count)`` (dq and dq_count 0 unless the fused
-    convert runs: fused_convert)."""
+    kv_bound, dropout_seed, dropout_offset, dropout_state)``."""
 
     __slots__ = ("kernel_call", "spec", "_maps", "_launch_head")
 
