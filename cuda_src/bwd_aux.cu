@@ -7,6 +7,13 @@
 
 namespace cuflash {
 
+// Rows of a packed tensor of `rows` that belong to a sequence: those before cu[sequences] (a caller's q, k or v may
+// have more); all of them without packed sequences (cu == nullptr). The rows past it are read as zeros, so that
+// their dQ is 0 in every mode, and the fixed point's bounds and scales come from rows that attention reads.
+__device__ __forceinline__ int used_rows(const int* cu, int sequences, int rows) {
+    return cu != nullptr ? max(0, min(rows, cu[sequences])) : rows;
+}
+
 // Grid (row blocks, heads, sequences); a row is read by p.lanes adjacent threads (a power of two, 16 bytes of O and
 // of dO each per pass), so a warp covers several rows with every lane loading: no index division anywhere. The same
 // threads zero the row's dQ accumulator in every slice (one pass over memory instead of a memset launch).
@@ -17,7 +24,7 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
     if (p.fixed_point && (blockIdx.x | blockIdx.y | blockIdx.z) == 0)
         for (int i = threadIdx.x; i < 2 * p.nheads_k; i += blockDim.x) p.kv_bound[i] = 0u;  // before bwd_kv_bound
     float acc = 0.f, sq = 0.f;
-    if (row < p.seqlen_q) {
+    if (row < used_rows(p.cu_seqlens_q, p.sequences, p.seqlen_q)) {
         const u16* o = p.out + b * p.o_batch_stride + row * p.o_row_stride + h * p.o_head_stride;
         const u16* d = p.dout + b * p.do_batch_stride + row * p.do_row_stride + h * p.do_head_stride;
         for (int c = sub * 8; c < p.headdim; c += p.lanes * 8) {  // 16-byte pieces
@@ -30,6 +37,8 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
                 sq += to_float<T>(de[e]) * to_float<T>(de[e]);
             }
         }
+    }
+    if (row < p.seqlen_q) {
         float* dq = p.dq_accum + (((i64)b * p.seqlen_q + row) * p.nheads + h) * p.headdim;
         for (int s = 0; s < p.slices; ++s)
             for (int c = sub * 4; c < p.headdim; c += p.lanes * 4)
@@ -58,10 +67,11 @@ __global__ void bwd_kv_bound(const BwdPreParams p) {
     const int sub = threadIdx.x % p.lanes, per_block = blockDim.x / p.lanes;
     const int h = blockIdx.y, b = blockIdx.z;
     float kmax = 0.f, vmax = 0.f;  // vmax: of |V_j|^2
-    for (int first = blockIdx.x * per_block; first < p.seqlen_k; first += gridDim.x * per_block) {  // block-uniform
+    const int rows = used_rows(p.cu_seqlens_k, p.sequences, p.seqlen_k);
+    for (int first = blockIdx.x * per_block; first < rows; first += gridDim.x * per_block) {  // block-uniform
         const int row = first + threadIdx.x / p.lanes;
         float vsq = 0.f;
-        if (row < p.seqlen_k) {
+        if (row < rows) {
             const u16* k = p.k + b * p.k_batch_stride + row * p.k_row_stride + h * p.k_head_stride;
             const u16* v = p.v + b * p.v_batch_stride + row * p.v_row_stride + h * p.v_head_stride;
             for (int c = sub * 8; c < p.headdim; c += p.lanes * 8) {

@@ -96,6 +96,8 @@ struct BwdPreParams {
     unsigned* kv_bound;    // fixed point: (nheads_k, 2), zeroed by bwd_preprocess, maxima taken by bwd_kv_bound
     const u16* k;          // fixed point: (kv_batch, seqlen_k, nheads_k, headdim), read by bwd_kv_bound
     const u16* v;
+    const int* cu_seqlens_q;  // packed sequences (else nullptr): rows of q past cu_seqlens_q[sequences] and of k, v
+    const int* cu_seqlens_k;  // past cu_seqlens_k[sequences] belong to none, and are read as zeros
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
@@ -106,6 +108,7 @@ struct BwdPreParams {
     int slices;
     int fixed_point;       // 1: deterministic mode 2 (fixed_dq.cuh): row norms and K/V bounds too
     int kv_batch, seqlen_k, nheads_k;  // bwd_kv_bound's rows (packed: 1, total_k)
+    int sequences;         // packed: the number of sequences (cu_seqlens' length - 1)
     float softmax_scale;   // fixed point: bwd_fixed_scale's bounds
 };
 

@@ -274,9 +274,11 @@ PARAMS_DTYPE = plan.struct(
      "deterministic", "dropout_threshold"),
     ("dropout_scale", "scale_log2", "mod_scale", "softcap", "softmax_scale"))
 PRE_PARAMS_DTYPE = plan.struct(
-    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v"),
+    ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v", "cu_seqlens_q",
+     "cu_seqlens_k"),
     plan.stride_fields("o", "do", "k", "v") + ["dq_slice_stride"],
-    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k"),
+    ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k",
+     "sequences"),
     ("softmax_scale",))
 CONVERT_PARAMS_DTYPE = plan.struct(
     ("dq_accum", "dq", "dq_scale"), ("slice_stride",), ("slices", "fixed_point", "seqlen_q", "nheads", "headdim"), ())
@@ -290,7 +292,8 @@ class BackwardCall(NamedTuple):
     (:func:`workspace`, :func:`fixed_point_offsets`)."""
     # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed (fixed point: |dO| per row, the K/V bounds, then each
     # row's dQ scale over its |dO|):
-    # out, dout, lse, dsum, lse_log2, dq_accum, dq_scale, kv_bound, k, v
+    # out, dout, lse, dsum, lse_log2, dq_accum, dq_scale, kv_bound, k, v, cu_seqlens_q, cu_seqlens_k (packed: rows
+    # past the last sequence read as zeros)
     preprocess: KernelCall
     # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k, dq_scale,
     # kv_bound (not read by the kernel), dropout_seed, dropout_offset, dropout_state
@@ -308,7 +311,8 @@ class BackwardCall(NamedTuple):
         seed and offset, or a pointer to them in device memory (dropout_state)."""
         dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
         row_scale, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
-        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v)
+        self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v, cu_seqlens_q,
+                        cu_seqlens_k)
         self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
                   row_scale, kv_bound, dropout_seed, dropout_offset, dropout_state)
         self.convert(stream, dq_accum, dq, row_scale)
@@ -339,6 +343,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
     pp["lanes"] = pre_lanes(d)
     pp["dq_slice_stride"], pp["slices"] = rows * h * d, launch.slices
+    pp["sequences"] = b  # (packed: cu_seqlens_q[b] ends the rows that belong to a sequence)
     pre_rows = pre.threads // int(pp["lanes"])
     pre_launches = [(build.get_kernel(pre, device_id), plan.check_grid((-(-pre_sq // pre_rows), h, pre_b)),
                      (pre.threads,), 0)]
@@ -355,7 +360,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
         pp["softmax_scale"] = scale
         pre_launches.append((build.get_kernel(scale_spec, device_id),
                              plan.check_grid((-(-pre_sq // scale_spec.threads), h, pre_b)), (scale_spec.threads,), 0))
-    preprocess = KernelCall(pre_launches, pp, PRE_PARAMS_DTYPE.names[:10])
+    preprocess = KernelCall(pre_launches, pp, PRE_PARAMS_DTYPE.names[:12])
 
     # the main kernel; dsum and lse_log2 are (pre_b, h, pre_sq) contiguous, seen per sequence
     bp = np.zeros((), dtype=PARAMS_DTYPE)

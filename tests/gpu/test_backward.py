@@ -336,3 +336,45 @@ def test_sm90_backward_varlen(compiled, sm90_backward, deterministic):
                  dtype="fp16", deterministic=deterministic)
     run_backward(np.random.default_rng(23), lens_q=[70, 0, 190], lens_k=[129, 3, 200], h=4, hk=1, d=256,
                  dtype="bf16", causal=True, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("mode", ["atomic", "slices", "fixed point"])
+def test_sm90_backward_packed_rows_past_the_sequences(configure, compiled, mode):
+    """Packed q, k and v with rows past their last sequence (a buffer longer than cu_seqlens' total), holding
+    garbage: NaN in O's, huge values in K's and V's. Their dq is 0 in every mode, and the fixed point's scales come
+    from the sequences' rows alone (a K bound of 1e30 would zero every dq). Sequences with no keys, no queries and
+    lengths off the tiles, against the reference."""
+    import cupy
+    import cuflash
+    from tests.gpu.test_varlen import make_case as make_varlen, naive_varlen_backward
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    configure(bwd_sm90=True)
+    configure(bwd_sm90_det={"atomic": "auto", "slices": "slices", "fixed point": "fixed"}[mode])
+    deterministic = mode != "atomic"
+    lens_q, lens_k, pad = [130, 0, 70, 200], [260, 9, 0, 150], 45
+    rng = np.random.default_rng(52)
+    q, k, v, dout, cu_q, cu_k, _ = make_varlen(rng, lens_q=lens_q, lens_k=lens_k, h=4, hk=2, d=128, dtype="bf16")
+    dt = DTYPES["bf16"]
+    q, dout = (cupy.asarray(np.concatenate([x.get(), randn(rng, (pad,) + x.shape[1:], dt)])) for x in (q, dout))
+    k, v = (cupy.asarray(np.concatenate([x.get(), np.full((pad,) + x.shape[1:], 1e30, np.float32).astype(dt)]))
+            for x in (k, v))
+    opts = dict(causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None)
+    cu = (cu_q, cu_k, max(lens_q), max(lens_k))
+    backward._launches.clear()
+    try:
+        out, lse = cuflash.attention_varlen(q, k, v, *cu, return_lse=True, **opts)
+        total, total_k = sum(lens_q), sum(lens_k)
+        out[total:].view(np.uint16)[...] = 0x7FC0  # NaN
+        dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, *cu, deterministic=deterministic,
+                                                       **opts)
+        assert not bool(dq[total:].view(np.uint16).any()), "rows past the last sequence: dq = 0"
+        qh, kh, vh, doh, cqh, ckh = (x.get() for x in (q[:total], k[:total_k], v[:total_k], dout[:total], cu_q, cu_k))
+        _, ref_lse = reference.attention_varlen(qh, kh, vh, cqh, ckh, *cu[2:], return_lse=True, **opts)
+        ref = reference.attention_varlen_backward(doh, qh, kh, vh, out[:total].get().astype(np.float32), ref_lse,
+                                                  cqh, ckh, *cu[2:], **opts)
+        naive = naive_varlen_backward(doh, qh, kh, vh, cqh, ckh, None, opts)
+        for name, got, want, lowp in zip(("dq", "dk", "dv"), (dq[:total], dk[:total_k], dv[:total_k]), ref, naive):
+            assert_close_to_reference(got.get(), want, lowp, what=name, context=mode)
+    finally:
+        backward._launches.clear()
