@@ -16,16 +16,13 @@ __device__ __forceinline__ int used_rows(const int* cu, int sequences, int rows)
 
 // Grid (row blocks, heads, sequences); a row is read by p.lanes adjacent threads (a power of two, 16 bytes of O and
 // of dO each per pass), so a warp covers several rows with every lane loading: no index division anywhere. The same
-// threads zero the row's dQ accumulator in every slice (one pass over memory instead of a memset launch), unless the
-// main kernel zeroes it (slices 0: its counters, after the accumulator, are zeroed here instead).
+// threads zero the row's dQ accumulator in every slice (one pass over memory instead of a memset launch).
 template <class T>
 __global__ void bwd_preprocess(const BwdPreParams p) {
     const int sub = threadIdx.x % p.lanes, row = blockIdx.x * (blockDim.x / p.lanes) + threadIdx.x / p.lanes;
     const int h = blockIdx.y, b = blockIdx.z;
     if (p.fixed_point && (blockIdx.x | blockIdx.y | blockIdx.z) == 0)
         for (int i = threadIdx.x; i < 2 * p.nheads_k; i += blockDim.x) p.kv_bound[i] = 0u;  // before bwd_kv_bound
-    if (p.slices == 0 && blockIdx.x == 0 && threadIdx.x == 0 && h < p.nheads_k)  // the main kernel zeroes dq_accum
-        reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride)[b * p.nheads_k + h] = 0;  // (BwdParams::zero_dq)
     float acc = 0.f, sq = 0.f;
     if (row < used_rows(p.cu_seqlens_q, p.sequences, p.seqlen_q)) {
         const u16* o = p.out + b * p.o_batch_stride + row * p.o_row_stride + h * p.o_head_stride;

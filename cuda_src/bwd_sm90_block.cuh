@@ -418,13 +418,6 @@ struct BwdSm90 {
     // adds it by TMA (bwd_sm90_dq.cuh)
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;
     __device__ __forceinline__ void stage_dq(const float (&dq)[8][4], int panel, int tt, const float* scales) const;
-    // BwdParams::zero_dq: the dQ warp's share of the accumulator zeroed, then the wait for the group's CTAs, counted
-    // in the int32 (batch, nheads_k) after the accumulator
-    __device__ __forceinline__ void zero_dq_share() const;
-    __device__ __forceinline__ void wait_dq_zeroed() const;
-    __device__ __forceinline__ int* dq_ready() const {
-        return reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride) + b * gridDim.y + h_kv;
-    }
 
     // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {

@@ -75,44 +75,4 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     sm90::named_arrive<160>(int(BwdBarrier::DqFull0) + wg);
 }
 
-// BwdParams::zero_dq (padded batch, one accumulator, not at d = 256): the dQ warp zeroes dq_accum itself, so that
-// the preprocess does not write it to DRAM long before the reductions read it back. CTA x of a (KV head, sequence)'s
-// group zeroes its share of the group's 64-row boxes (every query head of the group, every 32 columns) by TMA stores
-// from a zeroed box in the staging buffer of odd steps (free until step 1, whose stores wait for dq_empty), the last
-// box of the sequence moved up to end at its last row (so that no box reaches the next sequence's rows: seqlen_q >=
-// 64; boxes of one group may overlap, as all zeroing precedes any addition). Once its stores are written it counts
-// itself done in the group's int32 counter, (batch, nheads_k) right after the accumulator (zeroed by the
-// preprocess). Its first reduction waits until the count is the group's CTAs: they are adjacent in the grid, and
-// the planner zeroes here only where a group has few enough (backward_sm90.ZERO_DQ_MAX_BLOCKS) to be resident
-// together. (Stores from the warp's lanes instead ran at a few GB/s against the L2's load: -30% at d 64, 512 keys.)
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
-__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::zero_dq_share() const {
-    static_assert(!DSPLIT, "d = 256 stages dQ at step 0 in both consumer tiles: no box is free");
-    const u32 zeros = base + OFF_DQ + 2 * DQ_TILE;
-    const int ln = threadIdx.x % 32;
-#pragma unroll
-    for (u32 i = 0; i < DQ_BOX; i += 32 * 16) sm90::st_shared_zero16(zeros + i + ln * 16);
-    sm90::fence_proxy_async();  // read next by the TMA stores
-    __syncwarp();
-    if (ln != 0) return;
-    const int boxes = ceil_div(p.seqlen_q, 64), per = ceil_div(boxes, int(gridDim.x));
-    const int first = blockIdx.x * per, last = min(boxes, first + per);
-    for (int i = first; i < last; ++i) {
-        const int row = b * p.seqlen_q + min(i * 64, p.seqlen_q - 64);
-        for (int h = h_kv * p.heads_per_kv; h < (h_kv + 1) * p.heads_per_kv; ++h)
-            for (int col = 0; col < p.headdim; col += 32) sm90::tma_store_4d(&P.dq, col, h, row, 0, zeros);
-    }
-    sm90::bulk_commit();
-    sm90::bulk_wait<0>();              // the zeros written
-    sm90::fence_proxy_async_global();  // (async-proxy writes, published by a generic release)
-    sm90::red_release_add(dq_ready(), 1);
-}
-
-// The issuing lane: every CTA of the group has zeroed its share (zero_dq_share).
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
-__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::wait_dq_zeroed() const {
-    while (sm90::ld_acquire(dq_ready()) < int(gridDim.x)) __nanosleep(128);
-    sm90::fence_proxy_async_global();  // the zeros (seen by this thread) before its TMA reductions
-}
-
 }  // namespace cuflash

@@ -8,11 +8,9 @@
 //  - Warps 1-2, a thread per query row of a step (per two at BM = 128): the step's rows (lse, D, the fixed point's
 //    dQ scale), into the same buffer once it is handed back. The 64 and thread 0 arrive on the buffer's qd_full,
 //    which also counts the copies' bytes.
-//  - Warp 3, the dQ warp: with BwdParams::zero_dq it first zeroes its share of dq_accum and waits until the group's
-//    other CTAs have zeroed theirs (bwd_sm90_dq.cuh). For each step and consumer, it waits until the consumer's
-//    staging tile is stored (DqFull0 + wg), and its lane 0 adds the tile to dq_accum by TMA; once the step before's
-//    additions have read their tiles out, it hands that staging buffer back (dq_empty; at d = 256 each panel's tile
-//    once it is read out).
+//  - Warp 3, the dQ warp: for each step and consumer, waits until the consumer's staging tile is stored
+//    (DqFull0 + wg), and its lane 0 adds the tile to dq_accum by TMA; once the step before's additions have read
+//    their tiles out, it hands that staging buffer back (dq_empty; at d = 256 each panel's tile once it is read out).
 // The consumers run BwdSm90::step with no CTA barrier: a step waits for its buffer (qd_full), the two consumers meet
 // to exchange dS^T halves (DsReady) and to free dS^T's tile (DsFree0 + wg), and every thread hands the buffer back
 // (qd_empty) once its products are done.
@@ -139,13 +137,6 @@ template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DR
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_dq(int m_blocks) {
     const bool issuer = tid % 32 == 0;
     const int slice = !FIXED && p.deterministic == 1 ? blockIdx.x : 0;
-    if constexpr (!DSPLIT) {
-        if (p.zero_dq) {  // (bwd_sm90_dq.cuh) meanwhile the consumers run ahead, by the two staging buffers
-            zero_dq_share();
-            if (issuer) wait_dq_zeroed();
-            __syncwarp();
-        }
-    }
     int tt = 0;
     walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
         for (int t = 0; t < steps; ++t, ++tt) {

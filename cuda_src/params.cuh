@@ -80,9 +80,6 @@ struct BwdParams {
     int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only; 2: every CTA adds
                            // int32 fixed point into slice 0 (the Hopper kernel only; fixed_dq.cuh)
     int dropout_threshold;  // as in FwdParams (the portable kernel only)
-    int zero_dq;           // 1 (the Hopper kernel's dQ warp, padded batch, one slice): the main kernel zeroes
-                           // dq_accum, each CTA a share of its (KV head, sequence)'s rows, and counts the CTAs done in
-                           // the int32 (batch, nheads_k) right after the accumulator (dq_ready); 0: the preprocess did
     float dropout_scale;
     float scale_log2, mod_scale, softcap, softmax_scale;
 };
@@ -108,7 +105,7 @@ struct BwdPreParams {
     i64 dq_slice_stride;   // elements per slice
     int batch, seqlen_q, nheads, headdim;
     int lanes;             // threads per row: a power of two, 16 bytes each per pass (cuflash.plan.bwd_pre_lanes)
-    int slices;            // 0: the main kernel zeroes dq_accum (BwdParams::zero_dq); the counters after it zeroed here
+    int slices;
     int fixed_point;       // 1: deterministic mode 2 (fixed_dq.cuh): row norms and K/V bounds too
     int kv_batch, seqlen_k, nheads_k;  // bwd_kv_bound's rows (packed: 1, total_k)
     int sequences;         // packed: the number of sequences (cu_seqlens' length - 1)

@@ -132,28 +132,6 @@ __device__ __forceinline__ void bulk_wait() {
 // Shared memory written by ordinary stores, read next by wgmma or TMA: each writer fences, then a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Global memory written by ordinary stores in one CTA and read next by another CTA's TMA (or the reverse): the
-// writer fences before its release, the reader after its acquire.
-__device__ __forceinline__ void fence_proxy_async_global() {
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-
-// A counter in global memory: added to with release semantics at GPU scope (what the thread wrote before is seen
-// by whoever reads the sum with acquire), and read with acquire semantics (spun on until the releases arrive).
-__device__ __forceinline__ void red_release_add(int* addr, int x) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(addr), "r"(x) : "memory");
-}
-__device__ __forceinline__ int ld_acquire(const int* addr) {
-    int x;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(x) : "l"(addr) : "memory");
-    return x;
-}
-
-// 16 zero bytes stored to shared memory (16-byte aligned), ordered with the asm around it.
-__device__ __forceinline__ void st_shared_zero16(u32 addr) {
-    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-}
-
 // One 32-bit store to shared memory, ordered with the asm around it (the fence and barrier that publish it).
 __device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");

@@ -414,7 +414,7 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     slices = max(slices)
     # room for the fixed point's pieces too in deterministic mode (whether a GPU takes it depends on its SM count)
     return backward.workspace(rows, problem.nheads, problem.headdim, slices,
-                              problem.nheads_k if deterministic else 0, problem.batch * problem.nheads_k)[2]
+                                   problem.nheads_k if deterministic else 0)[2]
 
 
 @functools.lru_cache(maxsize=None)

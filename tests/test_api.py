@@ -260,9 +260,9 @@ def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
     call, rows, problem = _fake_backward_call(b, sq, sk, h, hk, d, 555, packed, deterministic, rows_packed=37)
     slices = backward.plan_backward(problem, -1, 0, False, deterministic, "sm_90a", 132).slices
     assert (slices > 1) == deterministic
-    lse_off, dq_off, total = backward.workspace(rows, h, d, slices, groups=b * hk)
+    lse_off, dq_off, total = backward.workspace(rows, h, d, slices)
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
-    assert call.dq_bytes == slices * rows * h * d * 4 and dq_off + call.dq_bytes + b * hk * 4 <= total  # counters
+    assert call.dq_bytes == slices * rows * h * d * 4 and dq_off + call.dq_bytes <= total
 
     main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 118))
     assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:17]] == list(range(101, 118))
@@ -278,45 +278,10 @@ def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
     assert len(call.preprocess.launches) == 1 and pre["fixed_point"] == 0 and call.fixed_offsets is None
     assert (pre["batch"], pre["seqlen_q"], pre["nheads"]) == ((1, rows, h) if packed else (b, sq, h))
     assert (pre["dq_slice_stride"], pre["slices"]) == (rows * h * d, slices)  # it zeroes every slice
-    assert main["zero_dq"] == 0  # (the portable kernel)
     conv = _struct(call.convert, backward.CONVERT_PARAMS_DTYPE, 8, 9, 10)
     assert (int(conv["dq_accum"]), int(conv["dq"]), conv["slice_stride"], conv["slices"]) == (
         8, 9, rows * h * d, slices)
     assert conv["fixed_point"] == 0
-
-
-def test_zero_dq_rule(configure, no_gpu_kernels):
-    """The Hopper kernel's dQ warp zeroes the accumulator (BwdParams::zero_dq) where it has one (atomic mode, the
-    fixed point, one slot), a padded batch of at least 64 query rows and at most ZERO_DQ_MAX_BLOCKS CTAs per group,
-    not at d = 256; the preprocess then zeroes only the counters after it (slices 0) and the workspace holds them."""
-    from cuflash import checks
-    from cuflash.ops import backward, backward_sm90
-    spec = backward_sm90.BwdSm90Spec("bf16", 128, False)
-    rule = backward_sm90.zero_dq
-    assert rule(spec, (16, 2, 3), 1, False, 64, 132) and rule(dataclasses.replace(spec, fixed=True), (4, 1, 1), 1,
-                                                              False, 2048, 132)
-    assert rule(backward_sm90.BwdSm90Spec("bf16", 64, False, block_m=128), (4, 1, 1), 1, False, 512, 132)
-    assert not rule(spec, (17, 2, 3), 1, False, 64, 132)  # more CTAs a group than ZERO_DQ_MAX_BLOCKS
-    assert not rule(spec, (8, 2, 3), 1, False, 64, 4)  # more than the GPU's SMs
-    assert not rule(spec, (4, 2, 3), 2, False, 512, 132)  # slices
-    assert not rule(spec, (4, 2, 3), 1, True, 512, 132)  # packed
-    assert not rule(spec, (4, 2, 3), 1, False, 63, 132)  # a box of 64 rows would reach the next sequence
-    assert not rule(backward_sm90.BwdSm90Spec("bf16", 256, False), (4, 2, 3), 1, False, 512, 132)
-    assert not rule(backward_sm90.BwdSm90Spec("bf16", 64, False, score_mod=True), (4, 2, 3), 1, False, 512, 132)
-    configure(bwd_sm90_zero_dq=False)
-    assert not rule(spec, (4, 2, 3), 1, False, 512, 132)
-    configure(bwd_sm90_zero_dq=True, bwd_sm90=True)
-    b, sq, sk, h, hk, d = 3, 100, 400, 4, 2, 128
-    problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(np.float16))
-    q = _FakeDeviceArray(np.zeros((b, sq, h, d), np.float16), 0)
-    k = _FakeDeviceArray(np.zeros((b, sk, hk, d), np.float16), 0)
-    lse = _FakeDeviceArray(np.zeros((b, h, sq), np.float32), 0)
-    call = _backward_call(problem, q, q, k, k, q, lse, q, k, k, device_id=0, softmax_scale=None, causal=True,
-                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, packed=False)
-    main = np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
-    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 13))
-    assert (main["zero_dq"], pre["slices"], pre["nheads_k"]) == (1, 0, hk)
-    assert call.dq_offset + call.dq_bytes + b * hk * 4 <= call.workspace_bytes
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -335,11 +300,11 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
     launch = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
     assert launch.fixed_point and launch.slices == 1 and launch.grid == (4, hk, b)  # 400 keys: 4 blocks
     assert backward.slots_sm90(4, b * hk, 132) > 1
-    lse_off, dq_off, total = backward.workspace(rows, h, d, 1, hk, b * hk)
-    scale_off, kvb_off = backward.fixed_point_offsets(rows, h, d, b * hk)
+    lse_off, dq_off, total = backward.workspace(rows, h, d, 1, hk)
+    scale_off, kvb_off = backward.fixed_point_offsets(rows, h, d)
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
     assert call.fixed_offsets == (scale_off, kvb_off)
-    assert dq_off + call.dq_bytes + b * hk * 4 <= scale_off and scale_off + rows * h * 4 <= kvb_off
+    assert dq_off + call.dq_bytes <= scale_off and scale_off + rows * h * 4 <= kvb_off
     assert kvb_off + hk * 2 * 4 <= total
     main = np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
     assert main["deterministic"] == 2 and call.main.kernel_call.launches[0][1:4] == (4, hk, b)
@@ -352,7 +317,6 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
     assert dtype == np.int32 and dims == (d, h, rows, 1)
     pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 13))
     assert pre["fixed_point"] == 1 and pre["nheads_k"] == hk
-    assert (main["zero_dq"], pre["slices"]) == (0, 1)  # 20 query rows: the preprocess zeroes dQ (test_zero_dq_rule)
     rows_k = (1, 555) if packed else (b, sk)
     assert (pre["kv_batch"], pre["seqlen_k"]) == rows_k and pre["k_row_stride"] == hk * d
     per_block = 256 // backward.pre_lanes(d)
@@ -415,9 +379,8 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
     ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 17))
     for name in backward.PARAMS_DTYPE.names[14:]:
-        if name not in ("mod_scale", "softcap", "scale_log2", "zero_dq"):  # the score-mod kernel's natural-log scores
+        if name not in ("mod_scale", "softcap", "scale_log2"):  # the score-mod kernel's natural-log scores
             assert got[name] == ref[name] == want[name], name
-    assert (got["zero_dq"], ref["zero_dq"]) == (0, 0)  # 20 query rows: the preprocess zeroes dQ (test_zero_dq_rule)
     assert backward.SM90_PARAMS_DTYPE.fields["q"][1] == 640 and backward.SM90_PARAMS_DTYPE.itemsize % 64 == 0
     for x, rows in ((q, backward_sm90.BLOCK_M), (k, backward_sm90.BLOCK_N)):
         tma.check_tiled(0x10000, *tma.map_layout(x, rows), 128)

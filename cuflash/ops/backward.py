@@ -240,16 +240,14 @@ def _aligned(n: int) -> int:
     return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
-def workspace(rows: int, nheads: int, headdim: int, slices: int, nheads_k: int = 0,
-              groups: int = 0) -> tuple[int, int, int]:
+def workspace(rows: int, nheads: int, headdim: int, slices: int, nheads_k: int = 0) -> tuple[int, int, int]:
     """The backward's workspaces as one aligned block: byte offsets of lse_log2 and of the dQ accumulator, and
     the total. In the order :func:`launch` lays them out: dsum and lse_log2 (fp32, one per query row and head),
-    then the fp32 dQ accumulator (slices x rows x heads x headdim) with `groups` int32 counters right after it (the
-    main kernel's, where it zeroes the accumulator: BwdParams::zero_dq), each piece rounded up to WORKSPACE_ALIGN
+    then the fp32 dQ accumulator (slices x rows x heads x headdim), each piece rounded up to WORKSPACE_ALIGN
     (cuflash.jax hands them out of one XLA buffer this size). `rows`: batch * seqlen_q, or total_q when packed.
     `nheads_k` > 0: deterministic mode's fixed point, whose two pieces follow (fixed_point_offsets)."""
     per_row = _aligned(rows * nheads * 4)
-    total = 2 * per_row + _aligned(slices * rows * nheads * headdim * 4 + groups * 4)
+    total = 2 * per_row + _aligned(slices * rows * nheads * headdim * 4)
     return per_row, 2 * per_row, total + (per_row + _aligned(nheads_k * 2 * 4) if nheads_k > 0 else 0)
 
 
@@ -259,10 +257,10 @@ def kv_bound_blocks(rows: int, rows_per_block: int, groups: int, sm_count: int) 
     return max(1, min(-(-rows // rows_per_block), -(-8 * sm_count // groups)))
 
 
-def fixed_point_offsets(rows: int, nheads: int, headdim: int, groups: int = 0) -> tuple[int, int]:
-    """Byte offsets of fixed point's pieces in workspace(rows, nheads, headdim, 1, nheads_k, groups): |dO| per row
-    (like dsum; then each row's dQ scale, written over it), then the K/V bounds (nheads_k x 2 x 4 bytes)."""
-    row_scale = workspace(rows, nheads, headdim, 1, groups=groups)[2]
+def fixed_point_offsets(rows: int, nheads: int, headdim: int) -> tuple[int, int]:
+    """Byte offsets of fixed point's pieces in workspace(rows, nheads, headdim, 1, nheads_k): |dO| per row (like
+    dsum; then each row's dQ scale, written over it), then the K/V bounds (nheads_k x 2 x 4 bytes)."""
+    row_scale = workspace(rows, nheads, headdim, 1)[2]
     return row_scale, row_scale + _aligned(rows * nheads * 4)
 
 
@@ -273,7 +271,7 @@ PARAMS_DTYPE = plan.struct(
     plan.stride_fields("q", "k", "v", "do", "dk", "dv")
     + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
     ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
-     "deterministic", "dropout_threshold", "zero_dq"),
+     "deterministic", "dropout_threshold"),
     ("dropout_scale", "scale_log2", "mod_scale", "softcap", "softmax_scale"))
 PRE_PARAMS_DTYPE = plan.struct(
     ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v", "cu_seqlens_q",
@@ -289,11 +287,11 @@ SM90_PARAMS_DTYPE = backward_sm90.params_dtype(PARAMS_DTYPE)  # BwdSm90Params: t
 
 class BackwardCall(NamedTuple):
     """The backward's launches for one call signature, and where its workspace pieces lie: dsum at 0, lse_log2 at
-    ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed by the preprocess or by the main kernel) at
-    ``dq_offset``, and in deterministic mode's fixed point the row scales and the K/V bounds at ``fixed_offsets``
+    ``lse_log2_offset``, the dQ accumulator (``dq_bytes``, zeroed by the preprocess) at ``dq_offset``, and in
+    deterministic mode's fixed point the row scales and the K/V bounds at ``fixed_offsets``
     (:func:`workspace`, :func:`fixed_point_offsets`)."""
-    # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed (or, where the main kernel zeroes it, its counters;
-    # fixed point: |dO| per row, the K/V bounds, then each row's dQ scale over its |dO|):
+    # D = rowsum(dO * O), lse in log2, dQ accumulator zeroed (fixed point: |dO| per row, the K/V bounds, then each
+    # row's dQ scale over its |dO|):
     # out, dout, lse, dsum, lse_log2, dq_accum, dq_scale, kv_bound, k, v, cu_seqlens_q, cu_seqlens_k (packed: rows
     # past the last sequence read as zeros)
     preprocess: KernelCall
@@ -334,11 +332,8 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
     rows = pre_b * pre_sq  # query rows of all sequences
     fixed = launch.fixed_point
-    groups = b * problem.nheads_k  # the main kernel's counters after the accumulator (BwdParams::zero_dq)
     lse_log2_offset, dq_offset, workspace_bytes = workspace(rows, h, d, launch.slices,
-                                                            problem.nheads_k if fixed else 0, groups)
-    zero_dq = launch.sm90 is not None and backward_sm90.zero_dq(launch.sm90, launch.grid, launch.slices, packed,
-                                                                 sq, build.sm_count(device_id))
+                                                            problem.nheads_k if fixed else 0)
 
     # D = rowsum(dO * O) and lse in the log2 domain: pre_lanes(d) threads per row; grid (row blocks, heads,
     # sequences)
@@ -347,15 +342,14 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     plan.set_strides(pp, o=out, do=dout)
     pp["batch"], pp["seqlen_q"], pp["nheads"], pp["headdim"] = pre_b, pre_sq, h, d
     pp["lanes"] = pre_lanes(d)
-    pp["dq_slice_stride"], pp["slices"] = rows * h * d, 0 if zero_dq else launch.slices
-    pp["nheads_k"] = problem.nheads_k
+    pp["dq_slice_stride"], pp["slices"] = rows * h * d, launch.slices
     pp["sequences"] = b  # (packed: cu_seqlens_q[b] ends the rows that belong to a sequence)
     pre_rows = pre.threads // int(pp["lanes"])
     pre_launches = [(build.get_kernel(pre, device_id), plan.check_grid((-(-pre_sq // pre_rows), h, pre_b)),
                      (pre.threads,), 0)]
     if fixed:  # then max |K| and max |V_j| per KV head, over every row of K and V (packed: one sequence)
         plan.set_strides(pp, k=k, v=v)
-        pp["fixed_point"] = 1
+        pp["fixed_point"], pp["nheads_k"] = 1, problem.nheads_k
         pp["kv_batch"], pp["seqlen_k"] = (1, k.shape[0]) if packed else (b, problem.seqlen_k)
         kv_grid = plan.check_grid((kv_bound_blocks(int(pp["seqlen_k"]), pre_rows, problem.nheads_k * int(
             pp["kv_batch"]), build.sm_count(device_id)), problem.nheads_k, int(pp["kv_batch"])))
@@ -379,7 +373,6 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
     bp["window_left"], bp["window_right"] = left, right
     bp["deterministic"] = 2 if fixed else int(bool(deterministic))
-    bp["zero_dq"] = int(zero_dq)
     for name, value in {**options.scales, **options.dropout_fields}.items():
         bp[name] = value
     bp["softmax_scale"] = scale
@@ -401,7 +394,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
                          CONVERT_PARAMS_DTYPE.names[:3])
     return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
-                        workspace_bytes, fixed_point_offsets(rows, h, d, groups) if fixed else None)
+                        workspace_bytes, fixed_point_offsets(rows, h, d) if fixed else None)
 
 
 _launches: dict = {}  # call signature -> BackwardCall

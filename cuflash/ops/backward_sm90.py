@@ -30,19 +30,6 @@ BLOCK_M = 64                # query rows per step by default
 BLOCK_M_CHOICES = (64, 128)
 BLOCK_M_TABLE = {64: 128, 128: 64}
 
-# The dQ warp zeroes dq_accum (BwdParams::zero_dq) where a (KV head, sequence) has at most this many CTAs: each
-# CTA's first dQ reduction waits until all of its group's have zeroed their shares, so the group must fit on the GPU
-# at once (its CTAs are adjacent in the grid). Elsewhere, for packed sequences and at d = 256, the preprocess zeroes
-# it.
-ZERO_DQ_MAX_BLOCKS = 16
-
-
-def zero_dq(spec: "BwdSm90Spec", grid: tuple, slices: int, packed: bool, seqlen_q: int, sm_count: int) -> bool:
-    """BwdParams::zero_dq: the main kernel zeroes the dQ accumulator (the warp-specialized kernels but d = 256's, one
-    accumulator, a padded batch of at least 64 query rows, few CTAs per group)."""
-    return (spec.tma_dq and spec.headdim != 256 and slices == 1 and not packed and seqlen_q >= 64
-            and grid[0] <= min(ZERO_DQ_MAX_BLOCKS, sm_count) and settings.current().bwd_sm90_zero_dq)
-
 
 def block_n(headdim: int) -> int:
     """Keys per CTA (BwdSm90::BN): 128, or 64 at d = 256 (DSPLIT)."""
