@@ -16,9 +16,11 @@
 // TMA: one thread issues each block's copies (two 64-column panels of K and of V, 128-byte swizzle: the SmemTile
 // layout) completing on the slot's mbarrier, so a deep ring costs no issue slots and no registers. Rows past the
 // cache length inside the capacity are not zero-filled by TMA: the tail block's V rows there are zeroed in shared
-// memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN.
+// memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN. An
+// e4m3 row of d bytes is one box as wide: 128 bytes at d = 128 (the 128-byte swizzle), 64 at d = 64 (NarrowTile's
+// 64-byte swizzle).
 //
-// An e4m3 cache (FP8 = true; the cp.async kernel): K/V blocks land as bytes, a 16-byte chunk holding 16 columns, and
+// An e4m3 cache (FP8 = true; either kernel): K/V blocks land as bytes, a 16-byte chunk holding 16 columns, and
 // are converted to fp16 in registers as ldmatrix hands them over (e4m3.cuh), so the ring holds half the bytes and no
 // extra pass over shared memory runs. Both products are fp16 mma. ldmatrix on byte rows gives a thread four
 // consecutive columns where a 16-bit fragment has two pairs 8 apart; the math follows that order instead of moving
@@ -81,7 +83,6 @@ template <class Traits, bool SCORE_MOD, bool TMA = false>
 struct DecodeBlock {
     using T = typename Traits::T;
     static constexpr bool FP8 = Traits::FP8;
-    static_assert(!(FP8 && TMA), "e4m3 caches load by cp.async");
     using E = typename Pick<FP8, u8, u16>::type;          // the cache's element
     using MT = typename Pick<FP8, half_t, T>::type;       // the mma operands' type
     static constexpr int D = Traits::HEADDIM, DP = Traits::DP, BM = Traits::BM, BN = Traits::BN;
@@ -90,6 +91,12 @@ struct DecodeBlock {
     using KVTile = typename Traits::KVTile;
     using QCopy = TileCopy<BM, D, DP, THREADS>;
     using KVCopy = typename Traits::KVCopy;
+    // A K/V row in shared memory: KV_PANELS panels (TMA boxes) of PANEL_COLS columns of the cache's elements, and
+    // KV_CHUNKS 16-byte chunks in all.
+    static constexpr int KV_PANELS = Traits::NARROW ? 1 : Traits::KV_DP / 64;
+    static constexpr int PANEL_COLS = Traits::NARROW ? 64 : FP8 ? 128 : 64;
+    static constexpr int PANEL_BYTES = KVTile::BYTES / KV_PANELS;
+    static constexpr int KV_CHUNKS = Traits::NARROW ? 4 : Traits::KV_DP / 8;
 
     const DecodeParams& p;
     int tid, lane, row_warp, key_warp;
@@ -163,17 +170,17 @@ struct DecodeBlock {
         if (p.kv_evict_first) {
             const unsigned long long policy = sm90::l2_policy_evict_first();
 #pragma unroll
-            for (int pn = 0; pn < DP / 64; ++pn) {
-                sm90::tma_load_4d(dst + pn * KVTile::PANEL_BYTES, k_map, pn * 64, h_kv, z, w, bar, policy);
-                sm90::tma_load_4d(dst + KVTile::BYTES + pn * KVTile::PANEL_BYTES, v_map, pn * 64, h_kv, z, w, bar,
+            for (int pn = 0; pn < KV_PANELS; ++pn) {
+                sm90::tma_load_4d(dst + pn * PANEL_BYTES, k_map, pn * PANEL_COLS, h_kv, z, w, bar, policy);
+                sm90::tma_load_4d(dst + KVTile::BYTES + pn * PANEL_BYTES, v_map, pn * PANEL_COLS, h_kv, z, w, bar,
                                   policy);
             }
             return;
         }
 #pragma unroll
-        for (int pn = 0; pn < DP / 64; ++pn) {
-            sm90::tma_load_4d(dst + pn * KVTile::PANEL_BYTES, k_map, pn * 64, h_kv, z, w, bar);
-            sm90::tma_load_4d(dst + KVTile::BYTES + pn * KVTile::PANEL_BYTES, v_map, pn * 64, h_kv, z, w, bar);
+        for (int pn = 0; pn < KV_PANELS; ++pn) {
+            sm90::tma_load_4d(dst + pn * PANEL_BYTES, k_map, pn * PANEL_COLS, h_kv, z, w, bar);
+            sm90::tma_load_4d(dst + KVTile::BYTES + pn * PANEL_BYTES, v_map, pn * PANEL_COLS, h_kv, z, w, bar);
         }
     }
 
@@ -181,8 +188,8 @@ struct DecodeBlock {
     // included, and P = 0 times NaN is NaN); fenced, so that the next TMA into this slot is ordered after them.
     __device__ __forceinline__ void zero_v_tail(int stage, int valid) {
         const u32 v_base = sKV + stage * Traits::STAGE_BYTES + KVTile::BYTES;
-        for (int idx = tid; idx < (BN - valid) * (DP / 8); idx += THREADS)
-            st_shared_zero16(v_base + KVTile::offset(valid + idx / (DP / 8), idx % (DP / 8)));
+        for (int idx = tid; idx < (BN - valid) * KV_CHUNKS; idx += THREADS)
+            st_shared_zero16(v_base + KVTile::offset(valid + idx / KV_CHUNKS, idx % KV_CHUNKS));
         sm90::fence_proxy_async();
     }
 
@@ -603,12 +610,12 @@ struct DecodeTmaParams {
 
 // Up to 16 packed rows (ROW_WARPS = 1), sm_90a. Shared memory: 1 KB of alignment slack (TMA's 128-byte swizzle
 // wants 1024-byte panels), the Q tile, the ring, one mbarrier per slot.
-template <class T, int D, int BN, int STAGES, bool SCORE_MOD>
+template <class T, int D, int BN, int STAGES, bool SCORE_MOD, bool FP8 = false>
 __global__ void __launch_bounds__(128) decode_tma_kernel(const __grid_constant__ DecodeTmaParams P) {
     extern __shared__ __align__(1024) char smem_raw[];
     char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     pdl_launch_dependents();
-    DecodeBlock<DecodeTraits<T, D, 1, BN, STAGES>, SCORE_MOD, true> block(P.p, blockIdx.z, blockIdx.y);
+    DecodeBlock<DecodeTraits<T, D, 1, BN, STAGES, FP8>, SCORE_MOD, true> block(P.p, blockIdx.z, blockIdx.y);
     block.k_map = &P.k_map;
     block.v_map = &P.v_map;
     block.run(smem);

@@ -56,6 +56,10 @@ DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decod
 TMA_HEADDIMS = (64, 128)
 TMA_BLOCK_N = 64
 TMA_STAGE_CHOICES = (3,)
+# The TMA kernel over an e4m3 cache, per head dim: 128-key blocks in the cp.async kernel's e4m3 ring bytes
+# (decode_config), so pages must be multiples of 128 rows. TMA takes the cache's address arithmetic off the warps,
+# which is what held the cp.async kernel's e4m3 blocks below memory speed (docs/perf-notes.md, "e4m3 decode").
+TMA_FP8_CONFIGS = {64: DecodeConfig(1, 128, 4, tma=True), 128: DecodeConfig(1, 128, 3, tma=True)}
 
 
 def fused_combine(splits: int) -> bool:
@@ -73,13 +77,18 @@ def evict_first(kv_bytes: int) -> bool:
     return kv_bytes <= settings.current().decode_evict_first_mb * 2**20
 
 
-def tma_applies(arch: str, headdim: int, packed_rows: int, page_size: int) -> bool:
-    """page_size 0: a contiguous cache."""
+def tma_applies(arch: str, headdim: int, packed_rows: int, page_size: int, fp8: bool = False) -> bool:
+    """page_size 0: a contiguous cache; fp8: an e4m3 cache."""
+    block_n = TMA_FP8_CONFIGS[headdim].block_n if fp8 and headdim in TMA_FP8_CONFIGS else TMA_BLOCK_N
     return (settings.current().decode_tma and arch == "sm_90a" and headdim in TMA_HEADDIMS and packed_rows <= 16
-            and page_size % TMA_BLOCK_N == 0)
+            and page_size % block_n == 0)
 
 
-def tma_config(stages: int | None = None) -> DecodeConfig:
+def tma_config(stages: int | None = None, fp8_headdim: int = 0) -> DecodeConfig:
+    """The TMA kernel's config: over a 16-bit cache, 64-key blocks in `stages` slots (the decode_tma_stages
+    setting); over an e4m3 cache of head dim `fp8_headdim`, TMA_FP8_CONFIGS's."""
+    if fp8_headdim:
+        return TMA_FP8_CONFIGS[fp8_headdim]
     return DecodeConfig(1, TMA_BLOCK_N, stages or settings.current().decode_tma_stages, tma=True)
 
 
@@ -117,7 +126,7 @@ class DecodeSpec:
     headdim: int
     config: DecodeConfig
     score_mod: bool
-    fp8: bool = False  # e4m3 cache (the cp.async kernel)
+    fp8: bool = False  # e4m3 cache
 
     source = "decode.cu"
     threads = 128
@@ -134,7 +143,7 @@ class DecodeSpec:
         c = self.config
         if c.tma:
             return plan.template("decode_tma_kernel", self.dtype, (self.headdim, c.block_n, c.stages),
-                                 (self.score_mod,))
+                                 (self.score_mod, True) if self.fp8 else (self.score_mod,))
         return plan.template("decode_kernel", self.dtype, (self.headdim, c.row_warps, c.block_n, c.stages),
                              (self.score_mod, True) if self.fp8 else (self.score_mod,))
 
@@ -168,6 +177,8 @@ def all_specs(arch: str) -> list:
         if arch == "sm_90a":
             specs += [DecodeSpec(dtype, d, tma_config(stages), mod) for d in TMA_HEADDIMS
                       for stages in TMA_STAGE_CHOICES for mod in (False, True)]
+            specs += [DecodeSpec(dtype, d, tma_config(fp8_headdim=d), mod, True) for d in TMA_HEADDIMS
+                      for mod in (False, True)]
     return specs
 
 
@@ -200,7 +211,7 @@ def _plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: in
     dtype = plan.dtype_tag(problem.dtype)
     d = plan.compiled_headdim(problem.headdim)
     group = problem.nheads // problem.nheads_k
-    config = tma_config(tma_stages) if tma else decode_config(d, problem.seqlen_q * group, fp8)
+    config = tma_config(tma_stages, d if fp8 else 0) if tma else decode_config(d, problem.seqlen_q * group, fp8)
     spec = DecodeSpec(dtype, d, config, score_mod, fp8)
     m_tiles = math.ceil(problem.seqlen_q * group / (16 * spec.config.row_warps))
     n_blocks = max(1, math.ceil(problem.seqlen_k / spec.config.block_n))
@@ -216,7 +227,7 @@ def plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int
                 tma: bool = False, fp8: bool = False) -> DecodeLaunch:
     """Decode kernel, its grid (row tiles x splits, KV heads, batch) and split count. `problem.seqlen_k` is
     the most keys a row can see (the cache capacity, or the known length); `num_splits` 0 picks by heuristic.
-    `tma`: the TMA kernel (the caller checked tma_applies); `fp8`: an e4m3 cache (never with `tma`)."""
+    `tma`: the TMA kernel (the caller checked tma_applies); `fp8`: an e4m3 cache."""
     return _plan_decode(problem, left, right, score_mod, num_splits, sm_count, tma,
                         settings.current().decode_tma_stages, fp8)
 
@@ -323,8 +334,8 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     known_keys = capacity if seqlens_is_array else cache_len + seqlen_new_k  # bounds the split count
     device_id = q.device.id
     # the TMA kernel's blocks start at multiples of its block in the cache: not with cache_leftpad's offsets
-    maps = None if cache_leftpad is not None or fp8 else tma_maps(problem, k_cache, v_cache, block_table,
-                                                                    build.device_arch(device_id))
+    maps = None if cache_leftpad is not None else tma_maps(problem, k_cache, v_cache, block_table,
+                                                           build.device_arch(device_id), fp8)
     launch = plan_decode(dataclasses.replace(problem, seqlen_k=max(known_keys, 1)), options.left, options.right,
                          options.score_mod, int(num_splits), build.sm_count(device_id), maps is not None, fp8)
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
@@ -385,20 +396,27 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
                       counter_tiles)
 
 
-def tma_maps(problem, k_cache, v_cache, block_table, arch: str):
+def tma_maps(problem, k_cache, v_cache, block_table, arch: str, fp8: bool = False):
     """(k, v) tensor-map encoders for the TMA decode kernel, or None where it does not apply (tma_applies, or cache
     strides TMA refuses). A map covers the whole cache as (head dim, KV heads, rows, cache rows or pages), one box a
-    64-column panel of 64 rows."""
+    block's rows of a 128-byte panel: 64 columns of a 16-bit cache, 128 of an e4m3 one; an e4m3 row at d = 64 is
+    one 64-byte box (64-byte swizzle)."""
     page_size = k_cache.shape[1] if block_table is not None else 0
-    if not tma_applies(arch, problem.headdim, problem.seqlen_q * (problem.nheads // problem.nheads_k), page_size):
+    d = problem.headdim
+    if not tma_applies(arch, d, problem.seqlen_q * (problem.nheads // problem.nheads_k), page_size, fp8):
         return None
-    layouts = [tma.map_layout(x, TMA_BLOCK_N) for x in (k_cache, v_cache)]
+    block_n = tma_config(fp8_headdim=d if fp8 else 0).block_n
+    swizzle = 64 if fp8 and d == 64 else 128
+    layouts = []
+    for x in (k_cache, v_cache):
+        dtype, dims, strides, box = tma.map_layout(x, block_n)
+        layouts.append((dtype, dims, strides, (min(d, 128) if fp8 else 64,) + box[1:]))
     try:
         for layout in layouts:
-            tma.check_tiled(0x10000, *layout, 128)
+            tma.check_tiled(0x10000, *layout, swizzle)
     except ValueError:
         return None
-    return tuple(tma.encoder(*layout, swizzle=128) for layout in layouts)
+    return tuple(tma.encoder(*layout, swizzle=swizzle) for layout in layouts)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,

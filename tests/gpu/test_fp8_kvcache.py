@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cuflash import reference
 from tests.gpu.helpers import DTYPES, assert_close_to_reference, assert_lse_close, naive_lowp, randn
-from tests.gpu.test_kvcache import _logical
+from tests.fixtures import configure  # noqa: F401  (a fixture)
+from tests.gpu.test_kvcache import _logical, decode_path  # noqa: F401  (decode_path: cp.async and TMA kernels)
 
 pytestmark = pytest.mark.gpu
 
