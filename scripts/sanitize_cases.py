@@ -193,8 +193,8 @@ def _kvcache_cases() -> list[dict]:
                                                  e4m3="head")),
         dict(name="kvcache_e4m3_bf16_batch_idx_outside", fn="attention_with_kvcache", dtype="bf16",
              shape=decode, opts=dict(cache_seqlens=(100, 50), new_k=1, batch_idx=(5, -1), e4m3="head")),
-        dict(name="kvcache_e4m3_bf16_d64_paged128_bad_pages_append", fn="attention_with_kvcache", dtype="bf16",
-             shape=dict(decode, d=64), opts=dict(cache_seqlens=(290, 40), page_size=128, new_k=3, bad_pages=True,
+        dict(name="kvcache_e4m3_bf16_d64_paged256_bad_pages_append", fn="attention_with_kvcache", dtype="bf16",
+             shape=dict(decode, d=64), opts=dict(cache_seqlens=(290, 40), page_size=256, new_k=3, bad_pages=True,
                                                  e4m3="tensor")),
     ]
 

@@ -704,7 +704,8 @@ def test_decode_tma_applies_only_where_it_can(configure):
     assert decode.DecodeSpec("bf16", 128, decode.tma_config(6), False).smem_bytes <= plan.SMEM_PER_SM  # on demand
     configure(decode_tma=True)                                  # an e4m3 cache: 128-key blocks
     assert decode.tma_applies("sm_90a", 128, 4, 256, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 0, fp8=True)
-    assert not decode.tma_applies("sm_90a", 128, 4, 64, fp8=True)
+    assert not decode.tma_applies("sm_90a", 128, 4, 64, fp8=True) and not decode.tma_applies("sm_90a", 64, 4, 128,
+                                                                                                 fp8=True)
     for d in decode.TMA_HEADDIMS:
         spec = decode.DecodeSpec("bf16", d, decode.tma_config(fp8_headdim=d), False, True)
         assert spec.name.endswith("_tma_e4m3") and spec.template.endswith(", true>")
@@ -738,7 +739,8 @@ def test_decode_tma_maps_cover_the_cache(configure, monkeypatch):
         fp8_problem = checks.Problem(2, 1, 1024, 32, 8, d, np.dtype(np.float16))
         assert decode.tma_maps(fp8_problem, bits, bits, None, "sm_90a", fp8=True) == (1, 2)
         (dtype, dims, strides, box), got_swizzle = seen[0]
-        assert dtype == np.uint8 and dims == (d, 8, 1024, 2) and box == (d, 1, 128, 1) and got_swizzle == swizzle
+        block_n = decode.TMA_FP8_CONFIGS[d].block_n
+        assert dtype == np.uint8 and dims == (d, 8, 1024, 2) and box == (d, 1, block_n, 1) and got_swizzle == swizzle
     pages = _FakeDeviceArray(np.zeros((10, 64, 8, 128), np.uint8), 0x10000)
     assert decode.tma_maps(checks.Problem(2, 1, 640, 32, 8, 128, np.dtype(np.float16)), pages, pages, object(),
                            "sm_90a", fp8=True) is None              # 64-row pages: a 128-key block straddles two

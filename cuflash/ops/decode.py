@@ -47,7 +47,7 @@ DECODE_TABLE = {
 DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decode_aux.cu)
 
 # The TMA decode kernel (sm_90a): up to 16 packed rows at head dims exactly 64 and 128, contiguous caches or pages
-# of a multiple of 64 rows (128 over an e4m3 cache), strides TMA accepts; the cp.async kernel everywhere else. A
+# of a multiple of 64 rows (of the block over an e4m3 cache), strides TMA accepts; the cp.async kernel everywhere else. A
 # 3-slot ring (two CTAs per SM at d = 128; the decode_tma_stages setting) reads faster than the cp.async kernel,
 # and paged caches 1.2x faster (docs/perf-notes.md, "TMA decode"). It merges its own splits (the last CTA of a row tile to finish, counted on a
 # zeroed counter per tile) up to decode_fused_max_splits splits, so no combine launch follows; and marks its K/V
@@ -56,11 +56,11 @@ DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decod
 TMA_HEADDIMS = (64, 128)
 TMA_BLOCK_N = 64
 TMA_STAGE_CHOICES = (3,)
-# The TMA kernel over an e4m3 cache, per head dim: 128-key blocks in the cp.async kernel's e4m3 ring bytes
-# (decode_config), so pages must be multiples of 128 rows. TMA takes the cache's address arithmetic off the warps,
-# which is what held the cp.async kernel's e4m3 blocks below memory speed (docs/perf-notes.md, "e4m3 decode on
-# the TMA kernel").
-TMA_FP8_CONFIGS = {64: DecodeConfig(1, 128, 4, tma=True), 128: DecodeConfig(1, 128, 3, tma=True)}
+# The TMA kernel over an e4m3 cache, per head dim: 32 KB blocks (128 keys at d 128, 256 at d 64) in rings of 64-96
+# KB (two or three CTAs per SM), so pages must be multiples of the block's keys. TMA takes the cache's address
+# arithmetic off the warps, which is what held the cp.async kernel's e4m3 blocks below memory speed
+# (docs/perf-notes.md, "e4m3 decode on the TMA kernel").
+TMA_FP8_CONFIGS = {64: DecodeConfig(1, 256, 2, tma=True), 128: DecodeConfig(1, 128, 3, tma=True)}
 
 
 def fused_combine(splits: int) -> bool:
