@@ -47,12 +47,12 @@ DECODE_TABLE = {
 DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decode_aux.cu)
 
 # The TMA decode kernel (sm_90a): up to 16 packed rows at head dims exactly 64 and 128, contiguous caches or pages
-# of a multiple of 64 rows (of the block over an e4m3 cache), strides TMA accepts; the cp.async kernel everywhere else. A
-# 3-slot ring (two CTAs per SM at d = 128; the decode_tma_stages setting) reads faster than the cp.async kernel,
-# and paged caches 1.2x faster (docs/perf-notes.md, "TMA decode"). It merges its own splits (the last CTA of a row tile to finish, counted on a
-# zeroed counter per tile) up to decode_fused_max_splits splits, so no combine launch follows; and marks its K/V
-# copies evict_first in L2 when a call reads at most decode_evict_first_mb MiB of K/V, so they replace each other
-# rather than what earlier kernels left in L2 (larger reads ran slower so).
+# of a multiple of 64 rows (of the block over an e4m3 cache), strides TMA accepts; the cp.async kernel everywhere
+# else. A 3-slot ring (two CTAs per SM at d = 128; the decode_tma_stages setting) reads faster than the cp.async
+# kernel, and paged caches 1.2x faster (docs/perf-notes.md, "TMA decode"). It merges its own splits (the last CTA of
+# a row tile to finish, counted on a zeroed counter per tile) up to decode_fused_max_splits splits, so no combine
+# launch follows; and marks its K/V copies evict_first in L2 when a call reads at most decode_evict_first_mb MiB of
+# K/V, so they replace each other rather than what earlier kernels left in L2 (larger reads ran slower so).
 TMA_HEADDIMS = (64, 128)
 TMA_BLOCK_N = 64
 TMA_STAGE_CHOICES = (3,)
