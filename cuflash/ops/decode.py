@@ -80,9 +80,8 @@ def evict_first(kv_bytes: int) -> bool:
 
 def tma_applies(arch: str, headdim: int, packed_rows: int, page_size: int, fp8: bool = False) -> bool:
     """page_size 0: a contiguous cache; fp8: an e4m3 cache."""
-    block_n = TMA_FP8_CONFIGS[headdim].block_n if fp8 and headdim in TMA_FP8_CONFIGS else TMA_BLOCK_N
     return (settings.current().decode_tma and arch == "sm_90a" and headdim in TMA_HEADDIMS and packed_rows <= 16
-            and page_size % block_n == 0)
+            and page_size % tma_config(fp8_headdim=headdim if fp8 else 0).block_n == 0)
 
 
 def tma_config(stages: int | None = None, fp8_headdim: int = 0) -> DecodeConfig:
@@ -407,11 +406,12 @@ def tma_maps(problem, k_cache, v_cache, block_table, arch: str, fp8: bool = Fals
     if not tma_applies(arch, d, problem.seqlen_q * (problem.nheads // problem.nheads_k), page_size, fp8):
         return None
     block_n = tma_config(fp8_headdim=d if fp8 else 0).block_n
-    swizzle = 64 if fp8 and d == 64 else 128
+    itemsize = np.dtype(k_cache.dtype).itemsize
+    swizzle = min(d * itemsize, 128)  # a box's row: a 128-byte panel, or a whole 64-byte e4m3 row
     layouts = []
     for x in (k_cache, v_cache):
         dtype, dims, strides, box = tma.map_layout(x, block_n)
-        layouts.append((dtype, dims, strides, (min(d, 128) if fp8 else 64,) + box[1:]))
+        layouts.append((dtype, dims, strides, (swizzle // itemsize,) + box[1:]))
     try:
         for layout in layouts:
             tma.check_tiled(0x10000, *layout, swizzle)
