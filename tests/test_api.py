@@ -704,12 +704,15 @@ def test_decode_tma_applies_only_where_it_can(configure):
     assert decode.DecodeSpec("bf16", 128, decode.tma_config(6), False).smem_bytes <= plan.SMEM_PER_SM  # on demand
     configure(decode_tma=True)                                  # an e4m3 cache: 128-key blocks
     assert decode.tma_applies("sm_90a", 128, 4, 256, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 0, fp8=True)
-    assert not decode.tma_applies("sm_90a", 128, 4, 64, fp8=True) and not decode.tma_applies("sm_90a", 64, 4, 128,
-                                                                                                 fp8=True)
+    assert decode.tma_applies("sm_90a", 128, 4, 64, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 128, fp8=True)
+    assert not decode.tma_applies("sm_90a", 128, 4, 32, fp8=True)     # pages of 16-48 rows: the cp.async kernel
     for d in decode.TMA_HEADDIMS:
-        spec = decode.DecodeSpec("bf16", d, decode.tma_config(fp8_headdim=d), False, True)
-        assert spec.name.endswith("_tma_e4m3") and spec.template.endswith(", true>")
-        assert spec.smem_bytes <= plan.SMEM_PER_SM and spec in decode.all_specs("sm_90a")
+        blocks = [decode.tma_config(fp8_headdim=d, page_size=ps).block_n for ps in (0, 64, 128, 256, 512)]
+        assert blocks == {64: [256, 64, 64, 256, 256], 128: [128, 64, 128, 128, 128]}[d]
+        for config in decode.TMA_FP8_CONFIGS[d]:
+            spec = decode.DecodeSpec("bf16", d, config, False, True)
+            assert spec.name.endswith("_tma_e4m3") and spec.template.endswith(", true>")
+            assert spec.smem_bytes <= plan.SMEM_PER_SM and spec in decode.all_specs("sm_90a")
 
 
 def test_decode_tma_maps_cover_the_cache(configure, monkeypatch):
@@ -739,11 +742,15 @@ def test_decode_tma_maps_cover_the_cache(configure, monkeypatch):
         fp8_problem = checks.Problem(2, 1, 1024, 32, 8, d, np.dtype(np.float16))
         assert decode.tma_maps(fp8_problem, bits, bits, None, "sm_90a", fp8=True) == (1, 2)
         (dtype, dims, strides, box), got_swizzle = seen[0]
-        block_n = decode.TMA_FP8_CONFIGS[d].block_n
+        block_n = decode.TMA_FP8_CONFIGS[d][0].block_n
         assert dtype == np.uint8 and dims == (d, 8, 1024, 2) and box == (d, 1, block_n, 1) and got_swizzle == swizzle
+    seen.clear()                 # 64-row pages: 64-key blocks (a 128-key one would straddle two pages)
     pages = _FakeDeviceArray(np.zeros((10, 64, 8, 128), np.uint8), 0x10000)
-    assert decode.tma_maps(checks.Problem(2, 1, 640, 32, 8, 128, np.dtype(np.float16)), pages, pages, object(),
-                           "sm_90a", fp8=True) is None              # 64-row pages: a 128-key block straddles two
+    paged_problem = checks.Problem(2, 1, 640, 32, 8, 128, np.dtype(np.float16))
+    assert decode.tma_maps(paged_problem, pages, pages, object(), "sm_90a", fp8=True) is not None
+    assert seen[0][0][3] == (128, 1, 64, 1)
+    pages = _FakeDeviceArray(np.zeros((20, 32, 8, 128), np.uint8), 0x10000)
+    assert decode.tma_maps(paged_problem, pages, pages, object(), "sm_90a", fp8=True) is None   # 32-row pages
 
 
 def test_kernel_call_with_tail_writes_pointers_and_tail():

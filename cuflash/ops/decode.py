@@ -56,11 +56,13 @@ DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decod
 TMA_HEADDIMS = (64, 128)
 TMA_BLOCK_N = 64
 TMA_STAGE_CHOICES = (3,)
-# The TMA kernel over an e4m3 cache, per head dim: 32 KB blocks (128 keys at d 128, 256 at d 64) in rings of 64-96
-# KB (two or three CTAs per SM), so pages must be multiples of the block's keys. TMA takes the cache's address
-# arithmetic off the warps, which is what held the cp.async kernel's e4m3 blocks below memory speed
-# (docs/perf-notes.md, "e4m3 decode on the TMA kernel").
-TMA_FP8_CONFIGS = {64: DecodeConfig(1, 256, 2, tma=True), 128: DecodeConfig(1, 128, 3, tma=True)}
+# The TMA kernel over an e4m3 cache, per head dim, in order of preference: 32 KB blocks (128 keys at d 128, 256 at
+# d 64) in rings of 64-96 KB (two or three CTAs per SM), or, for pages of a multiple of 64 rows that such a block
+# would straddle, 64-key blocks in the same ring bytes. TMA takes the cache's address arithmetic off the warps,
+# which is what held the cp.async kernel's e4m3 blocks below memory speed (docs/perf-notes.md, "e4m3 decode on the
+# TMA kernel").
+TMA_FP8_CONFIGS = {64: (DecodeConfig(1, 256, 2, tma=True), DecodeConfig(1, 64, 8, tma=True)),
+                   128: (DecodeConfig(1, 128, 3, tma=True), DecodeConfig(1, 64, 6, tma=True))}
 
 
 def fused_combine(splits: int) -> bool:
@@ -78,17 +80,23 @@ def evict_first(kv_bytes: int) -> bool:
     return kv_bytes <= settings.current().decode_evict_first_mb * 2**20
 
 
+def tma_fp8_config(headdim: int, page_size: int) -> DecodeConfig | None:
+    """The TMA kernel's config over an e4m3 cache: the first of TMA_FP8_CONFIGS[headdim] whose blocks lie inside one
+    page (page_size 0: a contiguous cache), or None."""
+    return next((c for c in TMA_FP8_CONFIGS.get(headdim, ()) if page_size % c.block_n == 0), None)
+
+
 def tma_applies(arch: str, headdim: int, packed_rows: int, page_size: int, fp8: bool = False) -> bool:
     """page_size 0: a contiguous cache; fp8: an e4m3 cache."""
     return (settings.current().decode_tma and arch == "sm_90a" and headdim in TMA_HEADDIMS and packed_rows <= 16
-            and page_size % tma_config(fp8_headdim=headdim if fp8 else 0).block_n == 0)
+            and (tma_fp8_config(headdim, page_size) is not None if fp8 else page_size % TMA_BLOCK_N == 0))
 
 
-def tma_config(stages: int | None = None, fp8_headdim: int = 0) -> DecodeConfig:
+def tma_config(stages: int | None = None, fp8_headdim: int = 0, page_size: int = 0) -> DecodeConfig:
     """The TMA kernel's config: over a 16-bit cache, 64-key blocks in `stages` slots (the decode_tma_stages
-    setting); over an e4m3 cache of head dim `fp8_headdim`, TMA_FP8_CONFIGS's."""
+    setting); over an e4m3 cache of head dim `fp8_headdim` in pages of `page_size` rows, tma_fp8_config's."""
     if fp8_headdim:
-        return TMA_FP8_CONFIGS[fp8_headdim]
+        return tma_fp8_config(fp8_headdim, page_size)
     return DecodeConfig(1, TMA_BLOCK_N, stages or settings.current().decode_tma_stages, tma=True)
 
 
@@ -177,8 +185,8 @@ def all_specs(arch: str) -> list:
         if arch == "sm_90a":
             specs += [DecodeSpec(dtype, d, tma_config(stages), mod) for d in TMA_HEADDIMS
                       for stages in TMA_STAGE_CHOICES for mod in (False, True)]
-            specs += [DecodeSpec(dtype, d, tma_config(fp8_headdim=d), mod, True) for d in TMA_HEADDIMS
-                      for mod in (False, True)]
+            specs += [DecodeSpec(dtype, d, config, mod, True) for d in TMA_HEADDIMS
+                      for config in TMA_FP8_CONFIGS[d] for mod in (False, True)]
     return specs
 
 
@@ -207,11 +215,12 @@ class DecodeLaunch:
 
 @functools.lru_cache(maxsize=4096)
 def _plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int, sm_count: int, tma: bool,
-                 tma_stages: int, fp8: bool) -> DecodeLaunch:
+                 tma_stages: int, fp8: bool, page_size: int) -> DecodeLaunch:
     dtype = plan.dtype_tag(problem.dtype)
     d = plan.compiled_headdim(problem.headdim)
     group = problem.nheads // problem.nheads_k
-    config = tma_config(tma_stages, d if fp8 else 0) if tma else decode_config(d, problem.seqlen_q * group, fp8)
+    config = (tma_config(tma_stages, d if fp8 else 0, page_size) if tma
+              else decode_config(d, problem.seqlen_q * group, fp8))
     spec = DecodeSpec(dtype, d, config, score_mod, fp8)
     m_tiles = math.ceil(problem.seqlen_q * group / (16 * spec.config.row_warps))
     n_blocks = max(1, math.ceil(problem.seqlen_k / spec.config.block_n))
@@ -224,12 +233,13 @@ def _plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: in
 
 
 def plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int, sm_count: int,
-                tma: bool = False, fp8: bool = False) -> DecodeLaunch:
+                tma: bool = False, fp8: bool = False, page_size: int = 0) -> DecodeLaunch:
     """Decode kernel, its grid (row tiles x splits, KV heads, batch) and split count. `problem.seqlen_k` is
     the most keys a row can see (the cache capacity, or the known length); `num_splits` 0 picks by heuristic.
-    `tma`: the TMA kernel (the caller checked tma_applies); `fp8`: an e4m3 cache."""
+    `tma`: the TMA kernel (the caller checked tma_applies); `fp8`: an e4m3 cache; `page_size`: its pages' rows
+    (0: contiguous), which pick the TMA kernel's blocks over an e4m3 cache."""
     return _plan_decode(problem, left, right, score_mod, num_splits, sm_count, tma,
-                        settings.current().decode_tma_stages, fp8)
+                        settings.current().decode_tma_stages, fp8, page_size if tma and fp8 else 0)
 
 
 plan_decode.cache_clear = _plan_decode.cache_clear  # for tables changed in place (benchmarks/tune_decode.py)
@@ -337,7 +347,8 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
     maps = None if cache_leftpad is not None else tma_maps(problem, k_cache, v_cache, block_table,
                                                            build.device_arch(device_id), fp8)
     launch = plan_decode(dataclasses.replace(problem, seqlen_k=max(known_keys, 1)), options.left, options.right,
-                         options.score_mod, int(num_splits), build.sm_count(device_id), maps is not None, fp8)
+                         options.score_mod, int(num_splits), build.sm_count(device_id), maps is not None, fp8,
+                         k_cache.shape[1] if block_table is not None else 0)
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
 
     p = np.zeros((), dtype=PARAMS_DTYPE if maps is None else TMA_PARAMS_DTYPE)
@@ -405,7 +416,7 @@ def tma_maps(problem, k_cache, v_cache, block_table, arch: str, fp8: bool = Fals
     d = problem.headdim
     if not tma_applies(arch, d, problem.seqlen_q * (problem.nheads // problem.nheads_k), page_size, fp8):
         return None
-    block_n = tma_config(fp8_headdim=d if fp8 else 0).block_n
+    block_n = tma_config(fp8_headdim=d if fp8 else 0, page_size=page_size).block_n
     itemsize = np.dtype(k_cache.dtype).itemsize
     swizzle = min(d * itemsize, 128)  # a box's row: a 128-byte panel, or a whole 64-byte e4m3 row
     layouts = []
