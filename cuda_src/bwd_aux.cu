@@ -38,7 +38,18 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
             }
         }
     }
-    if (row < p.seqlen_q) {
+    const int whole_rows = p.first_store_rows > 0 ? p.seqlen_q / p.first_store_rows * p.first_store_rows : 0;
+    if (row < whole_rows && row % p.first_store_rows == 0 && sub == 0) {  // the block's ticket and ready flag
+        const int blocks = ceil_div(p.seqlen_q, p.first_store_rows);
+        int* ticket = reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride);
+        const i64 at = ((i64)b * p.nheads + h) * blocks + row / p.first_store_rows;
+        ticket[at] = 0;
+        ticket[(i64)p.batch * p.nheads * blocks + at] = 0;
+    }
+    // rows of whole blocks get their first addition stored, unless they see no key (then no CTA adds to them)
+    const bool zero_row =
+        row >= whole_rows || p.lse[((i64)b * p.nheads + h) * p.seqlen_q + row] == -__int_as_float(0x7f800000);
+    if (row < p.seqlen_q && zero_row) {
         float* dq = p.dq_accum + (((i64)b * p.seqlen_q + row) * p.nheads + h) * p.headdim;
         for (int s = 0; s < p.slices; ++s)
             for (int c = sub * 4; c < p.headdim; c += p.lanes * 4)

@@ -418,6 +418,10 @@ struct BwdSm90 {
     // adds it by TMA (bwd_sm90_dq.cuh)
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;
     __device__ __forceinline__ void stage_dq(const float (&dq)[8][4], int panel, int tt, const float* scales) const;
+    // BwdParams::dq_first_store: the issuing lane's ticket for query block m of head h (true: this CTA's additions
+    // to it are the first, made as stores), and the release of its stores once written (bwd_sm90_dq.cuh)
+    __device__ __forceinline__ bool dq_ticket(int h, int m) const;
+    __device__ __forceinline__ void dq_stored(int h, int m) const;
 
     // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {

@@ -75,4 +75,33 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     sm90::named_arrive<160>(int(BwdBarrier::DqFull0) + wg);
 }
 
+// BwdParams::dq_first_store (a padded batch, one accumulator, not d = 256): the preprocess does not zero the rows of
+// whole query blocks. The first CTA to add to such a block (the first ticket, an atomicAdd on the block's counter
+// after dq_accum) stores its tiles instead, waits until they are written, and releases the block's ready flag; every
+// later CTA acquires the flag before its first reduction to the block. The first ticket's holder is running and waits
+// on nothing, so no CTA waits on one that has not started. Blocks no key block visits see no key at all: their rows
+// have lse -inf, and the preprocess zeroes those. Partial last blocks (past seqlen_q / BM whole ones) are added to as
+// before, zeroed by the preprocess: a store there would write the next sequence's rows.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ bool BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_ticket(int h, int m) const {
+    const int blocks = p.dq_first_store;
+    if (blocks == 0 || (m + 1) * BM > p.seqlen_q) return false;
+    int* tickets = reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride);
+    const i64 at = ((i64)b * p.nheads + h) * blocks + m;
+    if (atomicAdd(tickets + at, 1) == 0) return true;
+    const int* ready = tickets + (i64)p.batch * p.nheads * blocks + at;
+    while (sm90::ld_acquire(ready) == 0) __nanosleep(64);
+    sm90::fence_proxy_async_global();  // the first CTA's stores (seen by this thread) before its TMA reductions
+    return false;
+}
+
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_stored(int h, int m) const {
+    const int blocks = p.dq_first_store;
+    int* tickets = reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride);
+    sm90::bulk_wait<0>();              // the stores written
+    sm90::fence_proxy_async_global();  // (async-proxy writes, published by a generic release)
+    sm90::st_release(tickets + (i64)p.batch * p.nheads * blocks + ((i64)b * p.nheads + h) * blocks + m, 1);
+}
+
 }  // namespace cuflash

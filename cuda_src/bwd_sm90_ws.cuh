@@ -146,11 +146,13 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
             const int row = (p.cu_seqlens_q != nullptr ? SeqInfo::q_begin_of(p, b) : b * p.seqlen_q) + m * BM;
             // lane 0: a staging tile's two boxes added at (column col, row row + r0); in slices (deterministic
             // mode 1) a key block's first addition waits for the last one's, which may add to the same rows
-            const auto add_tile = [&](u32 tile, int col, int r0, bool first) {
+            const auto add_tile = [&](u32 tile, int col, int r0, bool first, bool store) {
                 if (!FIXED && p.deterministic == 1 && t == 0 && first) sm90::bulk_wait<0>();
 #pragma unroll
-                for (int box = 0; box < 2; ++box)
-                    sm90::tma_reduce_add_4d(&P.dq, col + box * 32, h, row + r0, slice, tile + box * DQ_BOX);
+                for (int box = 0; box < 2; ++box) {
+                    if (store) sm90::tma_store_4d(&P.dq, col + box * 32, h, row + r0, slice, tile + box * DQ_BOX);
+                    else sm90::tma_reduce_add_4d(&P.dq, col + box * 32, h, row + r0, slice, tile + box * DQ_BOX);
+                }
             };
             if constexpr (DSPLIT) {
                 // consumer c's tile holds its panels 2 c and 2 c + 1 in turn: each read out before it is handed back
@@ -160,23 +162,25 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                     for (int c = 0; c < 2; ++c) {
                         sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
                         if (issuer) {
-                            add_tile(base + OFF_DQ + c * DQ_TILE, (2 * c + pl) * 64, 0, pl == 0 && c == 0);
+                            add_tile(base + OFF_DQ + c * DQ_TILE, (2 * c + pl) * 64, 0, pl == 0 && c == 0, false);
                             sm90::bulk_commit();
                             sm90::bulk_wait_read<0>();
                             sm90::mbar_arrive(dq_empty(c));
                         }
                     }
             } else {
-#pragma unroll
+                const bool store = issuer && dq_ticket(h, m);  // (bwd_sm90_dq.cuh) the step's two tiles are the
+#pragma unroll                                                  // whole query block
                 for (int c = 0; c < 2; ++c) {  // consumer c's tile: ROW_SPLIT, dQ's rows 64 c ..; else columns 64 c ..
                     sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
                     if (issuer)
                         add_tile(base + OFF_DQ + (tt % 2) * 2 * DQ_TILE + c * DQ_TILE, ROW_SPLIT ? 0 : c * 64,
-                                 ROW_SPLIT ? c * 64 : 0, c == 0);
+                                 ROW_SPLIT ? c * 64 : 0, c == 0, store);
                 }
                 if (issuer) {
                     sm90::bulk_commit();
-                    sm90::bulk_wait_read<1>();  // step tt - 1's tiles are read out: step tt + 1 may store there
+                    if (store) dq_stored(h, m);  // (waits for every group: the tiles are read out too)
+                    else sm90::bulk_wait_read<1>();  // step tt - 1's tiles are read out: step tt + 1 may store there
                     sm90::mbar_arrive(dq_empty());
                 }
             }

@@ -80,6 +80,9 @@ struct BwdParams {
     int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only; 2: every CTA adds
                            // int32 fixed point into slice 0 (the Hopper kernel only; fixed_dq.cuh)
     int dropout_threshold;  // as in FwdParams (the portable kernel only)
+    int dq_first_store;    // > 0 (the Hopper kernel's dQ warp, a padded batch, one accumulator): the query blocks per
+                           // (sequence, head); each whole block's first addition is a store (BwdSm90::dq_ticket),
+                           // so the preprocess zeroes only the rest of dq_accum; 0: every addition adds
     float dropout_scale;
     float scale_log2, mod_scale, softcap, softmax_scale;
 };
@@ -109,6 +112,9 @@ struct BwdPreParams {
     int fixed_point;       // 1: deterministic mode 2 (fixed_dq.cuh): row norms and K/V bounds too
     int kv_batch, seqlen_k, nheads_k;  // bwd_kv_bound's rows (packed: 1, total_k)
     int sequences;         // packed: the number of sequences (cu_seqlens' length - 1)
+    int first_store_rows;  // > 0: the main kernel stores the first addition to each whole block of this many rows
+                           // (BwdParams::dq_first_store): the preprocess zeroes its tickets and ready flags, and of
+                           // dq_accum only rows in a partial last block or that see no key (lse -inf)
     float softmax_scale;   // fixed point: bwd_fixed_scale's bounds
 };
 

@@ -132,6 +132,20 @@ __device__ __forceinline__ void bulk_wait() {
 // Shared memory written by ordinary stores, read next by wgmma or TMA: each writer fences, then a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Global memory written by TMA in one CTA and read or added to next by another CTA's TMA: the writer waits for its
+// copies, fences and releases; the reader acquires, then fences before its own copies.
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ __forceinline__ void st_release(int* addr, int x) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(addr), "r"(x) : "memory");
+}
+__device__ __forceinline__ int ld_acquire(const int* addr) {
+    int x;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(x) : "l"(addr) : "memory");
+    return x;
+}
+
 // One 32-bit store to shared memory, ordered with the asm around it (the fence and barrier that publish it).
 __device__ __forceinline__ void st_shared_b32(u32 addr, u32 x) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");

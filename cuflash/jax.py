@@ -412,9 +412,11 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     if not slices:
         raise refused
     slices = max(slices)
-    # room for the fixed point's pieces too in deterministic mode (whether a GPU takes it depends on its SM count)
+    # room for the fixed point's pieces too in deterministic mode (whether a GPU takes it depends on its SM count),
+    # and for the first stores' counters (two per query block of at least 64 rows)
+    counters = 2 * problem.batch * problem.nheads * -(-problem.seqlen_q // 64)
     return backward.workspace(rows, problem.nheads, problem.headdim, slices,
-                                   problem.nheads_k if deterministic else 0)[2]
+                              problem.nheads_k if deterministic else 0, counters)[2]
 
 
 @functools.lru_cache(maxsize=None)

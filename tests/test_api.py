@@ -300,14 +300,18 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
     launch = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132)
     assert launch.fixed_point and launch.slices == 1 and launch.grid == (4, hk, b)  # 400 keys: 4 blocks
     assert backward.slots_sm90(4, b * hk, 132) > 1
-    lse_off, dq_off, total = backward.workspace(rows, h, d, 1, hk)
-    scale_off, kvb_off = backward.fixed_point_offsets(rows, h, d)
+    blocks = 0 if packed else -(-sq // call.main.spec.block_m)  # first stores: a padded batch only
+    counters = 2 * b * h * blocks
+    lse_off, dq_off, total = backward.workspace(rows, h, d, 1, hk, counters)
+    scale_off, kvb_off = backward.fixed_point_offsets(rows, h, d, counters)
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
+    assert dq_off + call.dq_bytes + counters * 4 <= scale_off
     assert call.fixed_offsets == (scale_off, kvb_off)
     assert dq_off + call.dq_bytes <= scale_off and scale_off + rows * h * 4 <= kvb_off
     assert kvb_off + hk * 2 * 4 <= total
     main = np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
     assert main["deterministic"] == 2 and call.main.kernel_call.launches[0][1:4] == (4, hk, b)
+    assert main["dq_first_store"] == blocks
     assert call.main.spec.fixed and call.main.spec.name.endswith("_fixed")  # the kernel that runs mode 2 only
     assert call.main.spec in backward_sm90.all_specs()
     with pytest.raises(ValueError, match="wrong kernel"):  # mode 2 on a kernel without the fixed point's code
@@ -379,8 +383,11 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
     ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 17))
     for name in backward.PARAMS_DTYPE.names[14:]:
-        if name not in ("mod_scale", "softcap", "scale_log2"):  # the score-mod kernel's natural-log scores
-            assert got[name] == ref[name] == want[name], name
+        if name not in ("mod_scale", "softcap", "scale_log2", "dq_first_store"):  # the score-mod kernel's
+            assert got[name] == ref[name] == want[name], name                   # natural-log scores; Hopper's own
+    # first stores: one accumulator (atomic mode), each whole block of block_m query rows; never the portable kernel
+    assert got["dq_first_store"] == (0 if launch.slices > 1 else -(-sq // main.main.spec.block_m))
+    assert ref["dq_first_store"] == 0
     assert backward.SM90_PARAMS_DTYPE.fields["q"][1] == 640 and backward.SM90_PARAMS_DTYPE.itemsize % 64 == 0
     for x, rows in ((q, backward_sm90.BLOCK_M), (k, backward_sm90.BLOCK_N)):
         tma.check_tiled(0x10000, *tma.map_layout(x, rows), 128)

@@ -248,7 +248,8 @@ def test_lowering_is_two_custom_calls_with_a_workspace_output():
     workspace = cuflash.jax.backward_workspace_bytes(problem, -1, 0, False, False)
     assert f"tensor<{workspace}xui8>" in text
     aligned = lambda n: -(-n // backward.WORKSPACE_ALIGN) * backward.WORKSPACE_ALIGN  # noqa: E731
-    assert workspace == 2 * aligned(2 * 4 * 33 * 4) + aligned(2 * 33 * 4 * 32 * 4)
+    counters = 2 * 2 * 4 * 1  # the first stores' ticket and flag per query block of 64 rows
+    assert workspace == 2 * aligned(2 * 4 * 33 * 4) + aligned(2 * 33 * 4 * 32 * 4 + counters * 4)
 
 
 def test_bad_input_fails_at_trace_time_with_cuflash_messages():

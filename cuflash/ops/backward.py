@@ -240,14 +240,16 @@ def _aligned(n: int) -> int:
     return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
 
 
-def workspace(rows: int, nheads: int, headdim: int, slices: int, nheads_k: int = 0) -> tuple[int, int, int]:
+def workspace(rows: int, nheads: int, headdim: int, slices: int, nheads_k: int = 0,
+              counters: int = 0) -> tuple[int, int, int]:
     """The backward's workspaces as one aligned block: byte offsets of lse_log2 and of the dQ accumulator, and
     the total. In the order :func:`launch` lays them out: dsum and lse_log2 (fp32, one per query row and head),
-    then the fp32 dQ accumulator (slices x rows x heads x headdim), each piece rounded up to WORKSPACE_ALIGN
+    then the fp32 dQ accumulator (slices x rows x heads x headdim) with `counters` int32 right after it (the first
+    stores' tickets and ready flags: BwdParams::dq_first_store), each piece rounded up to WORKSPACE_ALIGN
     (cuflash.jax hands them out of one XLA buffer this size). `rows`: batch * seqlen_q, or total_q when packed.
     `nheads_k` > 0: deterministic mode's fixed point, whose two pieces follow (fixed_point_offsets)."""
     per_row = _aligned(rows * nheads * 4)
-    total = 2 * per_row + _aligned(slices * rows * nheads * headdim * 4)
+    total = 2 * per_row + _aligned(slices * rows * nheads * headdim * 4 + counters * 4)
     return per_row, 2 * per_row, total + (per_row + _aligned(nheads_k * 2 * 4) if nheads_k > 0 else 0)
 
 
@@ -257,10 +259,10 @@ def kv_bound_blocks(rows: int, rows_per_block: int, groups: int, sm_count: int) 
     return max(1, min(-(-rows // rows_per_block), -(-8 * sm_count // groups)))
 
 
-def fixed_point_offsets(rows: int, nheads: int, headdim: int) -> tuple[int, int]:
-    """Byte offsets of fixed point's pieces in workspace(rows, nheads, headdim, 1, nheads_k): |dO| per row (like
-    dsum; then each row's dQ scale, written over it), then the K/V bounds (nheads_k x 2 x 4 bytes)."""
-    row_scale = workspace(rows, nheads, headdim, 1)[2]
+def fixed_point_offsets(rows: int, nheads: int, headdim: int, counters: int = 0) -> tuple[int, int]:
+    """Byte offsets of fixed point's pieces in workspace(rows, nheads, headdim, 1, nheads_k, counters): |dO| per row
+    (like dsum; then each row's dQ scale, written over it), then the K/V bounds (nheads_k x 2 x 4 bytes)."""
+    row_scale = workspace(rows, nheads, headdim, 1, counters=counters)[2]
     return row_scale, row_scale + _aligned(rows * nheads * 4)
 
 
@@ -271,14 +273,14 @@ PARAMS_DTYPE = plan.struct(
     plan.stride_fields("q", "k", "v", "do", "dk", "dv")
     + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
     ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
-     "deterministic", "dropout_threshold"),
+     "deterministic", "dropout_threshold", "dq_first_store"),
     ("dropout_scale", "scale_log2", "mod_scale", "softcap", "softmax_scale"))
 PRE_PARAMS_DTYPE = plan.struct(
     ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v", "cu_seqlens_q",
      "cu_seqlens_k"),
     plan.stride_fields("o", "do", "k", "v") + ["dq_slice_stride"],
     ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k",
-     "sequences"),
+     "sequences", "first_store_rows"),
     ("softmax_scale",))
 CONVERT_PARAMS_DTYPE = plan.struct(
     ("dq_accum", "dq", "dq_scale"), ("slice_stride",), ("slices", "fixed_point", "seqlen_q", "nheads", "headdim"), ())
@@ -332,8 +334,13 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
     rows = pre_b * pre_sq  # query rows of all sequences
     fixed = launch.fixed_point
+    # whole query blocks' first dQ additions stored (BwdParams::dq_first_store): a ticket and a flag per block
+    first_store = launch.sm90 is not None and backward_sm90.dq_first_store(launch.sm90, launch.slices, packed)
+    store_rows = launch.sm90.block_m if first_store else 0
+    store_blocks = -(-sq // store_rows) if first_store else 0
+    counters = 2 * b * h * store_blocks
     lse_log2_offset, dq_offset, workspace_bytes = workspace(rows, h, d, launch.slices,
-                                                            problem.nheads_k if fixed else 0)
+                                                            problem.nheads_k if fixed else 0, counters)
 
     # D = rowsum(dO * O) and lse in the log2 domain: pre_lanes(d) threads per row; grid (row blocks, heads,
     # sequences)
@@ -344,6 +351,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     pp["lanes"] = pre_lanes(d)
     pp["dq_slice_stride"], pp["slices"] = rows * h * d, launch.slices
     pp["sequences"] = b  # (packed: cu_seqlens_q[b] ends the rows that belong to a sequence)
+    pp["first_store_rows"] = store_rows
     pre_rows = pre.threads // int(pp["lanes"])
     pre_launches = [(build.get_kernel(pre, device_id), plan.check_grid((-(-pre_sq // pre_rows), h, pre_b)),
                      (pre.threads,), 0)]
@@ -373,6 +381,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
     bp["window_left"], bp["window_right"] = left, right
     bp["deterministic"] = 2 if fixed else int(bool(deterministic))
+    bp["dq_first_store"] = store_blocks
     for name, value in {**options.scales, **options.dropout_fields}.items():
         bp[name] = value
     bp["softmax_scale"] = scale
@@ -394,7 +403,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
                          CONVERT_PARAMS_DTYPE.names[:3])
     return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
-                        workspace_bytes, fixed_point_offsets(rows, h, d) if fixed else None)
+                        workspace_bytes, fixed_point_offsets(rows, h, d, counters) if fixed else None)
 
 
 _launches: dict = {}  # call signature -> BackwardCall

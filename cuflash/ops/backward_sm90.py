@@ -31,6 +31,14 @@ BLOCK_M_CHOICES = (64, 128)
 BLOCK_M_TABLE = {64: 128, 128: 64}
 
 
+def dq_first_store(spec: "BwdSm90Spec", slices: int, packed: bool) -> bool:
+    """BwdParams::dq_first_store: the first dQ addition to each whole query block is a store, so that the preprocess
+    zeroes no more of the accumulator than partial blocks and rows that see no key (the warp-specialized kernels but
+    d = 256's, one accumulator, a padded batch; the bwd_sm90_dq_first_store setting)."""
+    return (spec.tma_dq and spec.headdim != 256 and slices == 1 and not packed
+            and settings.current().bwd_sm90_dq_first_store)
+
+
 def block_n(headdim: int) -> int:
     """Keys per CTA (BwdSm90::BN): 128, or 64 at d = 256 (DSPLIT)."""
     return 64 if headdim == 256 else BLOCK_N

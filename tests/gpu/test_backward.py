@@ -378,3 +378,57 @@ def test_sm90_backward_packed_rows_past_the_sequences(configure, compiled, mode)
             assert_close_to_reference(got.get(), want, lowp, what=name, context=mode)
     finally:
         backward._launches.clear()
+
+
+@pytest.mark.parametrize("mode", ["atomic", "fixed point"])
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_sm90_first_dq_additions_are_stores(configure, compiled, mode, d):
+    """BwdParams::dq_first_store: the first CTA to add to each whole query block stores its tiles (a ticket per
+    block), in a workspace of 0xFF bytes (NaN accumulator, tickets and flags -1 until the preprocess): GQA, several
+    key blocks per head, rows off the blocks (a partial last block, added to as before), causal with more queries
+    than keys (rows that see no key: dq 0), d 64 with 128-row blocks, against the reference; the fixed point bitwise
+    equal to the preprocess zeroing the whole accumulator."""
+    import cupy
+    import cuflash
+    from cuflash import checks
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    configure(bwd_sm90=True)
+    configure(bwd_sm90_det="fixed")
+    deterministic = mode != "atomic"
+    opts = dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0)
+
+    def grads(problem, q, k, v, dout, out, lse):
+        backward._launches.clear()
+        dq, dk, dv = (cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v))
+        backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes=None, deterministic=deterministic,
+                        workspace=cupy.full(1 << 24, 0xFF, np.uint8), **opts)
+        (call,) = backward._launches.values()
+        params = np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
+        return (dq, dk, dv), int(params["dq_first_store"])
+
+    b, h, hk = 2, 4, 2
+    try:
+        for sq, sk in ((333, 900), (333, 200), (50, 300), (256, 256)):
+            q, k, v, dout, _ = make_case(np.random.default_rng(sk + d), b=b, sq=sq, sk=sk, h=h, hk=hk, d=d,
+                                         dtype="bf16")
+            out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+            problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(q.dtype))
+            got, blocks = grads(problem, q, k, v, dout, out, lse)
+            assert blocks > 0
+            host = [x.get() for x in (q, k, v, dout)]
+            _, ref_lse = reference.attention(*host[:3], return_lse=True, **opts)
+            ref = reference.attention_backward(host[3], *host[:3], out.get().astype(np.float32), ref_lse, **opts)
+            naive = naive_lowp_backward(host[3], *host[:3], **opts)
+            ctx = f"d={d} {mode} sq={sq} sk={sk}"
+            for name, x, want, lowp in zip(("dq", "dk", "dv"), got, ref, naive):
+                assert_close_to_reference(x.get(), want, lowp, what=name, context=ctx)
+            assert not bool(got[0][:, :max(0, sq - sk)].view(np.uint16).any()), "rows that see no key: dq = 0"
+            with cuflash_settings.override(bwd_sm90_dq_first_store=False):
+                before, blocks = grads(problem, q, k, v, dout, out, lse)
+            assert blocks == 0
+            if deterministic:
+                for x, y in zip(got, before):
+                    assert bool(cupy.array_equal(x.view(np.uint16), y.view(np.uint16))), ctx
+    finally:
+        backward._launches.clear()
