@@ -5,11 +5,11 @@
     python3 benchmarks/bench_fp8.py [--dims 64,128,256] [--seqlens 512,...,16384] [--causal both|true|false]
 
 Per cell, TFLOP/s (the forward's 4 b h s^2 d, halved when causal):
-  cuflash fp8     cuflash.attention_fp8 (the V^T transpose pass included), per-tensor descales
-  cuflash bf16    cuflash.attention on the same shapes in bf16
-  cudnn bf16      torch's SDPA, cuDNN backend, bf16
+  cuflash_fp8     cuflash.attention_fp8 (the V^T transpose pass included), per-tensor descales
+  cuflash_bf16    cuflash.attention on the same shapes in bf16
+  cudnn_bf16      torch's SDPA, cuDNN backend, bf16
 and once per run torch._scaled_mm's e4m3 GEMM (8192 x 8192 x 8192, bf16 out): the tensor cores' FP8 ceiling as torch
-reaches it; the fp8 column's fraction of it is printed beside each cell.
+reaches it; the fp8 column's fraction of it (of_mm) is printed beside each cell.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     ba.warm_up_gpu()
     ceiling = float("nan") if args.fp8_only else scaled_mm_tflops(args)
     print(f"torch._scaled_mm e4m3 8192^3: {ceiling:.1f} TFLOP/s")
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} {'cuflash fp8':>11} {'of mm':>6} {'cuflash bf16':>12} "
-          f"{'cudnn bf16':>10} {'fp8/cudnn':>9}")
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} {'cuflash_fp8':>11} {'of_mm':>6} {'cuflash_bf16':>12} "
+          f"{'cudnn_bf16':>10} {'fp8/cudnn':>9}")
     for cell in ba.training_grid(args):
         b, s, h, d, causal = cell["batch"], cell["seqlen"], cell["nheads"], cell["d"], cell["causal"]
         flops = ba.forward_flops(b, h, s, s, d, causal)

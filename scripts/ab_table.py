@@ -4,7 +4,8 @@
 
     python3 scripts/ab_table.py DIR [--tag _bwd] [--column cuflash]
 
-DIR holds ab<TAG>_<set>_<round>.txt; --column picks the benchmark table's column (cuflash, cuflash_det, ...).
+DIR holds ab<TAG>_<set>_<round>.txt; --column picks the benchmark table's column (cuflash, cuflash_det, ...; of
+bench_fp8.py's table, cuflash_fp8).
 """
 import argparse
 import re
@@ -12,7 +13,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROW = re.compile(r"^\s+(\d+)\s+(True|False)\s+(\d+)\s+\d+\s+\d+\s+(.*)$")
+# d, causal, seqlen, then batch and heads (bench_attention.py; bench_fp8.py has none), then the columns
+ROW = re.compile(r"^\s+(\d+)\s+(True|False)\s+(\d+)\s+(?:\d+\s+\d+\s+)?(.*)$")
 
 
 def read(path: Path, column: str) -> tuple:
@@ -22,7 +24,7 @@ def read(path: Path, column: str) -> tuple:
         if line.startswith("### ") and not switches:  # gpu_ab.sh's first line: the switches, then the command
             switches = line[4:].split(": python3", 1)[0]
         elif line.strip().startswith("d causal seqlen"):
-            names = line.split()[5:]
+            names = [n for n in line.split()[3:] if n not in ("batch", "heads")]
             index = names.index(column) if column in names else None
         elif index is not None and (m := ROW.match(line)):
             values = m[4].split()
