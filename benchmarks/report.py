@@ -135,9 +135,10 @@ def run_text(data: dict) -> str:
     text = "Run: " + ", ".join(parts) + (f" ({', '.join(versions)})" if versions else "") + "."
     if m.get("placements"):
         text += f" Forward and backward times: medians over {m['placements']} placements of each cell's tensors."
-    if m.get("decode_date") or m.get("decode_commit"):  # a decode table measured in another run than the rest
-        text += " Decode: " + ", ".join(str(m[k]) if k == "decode_date" else f"commit {m[k]}"
-                                        for k in ("decode_date", "decode_commit") if m.get(k)) + "."
+    for op, title in (("bwd", "Backward"), ("decode", "Decode")):  # tables measured in another run than the rest
+        if m.get(f"{op}_date") or m.get(f"{op}_commit"):
+            text += f" {title}: " + ", ".join(str(m[k]) if k.endswith("_date") else f"commit {m[k]}"
+                                              for k in (f"{op}_date", f"{op}_commit") if m.get(k)) + "."
     return text
 
 
@@ -334,7 +335,7 @@ def style_axis(ax, xs: list, labels: list, title: str, xlabel: str, ylabel: str)
     ax.legend(fontsize=8)
 
 
-def plot_training(path: Path, rows: list[dict], title: str, impls: tuple, meta: dict) -> None:
+def plot_training(path: Path, rows: list[dict], title: str, impls: tuple, meta: dict, op: str = "fwd") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -356,7 +357,7 @@ def plot_training(path: Path, rows: list[dict], title: str, impls: tuple, meta: 
                    "seqlen (batch = 16384 / seqlen, heads = 2048 / d)", "TFLOP/s")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(plot_title(meta), fontsize=9)
+    fig.suptitle(plot_title(meta, op), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -385,16 +386,16 @@ def plot_decode(path: Path, dec: dict, meta: dict) -> None:
                    "keys in the cache", "TB/s of K/V read")
     for ax in list(axes.flat)[len(batches):]:
         ax.axis("off")
-    fig.suptitle(plot_title(meta, decode=True), fontsize=9)
+    fig.suptitle(plot_title(meta, "decode"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def plot_title(meta: dict, decode: bool = False) -> str:
-    """Device, dtype, date and commit of the run (of the decode run where it has its own)."""
-    date = (decode and meta.get("decode_date")) or meta.get("date") or (meta.get("timestamp") or "")[:10]
-    commit = (decode and meta.get("decode_commit")) or meta.get("commit")
+def plot_title(meta: dict, op: str = "fwd") -> str:
+    """Device, dtype, date and commit of the run (of the op's own run where it has one: bwd_date, decode_commit)."""
+    date = meta.get(f"{op}_date") or meta.get("date") or (meta.get("timestamp") or "")[:10]
+    commit = meta.get(f"{op}_commit") or meta.get("commit")
     return ", ".join(x for x in (meta.get("device", ""), meta.get("dtype", "bf16"), date,
                                  f"commit {commit}" if commit else "") if x)
 
@@ -412,7 +413,7 @@ def plots(data: dict, directory: Path) -> list[Path]:
         written.append(directory / "forward.png")
     if bwd:
         plot_training(directory / "backward.png", bwd, "backward", ("cuflash", "cuflash_det", "flash", "cudnn"),
-                      data["meta"])
+                      data["meta"], "bwd")
         written.append(directory / "backward.png")
     if data.get("decode") and data["decode"].get("rows"):
         plot_decode(directory / "decode.png", data["decode"], data["meta"])

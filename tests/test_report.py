@@ -89,6 +89,18 @@ def test_plots(run_files):
         assert (t / "plots" / f"{name}.png").stat().st_size > 1000
 
 
+def test_runs_of_their_own_are_named():
+    """A backward or decode table measured in another run than the forward: the run line and the plots' titles name
+    that run's date and commit."""
+    meta = dict(device="H200", dtype="bf16", date="2026-01-01", commit="aaa1111", bwd_date="2026-01-02",
+                bwd_commit="bbb2222", decode_date="2026-01-03", decode_commit="ccc3333")
+    assert report.plot_title(meta) == "H200, bf16, 2026-01-01, commit aaa1111"
+    assert report.plot_title(meta, "bwd") == "H200, bf16, 2026-01-02, commit bbb2222"
+    assert report.plot_title(meta, "decode") == "H200, bf16, 2026-01-03, commit ccc3333"
+    text = report.run_text(dict(meta=meta, bench=[]))
+    assert "Backward: 2026-01-02, commit bbb2222." in text and "Decode: 2026-01-03, commit ccc3333." in text
+
+
 def _overhead_run():
     def row(group, call, shape, cf, peer, peer_name="SDPA cudnn", **extra):
         return dict(group=group, call=call, shape=shape, dims=f"dims of {shape}", peer=peer_name, cuflash_us=cf,
