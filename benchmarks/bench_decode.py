@@ -14,6 +14,10 @@ Timing: triton.testing.do_bench (CUDA events, L2 flushed before every call), med
 medians per implementation and cell.
 
     python benchmarks/bench_decode.py [--json out.json] [--quick]
+    python benchmarks/bench_decode.py --page-sizes 16,32,64,256 [--headdim 64]   # page sizes against contiguous
+
+--page-sizes times the same keys, bf16 and e4m3, contiguous and in shuffled pools of each page size, at batch 1 x 64k,
+32 x 8k and 32 x 64k keys (cuflash alone: SDPA has no paged cache).
 """
 from __future__ import annotations
 
@@ -40,7 +44,64 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="measurements per implementation and cell; the least "
                    "median counts (single measurements of the 1k-8k cells at batch 1-8 swung 2-3x for "
                    "every implementation in one run of four)")
+    p.add_argument("--page-sizes", type=lambda x: [int(n) for n in x.split(",") if n],
+                   help="page sizes to time against the contiguous cache (see above) instead of the grid")
     return p.parse_args(argv)
+
+
+PAGE_CELLS = ((1, 65536), (32, 8192), (32, 65536))
+
+
+def page_sweep(args, time_us) -> list:
+    """Microseconds per call of the contiguous cache and of each page size, bf16 and e4m3, per cell of PAGE_CELLS;
+    `same`: the paged bf16 output bitwise equal to the contiguous one."""
+    import cupy
+    import torch
+
+    import cuflash
+    D, rows = args.headdim, []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sizes = args.page_sizes
+    print(f"{'dtype':>5} {'batch':>5} {'len':>7} | {'contig':>8} " + " ".join(f"{'pg ' + str(ps):>8}" for ps in sizes)
+          + "  (us per call; * paged output not bitwise the contiguous one)")
+    for b, n in PAGE_CELLS:
+        q = cupy.from_dlpack(torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen))
+        for dtype in ("bf16", "e4m3"):
+            if dtype == "bf16":
+                k = torch.randn(b, n, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                v = torch.randn(b, n, HK, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                extra = {}
+            else:  # random e4m3 bytes of normal magnitude (no NaN: 0x7f / 0xff excluded)
+                k = torch.randint(0, 120, (b, n, HK, D), device="cuda", dtype=torch.uint8, generator=gen)
+                v = torch.randint(0, 120, (b, n, HK, D), device="cuda", dtype=torch.uint8, generator=gen)
+                descale = cupy.asarray([0.01], dtype=cupy.float32)
+                extra = dict(k_descale=descale, v_descale=descale)
+            kc, vc = cupy.from_dlpack(k), cupy.from_dlpack(v)
+            ref = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=n, **extra)
+            row = dict(dtype=dtype, batch=b, len=n, d=D,
+                       contiguous_us=time_us(lambda: cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=n,
+                                                                                    **extra)))
+            for ps in sizes:
+                pages = b * (n // ps)
+                perm = torch.randperm(pages, device="cuda", generator=gen)
+                pk = torch.empty((pages, ps, HK, D), device="cuda", dtype=k.dtype)
+                pv = torch.empty_like(pk)
+                pk[perm] = k.reshape(pages, ps, HK, D)
+                pv[perm] = v.reshape(pages, ps, HK, D)
+                table = cupy.from_dlpack(perm.to(torch.int32).reshape(b, n // ps).contiguous())
+                pkc, pvc = cupy.from_dlpack(pk), cupy.from_dlpack(pv)
+
+                def call():
+                    return cuflash.attention_with_kvcache(q, pkc, pvc, cache_seqlens=n, block_table=table, **extra)
+
+                row[f"same_{ps}"] = bool((call() == ref).all())
+                row[f"paged{ps}_us"] = time_us(call)
+                del pk, pv, pkc, pvc, table
+            rows.append(row)
+            print(f"{dtype:>5} {b:>5} {n:>7} | {row['contiguous_us']:>8.1f} " + " ".join(
+                f"{row[f'paged{ps}_us']:>7.1f}{' ' if row[f'same_{ps}'] else '*'}" for ps in sizes), flush=True)
+            del k, v, kc, vc, ref
+    return rows
 
 
 def main(argv=None) -> int:
@@ -57,6 +118,11 @@ def main(argv=None) -> int:
         return min(1e3 * float(do_bench(fn, warmup=10, rep=args.rep, return_mode="median"))
                    for _ in range(args.repeats))
 
+    if args.page_sizes:
+        rows = page_sweep(args, time_us)
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(h=H, hk=HK, d=args.headdim, rows=rows), indent=1))
+        return 0
     batches, lengths = ((1, 32), (8192, 65536)) if args.quick else (BATCHES, LENGTHS)
     D = args.headdim
     rows = []

@@ -16,8 +16,8 @@
 // TMA: one thread issues each block's copies (two 64-column panels of K and of V, 128-byte swizzle: the SmemTile
 // layout) completing on the slot's mbarrier, so a deep ring costs no issue slots and no registers. Rows past the
 // cache length inside the capacity are not zero-filled by TMA: the tail block's V rows there are zeroed in shared
-// memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN. An
-// e4m3 row of d bytes is one box as wide: 128 bytes at d = 128 (the 128-byte swizzle), 64 at d = 64 (NarrowTile's
+// memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN or a
+// divisor of it of at least 16 rows (a box per page). An e4m3 row of d bytes is one box as wide: 128 bytes at d = 128 (the 128-byte swizzle), 64 at d = 64 (NarrowTile's
 // 64-byte swizzle).
 //
 // An e4m3 cache (FP8 = true; either kernel): K/V blocks land as bytes, a 16-byte chunk holding 16 columns, and
@@ -97,6 +97,9 @@ struct DecodeBlock {
     static constexpr int PANEL_COLS = Traits::NARROW ? 64 : FP8 ? 128 : 64;
     static constexpr int PANEL_BYTES = KVTile::BYTES / KV_PANELS;
     static constexpr int KV_CHUNKS = Traits::NARROW ? 4 : Traits::KV_DP / 8;
+    // TMA: a block may span several pages (one box each) only at 64 keys (decode.py's PAGE_BOX_BLOCK_N); larger
+    // blocks lie inside one page, and their loads stay one box per panel.
+    static constexpr bool PAGE_BOXES = BN == 64;
 
     const DecodeParams& p;
     int tid, lane, row_warp, key_warp;
@@ -155,32 +158,35 @@ struct DecodeBlock {
         }, cols, p.v_cache, tid);
     }
 
-    // TMA: thread 0 issues K and V of block n into ring slot `stage`, completing on the slot's mbarrier. A block
-    // lies inside one page (the page size is a multiple of BN), so each panel is one box.
+    // TMA: thread 0 issues K and V of block n into ring slot `stage`, completing on the slot's mbarrier. Each panel
+    // of a block is one box, or, for 64-key blocks in pages of fewer rows (a divisor of 64, PAGE_BOXES), one box per
+    // page: the maps' boxes are that many rows, which start on whole swizzle atoms of the panel. A box past the row's length, or in a
+    // page the pool does not have, reads page `pool` (one past the last), which TMA fills with zeros.
     __device__ __forceinline__ void issue_kv_tma(int stage, int n) {
         const u32 bar = bars + 8 * stage, dst = sKV + stage * Traits::STAGE_BYTES;
-        const int pos0 = n * BN;
-        int z = pos0, w = cache_row;
-        if (cache.pages != nullptr) {  // a page the pool does not have: one past its last, which TMA fills with zeros
-            w = cache.page_of(pos0);
-            w = w < 0 ? cache.pool : w;
-            z = pos0 - pos0 / cache.page_size * cache.page_size;
-        }
+        const int box = PAGE_BOXES && cache.pages != nullptr && cache.page_size < BN ? cache.page_size : BN;
         sm90::mbar_arrive_expect_tx(bar, Traits::STAGE_BYTES);
-        if (p.kv_evict_first) {
-            const unsigned long long policy = sm90::l2_policy_evict_first();
+        for (int r = 0; r < BN; r += box) {
+            const int pos = n * BN + r;
+            int z = pos, w = cache_row;
+            if (cache.pages != nullptr) {
+                w = pos < len ? cache.page_of(pos) : -1;
+                w = w < 0 ? cache.pool : w;
+                z = pos % cache.page_size;
+            }
+            const u32 at = dst + r * (PANEL_BYTES / BN);
 #pragma unroll
             for (int pn = 0; pn < KV_PANELS; ++pn) {
-                sm90::tma_load_4d(dst + pn * PANEL_BYTES, k_map, pn * PANEL_COLS, h_kv, z, w, bar, policy);
-                sm90::tma_load_4d(dst + KVTile::BYTES + pn * PANEL_BYTES, v_map, pn * PANEL_COLS, h_kv, z, w, bar,
-                                  policy);
+                const u32 k_dst = at + pn * PANEL_BYTES, v_dst = k_dst + KVTile::BYTES;
+                if (p.kv_evict_first) {
+                    const unsigned long long policy = sm90::l2_policy_evict_first();
+                    sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z, w, bar, policy);
+                    sm90::tma_load_4d(v_dst, v_map, pn * PANEL_COLS, h_kv, z, w, bar, policy);
+                } else {
+                    sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z, w, bar);
+                    sm90::tma_load_4d(v_dst, v_map, pn * PANEL_COLS, h_kv, z, w, bar);
+                }
             }
-            return;
-        }
-#pragma unroll
-        for (int pn = 0; pn < KV_PANELS; ++pn) {
-            sm90::tma_load_4d(dst + pn * PANEL_BYTES, k_map, pn * PANEL_COLS, h_kv, z, w, bar);
-            sm90::tma_load_4d(dst + KVTile::BYTES + pn * PANEL_BYTES, v_map, pn * PANEL_COLS, h_kv, z, w, bar);
         }
     }
 

@@ -702,6 +702,9 @@ def test_decode_tma_applies_only_where_it_can(configure):
     assert not decode.tma_applies("sm_90a", 96, 4, 0)           # head dims exactly 64 / 128
     assert not decode.tma_applies("sm_90a", 128, 17, 0)         # more rows than one 16-row tile
     assert not decode.tma_applies("sm_90a", 128, 4, 48)         # a 64-row block would straddle pages
+    assert not decode.tma_applies("sm_90a", 128, 4, 8)          # boxes under 16 rows
+    assert decode.tma_applies("sm_90a", 128, 4, 16) and decode.tma_applies("sm_90a", 64, 4, 32)  # a box per page
+    assert [decode.tma_box_rows(ps, 64) for ps in (0, 16, 32, 64, 256)] == [64, 16, 32, 64, 64]
     configure(decode_tma=False)
     assert not decode.tma_applies("sm_90a", 128, 4, 0)
     spec = decode.DecodeSpec("bf16", 128, decode.tma_config(3), False)
@@ -712,10 +715,11 @@ def test_decode_tma_applies_only_where_it_can(configure):
     configure(decode_tma=True)                                  # an e4m3 cache: 128-key blocks
     assert decode.tma_applies("sm_90a", 128, 4, 256, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 0, fp8=True)
     assert decode.tma_applies("sm_90a", 128, 4, 64, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 128, fp8=True)
-    assert not decode.tma_applies("sm_90a", 128, 4, 32, fp8=True)     # pages of 16-48 rows: the cp.async kernel
-    for d in decode.TMA_HEADDIMS:
-        blocks = [decode.tma_config(fp8_headdim=d, page_size=ps).block_n for ps in (0, 64, 128, 256, 512)]
-        assert blocks == {64: [256, 64, 64, 256, 256], 128: [128, 64, 128, 128, 128]}[d]
+    assert decode.tma_applies("sm_90a", 128, 4, 32, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 16, fp8=True)
+    assert not decode.tma_applies("sm_90a", 128, 4, 48, fp8=True)     # pages of 48 rows: the cp.async kernel
+    for d in decode.TMA_HEADDIMS:   # blocks inside one page first, else the smallest: 64 keys, a box per page
+        blocks = [decode.tma_config(fp8_headdim=d, page_size=ps).block_n for ps in (0, 16, 32, 64, 128, 256, 512)]
+        assert blocks == {64: [256, 64, 64, 64, 64, 256, 256], 128: [128, 64, 64, 64, 128, 128, 128]}[d]
         for config in decode.TMA_FP8_CONFIGS[d]:
             spec = decode.DecodeSpec("bf16", d, config, False, True)
             assert spec.name.endswith("_tma_e4m3") and spec.template.endswith(", true>")
@@ -756,8 +760,16 @@ def test_decode_tma_maps_cover_the_cache(configure, monkeypatch):
     paged_problem = checks.Problem(2, 1, 640, 32, 8, 128, np.dtype(np.float16))
     assert decode.tma_maps(paged_problem, pages, pages, object(), "sm_90a", fp8=True) is not None
     assert seen[0][0][3] == (128, 1, 64, 1)
+    seen.clear()                 # 32-row pages: 64-key blocks of two boxes of 32 rows
     pages = _FakeDeviceArray(np.zeros((20, 32, 8, 128), np.uint8), 0x10000)
-    assert decode.tma_maps(paged_problem, pages, pages, object(), "sm_90a", fp8=True) is None   # 32-row pages
+    assert decode.tma_maps(paged_problem, pages, pages, object(), "sm_90a", fp8=True) is not None
+    assert seen[0][0][3] == (128, 1, 32, 1)
+    seen.clear()                 # a 16-bit cache in 16-row pages: 64-key blocks of four boxes of 16 rows
+    pages = _FakeDeviceArray(np.zeros((40, 16, 8, 128), np.float16), 0x10000)
+    assert decode.tma_maps(paged_problem, pages, pages, object(), "sm_90a") is not None
+    assert seen[0][0][3] == (64, 1, 16, 1)
+    pages = _FakeDeviceArray(np.zeros((80, 8, 8, 128), np.float16), 0x10000)
+    assert decode.tma_maps(paged_problem, pages, pages, object(), "sm_90a") is None   # 8-row pages
 
 
 def test_kernel_call_with_tail_writes_pointers_and_tail():

@@ -47,8 +47,8 @@ DECODE_TABLE = {
 DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decode_aux.cu)
 
 # The TMA decode kernel (sm_90a): up to 16 packed rows at head dims exactly 64 and 128, contiguous caches or pages
-# of a multiple of 64 rows (of the block over an e4m3 cache), strides TMA accepts; the cp.async kernel everywhere
-# else. A 3-slot ring (two CTAs per SM at d = 128; the decode_tma_stages setting) reads faster than the cp.async
+# whose rows are a multiple of its block's keys or a divisor of them of at least 16 (one box per page; tma_pages),
+# strides TMA accepts; the cp.async kernel everywhere else. A 3-slot ring (two CTAs per SM at d = 128; the decode_tma_stages setting) reads faster than the cp.async
 # kernel, and paged caches 1.2x faster (docs/perf-notes.md, "TMA decode"). It merges its own splits (the last CTA of
 # a row tile to finish, counted on a zeroed counter per tile) up to decode_fused_max_splits splits, so no combine
 # launch follows; and marks its K/V copies evict_first in L2 when a call reads at most decode_evict_first_mb MiB of
@@ -57,8 +57,8 @@ TMA_HEADDIMS = (64, 128)
 TMA_BLOCK_N = 64
 TMA_STAGE_CHOICES = (3,)
 # The TMA kernel over an e4m3 cache, per head dim, in order of preference: 32 KB blocks (128 keys at d 128, 256 at
-# d 64) in rings of 64-96 KB (two or three CTAs per SM), or, for pages of a multiple of 64 rows that such a block
-# would straddle, 64-key blocks in the same ring bytes. TMA takes the cache's address arithmetic off the warps,
+# d 64) in rings of 64-96 KB (two or three CTAs per SM), or, for pages that such a block would straddle, 64-key
+# blocks in the same ring bytes (a box per page in pages of 16 or 32 rows). TMA takes the cache's address arithmetic off the warps,
 # which is what held the cp.async kernel's e4m3 blocks below memory speed (docs/perf-notes.md, "e4m3 decode on the
 # TMA kernel").
 TMA_FP8_CONFIGS = {64: (DecodeConfig(1, 256, 2, tma=True), DecodeConfig(1, 64, 8, tma=True)),
@@ -80,16 +80,36 @@ def evict_first(kv_bytes: int) -> bool:
     return kv_bytes <= settings.current().decode_evict_first_mb * 2**20
 
 
+MIN_PAGE_BOX = 16      # rows of the smallest box per page: whole swizzle atoms, and a box of at least 1 KB
+PAGE_BOX_BLOCK_N = 64  # the blocks that may span pages (decode.cu's PAGE_BOXES); larger ones lie inside one page
+
+
+def tma_pages(page_size: int, block_n: int) -> bool:
+    """The TMA kernel reads a cache in pages of `page_size` rows (0: contiguous) with blocks of `block_n` keys: each
+    block inside one page, or a 64-key block made of whole pages of at least MIN_PAGE_BOX rows (one box per page and
+    panel)."""
+    return page_size % block_n == 0 or (block_n == PAGE_BOX_BLOCK_N and block_n % page_size == 0
+                                        and page_size % MIN_PAGE_BOX == 0)
+
+
+def tma_box_rows(page_size: int, block_n: int) -> int:
+    """Rows of the TMA kernel's K/V boxes: the block's, or a page's where pages are smaller."""
+    return page_size if 0 < page_size < block_n else block_n
+
+
 def tma_fp8_config(headdim: int, page_size: int) -> DecodeConfig | None:
     """The TMA kernel's config over an e4m3 cache: the first of TMA_FP8_CONFIGS[headdim] whose blocks lie inside one
-    page (page_size 0: a contiguous cache), or None."""
-    return next((c for c in TMA_FP8_CONFIGS.get(headdim, ()) if page_size % c.block_n == 0), None)
+    page (page_size 0: a contiguous cache), else the last (the smallest blocks: the fewest boxes) that tma_pages
+    takes, or None."""
+    configs = TMA_FP8_CONFIGS.get(headdim, ())
+    return next((c for c in configs if page_size % c.block_n == 0),
+                next((c for c in reversed(configs) if tma_pages(page_size, c.block_n)), None))
 
 
 def tma_applies(arch: str, headdim: int, packed_rows: int, page_size: int, fp8: bool = False) -> bool:
     """page_size 0: a contiguous cache; fp8: an e4m3 cache."""
     return (settings.current().decode_tma and arch == "sm_90a" and headdim in TMA_HEADDIMS and packed_rows <= 16
-            and (tma_fp8_config(headdim, page_size) is not None if fp8 else page_size % TMA_BLOCK_N == 0))
+            and (tma_fp8_config(headdim, page_size) is not None if fp8 else tma_pages(page_size, TMA_BLOCK_N)))
 
 
 def tma_config(stages: int | None = None, fp8_headdim: int = 0, page_size: int = 0) -> DecodeConfig:
@@ -410,18 +430,18 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
 def tma_maps(problem, k_cache, v_cache, block_table, arch: str, fp8: bool = False):
     """(k, v) tensor-map encoders for the TMA decode kernel, or None where it does not apply (tma_applies, or cache
     strides TMA refuses). A map covers the whole cache as (head dim, KV heads, rows, cache rows or pages), one box a
-    block's rows of a 128-byte panel: 64 columns of a 16-bit cache, 128 of an e4m3 one; an e4m3 row at d = 64 is
+    block's rows (a page's, in pages of fewer rows: tma_box_rows) of a 128-byte panel: 64 columns of a 16-bit cache, 128 of an e4m3 one; an e4m3 row at d = 64 is
     one 64-byte box (64-byte swizzle)."""
     page_size = k_cache.shape[1] if block_table is not None else 0
     d = problem.headdim
     if not tma_applies(arch, d, problem.seqlen_q * (problem.nheads // problem.nheads_k), page_size, fp8):
         return None
-    block_n = tma_config(fp8_headdim=d if fp8 else 0, page_size=page_size).block_n
+    box_rows = tma_box_rows(page_size, tma_config(fp8_headdim=d if fp8 else 0, page_size=page_size).block_n)
     itemsize = np.dtype(k_cache.dtype).itemsize
     swizzle = min(d * itemsize, 128)  # a box's row: a 128-byte panel, or a whole 64-byte e4m3 row
     layouts = []
     for x in (k_cache, v_cache):
-        dtype, dims, strides, box = tma.map_layout(x, block_n)
+        dtype, dims, strides, box = tma.map_layout(x, box_rows)
         layouts.append((dtype, dims, strides, (swizzle // itemsize,) + box[1:]))
     try:
         for layout in layouts:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True, params=["cp.async", "tma"])
 def decode_path(configure, request):
     """Every test runs on the cp.async kernel and, on sm_90a, with the TMA kernel switched on (the decode_tma setting;
-    the calls it does not cover, such as pages of 16-48 rows or more than 16 packed rows, stay on cp.async)."""
+    the calls it does not cover, such as pages of 48 rows or more than 16 packed rows, stay on cp.async)."""
     from cuflash import build
     from cuflash.ops import decode
     if request.param == "tma":
@@ -181,12 +181,12 @@ def test_kvcache_matches_reference(compiled, case, seed):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_paged_equals_contiguous(configure, compiled, decode_path, page_size, dtype):
     """The same logical cache, contiguous and paged (shuffled pages): bitwise equal outputs and lse. Where the TMA
-    kernel takes the contiguous cache but not the pages (pages of 16-48 rows: the cp.async kernel), both sides merge
+    kernel takes the contiguous cache but not the pages (pages of 48 rows: the cp.async kernel), both sides merge
     their splits with decode_combine, so that the two kernels' partial results are compared bitwise; the TMA
     kernel's own merge sums the splits in another order (test_split_merge_both_ways checks it)."""
     import cupy
     import cuflash
-    if decode_path == "tma" and page_size % decode.TMA_BLOCK_N != 0:
+    if decode_path == "tma" and not decode.tma_pages(page_size, decode.TMA_BLOCK_N):
         configure(decode_fused_max_splits=0)
     rng = np.random.default_rng(page_size)
     dt = DTYPES[dtype]
