@@ -16,8 +16,8 @@
 // TMA: one thread issues each block's copies (two 64-column panels of K and of V, 128-byte swizzle: the SmemTile
 // layout) completing on the slot's mbarrier, so a deep ring costs no issue slots and no registers. Rows past the
 // cache length inside the capacity are not zero-filled by TMA: the tail block's V rows there are zeroed in shared
-// memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN or a
-// divisor of it of at least 16 rows (a box per page). An e4m3 row of d bytes is one box as wide: 128 bytes at d = 128 (the 128-byte swizzle), 64 at d = 64 (NarrowTile's
+// memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN or
+// BN / PAGE_BOXES (a box per page and panel). An e4m3 row of d bytes is one box as wide: 128 bytes at d = 128 (the 128-byte swizzle), 64 at d = 64 (NarrowTile's
 // 64-byte swizzle).
 //
 // An e4m3 cache (FP8 = true; either kernel): K/V blocks land as bytes, a 16-byte chunk holding 16 columns, and
@@ -79,7 +79,7 @@ struct DecodeTraits {
     static_assert(!FP8 || D % 32 == 0, "an e4m3 ldmatrix.x4 covers 32 columns");
 };
 
-template <class Traits, bool SCORE_MOD, bool TMA = false>
+template <class Traits, bool SCORE_MOD, bool TMA = false, int PAGE_BOXES = 1>
 struct DecodeBlock {
     using T = typename Traits::T;
     static constexpr bool FP8 = Traits::FP8;
@@ -97,9 +97,8 @@ struct DecodeBlock {
     static constexpr int PANEL_COLS = Traits::NARROW ? 64 : FP8 ? 128 : 64;
     static constexpr int PANEL_BYTES = KVTile::BYTES / KV_PANELS;
     static constexpr int KV_CHUNKS = Traits::NARROW ? 4 : Traits::KV_DP / 8;
-    // TMA: a block may span several pages (one box each) only at 64 keys (decode.py's PAGE_BOX_BLOCK_N); larger
-    // blocks lie inside one page, and their loads stay one box per panel.
-    static constexpr bool PAGE_BOXES = BN == 64;
+    // TMA: a panel's bytes in one box (of PAGE_BOXES per panel)
+    static constexpr int BOX_BYTES = PANEL_BYTES / PAGE_BOXES;
 
     const DecodeParams& p;
     int tid, lane, row_warp, key_warp;
@@ -159,33 +158,45 @@ struct DecodeBlock {
     }
 
     // TMA: thread 0 issues K and V of block n into ring slot `stage`, completing on the slot's mbarrier. Each panel
-    // of a block is one box, or, for 64-key blocks in pages of fewer rows (a divisor of 64, PAGE_BOXES), one box per
-    // page: the maps' boxes are that many rows, which start on whole swizzle atoms of the panel. A box past the row's length, or in a
-    // page the pool does not have, reads page `pool` (one past the last), which TMA fills with zeros.
+    // of a block is PAGE_BOXES boxes of BN / PAGE_BOXES rows: one (the block lies inside one page, or the cache is
+    // contiguous), or one per page where pages are smaller than the block; each box starts on whole swizzle atoms of
+    // the panel. A box in a page the pool does not have, or past the row's length, reads page `pool` (one past the
+    // last), which TMA fills with zeros.
     __device__ __forceinline__ void issue_kv_tma(int stage, int n) {
+        constexpr int BOX = BN / PAGE_BOXES;
         const u32 bar = bars + 8 * stage, dst = sKV + stage * Traits::STAGE_BYTES;
-        const int box = PAGE_BOXES && cache.pages != nullptr && cache.page_size < BN ? cache.page_size : BN;
-        sm90::mbar_arrive_expect_tx(bar, Traits::STAGE_BYTES);
-        for (int r = 0; r < BN; r += box) {
-            const int pos = n * BN + r;
-            int z = pos, w = cache_row;
+        int z[PAGE_BOXES], w[PAGE_BOXES];
+#pragma unroll
+        for (int i = 0; i < PAGE_BOXES; ++i) {
+            const int pos = n * BN + i * BOX;
+            z[i] = pos, w[i] = cache_row;
             if (cache.pages != nullptr) {
-                w = pos < len ? cache.page_of(pos) : -1;
-                w = w < 0 ? cache.pool : w;
-                z = pos % cache.page_size;
+                w[i] = PAGE_BOXES == 1 || pos < len ? cache.page_of(pos) : -1;  // block 0's first box: pos < len
+                w[i] = w[i] < 0 ? cache.pool : w[i];
+                z[i] = pos - pos / cache.page_size * cache.page_size;
             }
-            const u32 at = dst + r * (PANEL_BYTES / BN);
+        }
+        sm90::mbar_arrive_expect_tx(bar, Traits::STAGE_BYTES);
+        if (p.kv_evict_first) {
+            const unsigned long long policy = sm90::l2_policy_evict_first();
+#pragma unroll
+            for (int i = 0; i < PAGE_BOXES; ++i) {
+#pragma unroll
+                for (int pn = 0; pn < KV_PANELS; ++pn) {
+                    const u32 k_dst = dst + pn * PANEL_BYTES + i * BOX_BYTES;
+                    sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z[i], w[i], bar, policy);
+                    sm90::tma_load_4d(k_dst + KVTile::BYTES, v_map, pn * PANEL_COLS, h_kv, z[i], w[i], bar, policy);
+                }
+            }
+            return;
+        }
+#pragma unroll
+        for (int i = 0; i < PAGE_BOXES; ++i) {
 #pragma unroll
             for (int pn = 0; pn < KV_PANELS; ++pn) {
-                const u32 k_dst = at + pn * PANEL_BYTES, v_dst = k_dst + KVTile::BYTES;
-                if (p.kv_evict_first) {
-                    const unsigned long long policy = sm90::l2_policy_evict_first();
-                    sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z, w, bar, policy);
-                    sm90::tma_load_4d(v_dst, v_map, pn * PANEL_COLS, h_kv, z, w, bar, policy);
-                } else {
-                    sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z, w, bar);
-                    sm90::tma_load_4d(v_dst, v_map, pn * PANEL_COLS, h_kv, z, w, bar);
-                }
+                const u32 k_dst = dst + pn * PANEL_BYTES + i * BOX_BYTES;
+                sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z[i], w[i], bar);
+                sm90::tma_load_4d(k_dst + KVTile::BYTES, v_map, pn * PANEL_COLS, h_kv, z[i], w[i], bar);
             }
         }
     }
@@ -616,12 +627,12 @@ struct DecodeTmaParams {
 
 // Up to 16 packed rows (ROW_WARPS = 1), sm_90a. Shared memory: 1 KB of alignment slack (TMA's 128-byte swizzle
 // wants 1024-byte panels), the Q tile, the ring, one mbarrier per slot.
-template <class T, int D, int BN, int STAGES, bool SCORE_MOD, bool FP8 = false>
+template <class T, int D, int BN, int STAGES, int PAGE_BOXES, bool SCORE_MOD, bool FP8 = false>
 __global__ void __launch_bounds__(128) decode_tma_kernel(const __grid_constant__ DecodeTmaParams P) {
     extern __shared__ __align__(1024) char smem_raw[];
     char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     pdl_launch_dependents();
-    DecodeBlock<DecodeTraits<T, D, 1, BN, STAGES, FP8>, SCORE_MOD, true> block(P.p, blockIdx.z, blockIdx.y);
+    DecodeBlock<DecodeTraits<T, D, 1, BN, STAGES, FP8>, SCORE_MOD, true, PAGE_BOXES> block(P.p, blockIdx.z, blockIdx.y);
     block.k_map = &P.k_map;
     block.v_map = &P.v_map;
     block.run(smem);

@@ -704,7 +704,9 @@ def test_decode_tma_applies_only_where_it_can(configure):
     assert not decode.tma_applies("sm_90a", 128, 4, 48)         # a 64-row block would straddle pages
     assert not decode.tma_applies("sm_90a", 128, 4, 8)          # boxes under 16 rows
     assert decode.tma_applies("sm_90a", 128, 4, 16) and decode.tma_applies("sm_90a", 64, 4, 32)  # a box per page
-    assert [decode.tma_box_rows(ps, 64) for ps in (0, 16, 32, 64, 256)] == [64, 16, 32, 64, 64]
+    assert [decode.tma_config(3, page_size=ps).page_boxes for ps in (0, 16, 32, 64, 256)] == [1, 4, 2, 1, 1]
+    assert [decode.page_boxes(ps, 64, 64) for ps in (0, 16, 32, 48, 64, 128)] == [1, 0, 2, 0, 1, 1]  # 2 KB boxes
+    assert decode.page_boxes(32, 128, 128) == 0                # only 64-key blocks span pages
     configure(decode_tma=False)
     assert not decode.tma_applies("sm_90a", 128, 4, 0)
     spec = decode.DecodeSpec("bf16", 128, decode.tma_config(3), False)
@@ -715,15 +717,22 @@ def test_decode_tma_applies_only_where_it_can(configure):
     configure(decode_tma=True)                                  # an e4m3 cache: 128-key blocks
     assert decode.tma_applies("sm_90a", 128, 4, 256, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 0, fp8=True)
     assert decode.tma_applies("sm_90a", 128, 4, 64, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 128, fp8=True)
-    assert decode.tma_applies("sm_90a", 128, 4, 32, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 16, fp8=True)
+    assert decode.tma_applies("sm_90a", 128, 4, 16, fp8=True) and decode.tma_applies("sm_90a", 64, 4, 32, fp8=True)
+    assert not decode.tma_applies("sm_90a", 64, 4, 16, fp8=True)      # 1 KB boxes: the cp.async kernel
     assert not decode.tma_applies("sm_90a", 128, 4, 48, fp8=True)     # pages of 48 rows: the cp.async kernel
-    for d in decode.TMA_HEADDIMS:   # blocks inside one page first, else the smallest: 64 keys, a box per page
-        blocks = [decode.tma_config(fp8_headdim=d, page_size=ps).block_n for ps in (0, 16, 32, 64, 128, 256, 512)]
-        assert blocks == {64: [256, 64, 64, 64, 64, 256, 256], 128: [128, 64, 64, 64, 128, 128, 128]}[d]
+    for d in decode.TMA_HEADDIMS:   # blocks inside one page first, else 64 keys, a box per page
+        configs = [decode.tma_config(fp8_headdim=d, page_size=ps) for ps in (0, 16, 32, 64, 128, 256, 512)]
+        shapes = [(c.block_n, c.page_boxes) if c else None for c in configs]
+        assert shapes == {64: [(256, 1), None, (64, 2), (64, 1), (64, 1), (256, 1), (256, 1)],
+                          128: [(128, 1), (64, 4), (64, 2), (64, 1), (128, 1), (128, 1), (128, 1)]}[d]
         for config in decode.TMA_FP8_CONFIGS[d]:
             spec = decode.DecodeSpec("bf16", d, config, False, True)
             assert spec.name.endswith("_tma_e4m3") and spec.template.endswith(", true>")
             assert spec.smem_bytes <= plan.SMEM_PER_SM and spec in decode.all_specs("sm_90a")
+    names = {s.name for s in decode.all_specs("sm_90a")}   # the kernels of pages of 16 and 32 rows compiled ahead
+    assert {"decode_bf16_d128_r1n64s3_tma_b4", "decode_fp16_d64_r1n64s3_tma_b2_mod",
+            "decode_bf16_d128_r1n64s6_tma_b4_e4m3", "decode_bf16_d64_r1n64s8_tma_b2_e4m3"} <= names
+    assert "decode_bf16_d64_r1n64s8_tma_b4_e4m3" not in names
 
 
 def test_decode_tma_maps_cover_the_cache(configure, monkeypatch):

@@ -26,6 +26,7 @@ class DecodeConfig:
     block_n: int       # keys per KV block
     stages: int        # depth of the cp.async ring of K/V blocks
     tma: bool = False     # K/V blocks by TMA (decode_tma_kernel, sm_90a; row_warps 1)
+    page_boxes: int = 1   # TMA: boxes per panel of a block, one per page in pages of fewer rows than the block
 
 
 # compiled head dim -> (config for up to 16 packed rows, config for more). Decode reads K/V at memory speed, so
@@ -80,44 +81,51 @@ def evict_first(kv_bytes: int) -> bool:
     return kv_bytes <= settings.current().decode_evict_first_mb * 2**20
 
 
-MIN_PAGE_BOX = 16      # rows of the smallest box per page: whole swizzle atoms, and a box of at least 1 KB
-PAGE_BOX_BLOCK_N = 64  # the blocks that may span pages (decode.cu's PAGE_BOXES); larger ones lie inside one page
+# A 64-key block of the TMA kernel may span 2 or 4 pages (pages of 32 or 16 rows), one box per page and panel, where
+# each box holds at least 2 KB (not e4m3 at d = 64 in pages of 16: 1 KB boxes ran 1.4x slower than the cp.async
+# kernel there); larger blocks lie inside one page. docs/perf-notes.md, "decode in pages of 16 and 32 rows".
+PAGE_BOX_BLOCK_N = 64
+PAGE_BOX_CHOICES = (2, 4)
+MIN_BOX_BYTES = 2048
 
 
-def tma_pages(page_size: int, block_n: int) -> bool:
-    """The TMA kernel reads a cache in pages of `page_size` rows (0: contiguous) with blocks of `block_n` keys: each
-    block inside one page, or a 64-key block made of whole pages of at least MIN_PAGE_BOX rows (one box per page and
-    panel)."""
-    return page_size % block_n == 0 or (block_n == PAGE_BOX_BLOCK_N and block_n % page_size == 0
-                                        and page_size % MIN_PAGE_BOX == 0)
-
-
-def tma_box_rows(page_size: int, block_n: int) -> int:
-    """Rows of the TMA kernel's K/V boxes: the block's, or a page's where pages are smaller."""
-    return page_size if 0 < page_size < block_n else block_n
+def page_boxes(page_size: int, block_n: int, row_bytes: int) -> int:
+    """Boxes per panel of a TMA block of `block_n` keys over a cache in pages of `page_size` rows (0: contiguous)
+    whose panels' rows are `row_bytes` long: 1 where each block lies inside one page, 2 or 4 where it is made of whole
+    pages (PAGE_BOX_CHOICES), 0 where the TMA kernel does not read such pages."""
+    if page_size % block_n == 0:
+        return 1
+    boxes = block_n // page_size if 0 < page_size and block_n % page_size == 0 else 0
+    ok = block_n == PAGE_BOX_BLOCK_N and boxes in PAGE_BOX_CHOICES and page_size * row_bytes >= MIN_BOX_BYTES
+    return boxes if ok else 0
 
 
 def tma_fp8_config(headdim: int, page_size: int) -> DecodeConfig | None:
     """The TMA kernel's config over an e4m3 cache: the first of TMA_FP8_CONFIGS[headdim] whose blocks lie inside one
-    page (page_size 0: a contiguous cache), else the last (the smallest blocks: the fewest boxes) that tma_pages
-    takes, or None."""
-    configs = TMA_FP8_CONFIGS.get(headdim, ())
-    return next((c for c in configs if page_size % c.block_n == 0),
-                next((c for c in reversed(configs) if tma_pages(page_size, c.block_n)), None))
+    page (page_size 0: a contiguous cache), else one whose blocks are made of whole pages (page_boxes), or None."""
+    configs, row = TMA_FP8_CONFIGS.get(headdim, ()), min(headdim, 128)  # a box's row: a panel, or a d-byte row
+    config = next((c for c in configs if page_size % c.block_n == 0), None)
+    if config is not None:
+        return config
+    boxes = {c: page_boxes(page_size, c.block_n, row) for c in configs}
+    return next((dataclasses.replace(c, page_boxes=n) for c, n in boxes.items() if n), None)
 
 
 def tma_applies(arch: str, headdim: int, packed_rows: int, page_size: int, fp8: bool = False) -> bool:
     """page_size 0: a contiguous cache; fp8: an e4m3 cache."""
     return (settings.current().decode_tma and arch == "sm_90a" and headdim in TMA_HEADDIMS and packed_rows <= 16
-            and (tma_fp8_config(headdim, page_size) is not None if fp8 else tma_pages(page_size, TMA_BLOCK_N)))
+            and (tma_fp8_config(headdim, page_size) is not None if fp8
+                 else page_boxes(page_size, TMA_BLOCK_N, 128) > 0))
 
 
 def tma_config(stages: int | None = None, fp8_headdim: int = 0, page_size: int = 0) -> DecodeConfig:
-    """The TMA kernel's config: over a 16-bit cache, 64-key blocks in `stages` slots (the decode_tma_stages
-    setting); over an e4m3 cache of head dim `fp8_headdim` in pages of `page_size` rows, tma_fp8_config's."""
+    """The TMA kernel's config (the caller checked tma_applies): over a 16-bit cache, 64-key blocks in `stages` slots
+    (the decode_tma_stages setting), a box per page in pages of 16 or 32 rows; over an e4m3 cache of head dim
+    `fp8_headdim` in pages of `page_size` rows, tma_fp8_config's."""
     if fp8_headdim:
         return tma_fp8_config(fp8_headdim, page_size)
-    return DecodeConfig(1, TMA_BLOCK_N, stages or settings.current().decode_tma_stages, tma=True)
+    return DecodeConfig(1, TMA_BLOCK_N, stages or settings.current().decode_tma_stages, tma=True,
+                        page_boxes=max(1, page_boxes(page_size, TMA_BLOCK_N, 128)))  # 16-bit rows: 128-byte panels
 
 
 def decode_config(headdim: int, packed_rows: int, fp8: bool = False) -> DecodeConfig:
@@ -163,14 +171,14 @@ class DecodeSpec:
     def name(self) -> str:
         c = self.config
         return (f"decode_{self.dtype}_d{self.headdim}_r{c.row_warps}n{c.block_n}s{c.stages}"
-                f"{'_tma' if c.tma else ''}"
+                f"{'_tma' if c.tma else ''}{f'_b{c.page_boxes}' if c.page_boxes > 1 else ''}"
                 f"{'_mod' if self.score_mod else ''}{'_e4m3' if self.fp8 else ''}")
 
     @property
     def template(self) -> str:
         c = self.config
         if c.tma:
-            return plan.template("decode_tma_kernel", self.dtype, (self.headdim, c.block_n, c.stages),
+            return plan.template("decode_tma_kernel", self.dtype, (self.headdim, c.block_n, c.stages, c.page_boxes),
                                  (self.score_mod, True) if self.fp8 else (self.score_mod,))
         return plan.template("decode_kernel", self.dtype, (self.headdim, c.row_warps, c.block_n, c.stages),
                              (self.score_mod, True) if self.fp8 else (self.score_mod,))
@@ -194,6 +202,11 @@ class DecodeAuxSpec(plan.HelperSpec):
     source = "decode_aux.cu"
 
 
+def _fp8_page_box_configs(headdim: int) -> tuple:
+    """The TMA kernel's e4m3 configs for pages of 32 and 16 rows (boxes per page), where it reads them."""
+    return tuple(c for c in (tma_fp8_config(headdim, ps) for ps in (32, 16)) if c is not None)
+
+
 def all_specs(arch: str) -> list:
     """Every decode specialization the planner can choose on `arch`."""
     specs = [DecodeAuxSpec(k, dtype) for k in ("decode_append", "decode_combine") for dtype in ("fp16", "bf16")]
@@ -203,10 +216,11 @@ def all_specs(arch: str) -> list:
                 for mod in (False, True):
                     specs += [DecodeSpec(dtype, d, decode_config(d, rows, fp8), mod, fp8) for fp8 in (False, True)]
         if arch == "sm_90a":
-            specs += [DecodeSpec(dtype, d, tma_config(stages), mod) for d in TMA_HEADDIMS
-                      for stages in TMA_STAGE_CHOICES for mod in (False, True)]
+            specs += [DecodeSpec(dtype, d, tma_config(stages, page_size=ps), mod) for d in TMA_HEADDIMS
+                      for stages in TMA_STAGE_CHOICES for ps in (0, 32, 16) for mod in (False, True)]
             specs += [DecodeSpec(dtype, d, config, mod, True) for d in TMA_HEADDIMS
-                      for config in TMA_FP8_CONFIGS[d] for mod in (False, True)]
+                      for config in dict.fromkeys(TMA_FP8_CONFIGS[d] + _fp8_page_box_configs(d))
+                      for mod in (False, True)]
     return specs
 
 
@@ -257,9 +271,9 @@ def plan_decode(problem, left: int, right: int, score_mod: bool, num_splits: int
     """Decode kernel, its grid (row tiles x splits, KV heads, batch) and split count. `problem.seqlen_k` is
     the most keys a row can see (the cache capacity, or the known length); `num_splits` 0 picks by heuristic.
     `tma`: the TMA kernel (the caller checked tma_applies); `fp8`: an e4m3 cache; `page_size`: its pages' rows
-    (0: contiguous), which pick the TMA kernel's blocks over an e4m3 cache."""
+    (0: contiguous), which pick the TMA kernel's blocks and boxes."""
     return _plan_decode(problem, left, right, score_mod, num_splits, sm_count, tma,
-                        settings.current().decode_tma_stages, fp8, page_size if tma and fp8 else 0)
+                        settings.current().decode_tma_stages, fp8, page_size if tma else 0)
 
 
 plan_decode.cache_clear = _plan_decode.cache_clear  # for tables changed in place (benchmarks/tune_decode.py)
@@ -430,13 +444,14 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
 def tma_maps(problem, k_cache, v_cache, block_table, arch: str, fp8: bool = False):
     """(k, v) tensor-map encoders for the TMA decode kernel, or None where it does not apply (tma_applies, or cache
     strides TMA refuses). A map covers the whole cache as (head dim, KV heads, rows, cache rows or pages), one box a
-    block's rows (a page's, in pages of fewer rows: tma_box_rows) of a 128-byte panel: 64 columns of a 16-bit cache, 128 of an e4m3 one; an e4m3 row at d = 64 is
+    block's rows (a page's, in pages of fewer rows: page_boxes) of a 128-byte panel: 64 columns of a 16-bit cache, 128 of an e4m3 one; an e4m3 row at d = 64 is
     one 64-byte box (64-byte swizzle)."""
     page_size = k_cache.shape[1] if block_table is not None else 0
     d = problem.headdim
     if not tma_applies(arch, d, problem.seqlen_q * (problem.nheads // problem.nheads_k), page_size, fp8):
         return None
-    box_rows = tma_box_rows(page_size, tma_config(fp8_headdim=d if fp8 else 0, page_size=page_size).block_n)
+    config = tma_config(fp8_headdim=d if fp8 else 0, page_size=page_size)
+    box_rows = config.block_n // config.page_boxes
     itemsize = np.dtype(k_cache.dtype).itemsize
     swizzle = min(d * itemsize, 128)  # a box's row: a 128-byte panel, or a whole 64-byte e4m3 row
     layouts = []

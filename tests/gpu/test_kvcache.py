@@ -186,7 +186,7 @@ def test_paged_equals_contiguous(configure, compiled, decode_path, page_size, dt
     kernel's own merge sums the splits in another order (test_split_merge_both_ways checks it)."""
     import cupy
     import cuflash
-    if decode_path == "tma" and not decode.tma_pages(page_size, decode.TMA_BLOCK_N):
+    if decode_path == "tma" and decode.page_boxes(page_size, decode.TMA_BLOCK_N, 128) == 0:
         configure(decode_fused_max_splits=0)
     rng = np.random.default_rng(page_size)
     dt = DTYPES[dtype]
