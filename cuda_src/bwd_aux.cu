@@ -41,10 +41,10 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
     const int whole_rows = p.first_store_rows > 0 ? p.seqlen_q / p.first_store_rows * p.first_store_rows : 0;
     if (row < whole_rows && row % p.first_store_rows == 0 && sub == 0) {  // the block's ticket and ready flag
         const int blocks = ceil_div(p.seqlen_q, p.first_store_rows);
-        int* ticket = reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride);
-        const i64 at = ((i64)b * p.nheads + h) * blocks + row / p.first_store_rows;
-        ticket[at] = 0;
-        ticket[(i64)p.batch * p.nheads * blocks + at] = 0;
+        const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
+        const i64 block = ((i64)b * p.nheads + h) * blocks + row / p.first_store_rows;
+        *counters.ticket(block) = 0;
+        *counters.ready(block) = 0;
     }
     // rows of whole blocks get their first addition stored, unless they see no key (then no CTA adds to them)
     const bool zero_row =

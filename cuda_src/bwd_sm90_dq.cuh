@@ -86,11 +86,10 @@ template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DR
 __device__ __forceinline__ bool BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_ticket(int h, int m) const {
     const int blocks = p.dq_first_store;
     if (blocks == 0 || (m + 1) * BM > p.seqlen_q) return false;
-    int* tickets = reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride);
-    const i64 at = ((i64)b * p.nheads + h) * blocks + m;
-    if (atomicAdd(tickets + at, 1) == 0) return true;
-    const int* ready = tickets + (i64)p.batch * p.nheads * blocks + at;
-    while (sm90::ld_acquire(ready) == 0) __nanosleep(64);
+    const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
+    const i64 block = ((i64)b * p.nheads + h) * blocks + m;
+    if (atomicAdd(counters.ticket(block), 1) == 0) return true;
+    while (sm90::ld_acquire(counters.ready(block)) == 0) __nanosleep(64);
     sm90::fence_proxy_async_global();  // the first CTA's stores (seen by this thread) before its TMA reductions
     return false;
 }
@@ -98,10 +97,10 @@ __device__ __forceinline__ bool BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_stored(int h, int m) const {
     const int blocks = p.dq_first_store;
-    int* tickets = reinterpret_cast<int*>(p.dq_accum + p.dq_slice_stride);
+    const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
     sm90::bulk_wait<0>();              // the stores written
     sm90::fence_proxy_async_global();  // (async-proxy writes, published by a generic release)
-    sm90::st_release(tickets + (i64)p.batch * p.nheads * blocks + ((i64)b * p.nheads + h) * blocks + m, 1);
+    sm90::st_release(counters.ready(((i64)b * p.nheads + h) * blocks + m), 1);
 }
 
 }  // namespace cuflash

@@ -118,6 +118,18 @@ struct BwdPreParams {
     float softmax_scale;   // fixed point: bwd_fixed_scale's bounds
 };
 
+// BwdParams::dq_first_store's counters, right after dq_accum's first slice: a ticket per (sequence, head, query
+// block), block index (b nheads + h) blocks + m, then as many ready flags. The preprocess zeroes both; the main
+// kernel's dQ warp takes tickets and sets flags (BwdSm90::dq_ticket).
+struct DqStoreCounters {
+    int* tickets;
+    i64 count;  // batch x nheads x blocks
+    __device__ __forceinline__ DqStoreCounters(float* dq_accum, i64 slice_stride, int batch, int nheads, int blocks)
+        : tickets(reinterpret_cast<int*>(dq_accum + slice_stride)), count((i64)batch * nheads * blocks) {}
+    __device__ __forceinline__ int* ticket(i64 block) const { return tickets + block; }
+    __device__ __forceinline__ int* ready(i64 block) const { return tickets + count + block; }
+};
+
 // dQ: sum of the fp32 slices, cast to the output dtype (contiguous (batch, seqlen_q, nheads, headdim)); in fixed
 // point, the one int32 slice divided by each row's scale (fixed_dq.cuh).
 struct BwdConvertParams {

@@ -413,8 +413,9 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
         raise refused
     slices = max(slices)
     # room for the fixed point's pieces too in deterministic mode (whether a GPU takes it depends on its SM count),
-    # and for the first stores' counters (two per query block of at least 64 rows)
-    counters = 2 * problem.batch * problem.nheads * -(-problem.seqlen_q // 64)
+    # and for the first stores' counters (for the smallest query blocks the kernel may take)
+    counters = backward.first_store_counters(problem.batch, problem.nheads, problem.seqlen_q,
+                                             min(backward.backward_sm90.BLOCK_M_CHOICES))
     return backward.workspace(rows, problem.nheads, problem.headdim, slices,
                               problem.nheads_k if deterministic else 0, counters)[2]
 

@@ -253,6 +253,12 @@ def workspace(rows: int, nheads: int, headdim: int, slices: int, nheads_k: int =
     return per_row, 2 * per_row, total + (per_row + _aligned(nheads_k * 2 * 4) if nheads_k > 0 else 0)
 
 
+def first_store_counters(batch: int, nheads: int, seqlen_q: int, block_m: int) -> int:
+    """The int32 counters of BwdParams::dq_first_store after the dQ accumulator (DqStoreCounters in params.cuh): a
+    ticket and a ready flag per query block of `block_m` rows and head; none where block_m is 0 (no first stores)."""
+    return 2 * batch * nheads * -(-seqlen_q // block_m) if block_m else 0
+
+
 def kv_bound_blocks(rows: int, rows_per_block: int, groups: int, sm_count: int) -> int:
     """bwd_kv_bound's blocks per (KV head, sequence): enough for about 8 blocks per SM over all `groups`, each
     striding over its rows, at most one per `rows_per_block` rows."""
@@ -338,7 +344,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     first_store = launch.sm90 is not None and backward_sm90.dq_first_store(launch.sm90, launch.slices, packed)
     store_rows = launch.sm90.block_m if first_store else 0
     store_blocks = -(-sq // store_rows) if first_store else 0
-    counters = 2 * b * h * store_blocks
+    counters = first_store_counters(b, h, sq, store_rows)
     lse_log2_offset, dq_offset, workspace_bytes = workspace(rows, h, d, launch.slices,
                                                             problem.nheads_k if fixed else 0, counters)
 
