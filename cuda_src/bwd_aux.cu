@@ -129,22 +129,24 @@ __global__ void bwd_fixed_scale(const BwdPreParams p) {
     p.dq_scale[i] = dq_fixed_scale(dq_row_bound(p.softmax_scale, kv_bound, p.dq_scale[i], p.dsum[i]));
 }
 
-// The fixed-point accumulator (one int32 slice) times each row's unit. Grid (groups of 4 elements of a row, rows):
-// rows of dq are (sequence, row) with (head, column) elements; the per-row arrays are (sequence, head, row), as
-// bwd_preprocess wrote them.
+// The fixed-point accumulator (one int32 slice) times each row's unit. Grid (chunks of 8 elements of a token, tokens):
+// rows of dq are tokens (sequence, row) of (head, column) elements, 8 | headdim, so a chunk lies in one head; the
+// per-row arrays are (sequence, head, row), as bwd_preprocess wrote them. A thread's head is the same for every token
+// it visits and a token costs one 32-bit division, so that the kernel is bound by memory, not by index arithmetic.
 template <class T>
 __device__ __forceinline__ void convert_fixed(const BwdConvertParams& p) {
-    const int groups = p.nheads * p.headdim / 4, tokens = (int)(p.slice_stride / (4 * groups));
-    for (int token = blockIdx.y; token < tokens; token += gridDim.y) {
-        const i64 first = ((i64)(token / p.seqlen_q) * p.nheads) * p.seqlen_q + token % p.seqlen_q;
-        for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += gridDim.x * blockDim.x) {
-            const int h = 4 * g / p.headdim;
-            const i64 r = first + (i64)h * p.seqlen_q, i = (i64)token * 4 * groups + 4 * g;
-            const float unit = dq_fixed_unit(p.dq_scale[r]);
-            const int4 x = *reinterpret_cast<const int4*>(p.dq_accum + i);
-            *reinterpret_cast<uint2*>(p.dq + i) = make_uint2(pack2<T>((float)x.x * unit, (float)x.y * unit),
-                                                             pack2<T>((float)x.z * unit, (float)x.w * unit));
-        }
+    const int row_elems = p.nheads * p.headdim, e = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (e >= row_elems) return;
+    const int h = e / p.headdim;
+    for (int token = blockIdx.y; (i64)token * row_elems < p.slice_stride; token += gridDim.y) {
+        const int b = token / p.seqlen_q, row = token - b * p.seqlen_q;
+        const float unit = dq_fixed_unit(p.dq_scale[((i64)b * p.nheads + h) * p.seqlen_q + row]);
+        const i64 i = (i64)token * row_elems + e;
+        const int4 x = *reinterpret_cast<const int4*>(p.dq_accum + i);
+        const int4 y = *reinterpret_cast<const int4*>(p.dq_accum + i + 4);
+        *reinterpret_cast<uint4*>(p.dq + i) =
+            make_uint4(pack2<T>((float)x.x * unit, (float)x.y * unit), pack2<T>((float)x.z * unit, (float)x.w * unit),
+                       pack2<T>((float)y.x * unit, (float)y.y * unit), pack2<T>((float)y.z * unit, (float)y.w * unit));
     }
 }
 

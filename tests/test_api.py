@@ -332,7 +332,7 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
     conv = _struct(call.convert, backward.CONVERT_PARAMS_DTYPE, *range(8, 11))
     assert (conv["fixed_point"], conv["seqlen_q"], conv["nheads"], conv["headdim"]) == (
         1, rows if packed else sq, h, d)
-    assert call.convert.launches[0][1:3] == (1, rows)  # h d / 4 = 64 groups: one block per row
+    assert call.convert.launches[0][1:3] == (1, rows)  # h d / 8 = 32 chunks: one block per token
     configure(bwd_sm90_det="slices")
     assert not backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point
     configure(bwd_sm90_det="auto")

@@ -397,15 +397,15 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
         main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
                             launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:17])
 
-    # dQ: sum the slices (fixed order), cast; fixed point: the int32 accumulator times each row's unit, grid (groups
-    # of four elements of a row, rows)
+    # dQ: sum the slices (fixed order), cast; fixed point: the int32 accumulator times each row's unit, grid (chunks
+    # of eight elements of a token, tokens)
     conv = AuxSpec("bwd_convert_dq", dtype)
     cp = np.zeros((), dtype=CONVERT_PARAMS_DTYPE)
     cp["slice_stride"], cp["slices"] = rows * h * d, launch.slices
     conv_grid = (min(-(-(rows * h * d // 4) // conv.threads), 65535 * 16),)
     if fixed:
         cp["fixed_point"], cp["seqlen_q"], cp["nheads"], cp["headdim"] = 1, pre_sq, h, d
-        conv_grid = (-(-(h * d // 4) // conv.threads), min(rows, 65535))
+        conv_grid = (-(-(h * d // 8) // conv.threads), min(rows, 65535))
     convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
                          CONVERT_PARAMS_DTYPE.names[:3])
     return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
