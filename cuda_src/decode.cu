@@ -17,8 +17,8 @@
 // layout) completing on the slot's mbarrier, so a deep ring costs no issue slots and no registers. Rows past the
 // cache length inside the capacity are not zero-filled by TMA: the tail block's V rows there are zeroed in shared
 // memory before use (K's are masked). Contiguous caches, and paged ones whose page size is a multiple of BN or
-// BN / PAGE_BOXES (a box per page and panel). An e4m3 row of d bytes is one box as wide: 128 bytes at d = 128 (the 128-byte swizzle), 64 at d = 64 (NarrowTile's
-// 64-byte swizzle).
+// BN / PAGE_BOXES (a box per page and panel). An e4m3 row of d bytes is one box as wide: 128 bytes at d = 128 (the
+// 128-byte swizzle), 64 at d = 64 (NarrowTile's 64-byte swizzle).
 //
 // An e4m3 cache (FP8 = true; either kernel): K/V blocks land as bytes, a 16-byte chunk holding 16 columns, and
 // are converted to fp16 in registers as ldmatrix hands them over (e4m3.cuh), so the ring holds half the bytes and no

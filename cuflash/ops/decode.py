@@ -47,21 +47,22 @@ DECODE_TABLE = {
 }
 DECODE_MAX_SPLITS = 128    # decode_combine's shared buffer (MAX_SPLITS in decode_aux.cu)
 
-# The TMA decode kernel (sm_90a): up to 16 packed rows at head dims exactly 64 and 128, contiguous caches or pages
-# whose rows are a multiple of its block's keys or a divisor of them of at least 16 (one box per page; tma_pages),
-# strides TMA accepts; the cp.async kernel everywhere else. A 3-slot ring (two CTAs per SM at d = 128; the decode_tma_stages setting) reads faster than the cp.async
-# kernel, and paged caches 1.2x faster (docs/perf-notes.md, "TMA decode"). It merges its own splits (the last CTA of
-# a row tile to finish, counted on a zeroed counter per tile) up to decode_fused_max_splits splits, so no combine
-# launch follows; and marks its K/V copies evict_first in L2 when a call reads at most decode_evict_first_mb MiB of
-# K/V, so they replace each other rather than what earlier kernels left in L2 (larger reads ran slower so).
+# The TMA decode kernel (sm_90a): up to 16 packed rows at head dims exactly 64 and 128, contiguous caches or pages whose
+# rows are a multiple of its block's keys or a divisor of them of at least 16 (one box per page; page_boxes), strides
+# TMA accepts; the cp.async kernel everywhere else. A 3-slot ring (two CTAs per SM at d = 128; the decode_tma_stages
+# setting) reads faster than the cp.async kernel, and paged caches 1.2x faster (docs/perf-notes.md, "TMA decode"). It
+# merges its own splits (the last CTA of a row tile to finish, counted on a zeroed counter per tile) up to
+# decode_fused_max_splits splits, so no combine launch follows; and marks its K/V copies evict_first in L2 when a call
+# reads at most decode_evict_first_mb MiB of K/V, so they replace each other rather than what earlier kernels left in L2
+# (larger reads ran slower so).
 TMA_HEADDIMS = (64, 128)
 TMA_BLOCK_N = 64
 TMA_STAGE_CHOICES = (3,)
 # The TMA kernel over an e4m3 cache, per head dim, in order of preference: 32 KB blocks (128 keys at d 128, 256 at
 # d 64) in rings of 64-96 KB (two or three CTAs per SM), or, for pages that such a block would straddle, 64-key
-# blocks in the same ring bytes (a box per page in pages of 16 or 32 rows). TMA takes the cache's address arithmetic off the warps,
-# which is what held the cp.async kernel's e4m3 blocks below memory speed (docs/perf-notes.md, "e4m3 decode on the
-# TMA kernel").
+# blocks in the same ring bytes (a box per page in pages of 16 or 32 rows). TMA takes the cache's address arithmetic
+# off the warps, which is what held the cp.async kernel's e4m3 blocks below memory speed (docs/perf-notes.md, "e4m3
+# decode on the TMA kernel").
 TMA_FP8_CONFIGS = {64: (DecodeConfig(1, 256, 2, tma=True), DecodeConfig(1, 64, 8, tma=True)),
                    128: (DecodeConfig(1, 128, 3, tma=True), DecodeConfig(1, 64, 6, tma=True))}
 
@@ -104,11 +105,9 @@ def tma_fp8_config(headdim: int, page_size: int) -> DecodeConfig | None:
     """The TMA kernel's config over an e4m3 cache: the first of TMA_FP8_CONFIGS[headdim] whose blocks lie inside one
     page (page_size 0: a contiguous cache), else one whose blocks are made of whole pages (page_boxes), or None."""
     configs, row = TMA_FP8_CONFIGS.get(headdim, ()), min(headdim, 128)  # a box's row: a panel, or a d-byte row
-    config = next((c for c in configs if page_size % c.block_n == 0), None)
-    if config is not None:
-        return config
-    boxes = {c: page_boxes(page_size, c.block_n, row) for c in configs}
-    return next((dataclasses.replace(c, page_boxes=n) for c, n in boxes.items() if n), None)
+    inside = next((c for c in configs if page_size % c.block_n == 0), None)
+    return inside or next((dataclasses.replace(c, page_boxes=n) for c in configs
+                           if (n := page_boxes(page_size, c.block_n, row))), None)
 
 
 def tma_applies(arch: str, headdim: int, packed_rows: int, page_size: int, fp8: bool = False) -> bool:
@@ -444,8 +443,8 @@ def prepare(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tab
 def tma_maps(problem, k_cache, v_cache, block_table, arch: str, fp8: bool = False):
     """(k, v) tensor-map encoders for the TMA decode kernel, or None where it does not apply (tma_applies, or cache
     strides TMA refuses). A map covers the whole cache as (head dim, KV heads, rows, cache rows or pages), one box a
-    block's rows (a page's, in pages of fewer rows: page_boxes) of a 128-byte panel: 64 columns of a 16-bit cache, 128 of an e4m3 one; an e4m3 row at d = 64 is
-    one 64-byte box (64-byte swizzle)."""
+    block's rows (a page's, in pages of fewer rows: page_boxes) of a 128-byte panel: 64 columns of a 16-bit cache,
+    128 of an e4m3 one; an e4m3 row at d = 64 is one 64-byte box (64-byte swizzle)."""
     page_size = k_cache.shape[1] if block_table is not None else 0
     d = problem.headdim
     if not tma_applies(arch, d, problem.seqlen_q * (problem.nheads // problem.nheads_k), page_size, fp8):
