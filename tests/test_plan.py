@@ -388,7 +388,7 @@ def test_kv_bound_blocks():
 
 def test_deterministic_fixed_point_rule(configure):
     """The bwd_sm90_det setting "auto": the fixed point where the slot rule gives several slots or from
-    backward.FIXED_MIN_BLOCKS key blocks on (per head dim; a causal mask's count as half), not with the d = 64 score-mod
+    backward.FIXED_MIN_BLOCKS key blocks on (per head dim, without and with a causal mask), not with the d = 64 score-mod
     kernel (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
     from cuflash import checks
     from cuflash.ops import backward
@@ -402,8 +402,8 @@ def test_deterministic_fixed_point_rule(configure):
     assert fixed.fixed_point and fixed.slices == 1 and fixed.grid == (16, 16, 8)
     mid = checks.Problem(16, 1024, 1024, 16, 16, 128, np.dtype(np.float16))  # 8 blocks: d 128's threshold
     assert backward.plan_backward(mid, -1, -1, False, True, "sm_90a", 132).fixed_point
-    assert not backward.plan_backward(mid, -1, 0, False, True, "sm_90a", 132).fixed_point  # causal: as 4
-    assert backward.plan_backward(long, -1, 0, False, True, "sm_90a", 132).fixed_point    # causal: as 8
+    assert backward.plan_backward(mid, -1, 0, False, True, "sm_90a", 132).fixed_point      # causal: 8 too
+    assert not backward.plan_backward(big, -1, 0, False, True, "sm_90a", 132).fixed_point  # causal 4 blocks
     for seqlen, causal, want in ((1024, False, False), (2048, False, True), (2048, True, False), (4096, True, True)):
         d64 = checks.Problem(16384 // seqlen, seqlen, seqlen, 32, 32, 64, np.dtype(np.float16))  # d 64: 16 blocks
         assert backward.slots_sm90(seqlen // 128, 16384 // seqlen * 32, 132) == 1

@@ -66,11 +66,11 @@ def dropout_config(headdim: int, arch: str, score_mod: bool) -> BwdConfig:
 # into one accumulator, whose integer sums do not depend on their order ("fixed"). The fixed point costs a pass
 # over K and V for the bound and 3-8% in the main kernel's int32 conversions; the slices cost most where a slot's
 # passes each add to the whole dQ of its heads, which misses the L2. "auto" (the bwd_sm90_det setting) takes the
-# fixed point where the slot rule gives a head more than one slot, or from FIXED_MIN_BLOCKS key blocks on (a causal
-# mask's blocks counted as half: each sees half the query blocks on average); measured in docs/perf-notes.md,
-# "deterministic backward: slices or fixed point". At d = 256 the fixed point is faster from one key block on: a
-# slot there adds a 64 x 256 dQ tile per step. A fixed slot count (bwd_sm90_det_slots > 0) keeps the slices.
-FIXED_MIN_BLOCKS = {64: 16, 128: 8, 256: 0}
+# fixed point where the slot rule gives a head more than one slot, or from FIXED_MIN_BLOCKS[d] key blocks on
+# (without, with a causal mask); measured in docs/perf-notes.md, "deterministic backward: slices or fixed point".
+# At d = 256 the fixed point is faster from one key block on: a slot there adds a 64 x 256 dQ tile per step. A fixed
+# slot count (bwd_sm90_det_slots > 0) keeps the slices.
+FIXED_MIN_BLOCKS = {64: (16, 32), 128: (8, 8), 256: (0, 0)}
 
 
 def bwd_config(headdim: int) -> BwdConfig:
@@ -208,8 +208,8 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
         slots = min(n_blocks, s.bwd_sm90_det_slots)
     else:
         slots = slots_sm90(n_blocks, groups, sm_count, s.bwd_sm90_det_max_passes)
-        causal = left < 0 and right == 0  # each key block's steps: half the query blocks, on average
-        auto = slots > 1 or n_blocks // (2 if causal else 1) >= FIXED_MIN_BLOCKS[d]
+        causal = left < 0 and right == 0
+        auto = slots > 1 or n_blocks >= FIXED_MIN_BLOCKS[d][causal]
         fixed = not dropout and backward_sm90.tma_dq(d, block_m) and (
             s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det == "auto" and auto))
     sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)
