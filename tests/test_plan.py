@@ -388,8 +388,8 @@ def test_kv_bound_blocks():
 
 def test_deterministic_fixed_point_rule(configure):
     """The bwd_sm90_det setting "auto": the fixed point where the slot rule gives several slots or from
-    backward.FIXED_MIN_BLOCKS key blocks on (per head dim, without and with a causal mask), not with the d = 64 score-mod
-    kernel (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
+    backward.FIXED_MIN_BLOCKS key blocks on (per head dim, without and with a causal mask), not with the d = 64
+    score-mod kernel (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
     from cuflash import checks
     from cuflash.ops import backward
     configure(bwd_sm90=True)
