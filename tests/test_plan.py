@@ -404,6 +404,7 @@ def test_deterministic_fixed_point_rule(configure):
     assert backward.plan_backward(mid, -1, -1, False, True, "sm_90a", 132).fixed_point
     assert backward.plan_backward(mid, -1, 0, False, True, "sm_90a", 132).fixed_point      # causal: 8 too
     assert not backward.plan_backward(big, -1, 0, False, True, "sm_90a", 132).fixed_point  # causal 4 blocks
+    assert backward.plan_backward(long, -1, 0, False, True, "sm_90a", 132).fixed_point     # causal 16 blocks
     for seqlen, causal, want in ((1024, False, False), (2048, False, True), (2048, True, False), (4096, True, True)):
         d64 = checks.Problem(16384 // seqlen, seqlen, seqlen, 32, 32, 64, np.dtype(np.float16))  # d 64: 16 blocks
         assert backward.slots_sm90(seqlen // 128, 16384 // seqlen * 32, 132) == 1
