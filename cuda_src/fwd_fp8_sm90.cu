@@ -14,12 +14,15 @@
 //     S  = Q K^T                     wgmma m64n{BN}k32 ss (both K-major)
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
-//     O += P V                       wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous)
+//     O += P V                       wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous); SUMS: m64n72k32
 // each waited for; or (PIPE) with each block's softmax under the last block's P V. The two consumer warpgroups run
 // free of each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only
-// made each warpgroup wait for the other's). O leaves divided by the row sums (of the fp32 P) and by 256, times
-// v_descale. Descales: one per tensor, or one per (sequence, KV head) (flash-attn 3's
-// (batch, nheads_k)), the query heads of a KV head sharing q_descale's.
+// made each warpgroup wait for the other's). O leaves divided by the row sums and by 256, times v_descale.
+// The row sums: SUMS (d 64, forward_fp8.TC_ROW_SUMS), those of the e4m3 P, added up by O += P V itself. Each V^T box
+// in shared memory then has 8 more rows, written once by the consumers and never by TMA: a row of ones (0x38), whose
+// column of O is the row sum (rescaled with O), and seven of zeros, so the softmax spends no FADD per probability.
+// Else those of the fp32 P, added up in the softmax. Descales: one per tensor, or one per (sequence, KV head)
+// (flash-attn 3's (batch, nheads_k)), the query heads of a KV head sharing q_descale's.
 #include "sm90.cuh"
 #include "mma.cuh"
 #include "softmax.cuh"
@@ -49,7 +52,7 @@ struct FwdFp8Params {
 };
 static_assert(sizeof(FwdFp8Params) == 512, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
 
-template <int D, bool BAND, bool PIPE, int BN>
+template <int D, bool BAND, bool PIPE, int BN, bool SUMS>
 struct FwdFp8 {
     static constexpr int BM = 128, STAGES = D == 256 ? 2 : BN == 224 ? 3 : 4, THREADS = 384;
     // V^T comes in boxes of 128 keys (one 128-byte swizzle span per row of the head dim): a 224-key block takes two,
@@ -64,10 +67,17 @@ struct FwdFp8 {
     // 128-byte panels of a Q or K row (TMA boxes of 128 columns; at d 64 one, its second half TMA's zero fill)
     static constexpr int PANELS = D / 128 > 0 ? D / 128 : 1;
     static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
-    static constexpr u32 V_BOX = D * 128;  // V^T: D rows of 128 keys
+    // V^T: D rows of 128 keys (TMA's), and with SUMS a swizzle atom of 8 rows: ones, then zeros
+    static constexpr int SUM_ROWS = SUMS ? 8 : 0;
+    static constexpr u32 V_BOX = (D + SUM_ROWS) * 128;
     static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = V_BOXES * V_BOX;
-    // O += P V in N chunks of the head dim: 128 columns (64 at d 64)
-    static constexpr int NCH = D == 64 ? 64 : 128, CHUNKS = D / NCH;
+    static constexpr u32 V_LOADED = V_BOXES * D * 128;  // what TMA writes of a slot's V^T (not the sum rows)
+    // P V in N chunks of the head dim: 128 columns (64 at d 64), each with the sum column (SUMS)
+    static constexpr int NCH = D == 64 ? 64 : 128, CHUNKS = D / NCH, PV_COLS = NCH + SUM_ROWS;
+    // P V's accumulator holds one block's product (one chunk's), from zero, which fold() adds to O in fp32. FP8
+    // wgmma adds into its accumulator with fewer bits than fp32 (docs/fp8.md): one accumulator for a whole row
+    // would lose the small terms of long rows (O 25% low at 16k keys when V's values share an offset).
+    using PvAcc = float[1][PV_COLS / 8][4];
     // shared memory from the 1024-aligned base: Q, the K ring, the V^T ring, then the mbarriers
     static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * K_BYTES, OFF_BAR = OFF_V + STAGES * V_BYTES;
     static constexpr u32 SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
@@ -75,6 +85,8 @@ struct FwdFp8 {
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(V_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles of whole swizzle atoms");
     static_assert(BN == 128 || (BN == 224 && D == 128), "224-key blocks at d = 128");
+    static_assert(!SUMS || D == 64, "the row sums ride on d 64's P V (m64n72k32)");
+    static_assert(!PIPE || CHUNKS == 1, "the pipelined form keeps one P V accumulator beside the scores");
 
     const FwdFp8Params& p;
     int tid, wg, warp, lane;
@@ -84,7 +96,7 @@ struct FwdFp8 {
     bool packed;
     Mask<BAND> mask;
     OnlineSoftmax<1> softmax;
-    float acc_o[1][D / 8][4];
+    float acc_o[1][(D + SUM_ROWS) / 8][4];  // SUMS: column D is the row sum, D + 1 .. D + 7 zero
 
     __device__ __forceinline__ explicit FwdFp8(const FwdFp8Params& params) : p(params) {}
 
@@ -102,7 +114,7 @@ struct FwdFp8 {
         for (int t = 0; t < count; ++t) {
             const int slot = t % STAGES, n = range.n_max - 1 - t;
             if (t >= STAGES) sm90::mbar_wait(empty(slot), ((t / STAGES) & 1) ^ 1);
-            sm90::mbar_arrive_expect_tx(full(slot), K_BYTES + V_BYTES);
+            sm90::mbar_arrive_expect_tx(full(slot), K_BYTES + V_LOADED);
 #pragma unroll
             for (int pn = 0; pn < PANELS; ++pn)
                 sm90::tma_load_rows(base + OFF_K + slot * K_BYTES + pn * K_PANEL, &p.k, packed, pn * 128, h_kv,
@@ -142,26 +154,34 @@ struct FwdFp8 {
         }
     }
 
-    // O += P V over the block in `slot` (B = V^T, K-major: D rows of the block's keys, 128 a box).
-    __device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 32][4], int slot) {
+    // acc = P V over the block in `slot`, columns c NCH .. of the head dim (B = V^T, K-major: D rows of the block's
+    // keys, 128 a box), from zero.
+    __device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 32][4], int slot, PvAcc& acc, int c) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 32; ++kk)
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + (kk / 4) * V_BOX + c * NCH * 128 +
-                                                  (kk % 4) * 32);
-                if constexpr (NCH == 128)
-                    sm90::wgmma_m64n128k32_e4m3_rs(*reinterpret_cast<float(*)[64]>(&acc_o[0][c * 16][0]), pa[kk],
-                                                   desc, true);
-                else
-                    sm90::wgmma_m64n64k32_e4m3_rs(*reinterpret_cast<float(*)[32]>(&acc_o[0][0][0]), pa[kk], desc,
-                                                  true);
-            }
+        for (int kk = 0; kk < BN / 32; ++kk) {
+            const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + (kk / 4) * V_BOX + c * NCH * 128 +
+                                              (kk % 4) * 32);
+            if constexpr (SUMS)
+                sm90::wgmma_m64n72k32_e4m3_rs(*reinterpret_cast<float(*)[36]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
+            else if constexpr (NCH == 128)
+                sm90::wgmma_m64n128k32_e4m3_rs(*reinterpret_cast<float(*)[64]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
+            else
+                sm90::wgmma_m64n64k32_e4m3_rs(*reinterpret_cast<float(*)[32]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
+        }
         sm90::wgmma_commit();
     }
 
-    // Block t of the walk (key block n): S, mask, softmax, O rescaled, O += P V, each waited for; the slot handed
-    // back.
+    // O's columns c NCH .. = O alpha + acc: O rescaled to the block's row max, plus the block's P V, in fp32.
+    __device__ __forceinline__ void fold(const PvAcc& acc, const float (&alpha)[1][2], int c) {
+#pragma unroll
+        for (int dt = 0; dt < PV_COLS / 8; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                acc_o[0][c * (NCH / 8) + dt][e] = fmaf(acc_o[0][c * (NCH / 8) + dt][e], alpha[0][e / 2], acc[0][dt][e]);
+    }
+
+    // Block t of the walk (key block n): S, mask, softmax, P V (a chunk of the head dim at a time), each waited for
+    // and folded into O; the slot handed back.
     template <bool MASKED, bool FIRST>
     __device__ __forceinline__ void step(int n, int t, float scale_log2) {
         const int slot = t % STAGES;
@@ -171,12 +191,16 @@ struct FwdFp8 {
         issue_s(sc, slot);
         sm90::wgmma_wait<0>();
         probabilities<MASKED, FIRST>(sc, n, scale_log2, alpha);
-        if (!FIRST) OnlineSoftmax<1>::rescale(acc_o, alpha);
         u32 pa[BN / 32][4];
         fragments(sc[0], pa);
-        sm90::wgmma_fence();
-        issue_pv(pa, slot);
-        sm90::wgmma_wait<0>();
+        PvAcc acc;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            sm90::wgmma_fence();
+            issue_pv(pa, slot, acc, c);
+            sm90::wgmma_wait<0>();
+            fold(acc, alpha, c);
+        }
         sm90::mbar_arrive(empty(slot));
     }
 
@@ -189,7 +213,7 @@ struct FwdFp8 {
             mask.apply_row(sc[0], 0, r, col_lane);
             mask.apply_row(sc[0], 1, r + 8, col_lane);
         }
-        softmax.template update_scores<FIRST, MASKED, CHAINS, LOG2_P>(sc, scale_log2, alpha);
+        softmax.template update_scores<FIRST, MASKED, CHAINS, LOG2_P, !SUMS>(sc, scale_log2, alpha);
     }
     template <bool FIRST>
     __device__ __forceinline__ void probabilities_of(const BlockRange& range, int t, float (&sc)[1][BN / 8][4],
@@ -202,38 +226,47 @@ struct FwdFp8 {
 
     // PIPE: S of block t and O += P V of block t - 1 are issued together, and block t's softmax runs while P V still
     // computes (software pipelining, as fwd_sm90_mainloop.cuh's).
+    // O is folded one block behind the softmax: alpha_pv is the factor of the block whose P V is in flight.
     __device__ __forceinline__ void consume_pipelined(const BlockRange& range, int count, float scale_log2) {
-        float sc[1][BN / 8][4], alpha[1][2];
+        float sc[1][BN / 8][4], alpha[1][2], alpha_pv[1][2];
         u32 pa[BN / 32][4];
+        PvAcc acc;
         sm90::mbar_wait(full(0), 0);
         sm90::wgmma_fence();
         issue_s(sc, 0);
         sm90::wgmma_wait<0>();
-        probabilities_of<true>(range, 0, sc, scale_log2, alpha);
+        probabilities_of<true>(range, 0, sc, scale_log2, alpha_pv);
         fragments(sc[0], pa);
         for (int t = 1; t < count; ++t) {
             const int slot = t % STAGES, prev = (t - 1) % STAGES;
             sm90::mbar_wait(full(slot), (t / STAGES) & 1);
             sm90::wgmma_fence();
             issue_s(sc, slot);
-            issue_pv(pa, prev);
+            issue_pv(pa, prev, acc, 0);
             sm90::wgmma_wait<1>();  // S of block t (groups complete in order)
             probabilities_of<false>(range, t, sc, scale_log2, alpha);
-            sm90::wgmma_wait<0>();  // and O += P V of block t - 1
+            sm90::wgmma_wait<0>();  // and P V of block t - 1
             sm90::mbar_arrive(empty(prev));
-            OnlineSoftmax<1>::rescale(acc_o, alpha);
+            fold(acc, alpha_pv, 0);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) alpha_pv[0][hh] = alpha[0][hh];
             fragments(sc[0], pa);
         }
         const int last = (count - 1) % STAGES;
         sm90::wgmma_fence();
-        issue_pv(pa, last);
+        issue_pv(pa, last, acc, 0);
         sm90::wgmma_wait<0>();
         sm90::mbar_arrive(empty(last));
+        fold(acc, alpha_pv, 0);
     }
 
     // O / (row sum) v_descale in bf16, and lse.
     __device__ __forceinline__ void store(float scale_log2, float v_scale) {
         float lse[1][2];
+        if constexpr (SUMS) {  // a quad's row sum: column D in lane 4i, the zeros of D + 2, D + 4, D + 6 beside it
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) softmax.row_sum[0][hh] = acc_o[0][D / 8][2 * hh];
+        }
         softmax.template finalize<LOG2_P>(acc_o, scale_log2, lse);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -280,6 +313,13 @@ struct FwdFp8 {
         mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
         const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
         const int count = sm90::warp_uniform(max(range.n_max - range.n_min, 0));
+        if constexpr (SUMS) {  // V^T boxes' rows D .. D + 7: row D ones (unswizzled: row 0 of an atom), then zeros
+            for (int i = tid; i < STAGES * V_BOXES * 1024 / 16; i += THREADS) {
+                const int word = i % 64 < 8 ? 0x38383838 : 0;
+                st_shared_i4(base + OFF_V + (i / 64) * V_BOX + D * 128 + (i % 64) * 16, word, word, word, word);
+            }
+            sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
+        }
         if (tid == 0) {
             sm90::mbar_init(q_full(), 1);
             for (int s = 0; s < STAGES; ++s) {
@@ -301,7 +341,7 @@ struct FwdFp8 {
         const float scale_log2 = p.scale_log2 * descale(p.q_descale) * descale(p.k_descale);
         softmax.reset();
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt)
+        for (int dt = 0; dt < (D + SUM_ROWS) / 8; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
         if (count > 0) sm90::mbar_wait(q_full(), 0);
@@ -324,14 +364,14 @@ struct FwdFp8 {
     }
 };
 
-template <int D, bool BAND, bool PIPE, int BN>
+template <int D, bool BAND, bool PIPE, int BN, bool SUMS>
 __global__ void __launch_bounds__(384, 1) fwd_fp8_sm90_kernel(const __grid_constant__ FwdFp8Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdFp8<D, BAND, PIPE, BN> block(p);
+    FwdFp8<D, BAND, PIPE, BN, SUMS> block(p);
     block.run(smem);
 }
 
-template <int D, bool BAND, bool PIPE, int BN>
-__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE, BN>::SMEM_BYTES;
+template <int D, bool BAND, bool PIPE, int BN, bool SUMS>
+__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE, BN, SUMS>::SMEM_BYTES;
 
 }  // namespace cuflash

@@ -400,6 +400,17 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const u3
                                                         bool accumulate) {
     CUFLASH_WGMMA_RS("m64n64k32", "e4m3", CUFLASH_D32, CUFLASH_ACC32, "%37", "{%32, %33, %34, %35}, %36, acc, 1, 1");
 }
+// The same with 8 more columns (N = 72): V^T's 64 rows of the head dim and a row of ones, so that column 64 of D
+// adds up P's row (fwd_fp8_sm90.cu SUMS).
+#define CUFLASH_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define CUFLASH_ACC36 CUFLASH_ACC32, CUFLASH_ACC4(32)
+#define CUFLASH_D36 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "            \
+                    "%32, %33, %34, %35}, "
+__device__ __forceinline__ void wgmma_m64n72k32_e4m3_rs(float (&d)[36], const u32 (&a)[4], unsigned long long b_desc,
+                                                        bool accumulate) {
+    CUFLASH_WGMMA_RS("m64n72k32", "e4m3", CUFLASH_D36, CUFLASH_ACC36, "%41", "{%36, %37, %38, %39}, %40, acc, 1, 1");
+}
 
 // Four floats -> one register of four e4m3 bytes, x0 in the lowest (round to nearest even, saturating at +-448).
 __device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {

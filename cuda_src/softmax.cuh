@@ -38,7 +38,8 @@ struct OnlineSoftmax {
     // is the factor the output accumulator must then be scaled by (see rescale; 1 when FIRST: nothing accumulated
     // yet). CHECK_INF: rows may be fully masked (max = -inf). CHAINS > 1 splits each row's max and sum into that many
     // independent chains (shorter dependency chains where the softmax is exposed rather than hidden under GEMMs).
-    template <bool FIRST, bool CHECK_INF, int CHAINS = 1, int LOG2_P = 0, int NT>
+    // SUMS = false leaves row_sum to the caller (the FP8 forward adds P's rows up on the tensor cores).
+    template <bool FIRST, bool CHECK_INF, int CHAINS = 1, int LOG2_P = 0, bool SUMS = true, int NT>
     __device__ __forceinline__ void update_scores(float (&s)[MT][NT][4], float scale_log2, float (&alpha)[MT][2]) {
         static_assert(NT % CHAINS == 0, "column tiles split evenly over the chains");
 #pragma unroll
@@ -70,13 +71,13 @@ struct OnlineSoftmax {
 #pragma unroll
                     for (int e = 2 * h; e < 2 * h + 2; ++e) {
                         s[mt][nt][e] = exp2f(fmaf(s[mt][nt][e], scale_log2, neg_m_scaled));
-                        sc[nt % CHAINS] += s[mt][nt][e];
+                        if constexpr (SUMS) sc[nt % CHAINS] += s[mt][nt][e];
                     }
                 }
                 float sum = sc[0];
 #pragma unroll
                 for (int c = 1; c < CHAINS; ++c) sum += sc[c];
-                row_sum[mt][h] = FIRST ? sum : row_sum[mt][h] * alpha[mt][h] + sum;
+                if constexpr (SUMS) row_sum[mt][h] = FIRST ? sum : row_sum[mt][h] * alpha[mt][h] + sum;
             }
         }
     }

@@ -256,20 +256,25 @@ class _Probs(NamedTuple):
     p: np.ndarray          # (batch, nheads, seqlen_q, seqlen_k): exp(S - row max), 0 where not visible
     l: np.ndarray          # (batch, nheads, seqlen_q): row sums of p
     lse: np.ndarray        # (batch, nheads, seqlen_q): natural log, -inf for a row with no visible key
+    m: np.ndarray          # (batch, nheads, seqlen_q): the row max that p is shifted by, 0 for a row with no key
     visible: np.ndarray    # (seqlen_q, seqlen_k) bool
+
+
+def _lse(l, m):
+    """``m + log(l)``: the lse of a row whose probabilities, shifted by m, sum to l; -inf where l = 0."""
+    with np.errstate(divide="ignore"):
+        return np.log(l) + m
 
 
 def _probs(q, k, **options):
     """The softmax of q ``(b, sq, h, d)`` against k ``(b, sk, h, d)`` (kv heads expanded), unnormalized: P shifted
     by each row's max, its row sums and the lse. ``options``: :func:`_scores`' keywords."""
     sc = _scores(q, k, **options)
-    m = np.max(sc.scores, axis=-1, keepdims=True, initial=-np.inf)
+    m = np.max(sc.scores, axis=-1, initial=-np.inf)
     m = np.where(np.isneginf(m), 0.0, m)        # empty row: any finite shift; exp(-inf) = 0 anyway
-    p = np.exp(sc.scores - m)
+    p = np.exp(sc.scores - m[..., None])
     l = p.sum(axis=-1)
-    with np.errstate(divide="ignore"):
-        lse = np.log(l) + m[..., 0]             # log(0) = -inf for an empty row
-    return _Probs(p, l, lse, sc.visible)
+    return _Probs(p, l, _lse(l, m), m, sc.visible)
 
 
 def _weighted_values(p, v, l):
@@ -278,19 +283,23 @@ def _weighted_values(p, v, l):
     return _bhsd(p @ _bhsd(v)) / np.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
 
 
-def _forward(q, k, v, *, dropout=None, p_round=None, **options):
+def _forward(q, k, v, *, dropout=None, p_round=None, round_sums=False, **options):
     """q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)`` float64 -> out ``(b, sq, h, dv)``, lse ``(b, h, sq)``.
     ``options``: :func:`_scores`' keywords. dropout: (keep ``(b, h, sq, sk)``, keep probability): out from the kept
     probabilities over it; lse is dropout's none. p_round: a function of P (shifted by the row max) that gives the P
-    multiplying V (the FP8 kernel's quantization); the row sums and lse stay those of P."""
+    multiplying V (the FP8 kernel's quantization); the row sums that normalize out, and the lse, are those of P, or
+    with ``round_sums`` those of the rounded P."""
     nheads = q.shape[2]
     pr = _probs(q, _repeat_kv(k, nheads), **options)
-    p = pr.p
+    p, l, lse = pr.p, pr.l, pr.lse
     if dropout is not None:
         p = np.where(dropout[0], p / dropout[1], 0.0)
     if p_round is not None:
         p = p_round(p)
-    return _weighted_values(p, _repeat_kv(v, nheads), pr.l), pr.lse
+        if round_sums:
+            l = p.sum(axis=-1)
+            lse = _lse(l, pr.m)
+    return _weighted_values(p, _repeat_kv(v, nheads), l), lse
 
 
 def _backward(dout, q, k, v, out, lse, *, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout=None):
@@ -819,14 +828,20 @@ def _p_rounding(p_scale):
 
 def attention_fp8(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None, p_scale=P_SCALE, quantize_p=True,
-                  return_lse=False, stream=None):
+                  quantized_sums=False, return_lse=False, stream=None):
     """FP8 (e4m3) forward attention, float64 model of the coming Hopper FP8 kernel (issue 42, docs/fp8.md).
 
     The inputs are dequantized exactly (``x8 * descale``, float64); then the forward is :func:`attention`'s, except
     that with ``quantize_p`` the probabilities multiplying V are the kernel's e4m3 ones: P, shifted by the row max
-    (so in [0, 1]), becomes ``e4m3(P p_scale) / p_scale`` (round to nearest even, saturating at 448), while the row
-    sums that normalize the output, and the lse, are those of the unquantized P. ``quantize_p=False`` is
-    :func:`attention` on the dequantized inputs.
+    (so in [0, 1]), becomes ``Pq = e4m3(P p_scale) / p_scale`` (round to nearest even, saturating at 448). The row
+    sums that normalize the output, and the lse, are those of the unquantized P (the kernel's fp32 sums, compiled
+    head dim 256), or with ``quantized_sums`` those of Pq (the kernel's tensor-core sums, compiled head dims 64 and
+    128): per row i, over the visible keys j,
+
+        out_i = sum_j Pq_ij V_j / sum_j Pq_ij,      lse_i = m_i + log(sum_j Pq_ij)      (m_i: the row max)
+
+    ``quantize_p=False`` is :func:`attention` on the dequantized inputs, with or without ``quantized_sums`` (the row
+    sums are always those of the P that multiplies V).
 
     Parameters
     ----------
@@ -839,6 +854,9 @@ def attention_fp8(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None,
         P's scale before the e4m3 conversion; 256 keeps probabilities down to 2^-14 normal in e4m3.
     quantize_p : bool
         Model the e4m3 quantization of P (default), or not.
+    quantized_sums : bool
+        Normalize by the row sums of the quantized P and take the lse from them (the kernel at head dims up to 128),
+        rather than from the unquantized P (default).
     stream : ignored
 
     Returns
@@ -848,27 +866,63 @@ def attention_fp8(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None,
     """
     q, k, v = _fp8_inputs(q8, k8, v8, q_descale, k_descale, v_descale)
     out, lse = _forward(q, k, v, **_options(q, softmax_scale, causal, window_size, softcap, alibi_slopes),
-                        p_round=_p_rounding(p_scale) if quantize_p else None)
+                        p_round=_p_rounding(p_scale) if quantize_p else None, round_sums=bool(quantized_sums))
     return (out, lse) if return_lse else out
 
 
+_DEVIATION_BLOCK = 1 << 24  # elements of the (rows, keys, headdim_v) differences that _weighted_deviations holds
+
+
+def _weighted_deviations(w, v, o):
+    """``sum_j w_ij |v_jc - o_ic|``: w ``(b, h, sq, sk)``, v ``(b, sk, h, dv)``, o ``(b, sq, h, dv)`` ->
+    ``(b, sq, h, dv)``, a block of query rows at a time."""
+    vt, ot = _bhsd(v)[:, :, None], _bhsd(o)     # (b, h, 1, sk, dv), (b, h, sq, dv)
+    b, h, sq, sk = w.shape
+    rows = max(1, _DEVIATION_BLOCK // max(1, b * h * sk * vt.shape[-1]))
+    out = np.empty(ot.shape)
+    for r in range(0, sq, rows):
+        block = slice(r, r + rows)
+        out[:, :, block] = (w[:, :, block, :, None] * np.abs(vt - ot[:, :, block, None, :])).sum(axis=-2)
+    return _bhsd(out)
+
+
 def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, p_scale=P_SCALE, bf16_error=0.0):
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, p_scale=P_SCALE, bf16_error=0.0,
+                    quantized_sums=False, bf16_lse_error=0.0, return_lse=False):
     """The FP8 forward's accuracy contract, elementwise ``(batch, seqlen_q, nheads, headdim_v)`` float64:
 
-        |out_fp8 - attention(dequantized inputs)| <= 2 bf16_error + E_P
+        |out_fp8 - O| <= 2 bf16_error + E_P,        O = attention(dequantized inputs)
 
     bf16_error is the error of bf16 attention on the same dequantized inputs (the GPU test measures it: the max
     absolute difference of ``cuflash.attention`` on them in bf16 from the reference); 0 leaves the P term alone, which
-    bounds ``attention_fp8(quantize_p=True)``. E_P bounds the e4m3 quantization of P: with P = exp(S - row max) and
-    l its row sum,
+    bounds ``attention_fp8(quantize_p=True, quantized_sums=quantized_sums)``. E_P bounds the e4m3 quantization of P.
+    With P = exp(S - row max), l_i its row sum and, over the visible keys j,
 
-        E_P[b, i, h, c] = sum_j max(2^-4 P_ij, 2^-10 / p_scale) |V_jc| / l_i     (j over the visible keys)
+        s_ij = max(2^-4 P_ij, 2^-10 / p_scale),     eta_i = sum_j s_ij / l_i
 
-    Each term is the rounding error of ``e4m3(P p_scale)`` (relative 2^-4 when normal, at most half the subnormal
-    spacing 2^-9 below 2^-6) divided by p_scale; with P relative to a running max instead (the online softmax), the
-    rescaling by exp(m_old - m) <= 1 only shrinks it, so the bound holds for any tiling. docs/fp8.md derives it.
-    Arguments are :func:`attention_fp8`'s; ``0 < p_scale <= 448`` (no saturation of P p_scale <= p_scale).
+    (s_ij bounds the rounding error of ``e4m3(P_ij p_scale) / p_scale``: relative 2^-4 when normal, at most half the
+    subnormal spacing 2^-9 below 2^-6), the P term is, with the row sums of the unquantized P (``quantized_sums``
+    False, the kernel at compiled head dim 256)
+
+        E_P[b, i, h, c] = sum_j s_ij |V_jc| / l_i
+
+    and with the row sums of the quantized P (``quantized_sums``, compiled head dims 64 and 128)
+
+        E_P[b, i, h, c] = sum_j s_ij |V_jc - O_ic| / (l_i (1 - eta_i))
+
+    since then ``out - O = sum_j delta_j (V_j - O_i) / lq_i`` (delta_j = Pq_j - P_j, |delta_j| <= s_j) and the
+    quantized row sum is ``lq_i >= l_i (1 - eta_i)``. With P relative to a running max instead (the online softmax),
+    the rescaling by exp(m_old - m) <= 1 only shrinks each delta_j, so both bounds hold for any tiling. docs/fp8.md
+    derives them. eta_i < 2^-4 + n_i 2^-10 / p_scale (l_i >= 1), so eta_i < 1 in rows of fewer than 960 p_scale
+    visible keys; the quantized-sums bound raises ValueError where some eta_i >= 1.
+
+    With ``return_lse`` the result is ``(out_bound, lse_bound)``, lse_bound float64 ``(batch, nheads, seqlen_q)``:
+
+        |lse_fp8 - lse| <= 2 bf16_lse_error + (-log(1 - eta_i) with quantized_sums, else 0)
+
+    bf16_lse_error being bf16 attention's lse error, as bf16_error; a row with no visible key has bound 0 (its lse is
+    -inf in both). Other arguments are :func:`attention_fp8`'s; ``0 < p_scale <= 448`` (no saturation of
+    P p_scale <= p_scale).
     """
     p_scale = float(p_scale)
     if not 0 < p_scale <= E4M3_MAX:
@@ -876,5 +930,22 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
     q, k, v = _fp8_inputs(q8, k8, v8, q_descale, k_descale, v_descale)
     nheads = q.shape[2]
     pr = _probs(q, _repeat_kv(k, nheads), **_options(q, softmax_scale, causal, window_size, softcap, alibi_slopes))
+    v = _repeat_kv(v, nheads)
     step = np.where(pr.visible, np.maximum(E4M3_UNIT * pr.p, E4M3_HALF_STEP / p_scale), 0.0)
-    return 2.0 * np.asarray(bf16_error, dtype=np.float64) + _weighted_values(step, np.abs(_repeat_kv(v, nheads)), pr.l)
+    eta = step.sum(axis=-1) / np.where(pr.l > 0, pr.l, 1.0)   # 0 in a row with no visible key
+    if quantized_sums:
+        if np.any(eta >= 1):
+            raise ValueError(f"the quantized-sums bound needs eta = sum_j s_j / l < 1 in every row, got "
+                             f"{eta.max():.4g} (rows of {np.count_nonzero(pr.visible, axis=-1).max()} keys; "
+                             f"eta < 1 holds below 960 p_scale = {960 * p_scale:g} keys)")
+        lq_min = pr.l * (1.0 - eta)                         # the least quantized row sum
+        deviations = _weighted_deviations(step, v, _weighted_values(pr.p, v, pr.l))
+        p_term = deviations / np.where(lq_min > 0, lq_min, 1.0).transpose(0, 2, 1)[..., None]
+        lse_term = -np.log1p(-eta)
+    else:
+        p_term = _weighted_values(step, np.abs(v), pr.l)
+        lse_term = np.zeros_like(eta)
+    bound = 2.0 * np.asarray(bf16_error, dtype=np.float64) + p_term
+    if not return_lse:
+        return bound
+    return bound, np.where(pr.l > 0, 2.0 * np.asarray(bf16_lse_error, dtype=np.float64) + lse_term, 0.0)

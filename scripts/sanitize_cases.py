@@ -319,12 +319,15 @@ def _dropout_cases() -> list[dict]:
 
 def _fp8_cases() -> list[dict]:
     """The FP8 forward (sm_90a): its V^T transpose and kernel, off-tile lengths, GQA, masks, per-head descales, rows
-    without keys, the ring refilled (several key blocks), d 64, 128 (at 80; 224-key blocks), 256."""
+    without keys, the ring refilled (several key blocks), d 64 (V^T's row of ones in shared memory), 128 (at 80),
+    256."""
     return [
         dict(name="fp8_fwd_d128_gqa_head", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, sk=600),
              opts=dict(descale="head", return_lse=True)),
-        # 224-key blocks (forward_fp8.block_n): the ring of three refilled, the last V^T box past the keys
-        dict(name="fp8_fwd_d128_n224", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, sk=1800),
+        # the ring refilled, the last key block partial
+        dict(name="fp8_fwd_d128_ring", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, sk=1800),
+             opts=dict(descale="tensor", return_lse=True)),
+        dict(name="fp8_fwd_d64_ring", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, d=64, sk=1800),
              opts=dict(descale="tensor", return_lse=True)),
         dict(name="fp8_fwd_d80_causal", fn="attention_fp8", dtype="bf16", shape=dict(SQ_GT_SK, d=80),
              opts=dict(causal=True, descale="tensor", return_lse=True)),
@@ -335,7 +338,7 @@ def _fp8_cases() -> list[dict]:
         # packed sequences (empty ones among them), and cu_seqlens that end past q's and k's rows
         dict(name="fp8_varlen_d128_causal_head", fn="attention_varlen_fp8", dtype="bf16", shape=dict(VARLEN, d=128),
              opts=dict(causal=True, descale="head", return_lse=True)),
-        dict(name="fp8_varlen_d128_n224", fn="attention_varlen_fp8", dtype="bf16", shape=dict(VARLEN, d=128),
+        dict(name="fp8_varlen_d128", fn="attention_varlen_fp8", dtype="bf16", shape=dict(VARLEN, d=128),
              opts=dict(return_lse=True)),
         dict(name="fp8_varlen_d64_cu_past_rows", fn="attention_varlen_fp8", dtype="bf16", shape=VARLEN,
              opts=dict(short_rows=(7, 9), return_lse=True)),

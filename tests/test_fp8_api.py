@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cuflash import checks
+from cuflash import checks, settings
 from cuflash.ops import forward_fp8
 
 U8 = np.uint8
@@ -51,12 +51,14 @@ def test_check_rejects_strides_tma_cannot_load():
 
 def test_specs_and_params():
     specs = forward_fp8.all_specs()
-    assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{pp}{b}{n}" for d in (64, 128, 256) for pp in ("", "_pp")
-                                       for b in ("", "_band") for n in {"", "_n224" if (d, b) == (128, "") else ""}
-                                       } | {"fp8_transpose_v"}
-    assert [forward_fp8.kernel_spec(128, False, n).block_n for n in (100, 1024, 2048, 4096, 16384)] == [
-        128, 128, 128, 224, 224]
-    assert {forward_fp8.kernel_spec(d, True, 16384).block_n for d in (64, 128, 256)} == {128}
+    assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{pp}{b}" for d in (64, 128, 256)
+                                       for pp in ("", "_pp") if d != 256 or not pp
+                                       for b in ("", "_band")} | {"fp8_transpose_v"}
+    assert {forward_fp8.kernel_spec(d, band, n).block_n for d in (64, 128, 256) for band in (False, True)
+            for n in (100, 4096, 16384)} == {128}
+    assert [forward_fp8.kernel_spec(d, False, 4096).pipelined for d in (64, 128, 256)] == [True, True, False]
+    with settings.override(fp8_pipelined=1):
+        assert not forward_fp8.kernel_spec(256, False, 4096).pipelined
     assert forward_fp8.PARAMS_DTYPE.itemsize == 512 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72
     assert [forward_fp8.compiled_headdim(d) for d in (16, 64, 80, 128, 144, 256)] == [64, 64, 128, 128, 256, 256]
 

@@ -4,7 +4,9 @@ fp8_error_bound, quantize_e4m3, dequantize_e4m3; docs/fp8.md).
 The FP8 kernel's GPU tests rest on three facts checked here: without P's quantization the FP8 reference is
 ``reference.attention`` on the dequantized inputs; the quantization of P stays within the documented bound, on
 random inputs and on inputs with outlier channels, with every mask option, GQA and per-head descales; and the bound
-is tight enough that a kernel which skips P's scaling fails it.
+is tight enough that a kernel which skips P's scaling fails it. The same holds for both forms of the row sums: those
+of the fp32 P (compiled head dim 256) and those of the e4m3 P (``quantized_sums``, head dims 64 and 128, whose bound
+also covers the lse and any tiling of the keys).
 """
 
 import math
@@ -235,3 +237,203 @@ def test_outlier_channels_defeat_the_inputs_quantization_not_the_contract():
         bound = ref.fp8_error_bound(**args)
         assert np.abs(ref.attention_fp8(**args) - ref.attention_fp8(**args, quantize_p=False)).max() <= bound.max()
         assert np.abs(ref.attention_fp8(**args, quantize_p=False) - original).max() > 10 * bound.max()
+
+
+# --------------------------------------------------------------------------------------------
+# Row sums from the quantized P (the kernel at compiled head dims 64 and 128)
+# --------------------------------------------------------------------------------------------
+
+MASKS = [{}, {"causal": True}, {"window_size": (5, 3)}, {"causal": True, "window_size": (7, -1)}]
+
+
+def dequantize_by_hand(x8, descale, nheads_k):
+    """x8 (batch, seqlen, nheads, d) times descale, () or (batch, nheads_k): head h reads kv head h // group."""
+    d = np.broadcast_to(np.asarray(descale, np.float64), (x8.shape[0], nheads_k))
+    return x8.astype(np.float64) * np.repeat(d, x8.shape[2] // nheads_k, axis=1)[:, None, :, None]
+
+
+def visible_by_hand(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
+    """Query i at key position i + seqlen_k - seqlen_q sees keys pos - left .. pos + right (-1: unbounded)."""
+    left, right = window_size
+    right = 0 if causal else right
+    keep = np.zeros((seqlen_q, seqlen_k), bool)
+    for i in range(seqlen_q):
+        pos = i + seqlen_k - seqlen_q
+        for j in range(seqlen_k):
+            keep[i, j] = (left < 0 or j >= pos - left) and (right < 0 or j <= pos + right)
+    return keep
+
+
+def inputs_by_hand(args, nheads_k, options):
+    """Dequantized q, k, v (kv heads as they are), the visible mask and the softmax scale of a plain dense call."""
+    q, k, v = (dequantize_by_hand(args[n + "8"], args[n + "_descale"], nheads_k) for n in "qkv")
+    mask = {key: options[key] for key in ("causal", "window_size") if key in options}
+    return q, k, v, visible_by_hand(q.shape[1], k.shape[1], **mask), 1 / math.sqrt(q.shape[-1])
+
+
+def round_p(p, p_scale=256.0):
+    return np.clip(p * p_scale, -448, 448).astype(E4M3).astype(np.float64) / p_scale
+
+
+@pytest.mark.parametrize("per", ["tensor", "head"])
+@pytest.mark.parametrize("options", MASKS)
+def test_quantized_sums_match_a_row_loop(per, options):
+    """An independent loop over rows: P = exp(s - max) over the visible keys, Pq = e4m3(256 P) / 256, out = Pq V /
+    sum Pq, lse = max + log(sum Pq). GQA (two query heads per kv head); 14 queries against 11 keys, so that causal
+    leaves the first rows without keys (out 0, lse -inf)."""
+    args = make_fp8(np.random.default_rng(10), batch=2, seqlen_q=14, seqlen_k=11, nheads=4, nheads_k=2, d=16, per=per)
+    out, lse = ref.attention_fp8(**args, **options, quantized_sums=True, return_lse=True)
+    q, k, v, visible, scale = inputs_by_hand(args, 2, options)
+    for b in range(2):
+        for h in range(4):
+            for i in range(14):
+                keys = np.flatnonzero(visible[i])
+                if keys.size == 0:
+                    assert np.all(out[b, i, h] == 0) and lse[b, h, i] == -np.inf
+                    continue
+                s = scale * k[b, keys, h // 2] @ q[b, i, h]
+                pq = round_p(np.exp(s - s.max()))
+                np.testing.assert_allclose(out[b, i, h], pq @ v[b, keys, h // 2] / pq.sum(), rtol=0, atol=1e-13)
+                np.testing.assert_allclose(lse[b, h, i], s.max() + math.log(pq.sum()), rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_quantized_sums_without_quantized_p_is_attention(options):
+    """The row sums are those of the P that multiplies V: without P's quantization, the exact one."""
+    args = make_fp8(np.random.default_rng(11), seqlen_q=40, seqlen_k=33)
+    out, lse = ref.attention_fp8(**args, **options, quantize_p=False, quantized_sums=True, return_lse=True)
+    want, want_lse = ref.attention(*dequantized(args), **options, return_lse=True)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-12)
+
+
+def assert_within_bounds(out, lse, want, want_lse, bound, lse_bound):
+    assert np.all(np.abs(out - want) <= bound + TINY)
+    empty = np.isneginf(want_lse)
+    assert np.array_equal(np.isneginf(lse), empty) and np.all(lse_bound[empty] == 0)
+    assert np.all(np.abs(lse[~empty] - want_lse[~empty]) <= lse_bound[~empty] + TINY)
+
+
+@pytest.mark.parametrize("outliers", [0, 3])
+@pytest.mark.parametrize("per", ["tensor", "head"])
+@pytest.mark.parametrize("options", OPTIONS + [{"causal": True, "window_size": (4, -1)}])
+def test_quantized_sums_within_bounds(outliers, per, options):
+    """Both bounds, output and lse, on random and outlier-channel inputs with every option, GQA and both descale
+    forms; 30 queries against 24 keys, so that causal leaves the first rows without keys."""
+    args = make_fp8(np.random.default_rng(12 + outliers), seqlen_q=30, seqlen_k=24, per=per, outliers=outliers)
+    want, want_lse = ref.attention(*dequantized(args), **options, return_lse=True)
+    out, lse = ref.attention_fp8(**args, **options, quantized_sums=True, return_lse=True)
+    bound, lse_bound = ref.fp8_error_bound(**args, **options, quantized_sums=True, return_lse=True)
+    assert_within_bounds(out, lse, want, want_lse, bound, lse_bound)
+    # the fp32 sums: the output's bound E_P, the lse exact
+    out, lse = ref.attention_fp8(**args, **options, return_lse=True)
+    bound, lse_bound = ref.fp8_error_bound(**args, **options, return_lse=True)
+    assert np.all(lse_bound == 0)
+    assert_within_bounds(out, lse, want, want_lse, bound, lse_bound)
+
+
+def test_quantized_sums_change_out_and_lse():
+    """The flag does something: on random inputs the output and the lse move. With V = 1 everywhere the quantized
+    sums give exactly 1 (sum Pq / sum Pq) and their bound is 0 (|V_j - O| = 0), while the fp32 sums give
+    sum Pq / sum P, off by about 2^-4 eta: a model or kernel that normalized by the wrong sums fails that bound."""
+    args = make_fp8(np.random.default_rng(13))
+    out_fp32, lse_fp32 = ref.attention_fp8(**args, return_lse=True)
+    out, lse = ref.attention_fp8(**args, quantized_sums=True, return_lse=True)
+    assert np.abs(out - out_fp32).max() > 1e-3 and np.abs(lse - lse_fp32).max() > 1e-3
+    args["v8"], args["v_descale"] = ref._to_e4m3(np.ones(args["v8"].shape)), None
+    bound, lse_bound = ref.fp8_error_bound(**args, quantized_sums=True, return_lse=True)
+    assert bound.max() < TINY and lse_bound.min() > 1e-3
+    np.testing.assert_allclose(ref.attention_fp8(**args, quantized_sums=True), 1.0, rtol=0, atol=TINY)
+    assert np.abs(ref.attention_fp8(**args) - 1.0).max() > 1e-3
+
+
+@pytest.mark.parametrize("v_mean", [0.0, 3.0])
+def test_quantized_sums_bound_is_tight_and_not_vacuous(v_mean):
+    """Spread rows: the error reaches a tenth of the bound somewhere, output and lse, and the bound stays below a
+    quarter of the largest |O|. It measures |V_j - O_i|, not |V_j|: with values of mean 3 it is under half of E_P, and
+    a twentieth of |O|."""
+    args = make_fp8(np.random.default_rng(14), batch=1, seqlen_q=16, seqlen_k=128, nheads=2, nheads_k=2, d=64,
+                    per="head", v_mean=v_mean)
+    want, want_lse = ref.attention(*dequantized(args), return_lse=True)
+    out, lse = ref.attention_fp8(**args, quantized_sums=True, return_lse=True)
+    bound, lse_bound = ref.fp8_error_bound(**args, quantized_sums=True, return_lse=True)
+    assert 0.1 < (np.abs(out - want) / bound).max() <= 1
+    assert 0.1 < (np.abs(lse - want_lse) / lse_bound).max() <= 1
+    assert bound.max() < 0.25 * np.abs(want).max()
+    if v_mean:
+        assert bound.max() < 0.05 * np.abs(want).max()
+        assert bound.max() < 0.5 * ref.fp8_error_bound(**args).max()
+
+
+def test_bounds_add_twice_the_bf16_errors():
+    args = make_fp8(np.random.default_rng(15), seqlen_q=30, seqlen_k=24)
+    base, base_lse = ref.fp8_error_bound(**args, causal=True, quantized_sums=True, return_lse=True)
+    bound, lse_bound = ref.fp8_error_bound(**args, causal=True, quantized_sums=True, return_lse=True,
+                                           bf16_error=0.01, bf16_lse_error=0.001)
+    np.testing.assert_array_equal(bound, base + 0.02)
+    empty = np.zeros((2, 4, 30), bool)
+    empty[..., :6] = True                                   # queries 0..5 see no key
+    np.testing.assert_array_equal(lse_bound, np.where(empty, 0.0, base_lse + 0.002))
+    assert np.all(base_lse[~empty] > 0)
+
+
+def test_quantized_sums_bound_needs_eta_below_one():
+    """One key at score 0 and 1023 at -30 with p_scale 1: every s_j of the small ones is 2^-10, so eta = 2^-4 + 1023
+    2^-10 > 1 and the quantized sums' bound is undefined; the fp32 sums' bound is not affected."""
+    seqlen_k, d = 1024, 16
+    q = np.zeros((1, 1, 1, d))
+    q[..., 0] = 1.0
+    k = np.zeros((1, seqlen_k, 1, d))
+    k[0, 1:, 0, 0] = -30.0
+    args = {"q8": ref._to_e4m3(q), "k8": ref._to_e4m3(k), "v8": ref._to_e4m3(np.ones((1, seqlen_k, 1, d))),
+            "softmax_scale": 1.0, "p_scale": 1.0}
+    with pytest.raises(ValueError, match="eta"):
+        ref.fp8_error_bound(**args, quantized_sums=True)
+    assert np.all(np.isfinite(ref.fp8_error_bound(**args)))
+    ref.fp8_error_bound(**dict(args, p_scale=256.0), quantized_sums=True)
+
+
+def online_softmax_fp8(q, k, v, visible, scale, block, reverse=False, p_scale=256.0):
+    """The kernel's loop, in float64: key blocks in order (or reversed), a running row max m, P = exp(s - m)
+    quantized against it, the accumulators and the quantized row sums rescaled by exp(m_old - m) as m rises."""
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    group = nheads // nheads_k
+    out = np.zeros((batch, seqlen_q, nheads, v.shape[-1]))
+    lse = np.full((batch, nheads, seqlen_q), -np.inf)
+    starts = list(range(0, seqlen_k, block))
+    for b in range(batch):
+        for h in range(nheads):
+            s = np.where(visible, scale * q[b, :, h] @ k[b, :, h // group].T, -np.inf)
+            m = np.full(seqlen_q, -np.inf)
+            acc, sums = np.zeros((seqlen_q, v.shape[-1])), np.zeros(seqlen_q)
+            for j0 in reversed(starts) if reverse else starts:
+                tile = s[:, j0:j0 + block]
+                m_new = np.maximum(m, tile.max(axis=1))
+                shift = np.where(np.isneginf(m_new), 0.0, m_new)
+                alpha = np.exp(m - shift)                   # 0 while the row has seen no key
+                pq = round_p(np.exp(tile - shift[:, None]), p_scale)
+                acc = alpha[:, None] * acc + pq @ v[b, j0:j0 + block, h // group]
+                sums = alpha * sums + pq.sum(axis=1)
+                m = m_new
+            seen = sums > 0
+            out[b, :, h] = acc / np.where(seen, sums, 1.0)[:, None]
+            lse[b, h] = np.where(seen, shift + np.log(np.where(seen, sums, 1.0)), -np.inf)
+    return out, lse
+
+
+@pytest.mark.parametrize("outliers", [0, 3])
+@pytest.mark.parametrize("block,reverse", [(8, False), (8, True), (32, False)])
+@pytest.mark.parametrize("options", MASKS)
+def test_online_softmax_within_quantized_sums_bound(outliers, block, reverse, options):
+    """Any tiling: P quantized against the running max of key blocks, then rescaled, stays within the quantized
+    sums' bounds (output and lse). Where rows span several blocks the result differs from the one-tile model's."""
+    args = make_fp8(np.random.default_rng(16 + outliers), seqlen_q=30, seqlen_k=72, per="head", outliers=outliers,
+                    amplitude=2.0)
+    q, k, v, visible, scale = inputs_by_hand(args, 2, options)
+    out, lse = online_softmax_fp8(q, k, v, visible, scale, block, reverse)
+    want, want_lse = ref.attention(*dequantized(args), **options, return_lse=True)
+    bound, lse_bound = ref.fp8_error_bound(**args, **options, quantized_sums=True, return_lse=True)
+    assert_within_bounds(out, lse, want, want_lse, bound, lse_bound)
+    if not outliers and "window_size" not in options:   # the running max rises somewhere
+        assert np.abs(out - ref.attention_fp8(**args, **options, quantized_sums=True)).max() > 0

@@ -20,11 +20,17 @@ HEADDIMS = (64, 128, 256)
 BLOCK_M = 128
 # Keys per block: 128, or a wider block by head dim without a window (FA3's FP8 d = 128 tile has 224;
 # fwd_fp8_sm90.cu). A wide block costs WIDE_COST of a 128-key block's time per key, but the last block of a row is
-# padded to its width: the wide one runs where its padded keys cost less (a same-run A/B, docs/perf-notes.md, "FP8
-# 224-key blocks": -7% at 1k keys, +3% at 4k, +6% at 16k).
-WIDE_BLOCK_N = {128: 224}
+# padded to its width: the wide one runs where its padded keys cost less. None is in the table: with each block's
+# P V in its own accumulator (fwd_fp8_sm90.cu, PvAcc) the 224-key block spills 340-440 bytes at d 128
+# (docs/perf-notes.md, "FP8 224-key blocks", had measured -7% at 1k keys, +3% at 4k, +6% at 16k without it).
+WIDE_BLOCK_N: dict = {}
 WIDE_COST = 0.93
 BF16 = np.dtype(ml_dtypes.bfloat16)
+# Whether O += P V also adds up P's rows on the tensor cores (a row of ones beside V^T's in shared memory; SUMS in
+# fwd_fp8_sm90.cu), by compiled head dim: then the row sums and the lse are those of the e4m3 P (docs/fp8.md), and
+# the softmax has no FADD per probability. Same-run A/B (docs/perf-notes.md): d 64 +3 to +8%, d 128 (m64n136k32 for
+# m64n128k32) 0 to -3%. d 256 splits O += P V in two chunks and keeps the fp32 sums.
+TC_ROW_SUMS = {64: True, 128: False, 256: False}
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,7 @@ class FwdFp8Spec:
     band: bool
     pipelined: bool = False  # each block's softmax under the last block's P V (fwd_fp8_sm90.cu PIPE)
     block_n: int = 128  # keys per block: 128, or WIDE_BLOCK_N's
+    tc_sums: bool = False  # row sums on the tensor cores (TC_ROW_SUMS)
 
     source = "fwd_fp8_sm90.cu"
     threads = 384
@@ -40,12 +47,13 @@ class FwdFp8Spec:
     @property
     def name(self) -> str:
         return (f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}{'_band' if self.band else ''}"
-                f"{'' if self.block_n == 128 else f'_n{self.block_n}'}")
+                f"{'' if self.block_n == 128 else f'_n{self.block_n}'}"
+                f"{'' if self.tc_sums == TC_ROW_SUMS[self.headdim] else '_tcsum' if self.tc_sums else '_fsum'}")
 
     @property
     def template(self) -> str:
-        flags = ", ".join("true" if f else "false" for f in (self.band, self.pipelined))
-        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {flags}, {self.block_n}>"
+        band, pipe, sums = ("true" if f else "false" for f in (self.band, self.pipelined, self.tc_sums))
+        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {band}, {pipe}, {self.block_n}, {sums}>"
 
     @property
     def smem_symbol(self) -> str:
@@ -66,6 +74,9 @@ class Fp8TransposeSpec:
 # A/Bs (H200, 2026-12-02, benchmarks/bench_fp8.py, 4k and 16k; docs/perf-notes.md): pipelined 1.5-10% faster at d 64
 # and d 128; at d 256 16-27% slower (measured while the pipelined form still had ping-pong turns).
 PIPELINED = {64: True, 128: True, 256: False}
+# The head dims whose pipelined form compiles without spills: at 256, P V's accumulator of a 128-column chunk, O and
+# the scores do not fit beside each other (the setting cannot force it there).
+PIPE_HEADDIMS = (64, 128)
 
 
 def block_n(headdim: int, band: bool, seqlen_k: int) -> int:
@@ -78,14 +89,23 @@ def block_n(headdim: int, band: bool, seqlen_k: int) -> int:
 
 
 def all_specs() -> list:
-    return [FwdFp8Spec(d, band, pipe, n) for d in HEADDIMS for band in (False, True) for pipe in (False, True)
+    return [FwdFp8Spec(d, band, pipe, n, TC_ROW_SUMS[d]) for d in HEADDIMS for band in (False, True)
+            for pipe in ((False, True) if d in PIPE_HEADDIMS else (False,))
             for n in {128, 128 if band else WIDE_BLOCK_N.get(d, 128)}] + [Fp8TransposeSpec()]
 
 
 def kernel_spec(headdim: int, band: bool, seqlen_k: int) -> FwdFp8Spec:
     d = compiled_headdim(headdim)
     forced = settings.current().fp8_pipelined
-    return FwdFp8Spec(d, band, PIPELINED[d] if forced is None else bool(forced), block_n(d, band, seqlen_k))
+    pipe = (PIPELINED[d] if forced is None else bool(forced)) and d in PIPE_HEADDIMS
+    return FwdFp8Spec(d, band, pipe, block_n(d, band, seqlen_k), TC_ROW_SUMS[d])
+
+
+def quantized_sums(headdim: int) -> bool:
+    """Whether a call's head dim runs with the row sums of the e4m3 P (TC_ROW_SUMS): the form of
+    :func:`cuflash.reference.attention_fp8` and :func:`cuflash.reference.fp8_error_bound` (``quantized_sums``) that
+    models it."""
+    return TC_ROW_SUMS[compiled_headdim(headdim)]
 
 
 def compiled_headdim(headdim: int) -> int:
@@ -222,8 +242,10 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
     out : cupy.ndarray, (batch, seqlen_q, nheads, headdim), bfloat16
     lse : cupy.ndarray, (batch, nheads, seqlen_q), float32, only with ``return_lse``
 
-    P is quantized to e4m3 as e4m3(256 P) / 256 for P V (row sums and lse from the fp32 P), so the error is that of
-    :func:`cuflash.reference.attention_fp8` (docs/fp8.md). V is first transposed into a workspace of
+    P is quantized to e4m3 as e4m3(256 P) / 256 for P V. Up to head dim 64 the row sums that normalize the output,
+    and the lse, are those of the e4m3 P, added up on the tensor cores; above, those of the fp32 P
+    (:func:`quantized_sums`). The error is that of :func:`cuflash.reference.attention_fp8` with that
+    ``quantized_sums`` (docs/fp8.md). V is first transposed into a workspace of
     ``batch nheads_k headdim ceil(seqlen_k / 32) 32`` bytes (one extra pass over V).
     """
     descales = (q_descale, k_descale, v_descale)
