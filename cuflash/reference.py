@@ -11,7 +11,7 @@ copied to the host); all arithmetic is float64 and every result is float64. GPU-
 
 The FP8 functions (:func:`attention_fp8`, :func:`fp8_error_bound`, :func:`dequantize_e4m3`) take
 float8_e4m3fn arrays (``ml_dtypes``), or their bits as uint8, with float32 descales, and
-:func:`quantize_e4m3` makes them; they define the coming FP8 forward and its accuracy contract
+:func:`quantize_e4m3` makes them; they model the FP8 forward and state its accuracy contract
 (docs/fp8.md).
 
 All masking, soft-capping and ALiBi is defined once, in :func:`_scores`; everything else
@@ -829,14 +829,14 @@ def _p_rounding(p_scale):
 def attention_fp8(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None, p_scale=P_SCALE, quantize_p=True,
                   quantized_sums=False, return_lse=False, stream=None):
-    """FP8 (e4m3) forward attention, float64 model of the coming Hopper FP8 kernel (issue 42, docs/fp8.md).
+    """FP8 (e4m3) forward attention, float64 model of the Hopper FP8 kernel (docs/fp8.md).
 
     The inputs are dequantized exactly (``x8 * descale``, float64); then the forward is :func:`attention`'s, except
     that with ``quantize_p`` the probabilities multiplying V are the kernel's e4m3 ones: P, shifted by the row max
     (so in [0, 1]), becomes ``Pq = e4m3(P p_scale) / p_scale`` (round to nearest even, saturating at 448). The row
     sums that normalize the output, and the lse, are those of the unquantized P (the kernel's fp32 sums, compiled
-    head dim 256), or with ``quantized_sums`` those of Pq (the kernel's tensor-core sums, compiled head dims 64 and
-    128): per row i, over the visible keys j,
+    head dims 128 and 256), or with ``quantized_sums`` those of Pq (the kernel's tensor-core sums, compiled head dim
+    64: ``cuflash.ops.forward_fp8.quantized_sums``): per row i, over the visible keys j,
 
         out_i = sum_j Pq_ij V_j / sum_j Pq_ij,      lse_i = m_i + log(sum_j Pq_ij)      (m_i: the row max)
 
@@ -855,7 +855,7 @@ def attention_fp8(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None,
     quantize_p : bool
         Model the e4m3 quantization of P (default), or not.
     quantized_sums : bool
-        Normalize by the row sums of the quantized P and take the lse from them (the kernel at head dims up to 128),
+        Normalize by the row sums of the quantized P and take the lse from them (the kernel at head dims up to 64),
         rather than from the unquantized P (default).
     stream : ignored
 
@@ -902,11 +902,11 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
 
     (s_ij bounds the rounding error of ``e4m3(P_ij p_scale) / p_scale``: relative 2^-4 when normal, at most half the
     subnormal spacing 2^-9 below 2^-6), the P term is, with the row sums of the unquantized P (``quantized_sums``
-    False, the kernel at compiled head dim 256)
+    False, the kernel at compiled head dims 128 and 256)
 
         E_P[b, i, h, c] = sum_j s_ij |V_jc| / l_i
 
-    and with the row sums of the quantized P (``quantized_sums``, compiled head dims 64 and 128)
+    and with the row sums of the quantized P (``quantized_sums``, compiled head dim 64)
 
         E_P[b, i, h, c] = sum_j s_ij |V_jc - O_ic| / (l_i (1 - eta_i))
 

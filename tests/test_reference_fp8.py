@@ -5,8 +5,8 @@ The FP8 kernel's GPU tests rest on three facts checked here: without P's quantiz
 ``reference.attention`` on the dequantized inputs; the quantization of P stays within the documented bound, on
 random inputs and on inputs with outlier channels, with every mask option, GQA and per-head descales; and the bound
 is tight enough that a kernel which skips P's scaling fails it. The same holds for both forms of the row sums: those
-of the fp32 P (compiled head dim 256) and those of the e4m3 P (``quantized_sums``, head dims 64 and 128, whose bound
-also covers the lse and any tiling of the keys).
+of the fp32 P (compiled head dims 128 and 256) and those of the e4m3 P (``quantized_sums``, head dim 64, whose
+bound also covers the lse and any tiling of the keys).
 """
 
 import math
@@ -240,7 +240,7 @@ def test_outlier_channels_defeat_the_inputs_quantization_not_the_contract():
 
 
 # --------------------------------------------------------------------------------------------
-# Row sums from the quantized P (the kernel at compiled head dims 64 and 128)
+# Row sums from the quantized P (the kernel at compiled head dim 64)
 # --------------------------------------------------------------------------------------------
 
 MASKS = [{}, {"causal": True}, {"window_size": (5, 3)}, {"causal": True, "window_size": (7, -1)}]
