@@ -8,10 +8,8 @@
 // of each 16. So slot s of a chunk holds key 16 (s / 16) + {2c, 2c + 1, 2c + 8, 2c + 9}[s % 4], c = (s % 16) / 4,
 // in V^T, and the sum over the chunk's keys is the same.
 // One CTA: 128 query rows of one head, as two consumer warpgroups of 64 rows, and a producer warpgroup whose thread 0
-// loads Q once and K, V^T blocks of BN keys into a ring of STAGES slots. BN is 128, or 224 at d = 128 without a
-// window (FA3's FP8 d = 128 tile: a block's fixed costs, the row max and sum reductions, O's rescale and the waits,
-// spread over 1.75 times the scores). Per block, in each consumer warpgroup:
-//     S  = Q K^T                     wgmma m64n{BN}k32 ss (both K-major)
+// loads Q once and K, V^T blocks of BN = 128 keys into a ring of STAGES slots. Per block, in each consumer warpgroup:
+//     S  = Q K^T                     wgmma m64n128k32 ss (both K-major)
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
 //     O += P V                       wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous); SUMS: m64n72k32
@@ -52,12 +50,11 @@ struct FwdFp8Params {
 };
 static_assert(sizeof(FwdFp8Params) == 512, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
 
-template <int D, bool BAND, bool PIPE, int BN, bool SUMS>
+template <int D, bool BAND, bool PIPE, bool SUMS>
 struct FwdFp8 {
-    static constexpr int BM = 128, STAGES = D == 256 ? 2 : BN == 224 ? 3 : 4, THREADS = 384;
-    // V^T comes in boxes of 128 keys (one 128-byte swizzle span per row of the head dim): a 224-key block takes two,
-    // the second reaching 32 keys past the block (the next block's, or TMA's zero fill), which no wgmma reads.
-    static constexpr int V_BOXES = (BN + 127) / 128;
+    // A block's 128 keys are one 128-byte swizzle span of each V^T row: one TMA box. (FA3's FP8 d 128 tile of 224
+    // keys does not fit beside the per-block P V accumulator below: docs/perf-notes.md, "FP8 224-key blocks".)
+    static constexpr int BM = 128, BN = 128, STAGES = D == 256 ? 2 : 4, THREADS = 384;
     // P times 2^8 before e4m3, added in exp2's exponent: probabilities down to 2^-14 stay normal. The row sum carries
     // the same factor, so O / sum needs no correction, and the lse subtracts 8 (softmax.cuh).
     static constexpr int LOG2_P = 8;
@@ -69,9 +66,8 @@ struct FwdFp8 {
     static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
     // V^T: D rows of 128 keys (TMA's), and with SUMS a swizzle atom of 8 rows: ones, then zeros
     static constexpr int SUM_ROWS = SUMS ? 8 : 0;
-    static constexpr u32 V_BOX = (D + SUM_ROWS) * 128;
-    static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = V_BOXES * V_BOX;
-    static constexpr u32 V_LOADED = V_BOXES * D * 128;  // what TMA writes of a slot's V^T (not the sum rows)
+    static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = (D + SUM_ROWS) * 128;
+    static constexpr u32 V_LOADED = D * 128;  // what TMA writes of a slot's V^T (not the sum rows)
     // P V in N chunks of the head dim: 128 columns (64 at d 64), each with the sum column (SUMS)
     static constexpr int NCH = D == 64 ? 64 : 128, CHUNKS = D / NCH, PV_COLS = NCH + SUM_ROWS;
     // P V's accumulator holds one block's product (one chunk's), from zero, which fold() adds to O in fp32. FP8
@@ -84,7 +80,6 @@ struct FwdFp8 {
     static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(V_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles of whole swizzle atoms");
-    static_assert(BN == 128 || (BN == 224 && D == 128), "224-key blocks at d = 128");
     static_assert(!SUMS || D == 64, "the row sums ride on d 64's P V (m64n72k32)");
     static_assert(!PIPE || CHUNKS == 1, "the pipelined form keeps one P V accumulator beside the scores");
 
@@ -119,10 +114,7 @@ struct FwdFp8 {
             for (int pn = 0; pn < PANELS; ++pn)
                 sm90::tma_load_rows(base + OFF_K + slot * K_BYTES + pn * K_PANEL, &p.k, packed, pn * 128, h_kv,
                                     k_begin, n * BN, b, full(slot));
-#pragma unroll
-            for (int vb = 0; vb < V_BOXES; ++vb)
-                sm90::tma_load_4d(base + OFF_V + slot * V_BYTES + vb * V_BOX, &p.vt, n * BN + vb * 128, 0, h_kv, b,
-                                  full(slot));
+            sm90::tma_load_4d(base + OFF_V + slot * V_BYTES, &p.vt, n * BN, 0, h_kv, b, full(slot));
         }
     }
 
@@ -133,10 +125,7 @@ struct FwdFp8 {
             const u32 at = (ks / 4) * Q_PANEL + (ks % 4) * 32;
             const auto a = sm90::smem_desc(base + wg * 64 * 128 + at);
             const auto k = sm90::smem_desc(base + OFF_K + slot * K_BYTES + (ks / 4) * K_PANEL + (ks % 4) * 32);
-            if constexpr (BN == 224)
-                sm90::wgmma_m64n224k32_e4m3_ss(*reinterpret_cast<float(*)[112]>(&sc[0][0][0]), a, k, ks > 0);
-            else
-                sm90::wgmma_m64n128k32_e4m3_ss(*reinterpret_cast<float(*)[64]>(&sc[0][0][0]), a, k, ks > 0);
+            sm90::wgmma_m64n128k32_e4m3_ss(*reinterpret_cast<float(*)[64]>(&sc[0][0][0]), a, k, ks > 0);
         }
         sm90::wgmma_commit();
     }
@@ -159,8 +148,7 @@ struct FwdFp8 {
     __device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 32][4], int slot, PvAcc& acc, int c) {
 #pragma unroll
         for (int kk = 0; kk < BN / 32; ++kk) {
-            const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + (kk / 4) * V_BOX + c * NCH * 128 +
-                                              (kk % 4) * 32);
+            const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + c * NCH * 128 + kk * 32);
             if constexpr (SUMS)
                 sm90::wgmma_m64n72k32_e4m3_rs(*reinterpret_cast<float(*)[36]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
             else if constexpr (NCH == 128)
@@ -314,9 +302,9 @@ struct FwdFp8 {
         const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
         const int count = sm90::warp_uniform(max(range.n_max - range.n_min, 0));
         if constexpr (SUMS) {  // V^T boxes' rows D .. D + 7: row D ones (unswizzled: row 0 of an atom), then zeros
-            for (int i = tid; i < STAGES * V_BOXES * 1024 / 16; i += THREADS) {
+            for (int i = tid; i < STAGES * 1024 / 16; i += THREADS) {
                 const int word = i % 64 < 8 ? 0x38383838 : 0;
-                st_shared_i4(base + OFF_V + (i / 64) * V_BOX + D * 128 + (i % 64) * 16, word, word, word, word);
+                st_shared_i4(base + OFF_V + (i / 64) * V_BYTES + D * 128 + (i % 64) * 16, word, word, word, word);
             }
             sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy)
         }
@@ -364,14 +352,14 @@ struct FwdFp8 {
     }
 };
 
-template <int D, bool BAND, bool PIPE, int BN, bool SUMS>
+template <int D, bool BAND, bool PIPE, bool SUMS>
 __global__ void __launch_bounds__(384, 1) fwd_fp8_sm90_kernel(const __grid_constant__ FwdFp8Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdFp8<D, BAND, PIPE, BN, SUMS> block(p);
+    FwdFp8<D, BAND, PIPE, SUMS> block(p);
     block.run(smem);
 }
 
-template <int D, bool BAND, bool PIPE, int BN, bool SUMS>
-__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE, BN, SUMS>::SMEM_BYTES;
+template <int D, bool BAND, bool PIPE, bool SUMS>
+__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE, SUMS>::SMEM_BYTES;
 
 }  // namespace cuflash

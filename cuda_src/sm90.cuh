@@ -264,15 +264,6 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "            \
                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "            \
                     "%80, %81, %82, %83, %84, %85, %86, %87}, "
-#define CUFLASH_ACC112 CUFLASH_ACC88, CUFLASH_ACC8(88), CUFLASH_ACC8(96), CUFLASH_ACC8(104)
-#define CUFLASH_D112 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                       \
-                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "              \
-                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "              \
-                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "              \
-                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "              \
-                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "              \
-                     "%96, %97, %98, %99, %100, %101, %102, %103, "                                                  \
-                     "%104, %105, %106, %107, %108, %109, %110, %111}, "
 #define CUFLASH_SS_N64(TYPE, TRANS) \
     CUFLASH_WGMMA_SS("m64n64k16", TYPE, CUFLASH_D32, CUFLASH_ACC32, "%34", "%32, %33, acc, 1, 1, " TRANS)
 #define CUFLASH_SS_N32(TYPE) \
@@ -347,11 +338,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], unsigne
                                                          unsigned long long b_desc, bool accumulate) {
     CUFLASH_WGMMA_SS("m64n128k32", "e4m3", CUFLASH_D64, CUFLASH_ACC64, "%66", "%64, %65, acc, 1, 1");
 }
-// The same over a 224-key block (FA3's FP8 d = 128 tile): d[4j + e] for the 28 column groups j of 8.
-__device__ __forceinline__ void wgmma_m64n224k32_e4m3_ss(float (&d)[112], unsigned long long a_desc,
-                                                         unsigned long long b_desc, bool accumulate) {
-    CUFLASH_WGMMA_SS("m64n224k32", "e4m3", CUFLASH_D112, CUFLASH_ACC112, "%114", "%112, %113, acc, 1, 1");
-}
 #undef CUFLASH_SS_N176
 #undef CUFLASH_SS_N128
 #undef CUFLASH_SS_N32
@@ -421,9 +407,10 @@ __device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x
 }
 #undef CUFLASH_RS_N64
 #undef CUFLASH_WGMMA_RS
+#undef CUFLASH_ACC36
+#undef CUFLASH_D36
+#undef CUFLASH_ACC4
 #undef CUFLASH_ACC88
-#undef CUFLASH_ACC112
-#undef CUFLASH_D112
 #undef CUFLASH_D88
 #undef CUFLASH_ACC64
 #undef CUFLASH_ACC32

@@ -60,21 +60,27 @@ def main():
     ap.add_argument("--arch", default="compute_90a")
     ap.add_argument("--limit", type=int, default=8, help="kernels per family (forward, backward, decode), spread")
     ap.add_argument("--hopper", action="store_true",
-                    help="the Hopper forward's, backward's and self-test kernels instead (--arch compute_90a)")
+                    help="the Hopper forward's, backward's, FP8 forward's and self-test kernels instead "
+                         "(--arch compute_90a)")
+    ap.add_argument("--family", help="only this family of kernels (forward, backward, decode; with --hopper: hopper, "
+                                     "hopper_bwd, fp8, selftest)")
     ap.add_argument("--cubin", action="store_true",
                     help="compare the machine code instead: byte-identical cubins (symbol hashes masked), sm_XX")
     ap.add_argument("--old-template", action="append", default=[], metavar="NEW=OLD",
                     help="regex NEW on a template -> replacement OLD for the old revision, e.g. "
                          r"'(bwd_kernel<[^>]*), 1, (true|false), (true|false)>=\1, \2, \3>'")
     args = ap.parse_args()
-    from cuflash.ops import backward, backward_sm90, decode, forward, forward_sm90
+    from cuflash.ops import backward, backward_sm90, decode, forward, forward_fp8, forward_sm90
     arch = args.arch.replace("compute_", "sm_")
     families = {"forward": forward.all_specs(arch), "backward": backward.all_specs(arch),
                 "decode": decode.all_specs(arch)}
     if args.hopper:  # the Hopper specializations (cuflash.ops; tests/sm90_selftest.py; sm_90a)
         from tests.sm90_selftest import KERNELS, SelftestSpec
         families = {"hopper": forward_sm90.all_specs(), "hopper_bwd": backward_sm90.all_specs(),
+                    "fp8": forward_fp8.all_specs(),
                     "selftest": [SelftestSpec(dtype, kernel) for kernel in KERNELS for dtype in ("bf16", "fp16")]}
+    if args.family:
+        families = {args.family: families[args.family]}
     compile_arch = args.arch.replace("compute_", "sm_") if args.cubin else args.arch
     rewrites = [tuple(r.split("=", 1)) for r in args.old_template]
     differ = 0

@@ -54,11 +54,10 @@ def test_specs_and_params():
     assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{pp}{b}" for d in (64, 128, 256)
                                        for pp in ("", "_pp") if d != 256 or not pp
                                        for b in ("", "_band")} | {"fp8_transpose_v"}
-    assert {forward_fp8.kernel_spec(d, band, n).block_n for d in (64, 128, 256) for band in (False, True)
-            for n in (100, 4096, 16384)} == {128}
-    assert [forward_fp8.kernel_spec(d, False, 4096).pipelined for d in (64, 128, 256)] == [True, True, False]
+    assert [forward_fp8.kernel_spec(d, False).pipelined for d in (64, 128, 256)] == [True, True, False]
+    assert [forward_fp8.kernel_spec(d, True).tc_sums for d in (16, 64, 80, 256)] == [True, True, False, False]
     with settings.override(fp8_pipelined=1):
-        assert not forward_fp8.kernel_spec(256, False, 4096).pipelined
+        assert not forward_fp8.kernel_spec(256, False).pipelined
     assert forward_fp8.PARAMS_DTYPE.itemsize == 512 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72
     assert [forward_fp8.compiled_headdim(d) for d in (16, 64, 80, 128, 144, 256)] == [64, 64, 128, 128, 256, 256]
 

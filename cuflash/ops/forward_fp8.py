@@ -18,13 +18,7 @@ from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
 BLOCK_M = 128
-# Keys per block: 128, or a wider block by head dim without a window (FA3's FP8 d = 128 tile has 224;
-# fwd_fp8_sm90.cu). A wide block costs WIDE_COST of a 128-key block's time per key, but the last block of a row is
-# padded to its width: the wide one runs where its padded keys cost less. None is in the table: with each block's
-# P V in its own accumulator (fwd_fp8_sm90.cu, PvAcc) the 224-key block spills 340-440 bytes at d 128
-# (docs/perf-notes.md, "FP8 224-key blocks", had measured -7% at 1k keys, +3% at 4k, +6% at 16k without it).
-WIDE_BLOCK_N: dict = {}
-WIDE_COST = 0.93
+BLOCK_N = 128  # keys per block (fwd_fp8_sm90.cu BN)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Whether O += P V also adds up P's rows on the tensor cores (a row of ones beside V^T's in shared memory; SUMS in
 # fwd_fp8_sm90.cu), by compiled head dim: then the row sums and the lse are those of the e4m3 P (docs/fp8.md), and
@@ -38,7 +32,6 @@ class FwdFp8Spec:
     headdim: int  # compiled: 64, 128, 256 (a call's head dim is a multiple of 16 up to it)
     band: bool
     pipelined: bool = False  # each block's softmax under the last block's P V (fwd_fp8_sm90.cu PIPE)
-    block_n: int = 128  # keys per block: 128, or WIDE_BLOCK_N's
     tc_sums: bool = False  # row sums on the tensor cores (TC_ROW_SUMS)
 
     source = "fwd_fp8_sm90.cu"
@@ -47,13 +40,12 @@ class FwdFp8Spec:
     @property
     def name(self) -> str:
         return (f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}{'_band' if self.band else ''}"
-                f"{'' if self.block_n == 128 else f'_n{self.block_n}'}"
                 f"{'' if self.tc_sums == TC_ROW_SUMS[self.headdim] else '_tcsum' if self.tc_sums else '_fsum'}")
 
     @property
     def template(self) -> str:
         band, pipe, sums = ("true" if f else "false" for f in (self.band, self.pipelined, self.tc_sums))
-        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {band}, {pipe}, {self.block_n}, {sums}>"
+        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {band}, {pipe}, {sums}>"
 
     @property
     def smem_symbol(self) -> str:
@@ -79,26 +71,16 @@ PIPELINED = {64: True, 128: True, 256: False}
 PIPE_HEADDIMS = (64, 128)
 
 
-def block_n(headdim: int, band: bool, seqlen_k: int) -> int:
-    """Keys per block of the compiled head dim for rows of seqlen_k keys: WIDE_BLOCK_N's where the model above
-    prefers it (no window), else 128."""
-    wide = None if band else WIDE_BLOCK_N.get(headdim)
-    if wide is None or -(-seqlen_k // wide) * wide * WIDE_COST >= -(-seqlen_k // 128) * 128:
-        return 128
-    return wide
-
-
 def all_specs() -> list:
-    return [FwdFp8Spec(d, band, pipe, n, TC_ROW_SUMS[d]) for d in HEADDIMS for band in (False, True)
-            for pipe in ((False, True) if d in PIPE_HEADDIMS else (False,))
-            for n in {128, 128 if band else WIDE_BLOCK_N.get(d, 128)}] + [Fp8TransposeSpec()]
+    return [FwdFp8Spec(d, band, pipe, TC_ROW_SUMS[d]) for d in HEADDIMS for band in (False, True)
+            for pipe in ((False, True) if d in PIPE_HEADDIMS else (False,))] + [Fp8TransposeSpec()]
 
 
-def kernel_spec(headdim: int, band: bool, seqlen_k: int) -> FwdFp8Spec:
+def kernel_spec(headdim: int, band: bool) -> FwdFp8Spec:
     d = compiled_headdim(headdim)
     forced = settings.current().fp8_pipelined
     pipe = (PIPELINED[d] if forced is None else bool(forced)) and d in PIPE_HEADDIMS
-    return FwdFp8Spec(d, band, pipe, block_n(d, band, seqlen_k), TC_ROW_SUMS[d])
+    return FwdFp8Spec(d, band, pipe, TC_ROW_SUMS[d])
 
 
 def quantized_sums(headdim: int) -> bool:
@@ -152,7 +134,7 @@ class Fp8Call:
         rows_q, rows_k = packed or (sq, sk)
         self.vt_shape, self.device_id = vt_shape(problem), device_id
         keys = self.vt_shape[3]
-        spec = kernel_spec(d, left >= 0 or right >= 0, sk)
+        spec = kernel_spec(d, left >= 0 or right >= 0)
         tp = np.zeros((), dtype=TRANSPOSE_DTYPE)
         # packed: the row stride is the batch stride (cuda_src/seqlen.cuh)
         tp["v_batch_stride"], tp["v_row_stride"], tp["v_head_stride"] = (
@@ -177,11 +159,11 @@ class Fp8Call:
             q_map = tma.encoder("uint8", (d, h, rows_q), _map_strides((1, rows_q, h, d), (0,) + q_strides)[:2],
                                 (128, 1, BLOCK_M))
             k_map = tma.encoder("uint8", (d, hk, rows_k), _map_strides((1, rows_k, hk, d), (0,) + k_strides)[:2],
-                                (128, 1, spec.block_n))
+                                (128, 1, BLOCK_N))
         else:
             q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides), (128, 1, BLOCK_M, 1))
             k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides),
-                                (128, 1, spec.block_n, 1))
+                                (128, 1, BLOCK_N, 1))
         vt_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (128, spec.headdim, 1, 1))
         self._maps = tma.joined_encoder((q_map, k_map, vt_map))
 
