@@ -12,7 +12,8 @@
 //     S  = Q K^T                     wgmma m64n128k32 ss (both K-major)
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
-//     O += P V                       wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous); SUMS: m64n72k32
+//     P V                            wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous); SUMS: m64n72k32
+//     O = O alpha + P V              in fp32 (fold: each block's P V in an accumulator of its own)
 // each waited for; or (PIPE) with each block's softmax under the last block's P V. The two consumer warpgroups run
 // free of each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only
 // made each warpgroup wait for the other's). O leaves divided by the row sums and by 256, times v_descale.
@@ -144,7 +145,7 @@ struct FwdFp8 {
     }
 
     // acc = P V over the block in `slot`, columns c NCH .. of the head dim (B = V^T, K-major: D rows of the block's
-    // keys, 128 a box), from zero.
+    // 128 keys, one TMA box), from zero.
     __device__ __forceinline__ void issue_pv(const u32 (&pa)[BN / 32][4], int slot, PvAcc& acc, int c) {
 #pragma unroll
         for (int kk = 0; kk < BN / 32; ++kk) {
