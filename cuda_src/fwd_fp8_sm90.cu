@@ -12,12 +12,12 @@
 //     S  = Q K^T                     wgmma m64n128k32 ss (both K-major)
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
-//     P V                            wgmma m64n{128,64}k32 rs (B = V^T, keys contiguous); SUMS: m64n72k32
+//     P V                            wgmma m64n128k32 rs (B = V^T, keys contiguous); d 64: m64n72k32 (SUMS)
 //     O = O alpha + P V              in fp32 (fold: each block's P V in an accumulator of its own)
 // each waited for; or (PIPE) with each block's softmax under the last block's P V. The two consumer warpgroups run
 // free of each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only
 // made each warpgroup wait for the other's). O leaves divided by the row sums and by 256, times v_descale.
-// The row sums: SUMS (d 64, forward_fp8.TC_ROW_SUMS), those of the e4m3 P, added up by O += P V itself. Each V^T box
+// The row sums: SUMS (d 64, forward_fp8.quantized_sums), those of the e4m3 P, added up by O += P V itself. Each V^T box
 // in shared memory then has 8 more rows, written once by the consumers and never by TMA: a row of ones (0x38), whose
 // column of O is the row sum (rescaled with O), and seven of zeros, so the softmax spends no FADD per probability.
 // Else those of the fp32 P, added up in the softmax. Descales: one per tensor, or one per (sequence, KV head)
@@ -51,7 +51,7 @@ struct FwdFp8Params {
 };
 static_assert(sizeof(FwdFp8Params) == 512, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
 
-template <int D, bool BAND, bool PIPE, bool SUMS>
+template <int D, bool BAND, bool PIPE>
 struct FwdFp8 {
     // A block's 128 keys are one 128-byte swizzle span of each V^T row: one TMA box. (FA3's FP8 d 128 tile of 224
     // keys does not fit beside the per-block P V accumulator below: docs/perf-notes.md, "FP8 224-key blocks".)
@@ -65,7 +65,10 @@ struct FwdFp8 {
     // 128-byte panels of a Q or K row (TMA boxes of 128 columns; at d 64 one, its second half TMA's zero fill)
     static constexpr int PANELS = D / 128 > 0 ? D / 128 : 1;
     static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
-    // V^T: D rows of 128 keys (TMA's), and with SUMS a swizzle atom of 8 rows: ones, then zeros
+    // Row sums on the tensor cores at d 64 (m64n72k32 for P V; same-run A/B, docs/perf-notes.md: +3 to +8% there,
+    // nothing at d 128's m64n136k32). V^T: D rows of 128 keys (TMA's), and with SUMS a swizzle atom of 8 rows: ones,
+    // then zeros.
+    static constexpr bool SUMS = D == 64;
     static constexpr int SUM_ROWS = SUMS ? 8 : 0;
     static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = (D + SUM_ROWS) * 128;
     static constexpr u32 V_LOADED = D * 128;  // what TMA writes of a slot's V^T (not the sum rows)
@@ -81,7 +84,6 @@ struct FwdFp8 {
     static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(V_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles of whole swizzle atoms");
-    static_assert(!SUMS || D == 64, "the row sums ride on d 64's P V (m64n72k32)");
     static_assert(!PIPE || CHUNKS == 1, "the pipelined form keeps one P V accumulator beside the scores");
 
     const FwdFp8Params& p;
@@ -152,10 +154,8 @@ struct FwdFp8 {
             const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + c * NCH * 128 + kk * 32);
             if constexpr (SUMS)
                 sm90::wgmma_m64n72k32_e4m3_rs(*reinterpret_cast<float(*)[36]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
-            else if constexpr (NCH == 128)
-                sm90::wgmma_m64n128k32_e4m3_rs(*reinterpret_cast<float(*)[64]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
             else
-                sm90::wgmma_m64n64k32_e4m3_rs(*reinterpret_cast<float(*)[32]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
+                sm90::wgmma_m64n128k32_e4m3_rs(*reinterpret_cast<float(*)[64]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
         }
         sm90::wgmma_commit();
     }
@@ -353,14 +353,14 @@ struct FwdFp8 {
     }
 };
 
-template <int D, bool BAND, bool PIPE, bool SUMS>
+template <int D, bool BAND, bool PIPE>
 __global__ void __launch_bounds__(384, 1) fwd_fp8_sm90_kernel(const __grid_constant__ FwdFp8Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdFp8<D, BAND, PIPE, SUMS> block(p);
+    FwdFp8<D, BAND, PIPE> block(p);
     block.run(smem);
 }
 
-template <int D, bool BAND, bool PIPE, bool SUMS>
-__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE, SUMS>::SMEM_BYTES;
+template <int D, bool BAND, bool PIPE>
+__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE>::SMEM_BYTES;
 
 }  // namespace cuflash

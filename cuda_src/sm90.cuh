@@ -374,7 +374,7 @@ template <class T> __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d
 }
 #undef CUFLASH_RS_N128
 
-// e4m3 (the FP8 forward, fwd_fp8_sm90.cu): O (+)= P V over 32 keys, N = 128 or 64 columns of the head dim, B = V^T
+// e4m3 (the FP8 forward, fwd_fp8_sm90.cu): O (+)= P V over 32 keys, N = 128 columns of the head dim, B = V^T
 // K-major (rows of the head dim, keys contiguous). The accumulators are laid out as in the 16-bit forms; A from
 // registers is the m16n8k32 A fragment of each warp's 16 rows: a[0] row l/4, k 4(l%4) .. +3 (byte i: k + i), a[1]
 // row + 8, a[2] and a[3] k + 16.
@@ -382,12 +382,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
                                                          bool accumulate) {
     CUFLASH_WGMMA_RS("m64n128k32", "e4m3", CUFLASH_D64, CUFLASH_ACC64, "%69", "{%64, %65, %66, %67}, %68, acc, 1, 1");
 }
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const u32 (&a)[4], unsigned long long b_desc,
-                                                        bool accumulate) {
-    CUFLASH_WGMMA_RS("m64n64k32", "e4m3", CUFLASH_D32, CUFLASH_ACC32, "%37", "{%32, %33, %34, %35}, %36, acc, 1, 1");
-}
-// The same with 8 more columns (N = 72): V^T's 64 rows of the head dim and a row of ones, so that column 64 of D
-// adds up P's row (fwd_fp8_sm90.cu SUMS).
+// N = 72: V^T's 64 rows of d 64 and a row of ones, so that column 64 of D adds up P's row (fwd_fp8_sm90.cu SUMS).
 #define CUFLASH_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define CUFLASH_ACC36 CUFLASH_ACC32, CUFLASH_ACC4(32)
 #define CUFLASH_D36 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \

@@ -55,7 +55,7 @@ def test_specs_and_params():
                                        for pp in ("", "_pp") if d != 256 or not pp
                                        for b in ("", "_band")} | {"fp8_transpose_v"}
     assert [forward_fp8.kernel_spec(d, False).pipelined for d in (64, 128, 256)] == [True, True, False]
-    assert [forward_fp8.kernel_spec(d, True).tc_sums for d in (16, 64, 80, 256)] == [True, True, False, False]
+    assert [forward_fp8.quantized_sums(d) for d in (16, 64, 80, 256)] == [True, True, False, False]
     with settings.override(fp8_pipelined=1):
         assert not forward_fp8.kernel_spec(256, False).pipelined
     assert forward_fp8.PARAMS_DTYPE.itemsize == 512 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72

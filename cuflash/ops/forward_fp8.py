@@ -20,11 +20,6 @@ HEADDIMS = (64, 128, 256)
 BLOCK_M = 128
 BLOCK_N = 128  # keys per block (fwd_fp8_sm90.cu BN)
 BF16 = np.dtype(ml_dtypes.bfloat16)
-# Whether O += P V also adds up P's rows on the tensor cores (a row of ones beside V^T's in shared memory; SUMS in
-# fwd_fp8_sm90.cu), by compiled head dim: then the row sums and the lse are those of the e4m3 P (docs/fp8.md), and
-# the softmax has no FADD per probability. Same-run A/B (docs/perf-notes.md): d 64 +3 to +8%, d 128 (m64n136k32 for
-# m64n128k32) 0 to -3%. d 256 splits O += P V in two chunks and keeps the fp32 sums.
-TC_ROW_SUMS = {64: True, 128: False, 256: False}
 
 
 @dataclass(frozen=True)
@@ -32,20 +27,18 @@ class FwdFp8Spec:
     headdim: int  # compiled: 64, 128, 256 (a call's head dim is a multiple of 16 up to it)
     band: bool
     pipelined: bool = False  # each block's softmax under the last block's P V (fwd_fp8_sm90.cu PIPE)
-    tc_sums: bool = False  # row sums on the tensor cores (TC_ROW_SUMS)
 
     source = "fwd_fp8_sm90.cu"
     threads = 384
 
     @property
     def name(self) -> str:
-        return (f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}{'_band' if self.band else ''}"
-                f"{'' if self.tc_sums == TC_ROW_SUMS[self.headdim] else '_tcsum' if self.tc_sums else '_fsum'}")
+        return f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}{'_band' if self.band else ''}"
 
     @property
     def template(self) -> str:
-        band, pipe, sums = ("true" if f else "false" for f in (self.band, self.pipelined, self.tc_sums))
-        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {band}, {pipe}, {sums}>"
+        flags = ", ".join("true" if f else "false" for f in (self.band, self.pipelined))
+        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {flags}>"
 
     @property
     def smem_symbol(self) -> str:
@@ -72,7 +65,7 @@ PIPE_HEADDIMS = (64, 128)
 
 
 def all_specs() -> list:
-    return [FwdFp8Spec(d, band, pipe, TC_ROW_SUMS[d]) for d in HEADDIMS for band in (False, True)
+    return [FwdFp8Spec(d, band, pipe) for d in HEADDIMS for band in (False, True)
             for pipe in ((False, True) if d in PIPE_HEADDIMS else (False,))] + [Fp8TransposeSpec()]
 
 
@@ -80,14 +73,15 @@ def kernel_spec(headdim: int, band: bool) -> FwdFp8Spec:
     d = compiled_headdim(headdim)
     forced = settings.current().fp8_pipelined
     pipe = (PIPELINED[d] if forced is None else bool(forced)) and d in PIPE_HEADDIMS
-    return FwdFp8Spec(d, band, pipe, TC_ROW_SUMS[d])
+    return FwdFp8Spec(d, band, pipe)
 
 
 def quantized_sums(headdim: int) -> bool:
-    """Whether a call's head dim runs with the row sums of the e4m3 P (TC_ROW_SUMS): the form of
+    """Whether a call's head dim runs with the row sums of the e4m3 P, added up on the tensor cores (compiled d 64:
+    fwd_fp8_sm90.cu SUMS; docs/perf-notes.md has the A/B that keeps d 128 and 256 on the fp32 sums), the form of
     :func:`cuflash.reference.attention_fp8` and :func:`cuflash.reference.fp8_error_bound` (``quantized_sums``) that
     models it."""
-    return TC_ROW_SUMS[compiled_headdim(headdim)]
+    return compiled_headdim(headdim) == 64
 
 
 def compiled_headdim(headdim: int) -> int:
