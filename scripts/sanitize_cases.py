@@ -290,7 +290,10 @@ def _dropout_cases() -> list[dict]:
              opts=dict(drop, causal=True, return_lse=True)),
         dict(name="dropout_fwd_fp16_d40_window", fn="attention", dtype="fp16", shape=SMALL40,
              opts=dict(drop, window_size=(8, 4))),
-        # the Hopper forward's dropout kernels on sm_90a (d 64 above; d 128 and 256 here)
+        # the Hopper forward's dropout kernels on sm_90a (d 64 under a band above; without one, three consumer
+        # warpgroups, 200 rows: a second, partial 192-row tile; d 128 and 256)
+        dict(name="dropout_fwd_bf16_d64_lse", fn="attention", dtype="bf16", shape=dict(BWD_S70, sq=200, d=64),
+             opts=dict(drop, return_lse=True)),
         dict(name="dropout_fwd_bf16_d128_causal_lse", fn="attention", dtype="bf16", shape=BWD_S70,
              opts=dict(drop, causal=True, return_lse=True)),
         dict(name="dropout_fwd_fp16_d256", fn="attention", dtype="fp16", shape=dict(BWD_S17, d=256), opts=drop),

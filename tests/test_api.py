@@ -548,7 +548,7 @@ def test_hopper_specs_are_distinct_and_fit_shared_memory():
     every = {forward_sm90.variant_spec(variant, dtype, d, band, mod)
              for variant in forward_sm90.VARIANTS for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16")
              for band in (False, True) for mod in (False, True)}
-    dropout = {forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], dtype, d, band, mod, dropout=True)
+    dropout = {forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d, band], dtype, d, band, mod, dropout=True)
                for d in forward_sm90.HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True)
                for mod in (False, True)}
     paged = {forward_sm90.variant_spec(forward_sm90.PAGED_VARIANT, dtype, d, band, mod, paged=True)
@@ -797,9 +797,9 @@ def test_kernel_call_with_tail_writes_pointers_and_tail():
 
 
 def test_sm90_dropout_forward_takes_the_dropout_variant(configure, no_gpu_kernels):
-    """On sm_90a a dropout call at d 64/128/256 takes its head dim's dropout variant (the kernel with dropout
-    compiled in; with a score mod, that variant's score-mod kernel) and its struct carries the threshold and the
-    kept probabilities' scale."""
+    """On sm_90a a dropout call at d 64/128/256 takes its head dim's and mask kind's dropout variant (the kernel
+    with dropout compiled in; with a score mod, that variant's score-mod kernel; three consumer warpgroups at d 64
+    without a band) and its struct carries the threshold and the kept probabilities' scale."""
     from cuflash import checks, reference
     from cuflash.launcher import KernelCall
     from cuflash.ops import forward_sm90
@@ -811,7 +811,7 @@ def test_sm90_dropout_forward_takes_the_dropout_variant(configure, no_gpu_kernel
         out = checks.contiguous("out", q.shape, np.float16)
         call = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.3)
-        want = forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], "fp16", d, True, False, dropout=True)
+        want = forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d, True], "fp16", d, True, False, dropout=True)
         assert call.spec == want and call.spec.name.endswith("_drop") and call.spec in forward_sm90.all_specs()
         p = np.frombuffer(call.kernel_call.params(), forward_sm90.PARAMS_DTYPE)[0]
         threshold = reference.dropout_threshold(0.3)
@@ -823,6 +823,11 @@ def test_sm90_dropout_forward_takes_the_dropout_variant(configure, no_gpu_kernel
         assert p["dropout_threshold"] == options.DROPOUT_LEVELS and p["dropout_scale"] == 1.0
         capped = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=True,
                                window_size=(-1, -1), softcap=5.0, alibi_slopes=None, dropout_p=0.3)
-        assert capped.spec == forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d], "fp16", d, True, True,
+        assert capped.spec == forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d, True], "fp16", d, True, True,
                                                         dropout=True)
         assert capped.spec in forward_sm90.all_specs()
+        full = _forward_call(problem, q, k, k, out, None, device_id=0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.3)
+        assert full.spec == forward_sm90.variant_spec(forward_sm90.DROPOUT_VARIANTS[d, False], "fp16", d, False, False,
+                                                      dropout=True)
+        assert full.spec.consumers == (3 if d == 64 else 2) and full.spec in forward_sm90.all_specs()

@@ -281,8 +281,8 @@ def forward_call(problem, q, k, v, out, lse, options: AttentionOptions, *, devic
     variant = sm90_variant(problem, arch, options.band) if block_table is not None or seqused_k is None else None
     if variant is not None and block_table is not None:  # paged: the lockstep kernel, without dropout
         variant = forward_sm90.PAGED_VARIANT if not options.dropout else None
-    elif variant is not None and options.dropout:  # dropout: one Hopper variant per head dim
-        variant = forward_sm90.DROPOUT_VARIANTS.get(plan.hopper_headdim(problem.headdim))
+    elif variant is not None and options.dropout:  # dropout: one Hopper variant per head dim and mask kind
+        variant = forward_sm90.DROPOUT_VARIANTS.get((plan.hopper_headdim(problem.headdim), options.band))
     if variant is not None:
         return forward_sm90.forward_call(problem, q, k, v, out, lse, options, device_id=device_id,
                                          alibi_slopes=alibi_slopes, variant=variant, block_table=block_table)

@@ -219,10 +219,11 @@ def o_tma(headdim: int) -> int:
     return O_TMA_DEFAULT[headdim] if forced is None else int(forced)
 
 
-# Dropout runs on one variant per head dim, with or without a score mod: the head dim's default
-# (cuflash.ops.forward.SM90_DEFAULT_VARIANTS), but at d = 64 the two-warpgroup ws_n128 (three warpgroups are 14% slower
-# with dropout at 1k causal keys, 7-10% faster at 4k-16k; docs/perf-notes.md, "dropout variants").
-DROPOUT_VARIANTS = {64: "ws_n128", 128: "pingpong_n128", 256: "pingpong_n80"}
+# Dropout runs on one variant per head dim and mask kind (band: causal or local), with or without a score mod: the
+# head dim's default (cuflash.ops.forward.SM90_DEFAULT_VARIANTS), but under a band at d = 64 the two-warpgroup ws_n128
+# (three warpgroups are 14% slower with dropout at 1k causal keys; docs/perf-notes.md, "dropout variants").
+DROPOUT_VARIANTS = {(64, False): "ws3_n128", (64, True): "ws_n128", (128, False): "pingpong_n128",
+                    (128, True): "pingpong_n128", (256, False): "pingpong_n80", (256, True): "pingpong_n80"}
 
 # Paged keys (block_table) run on the lockstep kernel (PAGED: its CTA barriers let every thread zero the tail of a
 # sequence's last V block), with 128-key blocks where the head dim has them (64 at d = 256), without dropout.
@@ -243,8 +244,7 @@ def all_specs() -> list:
          for variant in VARIANTS for d in HEADDIMS for dtype in ("fp16", "bf16")
          for band in (False, True) for mod in (False, True)]
         + [variant_spec(variant, dtype, d, band, mod, dropout=True)
-           for d, variant in DROPOUT_VARIANTS.items() for dtype in ("fp16", "bf16") for band in (False, True)
-           for mod in (False, True)]
+           for (d, band), variant in DROPOUT_VARIANTS.items() for dtype in ("fp16", "bf16") for mod in (False, True)]
         + [variant_spec(PAGED_VARIANT, dtype, d, band, mod, paged=True)
            for d in HEADDIMS for dtype in ("fp16", "bf16") for band in (False, True) for mod in (False, True)]))
 
