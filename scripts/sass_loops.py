@@ -123,10 +123,10 @@ def tool(name: str) -> str:
 def disassemble(spec, arch: str, cuda_src: Path | None = None) -> tuple:
     """(ptxas's resource report, the SASS) of one specialization."""
     from cuflash import build
-    options = list(build.nvrtc_options(arch))
-    if cuda_src is not None:
-        options = [f"-I{cuda_src}" if o.startswith("-I") else o for o in options]
-    options[0] = "-arch=compute_" + arch[len("sm_"):]
+    # PTX for the local ptxas (compute_XX in place of sm_XX), and another tree's headers where asked
+    options = ["-arch=compute_" + arch[len("sm_"):] if o.startswith("-arch=")
+               else f"-I{cuda_src}" if o.startswith("-I") and cuda_src is not None else o
+               for o in build.nvrtc_options(arch)]
     nvrtc = build._nvrtc()
     prog = nvrtc.createProgram(build.kernel_source(spec), spec.name + ".cu", [], [])
     try:
