@@ -12,14 +12,15 @@
 //     S  = Q K^T                     wgmma m64n128k32 ss (both K-major)
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
-//     P V                            wgmma m64n128k32 rs (B = V^T, keys contiguous); d 64: m64n72k32 (SUMS)
+//     P V                            wgmma m64n128k32 rs (B = V^T, keys contiguous); d 64: m64n72k32 (PV_SUMS)
 //     O = O alpha + P V              in fp32 (fold: each block's P V in an accumulator of its own)
 // each waited for; or (PIPE) with each block's softmax under the last block's P V. The two consumer warpgroups run
 // free of each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only
 // made each warpgroup wait for the other's). O leaves divided by the row sums and by 256, times v_descale.
-// The row sums: SUMS (d 64, forward_fp8.quantized_sums), those of the e4m3 P, added up by O += P V itself. Each V^T box
-// in shared memory then has 8 more rows, written once by the consumers and never by TMA: a row of ones (0x38), whose
-// column of O is the row sum (rescaled with O), and seven of zeros, so the softmax spends no FADD per probability.
+// The row sums: PV_SUMS (d 64, forward_fp8.quantized_sums), those of the e4m3 P, added up by O += P V itself. Each
+// V^T box in shared memory then has 8 more rows, written once by the consumers and never by TMA: a row of ones (0x38),
+// whose column of O is the row sum (rescaled with O), and seven of zeros, so the softmax spends no FADD per
+// probability.
 // Else those of the fp32 P, added up in the softmax. Descales: one per tensor, or one per (sequence, KV head)
 // (flash-attn 3's (batch, nheads_k)), the query heads of a KV head sharing q_descale's.
 #include "sm90.cuh"
@@ -66,13 +67,13 @@ struct FwdFp8 {
     static constexpr int PANELS = D / 128 > 0 ? D / 128 : 1;
     static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
     // Row sums on the tensor cores at d 64 (m64n72k32 for P V; same-run A/B, docs/perf-notes.md: +3 to +8% there,
-    // nothing at d 128's m64n136k32). V^T: D rows of 128 keys (TMA's), and with SUMS a swizzle atom of 8 rows: ones,
+    // nothing at d 128's m64n136k32). V^T: D rows of 128 keys (TMA's), and with PV_SUMS a swizzle atom of 8 rows: ones,
     // then zeros.
-    static constexpr bool SUMS = D == 64;
-    static constexpr int SUM_ROWS = SUMS ? 8 : 0;
+    static constexpr bool PV_SUMS = D == 64;
+    static constexpr int SUM_ROWS = PV_SUMS ? 8 : 0;
     static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = (D + SUM_ROWS) * 128;
     static constexpr u32 V_LOADED = D * 128;  // what TMA writes of a slot's V^T (not the sum rows)
-    // P V in N chunks of the head dim: 128 columns (64 at d 64), each with the sum column (SUMS)
+    // P V in N chunks of the head dim: 128 columns (64 at d 64), each with the sum column (PV_SUMS)
     static constexpr int NCH = D == 64 ? 64 : 128, CHUNKS = D / NCH, PV_COLS = NCH + SUM_ROWS;
     // P V's accumulator holds one block's product (one chunk's), from zero, which fold() adds to O in fp32. FP8
     // wgmma adds into its accumulator with fewer bits than fp32 (docs/fp8.md): one accumulator for a whole row
@@ -94,7 +95,7 @@ struct FwdFp8 {
     bool packed;
     Mask<BAND> mask;
     OnlineSoftmax<1> softmax;
-    float acc_o[1][(D + SUM_ROWS) / 8][4];  // SUMS: column D is the row sum, D + 1 .. D + 7 zero
+    float acc_o[1][(D + SUM_ROWS) / 8][4];  // PV_SUMS: column D is the row sum, D + 1 .. D + 7 zero
 
     __device__ __forceinline__ explicit FwdFp8(const FwdFp8Params& params) : p(params) {}
 
@@ -152,7 +153,7 @@ struct FwdFp8 {
 #pragma unroll
         for (int kk = 0; kk < BN / 32; ++kk) {
             const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + c * NCH * 128 + kk * 32);
-            if constexpr (SUMS)
+            if constexpr (PV_SUMS)
                 sm90::wgmma_m64n72k32_e4m3_rs(*reinterpret_cast<float(*)[36]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
             else
                 sm90::wgmma_m64n128k32_e4m3_rs(*reinterpret_cast<float(*)[64]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
@@ -202,7 +203,7 @@ struct FwdFp8 {
             mask.apply_row(sc[0], 0, r, col_lane);
             mask.apply_row(sc[0], 1, r + 8, col_lane);
         }
-        softmax.template update_scores<FIRST, MASKED, CHAINS, LOG2_P, !SUMS>(sc, scale_log2, alpha);
+        softmax.template update_scores<FIRST, MASKED, CHAINS, LOG2_P, !PV_SUMS>(sc, scale_log2, alpha);
     }
     template <bool FIRST>
     __device__ __forceinline__ void probabilities_of(const BlockRange& range, int t, float (&sc)[1][BN / 8][4],
@@ -252,7 +253,7 @@ struct FwdFp8 {
     // O / (row sum) v_descale in bf16, and lse.
     __device__ __forceinline__ void store(float scale_log2, float v_scale) {
         float lse[1][2];
-        if constexpr (SUMS) {  // a quad's row sum: column D in lane 4i, the zeros of D + 2, D + 4, D + 6 beside it
+        if constexpr (PV_SUMS) {  // a quad's row sum: column D in lane 4i, the zeros of D + 2, D + 4, D + 6 beside it
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) softmax.row_sum[0][hh] = acc_o[0][D / 8][2 * hh];
         }
@@ -302,7 +303,7 @@ struct FwdFp8 {
         mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
         const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
         const int count = sm90::warp_uniform(max(range.n_max - range.n_min, 0));
-        if constexpr (SUMS) {  // V^T boxes' rows D .. D + 7: row D ones (unswizzled: row 0 of an atom), then zeros
+        if constexpr (PV_SUMS) {  // V^T boxes' rows D .. D + 7: row D ones (unswizzled: row 0 of an atom), then zeros
             for (int i = tid; i < STAGES * 1024 / 16; i += THREADS) {
                 const int word = i % 64 < 8 ? 0x38383838 : 0;
                 st_shared_i4(base + OFF_V + (i / 64) * V_BYTES + D * 128 + (i % 64) * 16, word, word, word, word);

@@ -382,7 +382,7 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u
                                                          bool accumulate) {
     CUFLASH_WGMMA_RS("m64n128k32", "e4m3", CUFLASH_D64, CUFLASH_ACC64, "%69", "{%64, %65, %66, %67}, %68, acc, 1, 1");
 }
-// N = 72: V^T's 64 rows of d 64 and a row of ones, so that column 64 of D adds up P's row (fwd_fp8_sm90.cu SUMS).
+// N = 72: V^T's 64 rows of d 64 and a row of ones, so that column 64 of D adds up P's row (fwd_fp8_sm90.cu PV_SUMS).
 #define CUFLASH_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define CUFLASH_ACC36 CUFLASH_ACC32, CUFLASH_ACC4(32)
 #define CUFLASH_D36 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \

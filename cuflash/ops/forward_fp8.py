@@ -78,7 +78,7 @@ def kernel_spec(headdim: int, band: bool) -> FwdFp8Spec:
 
 def quantized_sums(headdim: int) -> bool:
     """Whether a call's head dim runs with the row sums of the e4m3 P, added up on the tensor cores (compiled d 64:
-    fwd_fp8_sm90.cu SUMS; docs/perf-notes.md has the A/B that keeps d 128 and 256 on the fp32 sums), the form of
+    fwd_fp8_sm90.cu PV_SUMS; docs/perf-notes.md has the A/B that keeps d 128 and 256 on the fp32 sums), the form of
     :func:`cuflash.reference.attention_fp8` and :func:`cuflash.reference.fp8_error_bound` (``quantized_sums``) that
     models it."""
     return compiled_headdim(headdim) == 64
