@@ -11,7 +11,8 @@ cubins, hence the local ptxas). Every loop, a backward branch and the instructio
 least --min instructions is printed with its length and its commonest opcodes, longest first; an outer loop's
 extent holds its inner ones. A forward's steady-state key-block loop is the shortest one with the GEMMs (HGMMA,
 QGMMA) in it; its length is the per-thread instruction count of one block, which is what an issue-bound kernel's
-time follows (docs/perf-notes.md cites such counts).
+time follows (docs/perf-notes.md cites such counts). It also prints the highest register the code names: in a
+warp-specialized kernel that is what the consumers use after `setmaxnreg`, where ptxas reports the launch's bound.
 
 --cuda-src compiles the same specialization from another tree's cuda_src/ (a checkout of the base commit), for
 before / after counts of a kernel change without a device run.
@@ -34,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 # one SASS line: /*0a50*/  [@P0 | @!UP1 ...]  OPCODE.MODIFIERS  operands ;   and nvdisasm's labels: .L_x_12:
 _LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 _LABEL = re.compile(r"^\s*(\.L\w+):")
+# a general register operand (R0 .. R254; RZ and the uniform URn are other names)
+_REGISTER = re.compile(r"(?<![\w.])R(\d+)\b")
 # a branch target: a label (nvdisasm) or an offset (cuobjdump -sass)
 _TARGET = re.compile(r"\((\.L\w+)\)|\b0x([0-9a-f]+)\b")
 
@@ -57,6 +60,11 @@ def instructions(sass: str) -> list:
         if m:
             out.append((int(m.group(1), 16), m.group(2).split(".")[0], m.group(3)))
     return out
+
+
+def highest_register(sass: str) -> int:
+    """The highest general register (Rn; RZ left out) any instruction of a disassembly names, -1 if none."""
+    return max((int(n) for _, _, operands in instructions(sass) for n in _REGISTER.findall(operands)), default=-1)
 
 
 def labels(sass: str) -> dict:
@@ -162,6 +170,7 @@ def main(argv=None) -> int:
     print(f"{spec.name} ({args.arch}, {args.cuda_src or ROOT / 'cuda_src'}): {len(instructions(sass))} instructions")
     for line in report:
         print(f"  ptxas: {line}")
+    print(f"  highest register: R{highest_register(sass)}")
     for loop in loops(sass):
         if loop.length < args.min:
             continue

@@ -48,6 +48,13 @@ def test_loops_from_offsets():
     assert [op for _, op, _ in sass_loops.instructions(CUOBJDUMP)] == ["MOV", "FMNMX", "MUFU", "BRA", "EXIT"]
 
 
+def test_highest_register_leaves_out_rz_and_uniform_registers():
+    assert sass_loops.highest_register(NVDISASM) == 24
+    assert sass_loops.highest_register(CUOBJDUMP) == 6
+    assert sass_loops.highest_register("        /*0000*/  MOV R7, UR12 ;\n        /*0010*/  IADD3 R2, RZ, R7, RZ ;") == 7
+    assert sass_loops.highest_register("        /*0000*/  EXIT ;") == -1
+
+
 def test_a_name_that_matches_several_kernels_is_refused():
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="the specs import CuPy")
     with pytest.raises(SystemExit, match="names 2 kernels"):
@@ -64,3 +71,4 @@ def test_one_kernel_end_to_end(capsys):
     assert sass_loops.main(["fp8_transpose_v", "--min", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("fp8_transpose_v (sm_90a") and "spill stores" in out and "loop 0x" in out
+    assert "highest register: R" in out
