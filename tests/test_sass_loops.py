@@ -51,7 +51,8 @@ def test_loops_from_offsets():
 def test_highest_register_leaves_out_rz_and_uniform_registers():
     assert sass_loops.highest_register(NVDISASM) == 24
     assert sass_loops.highest_register(CUOBJDUMP) == 6
-    assert sass_loops.highest_register("        /*0000*/  MOV R7, UR12 ;\n        /*0010*/  IADD3 R2, RZ, R7, RZ ;") == 7
+    two = "        /*0000*/  MOV R7, UR12 ;\n        /*0010*/  IADD3 R2, RZ, R7, RZ ;"
+    assert sass_loops.highest_register(two) == 7
     assert sass_loops.highest_register("        /*0000*/  EXIT ;") == -1
 
 
