@@ -7,16 +7,17 @@
 // keys 4c .. 4c + 3 (c = lane % 4) of its row, while the accumulators of S give it keys 2c, 2c + 1, 2c + 8, 2c + 9
 // of each 16. So slot s of a chunk holds key 16 (s / 16) + {2c, 2c + 1, 2c + 8, 2c + 9}[s % 4], c = (s % 16) / 4,
 // in V^T, and the sum over the chunk's keys is the same.
-// One CTA: 128 query rows of one head, as two consumer warpgroups of 64 rows, and a producer warpgroup whose thread 0
-// loads Q once and K, V^T blocks of BN = 128 keys into a ring of STAGES slots. Per block, in each consumer warpgroup:
+// One CTA: 64 WGS query rows of one head, as WGS consumer warpgroups of 64 rows (2, or 3 in the simple form, which
+// has the registers for it), and a producer warpgroup whose thread 0 loads Q once and K, V^T blocks of BN = 128 keys
+// into a ring of STAGES slots. Per block, in each consumer warpgroup:
 //     S  = Q K^T                     wgmma m64n128k32 ss (both K-major)
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
 //     P V                            wgmma m64n128k32 rs (B = V^T, keys contiguous); d 64: m64n72k32 (PV_SUMS)
 //     O = O alpha + P V              in fp32 (fold: each block's P V in an accumulator of its own)
-// each waited for; or (PIPE) with each block's softmax under the last block's P V. The two consumer warpgroups run
-// free of each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only
-// made each warpgroup wait for the other's). O leaves divided by the row sums and by 256, times v_descale.
+// each waited for; or (PIPE) with each block's softmax under the last block's P V. The consumer warpgroups run free of
+// each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only made each
+// warpgroup wait for the other's); a third one keeps the tensor cores busy while two compute softmaxes. O leaves divided by the row sums and by 256, times v_descale.
 // The row sums: PV_SUMS (d 64, forward_fp8.quantized_sums), those of the e4m3 P, added up by O += P V itself. Each
 // V^T box in shared memory then has 8 more rows, written once by the consumers and never by TMA: a row of ones (0x38),
 // whose column of O is the row sum (rescaled with O), and seven of zeros, so the softmax spends no FADD per
@@ -32,8 +33,8 @@
 namespace cuflash {
 
 struct FwdFp8Params {
-    sm90::TmaMap q;   // u8 (d, heads, seqlen_q, batch), box (128, 1, 128, 1): 128 columns (bytes) of 128 rows;
-                      // packed: (d, heads, total_q), box (128, 1, 128)
+    sm90::TmaMap q;   // u8 (d, heads, seqlen_q, batch), box (128, 1, BM, 1): 128 columns (bytes) of BM rows;
+                      // packed: (d, heads, total_q), box (128, 1, BM)
     sm90::TmaMap k;   // u8 (d, heads_k, seqlen_k, batch), box (128, 1, 128, 1); packed: (d, heads_k, total_k)
     sm90::TmaMap vt;  // u8 (keys, d, heads_k, batch), keys a multiple of 32, box (128, D, 1, 1)
     u16* o;           // bf16 (batch, seqlen_q, heads, headdim), packed (total_q, heads, headdim)
@@ -52,11 +53,13 @@ struct FwdFp8Params {
 };
 static_assert(sizeof(FwdFp8Params) == 512, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
 
-template <int D, bool BAND, bool PIPE>
+template <int D, bool BAND, bool PIPE, int WGS>
 struct FwdFp8 {
     // A block's 128 keys are one 128-byte swizzle span of each V^T row: one TMA box. (FA3's FP8 d 128 tile of 224
     // keys does not fit beside the per-block P V accumulator below: docs/perf-notes.md, "FP8 224-key blocks".)
-    static constexpr int BM = 128, BN = 128, STAGES = D == 256 ? 2 : 4, THREADS = 384;
+    static constexpr int BM = 64 * WGS, BN = 128, STAGES = D == 256 ? 2 : 4, THREADS = 128 * (WGS + 1);
+    // each consumer thread's registers after setmaxnreg, the producer warpgroup keeping 24: 65,536 a CTA
+    static constexpr int CONSUMER_REGS = WGS == 2 ? 240 : 160;
     // P times 2^8 before e4m3, added in exp2's exponent: probabilities down to 2^-14 stay normal. The row sum carries
     // the same factor, so O / sum needs no correction, and the lse subtracts 8 (softmax.cuh).
     static constexpr int LOG2_P = 8;
@@ -86,6 +89,8 @@ struct FwdFp8 {
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(V_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles of whole swizzle atoms");
     static_assert(!PIPE || CHUNKS == 1, "the pipelined form keeps one P V accumulator beside the scores");
+    static_assert(WGS == 2 || (WGS == 3 && !PIPE && D <= 128),
+                  "three consumer warpgroups (160 registers) fit the simple form's scores, P V and O up to d 128");
 
     const FwdFp8Params& p;
     int tid, wg, warp, lane;
@@ -314,7 +319,7 @@ struct FwdFp8 {
             sm90::mbar_init(q_full(), 1);
             for (int s = 0; s < STAGES; ++s) {
                 sm90::mbar_init(full(s), 1);
-                sm90::mbar_init(empty(s), 256);
+                sm90::mbar_init(empty(s), 128 * WGS);
             }
             sm90::mbar_fence_init();
         }
@@ -324,7 +329,7 @@ struct FwdFp8 {
             if (tid == 0 && count > 0) produce(range, count);
             return;
         }
-        sm90::regs_alloc<240>();
+        sm90::regs_alloc<CONSUMER_REGS>();
         wg = sm90::warp_uniform(tid / 128 - 1);
         warp = (tid / 32) % 4;
         lane = tid % 32;
@@ -354,14 +359,14 @@ struct FwdFp8 {
     }
 };
 
-template <int D, bool BAND, bool PIPE>
-__global__ void __launch_bounds__(384, 1) fwd_fp8_sm90_kernel(const __grid_constant__ FwdFp8Params p) {
+template <int D, bool BAND, bool PIPE, int WGS>
+__global__ void __launch_bounds__(128 * (WGS + 1), 1) fwd_fp8_sm90_kernel(const __grid_constant__ FwdFp8Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdFp8<D, BAND, PIPE> block(p);
+    FwdFp8<D, BAND, PIPE, WGS> block(p);
     block.run(smem);
 }
 
-template <int D, bool BAND, bool PIPE>
-__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE>::SMEM_BYTES;
+template <int D, bool BAND, bool PIPE, int WGS>
+__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE, WGS>::SMEM_BYTES;
 
 }  // namespace cuflash

@@ -51,13 +51,21 @@ def test_check_rejects_strides_tma_cannot_load():
 
 def test_specs_and_params():
     specs = forward_fp8.all_specs()
-    assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{pp}{b}" for d in (64, 128, 256)
-                                       for pp in ("", "_pp") if d != 256 or not pp
-                                       for b in ("", "_band")} | {"fp8_transpose_v"}
-    assert [forward_fp8.kernel_spec(d, False).pipelined for d in (64, 128, 256)] == [True, True, False]
+    assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{form}" for d in (64, 128)
+                                       for form in ("_w3", "_pp", "_band", "_pp_band")} | {
+        "fwd_fp8_sm90_d256", "fwd_fp8_sm90_d256_band", "fp8_transpose_v"}
+    forms = [(s.warpgroups, s.pipelined) for d in (64, 128, 256) for s in (forward_fp8.kernel_spec(d, band=False),
+                                                                            forward_fp8.kernel_spec(d, band=True))]
+    assert forms == [(3, False), (2, True), (3, False), (2, True), (2, False), (2, False)]
     assert [forward_fp8.quantized_sums(d) for d in (16, 64, 80, 256)] == [True, True, False, False]
     with settings.override(fp8_pipelined=1):
-        assert not forward_fp8.kernel_spec(256, False).pipelined
+        assert [(s.warpgroups, s.pipelined) for s in (forward_fp8.kernel_spec(128, False),
+                                                      forward_fp8.kernel_spec(256, False))] == [(2, True), (2, False)]
+    with settings.override(fp8_pipelined=0):
+        assert [(s.warpgroups, s.pipelined) for s in (forward_fp8.kernel_spec(64, False),
+                                                      forward_fp8.kernel_spec(64, True))] == [(3, False), (2, False)]
+    assert [(s.threads, s.block_m) for s in (forward_fp8.kernel_spec(64, False),
+                                             forward_fp8.kernel_spec(64, True))] == [(512, 192), (384, 128)]
     assert forward_fp8.PARAMS_DTYPE.itemsize == 512 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72
     assert [forward_fp8.compiled_headdim(d) for d in (16, 64, 80, 128, 144, 256)] == [64, 64, 128, 128, 256, 256]
 

@@ -17,7 +17,6 @@ from .. import build, checks, plan, runtime, settings, tma
 from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
-BLOCK_M = 128
 BLOCK_N = 128  # keys per block (fwd_fp8_sm90.cu BN)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -27,18 +26,27 @@ class FwdFp8Spec:
     headdim: int  # compiled: 64, 128, 256 (a call's head dim is a multiple of 16 up to it)
     band: bool
     pipelined: bool = False  # each block's softmax under the last block's P V (fwd_fp8_sm90.cu PIPE)
+    warpgroups: int = 2      # consumer warpgroups of 64 query rows (fwd_fp8_sm90.cu WGS): 2, or 3 in the simple form
 
     source = "fwd_fp8_sm90.cu"
-    threads = 384
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.warpgroups + 1)
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.warpgroups
 
     @property
     def name(self) -> str:
-        return f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}{'_band' if self.band else ''}"
+        return (f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}"
+                f"{f'_w{self.warpgroups}' if self.warpgroups != 2 else ''}{'_band' if self.band else ''}")
 
     @property
     def template(self) -> str:
         flags = ", ".join("true" if f else "false" for f in (self.band, self.pipelined))
-        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {flags}>"
+        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {flags}, {self.warpgroups}>"
 
     @property
     def smem_symbol(self) -> str:
@@ -55,25 +63,36 @@ class Fp8TransposeSpec:
     smem_bytes = 0
 
 
-# Which form each compiled head dim runs (the fp8_pipelined setting overrides it: the GPU tests run both). Same-run
-# A/Bs (H200, 2026-12-02, benchmarks/bench_fp8.py, 4k and 16k; docs/perf-notes.md): pipelined 1.5-10% faster at d 64
-# and d 128; at d 256 16-27% slower (measured while the pipelined form still had ping-pong turns).
-PIPELINED = {64: True, 128: True, 256: False}
+# The form each compiled head dim runs, without a mask band and with one: (consumer warpgroups, pipelined). The
+# fp8_pipelined setting overrides the second (the GPU tests run both forms); a pipelined form has two warpgroups. From
+# same-run A/Bs (H200, benchmarks/bench_fp8.py, docs/perf-notes.md, "FP8 forms"): the pipelined form is 1.5-10%
+# faster than the simple one with two warpgroups at d 64 and 128, and 16-27% slower at d 256; without a band the
+# simple form with three warpgroups is faster still at d 64 and 128 (+1 to +10%), under a causal mask 3-5% slower
+# at d 128 (its 192-row tiles cross the diagonal in more blocks).
+FORMS = {64: ((3, False), (2, True)), 128: ((3, False), (2, True)), 256: ((2, False), (2, False))}
 # The head dims whose pipelined form compiles without spills: at 256, P V's accumulator of a 128-column chunk, O and
 # the scores do not fit beside each other (the setting cannot force it there).
 PIPE_HEADDIMS = (64, 128)
 
 
 def all_specs() -> list:
-    return [FwdFp8Spec(d, band, pipe) for d in HEADDIMS for band in (False, True)
-            for pipe in ((False, True) if d in PIPE_HEADDIMS else (False,))] + [Fp8TransposeSpec()]
+    specs = []
+    for d in HEADDIMS:
+        for band in (False, True):
+            warpgroups, pipe = FORMS[d][band]
+            specs.append(FwdFp8Spec(d, band, pipe, warpgroups))
+            if d in PIPE_HEADDIMS:  # the other form, which the setting forces (kernel_spec)
+                specs.append(FwdFp8Spec(d, band, not pipe, 2))
+    return specs + [Fp8TransposeSpec()]
 
 
 def kernel_spec(headdim: int, band: bool) -> FwdFp8Spec:
     d = compiled_headdim(headdim)
+    warpgroups, pipe = FORMS[d][band]
     forced = settings.current().fp8_pipelined
-    pipe = (PIPELINED[d] if forced is None else bool(forced)) and d in PIPE_HEADDIMS
-    return FwdFp8Spec(d, band, pipe)
+    if forced is not None and d in PIPE_HEADDIMS and bool(forced) != pipe:
+        warpgroups, pipe = 2, bool(forced)
+    return FwdFp8Spec(d, band, pipe, warpgroups)
 
 
 def quantized_sums(headdim: int) -> bool:
@@ -145,17 +164,17 @@ class Fp8Call:
         p["window_left"], p["window_right"], p["headdim"] = left, right, d
         scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
         p["scale_log2"] = scale * math.log2(math.e)
-        self.main = KernelCall([(build.get_kernel(spec, device_id), plan.check_grid((-(-sq // BLOCK_M), h, b)),
+        self.main = KernelCall([(build.get_kernel(spec, device_id), plan.check_grid((-(-sq // spec.block_m), h, b)),
                                  (spec.threads,), build.smem_bytes(spec, device_id))], p, ())
         # (d, heads, rows, batch) maps, packed (d, heads, total), boxes of 128 columns (bytes); V^T (keys, d, heads_k,
         # batch), D rows a box
         if packed:
             q_map = tma.encoder("uint8", (d, h, rows_q), _map_strides((1, rows_q, h, d), (0,) + q_strides)[:2],
-                                (128, 1, BLOCK_M))
+                                (128, 1, spec.block_m))
             k_map = tma.encoder("uint8", (d, hk, rows_k), _map_strides((1, rows_k, hk, d), (0,) + k_strides)[:2],
                                 (128, 1, BLOCK_N))
         else:
-            q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides), (128, 1, BLOCK_M, 1))
+            q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides), (128, 1, spec.block_m, 1))
             k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides),
                                 (128, 1, BLOCK_N, 1))
         vt_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (128, spec.headdim, 1, 1))

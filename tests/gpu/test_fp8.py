@@ -73,7 +73,8 @@ def run_and_check(args, **options):
 
 @pytest.fixture(params=[0, 1], ids=["simple", "pipelined"])
 def fp8_form(request):
-    """Both forms of the FP8 kernel (fwd_fp8_sm90.cu PIPE), whatever forward_fp8.PIPELINED picks."""
+    """Both forms of the FP8 kernel (fwd_fp8_sm90.cu PIPE), whatever forward_fp8.FORMS picks; with the forms'
+    warpgroups (forward_fp8.kernel_spec) every compiled FP8 kernel runs in one of the two."""
     from cuflash import settings as cf_settings
     with cf_settings.override(fp8_pipelined=request.param):
         yield request.param
