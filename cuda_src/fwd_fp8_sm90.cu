@@ -37,7 +37,9 @@ struct FwdFp8Params {
                       // packed: (d, heads, total_q), box (128, 1, BM)
     sm90::TmaMap k;   // u8 (d, heads_k, seqlen_k, batch), box (128, 1, 128, 1); packed: (d, heads_k, total_k)
     sm90::TmaMap vt;  // u8 (keys, d, heads_k, batch), keys a multiple of 32, box (128, D, 1, 1)
-    u16* o;           // bf16 (batch, seqlen_q, heads, headdim), packed (total_q, heads, headdim)
+    sm90::TmaMap o;   // bf16 (d, heads, seqlen_q, batch), box (64, 1, 16, 1): one warp's rows of a 64-column panel;
+                      // packed: (d, heads, total_q), box (64, 1, 16)
+    u16* o_ptr;       // the same, (batch, seqlen_q, heads, headdim), packed (total_q, heads, headdim)
     float* lse;       // (batch, heads, seqlen_q) contiguous, packed (heads, total_q), or nullptr
     const float* q_descale;  // each nullptr (1), one value, or (batch, heads_k) contiguous (descale_batch_stride)
     const float* k_descale;
@@ -51,7 +53,7 @@ struct FwdFp8Params {
     int nheads, heads_per_kv, window_left, window_right, headdim;
     float scale_log2;  // softmax_scale log2(e); the kernel multiplies in q_descale k_descale
 };
-static_assert(sizeof(FwdFp8Params) == 512, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
+static_assert(sizeof(FwdFp8Params) == 640, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
 
 template <int D, bool BAND, bool PIPE, int WGS>
 struct FwdFp8 {
@@ -82,8 +84,12 @@ struct FwdFp8 {
     // wgmma adds into its accumulator with fewer bits than fp32 (docs/fp8.md): one accumulator for a whole row
     // would lose the small terms of long rows (O 25% low at 16k keys when V's values share an offset).
     using PvAcc = float[1][PV_COLS / 8][4];
-    // shared memory from the 1024-aligned base: Q, the K ring, the V^T ring, then the mbarriers
-    static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * K_BYTES, OFF_BAR = OFF_V + STAGES * V_BYTES;
+    // O's staging tile for its TMA stores (store): D / 64 panels of BM rows of 64 bf16 columns, 128-byte swizzle
+    static constexpr int O_PANELS = D / 64;
+    static constexpr u32 O_PANEL = BM * 128;
+    // shared memory from the 1024-aligned base: Q, the K ring, the V^T ring, O's staging tile, then the mbarriers
+    static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * K_BYTES, OFF_O = OFF_V + STAGES * V_BYTES;
+    static constexpr u32 OFF_BAR = OFF_O + O_PANELS * O_PANEL;
     static constexpr u32 SMEM_BYTES = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
     static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
@@ -255,7 +261,9 @@ struct FwdFp8 {
         fold(acc, alpha_pv, 0);
     }
 
-    // O / (row sum) v_descale in bf16, and lse.
+    // O / (row sum) v_descale in bf16, and lse. O leaves through the staging tile and TMA stores, except a packed
+    // sequence's tile whose rows run past the sequence (a box would write into the next one): 4-byte stores from
+    // registers there.
     __device__ __forceinline__ void store(float scale_log2, float v_scale) {
         float lse[1][2];
         if constexpr (PV_SUMS) {  // a quad's row sum: column D in lane 4i, the zeros of D + 2, D + 4, D + 6 beside it
@@ -263,15 +271,24 @@ struct FwdFp8 {
             for (int hh = 0; hh < 2; ++hh) softmax.row_sum[0][hh] = acc_o[0][D / 8][2 * hh];
         }
         softmax.template finalize<LOG2_P>(acc_o, scale_log2, lse);
+        const int wg_row0 = row0 + wg * 64;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const int r = row0 + wg * 64 + warp * 16 + lane / 4 + 8 * hh;
-            if (r >= seqlen_q) continue;
-            if (p.lse != nullptr && lane % 4 == 0) {  // (batch, heads, seqlen_q), packed (heads, total_q)
+            const int r = wg_row0 + warp * 16 + lane / 4 + 8 * hh;
+            if (p.lse != nullptr && lane % 4 == 0 && r < seqlen_q) {  // (batch, heads, seqlen_q), packed (heads, total_q)
                 const i64 at = packed ? (i64)h * p.rows_q + q_begin + r : ((i64)b * p.nheads + h) * p.seqlen_q + r;
                 p.lse[at] = lse[0][hh];
             }
-            u16* o_row = p.o + SeqInfo::offset(q_begin, p.o_batch_stride, p.o_row_stride, r) + h * p.o_head_stride;
+        }
+        if (!packed || wg_row0 + 64 <= seqlen_q) {
+            store_staged(wg_row0, v_scale);
+            return;
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = wg_row0 + warp * 16 + lane / 4 + 8 * hh;
+            if (r >= seqlen_q) continue;
+            u16* o_row = p.o_ptr + SeqInfo::offset(q_begin, p.o_batch_stride, p.o_row_stride, r) + h * p.o_head_stride;
 #pragma unroll
             for (int dt = 0; dt < D / 8; ++dt) {
                 const int col = 8 * dt + 2 * (lane % 4);
@@ -279,6 +296,32 @@ struct FwdFp8 {
                     *reinterpret_cast<u32*>(o_row + col) =
                         pack2<bf16_t>(acc_o[0][dt][2 * hh] * v_scale, acc_o[0][dt][2 * hh + 1] * v_scale);
             }
+        }
+    }
+
+    // This warp's 16 rows of O into its rows of the staging tile, then out by TMA, a box of 16 rows per 64-column
+    // panel issued by the warp's lane 0 (the warps finish at different times: no barrier across the warpgroup).
+    // Row r of a panel holds its 16-byte chunk c at chunk c ^ (r % 8), the 128-byte swizzle (a warp's rows start at
+    // a multiple of 8 rows, 1024 bytes), so a store's 32 lanes hit 32 banks. Rows past a padded sequence's end and
+    // columns past the head dim fall outside the map. The copies have read the tile before the CTA ends.
+    __device__ __forceinline__ void store_staged(int wg_row0, float v_scale) {
+        const u32 rows = base + OFF_O + (wg * 64 + warp * 16) * 128;  // this warp's rows of panel 0
+        // rows r and r + 8 of this thread: r % 8 = lane / 4 picks the chunk swizzle
+        const u32 row = rows + (lane / 4) * 128 + 4 * (lane % 4), swz = (lane / 4) * 16;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt)
+                st_shared(row + hh * 1024 + (dt / 8) * O_PANEL + (((dt % 8) * 16) ^ swz),
+                              pack2<bf16_t>(acc_o[0][dt][2 * hh] * v_scale, acc_o[0][dt][2 * hh + 1] * v_scale));
+        sm90::fence_proxy_async();
+        __syncwarp();  // the warp's rows are written
+        if (lane == 0) {
+#pragma unroll
+            for (int pn = 0; pn < O_PANELS; ++pn)
+                sm90::tma_store_rows(&p.o, packed, pn * 64, h, q_begin, wg_row0 + warp * 16, b, rows + pn * O_PANEL);
+            sm90::bulk_commit();
+            sm90::bulk_wait_read<0>();
         }
     }
 

@@ -66,7 +66,7 @@ def test_specs_and_params():
                                                       forward_fp8.kernel_spec(64, True))] == [(3, False), (2, False)]
     assert [(s.threads, s.block_m) for s in (forward_fp8.kernel_spec(64, False),
                                              forward_fp8.kernel_spec(64, True))] == [(512, 192), (384, 128)]
-    assert forward_fp8.PARAMS_DTYPE.itemsize == 512 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72
+    assert forward_fp8.PARAMS_DTYPE.itemsize == 640 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72
     assert [forward_fp8.compiled_headdim(d) for d in (16, 64, 80, 128, 144, 256)] == [64, 64, 128, 128, 256, 256]
 
 
@@ -128,7 +128,7 @@ def test_varlen_call_params():
     the transpose reads the key starts from cu_seqlens_k."""
     problem = checks.check_varlen_fp8(*packed_arrays())
     p = np.zeros((), forward_fp8.PARAMS_DTYPE)
-    assert p.dtype.fields["cu_seqlens_k"][1] + 8 == 3 * 128 + 7 * 8  # the call's head: maps, then 7 pointers
+    assert p.dtype.fields["cu_seqlens_k"][1] + 8 == 4 * 128 + 7 * 8  # the call's head: maps, then 7 pointers
     assert forward_fp8.TRANSPOSE_DTYPE.names[:3] == ("v", "vt", "cu_seqlens_k")
     assert problem.seqlen_k == 100 and -(-problem.seqlen_k // 32) * 32 == 128  # V^T keys: the longest, rounded to 32
 

@@ -108,15 +108,15 @@ def compiled_headdim(headdim: int) -> int:
     return next(d for d in HEADDIMS if d >= headdim)
 
 
-# FwdFp8Params (fwd_fp8_sm90.cu): three 128-byte tensor maps, then pointers, strides, ints and the scale; 512 bytes.
+# FwdFp8Params (fwd_fp8_sm90.cu): four 128-byte tensor maps, then pointers, strides, ints and the scale; 640 bytes.
 _INTS = ["descale_batch_stride", "seqlen_q", "seqlen_k", "rows_q", "rows_k", "nheads", "heads_per_kv", "window_left",
          "window_right", "headdim"]
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "vt", "o", "lse", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k",
+    "names": ["q", "k", "vt", "o", "o_ptr", "lse", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k",
               "o_batch_stride", "o_row_stride", "o_head_stride"] + _INTS + ["scale_log2"],
-    "formats": ["V128"] * 3 + [np.uint64] * 7 + [np.int64] * 3 + [np.int32] * len(_INTS) + [np.float32],
-    "offsets": [0, 128, 256] + [384 + 8 * i for i in range(10)] + [464 + 4 * i for i in range(len(_INTS) + 1)],
-    "itemsize": 512})
+    "formats": ["V128"] * 4 + [np.uint64] * 7 + [np.int64] * 3 + [np.int32] * len(_INTS) + [np.float32],
+    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(10)] + [592 + 4 * i for i in range(len(_INTS) + 1)],
+    "itemsize": 640})
 
 TRANSPOSE_DTYPE = np.dtype({
     "names": ["v", "vt", "cu_seqlens_k", "v_batch_stride", "v_row_stride", "v_head_stride", "seqlen_k", "rows_k",
@@ -125,7 +125,7 @@ TRANSPOSE_DTYPE = np.dtype({
     "offsets": [0, 8, 16, 24, 32, 40, 48, 52, 56, 60, 64], "itemsize": 72})
 
 
-# o, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k: right after the three maps
+# o, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k: right after the four maps
 _HEAD_POINTERS = struct.Struct("7Q")
 
 
@@ -167,7 +167,7 @@ class Fp8Call:
         self.main = KernelCall([(build.get_kernel(spec, device_id), plan.check_grid((-(-sq // spec.block_m), h, b)),
                                  (spec.threads,), build.smem_bytes(spec, device_id))], p, ())
         # (d, heads, rows, batch) maps, packed (d, heads, total), boxes of 128 columns (bytes); V^T (keys, d, heads_k,
-        # batch), D rows a box
+        # batch), D rows a box; O (bf16, contiguous) as Q, boxes of one warp's 16 rows of a 64-column panel
         if packed:
             q_map = tma.encoder("uint8", (d, h, rows_q), _map_strides((1, rows_q, h, d), (0,) + q_strides)[:2],
                                 (128, 1, spec.block_m))
@@ -178,11 +178,14 @@ class Fp8Call:
             k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides),
                                 (128, 1, BLOCK_N, 1))
         vt_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (128, spec.headdim, 1, 1))
-        self._maps = tma.joined_encoder((q_map, k_map, vt_map))
+        o_strides = (2 * d, 2 * h * d, 2 * (rows_q if packed else sq) * h * d)
+        o_map = (tma.encoder("bfloat16", (d, h, rows_q), o_strides[:2], (64, 1, 16)) if packed else
+                 tma.encoder("bfloat16", (d, h, sq, b), o_strides, (64, 1, 16, 1)))
+        self._maps = tma.joined_encoder((q_map, k_map, vt_map, o_map))
 
     def __call__(self, stream: int, q: int, k: int, v: int, vt: int, o: int, lse: int = 0, q_descale: int = 0,
                  k_descale: int = 0, v_descale: int = 0, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0) -> None:
-        head = self._maps((q, k, vt)) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale, cu_seqlens_q,
+        head = self._maps((q, k, vt, o)) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale, cu_seqlens_q,
                                                             cu_seqlens_k)
         self.transpose(stream, v, vt, cu_seqlens_k)  # (after the maps: a map the driver refuses raises first)
         self.main.launch_head(stream, head)
