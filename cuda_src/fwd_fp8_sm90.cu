@@ -17,7 +17,8 @@
 //     O = O alpha + P V              in fp32 (fold: each block's P V in an accumulator of its own)
 // each waited for; or (PIPE) with each block's softmax under the last block's P V. The consumer warpgroups run free of
 // each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only made each
-// warpgroup wait for the other's); a third one keeps the tensor cores busy while two compute softmaxes. O leaves divided by the row sums and by 256, times v_descale.
+// warpgroup wait for the other's); a third one keeps the tensor cores busy while two compute softmaxes. O leaves
+// divided by the row sums and by 256, times v_descale, through a staging tile and TMA stores (store).
 // The row sums: PV_SUMS (d 64, forward_fp8.quantized_sums), those of the e4m3 P, added up by O += P V itself. Each
 // V^T box in shared memory then has 8 more rows, written once by the consumers and never by TMA: a row of ones (0x38),
 // whose column of O is the row sum (rescaled with O), and seven of zeros, so the softmax spends no FADD per
@@ -275,7 +276,8 @@ struct FwdFp8 {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int r = wg_row0 + warp * 16 + lane / 4 + 8 * hh;
-            if (p.lse != nullptr && lane % 4 == 0 && r < seqlen_q) {  // (batch, heads, seqlen_q), packed (heads, total_q)
+            // lse: (batch, heads, seqlen_q), packed (heads, total_q)
+            if (p.lse != nullptr && lane % 4 == 0 && r < seqlen_q) {
                 const i64 at = packed ? (i64)h * p.rows_q + q_begin + r : ((i64)b * p.nheads + h) * p.seqlen_q + r;
                 p.lse[at] = lse[0][hh];
             }
