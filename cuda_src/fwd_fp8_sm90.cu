@@ -315,7 +315,7 @@ struct FwdFp8 {
 #pragma unroll
             for (int dt = 0; dt < D / 8; ++dt)
                 st_shared(row + hh * 1024 + (dt / 8) * O_PANEL + (((dt % 8) * 16) ^ swz),
-                              pack2<bf16_t>(acc_o[0][dt][2 * hh] * v_scale, acc_o[0][dt][2 * hh + 1] * v_scale));
+                          pack2<bf16_t>(acc_o[0][dt][2 * hh] * v_scale, acc_o[0][dt][2 * hh + 1] * v_scale));
         sm90::fence_proxy_async();
         __syncwarp();  // the warp's rows are written
         if (lane == 0) {

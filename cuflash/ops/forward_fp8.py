@@ -112,8 +112,8 @@ def compiled_headdim(headdim: int) -> int:
 _INTS = ["descale_batch_stride", "seqlen_q", "seqlen_k", "rows_q", "rows_k", "nheads", "heads_per_kv", "window_left",
          "window_right", "headdim"]
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "vt", "o", "o_ptr", "lse", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k",
-              "o_batch_stride", "o_row_stride", "o_head_stride"] + _INTS + ["scale_log2"],
+    "names": ["q", "k", "vt", "o", "o_ptr", "lse", "q_descale", "k_descale", "v_descale", "cu_seqlens_q",
+              "cu_seqlens_k", "o_batch_stride", "o_row_stride", "o_head_stride"] + _INTS + ["scale_log2"],
     "formats": ["V128"] * 4 + [np.uint64] * 7 + [np.int64] * 3 + [np.int32] * len(_INTS) + [np.float32],
     "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(10)] + [592 + 4 * i for i in range(len(_INTS) + 1)],
     "itemsize": 640})
@@ -125,7 +125,7 @@ TRANSPOSE_DTYPE = np.dtype({
     "offsets": [0, 8, 16, 24, 32, 40, 48, 52, 56, 60, 64], "itemsize": 72})
 
 
-# o, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k: right after the four maps
+# o_ptr, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k: right after the four maps
 _HEAD_POINTERS = struct.Struct("7Q")
 
 
@@ -174,11 +174,12 @@ class Fp8Call:
             k_map = tma.encoder("uint8", (d, hk, rows_k), _map_strides((1, rows_k, hk, d), (0,) + k_strides)[:2],
                                 (128, 1, BLOCK_N))
         else:
-            q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides), (128, 1, spec.block_m, 1))
+            q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides),
+                                (128, 1, spec.block_m, 1))
             k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides),
                                 (128, 1, BLOCK_N, 1))
         vt_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (128, spec.headdim, 1, 1))
-        o_strides = (2 * d, 2 * h * d, 2 * (rows_q if packed else sq) * h * d)
+        o_strides = (2 * d, 2 * h * d, 2 * sq * h * d)  # bytes: heads, rows, batch (packed: no batch axis)
         o_map = (tma.encoder("bfloat16", (d, h, rows_q), o_strides[:2], (64, 1, 16)) if packed else
                  tma.encoder("bfloat16", (d, h, sq, b), o_strides, (64, 1, 16, 1)))
         self._maps = tma.joined_encoder((q_map, k_map, vt_map, o_map))
