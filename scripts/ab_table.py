@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The A/B logs of scripts/gpu_ab.sh side by side: per benchmark cell, each switch set's mean TFLOP/s over its rounds
-(the spread between rounds in parentheses), the sets' switches listed first.
+(the spread between rounds in parentheses), the sets' switches listed first; last, each set against set 0: the
+median of its per-cell ratios and their range, over the cells both measured (the number the 2% rule of
+docs/perf-notes.md reads).
 
     python3 scripts/ab_table.py DIR [--tag _bwd] [--column cuflash]
 
@@ -9,6 +11,7 @@ bench_fp8.py's table, cuflash_fp8).
 """
 import argparse
 import re
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -45,13 +48,20 @@ def table(directory: Path, tag: str = "", column: str = "cuflash") -> str:
     lines = [f"set {i}: {runs[i][0][0]}" for i in sets]
     cells = sorted({cell for i in sets for _, rows in runs[i] for cell in rows})
     lines.append("  d causal seqlen " + "".join(f"{'set ' + str(i):>15}" for i in sets))
-    for d, causal, seqlen in cells:
-        out = f"{d:3d} {str(causal):>6} {seqlen:6d} "
+    means = {}  # (set, cell) -> mean over the set's rounds
+    for cell in cells:
+        out = f"{cell[0]:3d} {str(cell[1]):>6} {cell[2]:6d} "
         for i in sets:
-            values = [rows[d, causal, seqlen] for _, rows in runs[i] if (d, causal, seqlen) in rows]
-            out += (f"{sum(values) / len(values):8.1f}({max(values) - min(values):5.1f})" if values
-                    else f"{'-':>15}")
+            values = [rows[cell] for _, rows in runs[i] if cell in rows]
+            if values:
+                means[i, cell] = sum(values) / len(values)
+            out += f"{means[i, cell]:8.1f}({max(values) - min(values):5.1f})" if values else f"{'-':>15}"
         lines.append(out)
+    for i in sets[1:]:
+        ratios = [means[i, c] / means[sets[0], c] for c in cells if (i, c) in means and means.get((sets[0], c))]
+        if ratios:
+            lines.append(f"set {i} / set {sets[0]}: median {statistics.median(ratios):.3f} over {len(ratios)} "
+                         f"cell{'s' if len(ratios) > 1 else ''} ({min(ratios):.3f}-{max(ratios):.3f})")
     return "\n".join(lines)
 
 

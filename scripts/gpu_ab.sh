@@ -5,7 +5,7 @@
 #     OUT=out AB="CUFLASH_X=0;CUFLASH_X=1" BENCH="benchmarks/bench_attention.py --op fwd" bash scripts/gpu_ab.sh
 #     OUT=out AB="PYTHONPATH=$PWD/base;PYTHONPATH=$PWD" BENCH="benchmarks/bench_attention.py --op bwd --dims 64" \
 #         bash scripts/gpu_ab.sh
-#     python3 scripts/ab_table.py out [--column cuflash_det]          # the sets side by side
+#     python3 scripts/ab_table.py out [--column cuflash_det]   # the sets side by side, and their median ratios
 #
 # AB: switch sets split by ';', variables inside a set by spaces (a value may hold commas). Each set runs BENCH once
 # per round (ROUNDS, 2) in the order A B A B ..., so that a drift of the GPU's clocks or of the host shows as a

@@ -1,5 +1,5 @@
 """scripts/ab_table.py on logs shaped as scripts/gpu_ab.sh writes them: per cell each set's mean over its rounds and
-the spread, the column picked by the table's header, another tag's logs left out."""
+the spread, each set's median ratio to set 0, the column picked by the table's header, another tag's logs left out."""
 import subprocess
 import sys
 from pathlib import Path
@@ -25,5 +25,6 @@ def test_means_spreads_and_columns(tmp_path):
     assert out[:2] == ["set 0: X=0", "set 1: X=1 Y=a,b"]
     assert out[3].split() == ["64", "False", "1024", "105.0(", "10.0)", "120.0(", "0.0)"]
     assert out[4].split() == ["128", "True", "4096", "200.0(", "0.0)", "-"]
+    assert out[5] == "set 1 / set 0: median 1.143 over 1 cell (1.143-1.143)"  # the cells both sets measured
     assert run("--tag", "_bwd", "--column", "cuflash_det")[3].split()[3:5] == ["91.0(", "2.0)"]
     assert run()[:1] == ["set 0: Z=9"] and len(run()) == 3
