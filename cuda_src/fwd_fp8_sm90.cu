@@ -301,23 +301,15 @@ struct FwdFp8 {
         }
     }
 
-    // This warp's 16 rows of O into its rows of the staging tile, then out by TMA, a box of 16 rows per 64-column
-    // panel issued by the warp's lane 0 (the warps finish at different times: no barrier across the warpgroup).
-    // Row r of a panel holds its 16-byte chunk c at chunk c ^ (r % 8), the 128-byte swizzle (a warp's rows start at
-    // a multiple of 8 rows, 1024 bytes), so a store's 32 lanes hit 32 banks. Rows past a padded sequence's end and
-    // columns past the head dim fall outside the map. The copies have read the tile before the CTA ends.
+    // This warp's 16 rows of O into its rows of the staging tile (sm90::stage_warp_rows), then out by TMA, a box of
+    // 16 rows per 64-column panel issued by the warp's lane 0 (the warps finish at different times: no barrier across
+    // the warpgroup). Rows past a padded sequence's end and columns past the head dim fall outside the map. The
+    // copies have read the tile before the CTA ends.
     __device__ __forceinline__ void store_staged(int wg_row0, float v_scale) {
         const u32 rows = base + OFF_O + (wg * 64 + warp * 16) * 128;  // this warp's rows of panel 0
-        // rows r and r + 8 of this thread: r % 8 = lane / 4 picks the chunk swizzle
-        const u32 row = rows + (lane / 4) * 128 + 4 * (lane % 4), swz = (lane / 4) * 16;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt)
-                st_shared(row + hh * 1024 + (dt / 8) * O_PANEL + (((dt % 8) * 16) ^ swz),
-                          pack2<bf16_t>(acc_o[0][dt][2 * hh] * v_scale, acc_o[0][dt][2 * hh + 1] * v_scale));
-        sm90::fence_proxy_async();
-        __syncwarp();  // the warp's rows are written
+        sm90::stage_warp_rows<O_PANELS>(rows, O_PANEL, lane, [&](int dt, int hh) {
+            return pack2<bf16_t>(acc_o[0][dt][2 * hh] * v_scale, acc_o[0][dt][2 * hh + 1] * v_scale);
+        });
         if (lane == 0) {
 #pragma unroll
             for (int pn = 0; pn < O_PANELS; ++pn)

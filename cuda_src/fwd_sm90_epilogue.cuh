@@ -78,10 +78,9 @@ struct FwdSm90Epilogue {
         }
     }
 
-    // This warp's 16 rows of O into its rows of the staging tile, then out by TMA, a box of 16 rows per 64-column
-    // panel issued by the warp's lane 0: no barrier across the warpgroup, whose warps reach their epilogue at
-    // different times. Row r of a panel holds its 16-byte chunk c at chunk c ^ (r % 8) (the 128-byte swizzle; a
-    // warp's rows start at a multiple of 8 rows, 1024 bytes): a store's 32 lanes hit 32 banks. With O_TILE the
+    // This warp's 16 rows of O into its rows of the staging tile (sm90::stage_warp_rows), then out by TMA, a box of
+    // 16 rows per 64-column panel issued by the warp's lane 0: no barrier across the warpgroup, whose warps reach
+    // their epilogue at different times. With O_TILE the
     // issuing lane waits for its copies to read the tile only before the next tile's rows go in (and before the
     // kernel ends, drain), so the reads overlap the next tile's work.
     __device__ __forceinline__ void store_o_staged(int wg_row0) {
@@ -91,17 +90,7 @@ struct FwdSm90Epilogue {
             if (o_issuer()) sm90::bulk_wait_read<0>();
             __syncwarp();
         }
-        // rows r and r + 8 of this thread: r % 8 = lane / 4 picks the chunk swizzle
-        const u32 row = rows + (lane / 4) * 128 + 4 * (lane % 4), swz = (lane / 4) * 16;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-            for (int pn = 0; pn < PANELS; ++pn)
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    st_shared(row + hh * 1024 + pn * Tr::Q_PANEL + ((j * 16) ^ swz), o_pair(pn * 8 + j, hh));
-        sm90::fence_proxy_async();
-        __syncwarp();  // the warp's rows are written
+        sm90::stage_warp_rows<PANELS>(rows, Tr::Q_PANEL, lane, [&](int j, int hh) { return o_pair(j, hh); });
         if (o_issuer()) {
             const FwdSm90Tile<Tr::BAND>& t = s.tile;
 #pragma unroll

@@ -431,6 +431,26 @@ __device__ __forceinline__ void tma_store_rows(const TmaMap* map, bool packed, i
     else tma_store_4d(map, col, head, row, batch, src);
 }
 
+// A warp's 16 rows of a 64-row tile, as 16-bit pairs (pair(j, hh): columns 8 j + 2 (lane % 4), + 1 of row
+// lane / 4 + 8 hh, the accumulator layout), into `rows`, the warp's first row in a staging tile of PANELS 64-column
+// panels `panel_bytes` apart, for TMA stores. Row r holds its 16-byte chunk c at chunk c ^ (r % 8) (the 128-byte
+// swizzle; the warp's rows start at a multiple of 8 rows, 1024 bytes), so a store's 32 lanes hit 32 banks. After the
+// proxy fence and __syncwarp at the end, the warp's TMA copies may read the rows.
+template <int PANELS, class Pair>
+__device__ __forceinline__ void stage_warp_rows(u32 rows, u32 panel_bytes, int lane, const Pair& pair) {
+    const u32 row = rows + (lane / 4) * 128 + 4 * (lane % 4), swz = (lane / 4) * 16;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int pn = 0; pn < PANELS; ++pn)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + hh * 1024 + pn * panel_bytes + ((j * 16) ^ swz)),
+                             "r"(pair(pn * 8 + j, hh)));
+    fence_proxy_async();
+    __syncwarp();
+}
+
 // Scores (or probabilities) of keys 16 kk .. 16 kk + 15, fp32 in the accumulator layout of a warp's 16 rows
 // (softmax.cuh), to 16 bits: the A fragment of a wgmma (or mma.sync m16n8k16) that takes them from registers.
 template <class T, int NT>
