@@ -12,7 +12,9 @@
 # difference between rounds, not between the sets                                   -> $OUT/ab<AB_TAG>_<set>_<round>.txt
 # A second package (a checkout of the base commit, e.g. `git worktree add base <rev>` made before the run) is one set
 # with PYTHONPATH pointing at it.
-# Environment: OUT (./out), AB, BENCH, ROUNDS (2), BENCH_TIMEOUT (120), AB_TAG ("": a second A/B in the same $OUT).
+# Environment: OUT (./out), AB, BENCH, ROUNDS (2), BENCH_TIMEOUT (120), AB_TAG ("": a second A/B in the same $OUT),
+# AB_COLUMNS ("cuflash": the columns scripts/ab_table.py prints at the end, e.g. "cuflash cuflash_det", or
+# "cuflash_fp8" for bench_fp8.py).
 # bench_attention.py measures each cell on one allocation here (CUFLASH_BENCH_PLACEMENTS, default 1 in an A/B: every
 # round is a fresh process, whose tensors lie elsewhere anyway).
 set -u
@@ -32,3 +34,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     done
 done
 echo "done [$((SECONDS - t0))s]"
+# the sets side by side, in the run's own output (AB_COLUMNS: the table's columns, "cuflash" by default)
+for column in ${AB_COLUMNS:-cuflash}; do
+    python3 scripts/ab_table.py "$OUT" ${AB_TAG:+--tag "$AB_TAG"} --column "$column"
+done
