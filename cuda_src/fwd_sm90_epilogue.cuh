@@ -80,9 +80,9 @@ struct FwdSm90Epilogue {
 
     // This warp's 16 rows of O into its rows of the staging tile (sm90::stage_warp_rows), then out by TMA, a box of
     // 16 rows per 64-column panel issued by the warp's lane 0: no barrier across the warpgroup, whose warps reach
-    // their epilogue at different times. With O_TILE the
-    // issuing lane waits for its copies to read the tile only before the next tile's rows go in (and before the
-    // kernel ends, drain), so the reads overlap the next tile's work.
+    // their epilogue at different times. With O_TILE the issuing lane waits for its copies to read the tile only
+    // before the next tile's rows go in (and before the kernel ends, drain), so the reads overlap the next tile's
+    // work.
     __device__ __forceinline__ void store_o_staged(int wg_row0) {
         const int lane = s.lane;
         const u32 rows = s.smem.o_tile() + (s.wg * 64 + s.warp * 16) * 128;  // this warp's rows of panel 0
