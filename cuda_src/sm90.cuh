@@ -10,6 +10,7 @@
 //    1024-byte boundary; one k16 step is 32 bytes further along the row.
 #pragma once
 #include "types.cuh"
+#include "mma.cuh"
 
 namespace cuflash {
 namespace sm90 {
@@ -445,8 +446,7 @@ __device__ __forceinline__ void stage_warp_rows(u32 rows, u32 panel_bytes, int l
         for (int pn = 0; pn < PANELS; ++pn)
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + hh * 1024 + pn * panel_bytes + ((j * 16) ^ swz)),
-                             "r"(pair(pn * 8 + j, hh)));
+                st_shared(row + hh * 1024 + pn * panel_bytes + ((j * 16) ^ swz), pair(pn * 8 + j, hh));
     fence_proxy_async();
     __syncwarp();
 }
