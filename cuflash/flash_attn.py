@@ -20,8 +20,8 @@ Where cuflash and flash-attn differ:
   ``(0,)`` of q's dtype: flash-attn 2.x returns the probabilities (for its tests) when ``dropout_p > 0``,
   cuflash never materializes them. ``softmax_lse`` is not differentiable;
 * arguments that cuflash cannot honour yet raise ``NotImplementedError`` naming the argument, never ignored:
-  ``dropout_p > 0`` under torch.compile and in the backward above head dim 128 with softcap or ALiBi (off
-  sm_90a every backward above 128 raises), and a
+  ``dropout_p > 0`` in the backward above head dim 128 with softcap or ALiBi (off sm_90a every backward above
+  128 raises), and a
   gradient through :func:`flash_attn_varlen_func` with ``block_table`` or ``seqused_k`` (paged keys serve
   inference, as in flash-attn);
 * the dropout mask is cuflash's own Philox stream (a different mask from flash-attn's for the same seed), drawn
@@ -54,7 +54,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     dropout_p : float
         Dropout on the attention probabilities, ``0 <= p < 1``, its mask drawn from torch's CUDA generator
         (:func:`cuflash.torch.attention`); pass 0.0 in evaluation, as with flash-attn. Head dims up to 128 in the
-        backward (256 too on sm_90a, without softcap or ALiBi); eager calls and CUDA-graph capture, not
+        backward (256 too on sm_90a, without softcap or ALiBi); eager, under CUDA-graph capture and under
         torch.compile.
     softmax_scale : float, optional
         Multiplies ``q . k``; default ``1 / sqrt(headdim)``.

@@ -14,7 +14,9 @@ Every op has a fake (shape-only) implementation, and the forward ops carry their
 ``register_autograd``, so ``torch.compile`` traces them without a graph break. A plain eager call skips the
 op dispatcher (tens of microseconds of Python per call): it runs the same implementation directly, under a
 ``torch.autograd.Function`` when a gradient is needed. Anything that traces or intercepts -- torch.compile,
-export, a dispatch mode, fake or functional tensors, functorch, the JIT tracer -- goes through the op.
+export, a dispatch mode, fake or functional tensors, functorch, the JIT tracer -- goes through the op. With
+``dropout_p > 0`` such a call draws the mask's seed and offset in the graph (:func:`_graph_dropout`), where an
+eager call reads them from torch's generator on the host.
 
 The first call with a given signature -- shapes, strides, dtypes, devices of the tensors, and the options --
 checks it and plans its launches; later calls with that signature look the plan up, allocate their outputs
@@ -74,9 +76,9 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     dropout_p : float
         Dropout on the attention probabilities (:func:`cuflash.attention`), its mask drawn from torch's CUDA
         generator of q's device (its seed; its offset, which the call advances by 4, as torch's own random
-        operations do), so ``torch.manual_seed`` governs it; the backward regenerates the same mask. Eager calls
-        and under CUDA-graph capture (each replay draws a new mask), not under torch.compile or tracing
-        (NotImplementedError).
+        operations do), so ``torch.manual_seed`` governs it; the backward regenerates the same mask. Under CUDA-graph
+        capture, torch.compile and tracing the graph draws the seed and offset on the device, with a random op of
+        torch's: each replay or run draws a new mask.
 
     Returns
     -------
@@ -96,8 +98,9 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     if _eager(q, k, v):
         return _eager_attention(q, k, v, (None, None, alibi_slopes, None, None, softmax_scale, causal, left, right,
                                           softcap), deterministic, return_lse, _dropout(q, dropout_p))
-    _no_traced_dropout(dropout_p)
-    out, lse = _attention_fwd_op(q, k, v, alibi_slopes, softmax_scale, causal, left, right, softcap, deterministic)
+    state, dropout_p = _graph_dropout(q, dropout_p)
+    out, lse = _attention_fwd_op(q, k, v, alibi_slopes, state, softmax_scale, causal, left, right, softcap,
+                                 deterministic, dropout_p)
     return (out, lse) if return_lse else out
 
 
@@ -162,14 +165,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return _eager_attention(q, k, v, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
                                           softmax_scale, causal, left, right, softcap), deterministic, return_lse,
                                 _dropout(q, dropout_p))
-    _no_traced_dropout(dropout_p)
+    state, dropout_p = _graph_dropout(q, dropout_p)
     if block_table is not None or seqused_k is not None:
         out, lse = _attention_varlen_paged_op(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                                              alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal, left,
-                                              right, softcap)
+                                              alibi_slopes, state, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                              left, right, softcap, dropout_p)
     else:
-        out, lse = _attention_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
-                                            max_seqlen_k, softmax_scale, causal, left, right, softcap, deterministic)
+        out, lse = _attention_varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, state, max_seqlen_q,
+                                            max_seqlen_k, softmax_scale, causal, left, right, softcap, deterministic,
+                                            dropout_p)
     return (out, lse) if return_lse else out
 
 
@@ -538,10 +542,23 @@ def _dropout_words(dropout) -> tuple:
     return dropout[1], dropout[2], 0 if dropout[3] is None else dropout[3].data_ptr()
 
 
-def _no_traced_dropout(dropout_p) -> None:
-    if dropout_p:
-        raise NotImplementedError("dropout_p: dropout runs in eager calls and under CUDA-graph capture, not under "
-                                  "torch.compile, tracing, dispatch modes or functorch")
+def _graph_dropout(q, dropout_p) -> tuple:
+    """(state, p) of a call that the ops see (torch.compile, tracing, dispatch modes): ``state`` None without
+    dropout, else the mask's (seed, offset) words drawn on q's device by a random op of the graph, so that the
+    compiled graph draws a new mask per run from torch's generator (torch.manual_seed repeats it) and its backward
+    reads the words its forward read."""
+    if not dropout_p:
+        return None, 0.0
+    checks.check_dropout_p(dropout_p)
+    return torch.randint(0, _GRAPH_DROPOUT_WORDS, (2,), dtype=torch.int64, device=q.device), float(dropout_p)
+
+
+_GRAPH_DROPOUT_WORDS = 1 << 62  # the range of a graph's seed and offset words (int64 in the kernels' parameters)
+
+
+def _graph_dropout_words(dropout_p: float, state) -> tuple | None:
+    """An op's dropout as :func:`_dropout` gives an eager call's: (p, seed, offset, state), or None."""
+    return (dropout_p, 0, 0, state) if dropout_p else None
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -618,19 +635,21 @@ class _Plan:
 
 
 def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
-                   softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
-                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   dropout_state: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool,
+                   window_left: int, window_right: int, softcap: float, deterministic: bool,
+                   dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, None, None, alibi_slopes, None, None, softmax_scale, causal, window_left, window_right,
-                    softcap, True)
+                    softcap, True, dropout=_graph_dropout_words(dropout_p, dropout_state))
 
 
 def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, alibi_slopes: Optional[torch.Tensor], max_seqlen_q: int,
-                          max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
-                          window_right: int, softcap: float,
-                          deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                          cu_seqlens_k: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+                          dropout_state: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                          softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                          softcap: float, deterministic: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    causal, window_left, window_right, softcap, True)
+                    causal, window_left, window_right, softcap, True, dropout=_graph_dropout_words(dropout_p,
+                                                                                                   dropout_state))
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
@@ -718,56 +737,60 @@ def _forward_launch(problem, specs: dict, options: dict, lse_shape: tuple) -> Ca
     return launch
 
 
-def _attention_fwd_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
-                        deterministic):
+def _attention_fwd_fake(q, k, v, alibi_slopes, dropout_state, softmax_scale, causal, window_left, window_right,
+                        softcap, deterministic, dropout_p):
     if _concrete(q, k, v, alibi_slopes):
-        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p),
                  dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes))
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
-def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                               softmax_scale, causal, window_left, window_right, softcap, deterministic):
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_state, max_seqlen_q,
+                               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+                               dropout_p):
     if _concrete(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, ints=(max_seqlen_q, max_seqlen_k)):
-        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p),
                  dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k),
                  max_seqlen_q, max_seqlen_k)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], softmax_scale: Optional[float],
-                   causal: bool, window_left: int, window_right: int, softcap: float,
-                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], dropout_state: Optional[torch.Tensor],
+                   softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+                   deterministic: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(dout, q, k, v, out, lse, None, None, alibi_slopes, None, None, softmax_scale, causal,
-                     window_left, window_right, softcap, deterministic)
+                     window_left, window_right, softcap, deterministic, _graph_dropout_words(dropout_p, dropout_state))
 
 
 def _attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                          alibi_slopes: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                          softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
-                          softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          alibi_slopes: Optional[torch.Tensor], dropout_state: Optional[torch.Tensor],
+                          max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool,
+                          window_left: int, window_right: int, softcap: float, deterministic: bool,
+                          dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, window_left, window_right, softcap, deterministic)
+                     softmax_scale, causal, window_left, window_right, softcap, deterministic,
+                     _graph_dropout_words(dropout_p, dropout_state))
 
 
 def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, left, right, softcap, deterministic) -> tuple:
-    """Dense or varlen backward into new contiguous dq, dk, dv."""
+              softmax_scale, causal, left, right, softcap, deterministic, dropout=None) -> tuple:
+    """Dense or varlen backward into new contiguous dq, dk, dv; ``dropout`` as in :func:`_forward`."""
+    dropout_p = dropout[0] if dropout else 0.0
     try:
         key = ("bwd", bool(deterministic), max_seqlen_q, max_seqlen_k, softmax_scale, causal, left, right, softcap,
                _signature(dout), _signature(q), _signature(k), _signature(v), _signature(out), _signature(lse),
-               _signature(alibi_slopes), _signature(cu_seqlens_q), _signature(cu_seqlens_k))
+               _signature(alibi_slopes), _signature(cu_seqlens_q), _signature(cu_seqlens_k), dropout_p)
         plan = _plans.get(key)
     except (AttributeError, TypeError):
         key = plan = None
     if plan is None:
         plan = _plan(key, lambda: _plan_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                  max_seqlen_q, max_seqlen_k, bool(deterministic),
-                                                 _options(softmax_scale, causal, left, right, softcap)))
-    return _run_backward(plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+                                                 _options(softmax_scale, causal, left, right, softcap, dropout_p)))
+    return _run_backward(plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout)
 
 
 def _run_backward(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
@@ -826,18 +849,19 @@ def _backward_launch(problem, specs: dict, options: dict, deterministic: bool, p
     return launch, call.workspace_bytes
 
 
-def _attention_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, softmax_scale, causal, window_left, window_right,
-                        softcap, deterministic):
+def _attention_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, dropout_state, softmax_scale, causal, window_left,
+                        window_right, softcap, deterministic, dropout_p):
     if _concrete(dout, q, k, v, out, lse, alibi_slopes):
-        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p),
                  dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes))
     return tuple(x.new_empty(x.shape) for x in (q, k, v))
 
 
-def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q,
-                               max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_state,
+                               max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                               deterministic, dropout_p):
     if _concrete(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, ints=(max_seqlen_q, max_seqlen_k)):
-        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p),
                  dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k), max_seqlen_q, max_seqlen_k)
     return tuple(x.new_empty(x.shape) for x in (q, k, v))
@@ -846,18 +870,21 @@ def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
 def _attention_varlen_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             cu_seqlens_k: torch.Tensor, block_table: Optional[torch.Tensor],
                             seqused_k: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                            max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool,
-                            window_left: int, window_right: int, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            dropout_state: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                            softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                            softcap: float, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The varlen forward with paged keys or seqused_k (forward only: its autograd raises)."""
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    causal, window_left, window_right, softcap, True, block_table, seqused_k)
+                    causal, window_left, window_right, softcap, True, block_table, seqused_k,
+                    _graph_dropout_words(dropout_p, dropout_state))
 
 
 def _attention_varlen_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes,
-                                 max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap):
+                                 dropout_state, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                                 window_right, softcap, dropout_p):
     if _concrete(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes,
                  ints=(max_seqlen_q, max_seqlen_k)):
-        _problem(_options(softmax_scale, causal, window_left, window_right, softcap),
+        _problem(_options(softmax_scale, causal, window_left, window_right, softcap, dropout_p),
                  dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       block_table=block_table, seqused_k=seqused_k), max_seqlen_q, max_seqlen_k)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -1032,11 +1059,11 @@ def _register_autograd(forward_op, backward_op, tensors: int) -> None:
     forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-_register_autograd(_attention_fwd_op, torch.ops.cuflash.attention_bwd, 4)
+_register_autograd(_attention_fwd_op, torch.ops.cuflash.attention_bwd, 5)
 _attention_varlen_paged_op.register_autograd(
     lambda ctx, dout, dlse: _no_paged_backward(ctx.block_table),
     setup_context=lambda ctx, inputs, output: setattr(ctx, "block_table", inputs[5]))
-_register_autograd(_attention_varlen_fwd_op, torch.ops.cuflash.attention_varlen_bwd, 6)
+_register_autograd(_attention_varlen_fwd_op, torch.ops.cuflash.attention_varlen_bwd, 7)
 
 
 # --------------------------------------------------------------------------------------------

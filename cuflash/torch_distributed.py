@@ -202,8 +202,8 @@ def _backward_program(dout, q, k, v, out, lse, rank: int, config: _Config):
             rows, keys = slice(blk.q_start, blk.q_stop), slice(blk.k_start, blk.k_stop)
             part_dq, part_dk, part_dv = torch.ops.cuflash.attention_bwd(
                 dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                lse[:, :, rows].contiguous(), None,  # a copy only for a part of the rows: lse rows start aligned
-                config.scale, False, blk.left, blk.right, config.softcap, config.deterministic)
+                lse[:, :, rows].contiguous(),  # a copy only for a part of the rows: lse rows start aligned
+                None, None, config.scale, False, blk.left, blk.right, config.softcap, config.deterministic, 0.0)
             dq[:, rows] += part_dq
             dk[:, keys] += part_dk
             dv[:, keys] += part_dv

@@ -79,7 +79,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         builder makes it; ``L < seqlen_k`` (a static cache longer than what it holds) uses the first ``L`` keys.
     scaling : float, optional -- softmax scale, default ``1 / sqrt(headdim)``
     dropout : float -- attention dropout (the layer's ``attention_dropout`` in training, 0 in evaluation), drawn
-        from torch's CUDA generator as :func:`cuflash.torch.attention`'s ``dropout_p`` (not under torch.compile)
+        from torch's CUDA generator as :func:`cuflash.torch.attention`'s ``dropout_p``
     sliding_window : int, optional -- each query sees the last ``sliding_window`` keys up to itself
     softcap : float, optional -- scores ``s`` become ``softcap * tanh(s / softcap)``
     **kwargs

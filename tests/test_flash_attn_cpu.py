@@ -152,7 +152,7 @@ def test_odd_head_dim_errors_name_the_callers_shapes(monkeypatch):
     with pytest.raises(TypeError, match="v: dtype float32 differs from q's float16"):
         cuflash.torch.attention(q, k, v.float())
     with pytest.raises(ValueError, match=r"q: head dim \(axis 3\) is 59; the kernels take multiples of 8"):
-        torch.ops.cuflash.attention_fwd(q, k, v, None, None, False, -1, -1, 0.0, False)  # the op itself pads nothing
+        torch.ops.cuflash.attention_fwd(q, k, v, None, None, None, False, -1, -1, 0.0, False, 0.0)  # pads nothing
     with pytest.raises(ValueError, match=r"qkv: expected shape \(batch, seqlen, 3, nheads, headdim\)"):
         fa.flash_attn_qkvpacked_func(_rand(2, 5, 2, 4, 59))
 

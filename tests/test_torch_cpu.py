@@ -3,9 +3,9 @@
 CPU tensors stand in for CUDA ones: the launcher is swapped for cuflash.reference on host memory, and the
 device check is relaxed. Everything between the public function and the launch runs as on a GPU.
 """
-import contextlib
 import ctypes
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -170,13 +170,15 @@ def test_options_reach_the_launcher(on_host):
 
 def test_opcheck(on_host):
     q, k, v = _qkv()
-    args = (q, k, v, None, None, True, -1, -1, 0.0, False)
-    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    out, lse = torch.ops.cuflash.attention_fwd(*args)
-    bwd_args = (torch.randn_like(out), q, k, v, out.detach(), lse, None, None, True, -1, -1, 0.0, False)
-    torch.library.opcheck(torch.ops.cuflash.attention_bwd.default, bwd_args,
-                          test_utils=("test_schema", "test_faketensor"))
+    state = torch.tensor([5, 8], dtype=torch.int64)
+    for dropout in ((None, 0.0), (state, 0.25)):
+        args = (q, k, v, None, dropout[0], None, True, -1, -1, 0.0, False, dropout[1])
+        torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        out, lse = torch.ops.cuflash.attention_fwd(*args)
+        bwd_args = (torch.randn_like(out), q, k, v, out.detach(), lse, None, *args[4:])
+        torch.library.opcheck(torch.ops.cuflash.attention_bwd.default, bwd_args,
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 _cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
@@ -189,14 +191,15 @@ def test_fake_tensors_give_shapes_and_run_the_checks():
     with FakeTensorMode():
         q = torch.empty(2, 5, 8, 64, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(2, 9, 2, 64, dtype=torch.bfloat16, device="cuda")
-        out, lse = torch.ops.cuflash.attention_fwd(q, k, k, None, None, False, -1, -1, 0.0, False)
+        out, lse = torch.ops.cuflash.attention_fwd(q, k, k, None, None, None, False, -1, -1, 0.0, False, 0.0)
         assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 8, 5)
         assert lse.dtype == torch.float32 and out.device.type == "cuda"
-        dq, dk, dv = torch.ops.cuflash.attention_bwd(out, q, k, k, out, lse, None, None, False, -1, -1, 0.0,
-                                                     False)
+        dq, dk, dv = torch.ops.cuflash.attention_bwd(out, q, k, k, out, lse, None, None, None, False, -1, -1, 0.0,
+                                                     False, 0.0)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.dtype == k.dtype
         with pytest.raises(ValueError, match=r"k: head dim \(axis 3\) is 32 but q's is 64"):
-            torch.ops.cuflash.attention_fwd(q, k[..., :32], k[..., :32], None, None, False, -1, -1, 0.0, False)
+            torch.ops.cuflash.attention_fwd(q, k[..., :32], k[..., :32], None, None, None, False, -1, -1, 0.0,
+                                            False, 0.0)
 
 
 def test_torch_compile_has_no_graph_break(on_host):
@@ -306,15 +309,16 @@ def test_varlen_autograd_matches_float32_math_per_sequence(on_host, dtype):
 
 def test_varlen_opcheck(on_host):
     q, k, v, cu_q, cu_k = _packed()
-    args = (q, k, v, cu_q, cu_k, None, max(LENS_Q), max(LENS_K), None, True, -1, -1, 0.0, False)
-    torch.library.opcheck(torch.ops.cuflash.attention_varlen_fwd.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    out, lse = torch.ops.cuflash.attention_varlen_fwd(*args)
-    q, k, v = (x.detach() for x in (q, k, v))
-    bwd_args = (torch.randn_like(out), q, k, v, out.detach(), lse, cu_q, cu_k, None, max(LENS_Q), max(LENS_K),
-                None, True, -1, -1, 0.0, False)
-    torch.library.opcheck(torch.ops.cuflash.attention_varlen_bwd.default, bwd_args,
-                          test_utils=("test_schema", "test_faketensor"))
+    state = torch.tensor([5, 8], dtype=torch.int64)
+    for dropout in ((None, 0.0), (state, 0.25)):
+        args = (q, k, v, cu_q, cu_k, None, dropout[0], max(LENS_Q), max(LENS_K), None, True, -1, -1, 0.0, False,
+                dropout[1])
+        torch.library.opcheck(torch.ops.cuflash.attention_varlen_fwd.default, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        out, lse = torch.ops.cuflash.attention_varlen_fwd(*args)
+        bwd_args = (torch.randn_like(out), *(x.detach() for x in (q, k, v)), out.detach(), lse, *args[3:])
+        torch.library.opcheck(torch.ops.cuflash.attention_varlen_bwd.default, bwd_args,
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_varlen_fake_tensors_give_shapes_and_run_the_checks():
@@ -323,15 +327,15 @@ def test_varlen_fake_tensors_give_shapes_and_run_the_checks():
         q = torch.empty(40, 8, 64, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(50, 2, 64, dtype=torch.bfloat16, device="cuda")
         cu = torch.empty(4, dtype=torch.int32, device="cuda")
-        out, lse = torch.ops.cuflash.attention_varlen_fwd(q, k, k, cu, cu, None, 20, 30, None, False, -1, -1, 0.0,
-                                                          False)
+        out, lse = torch.ops.cuflash.attention_varlen_fwd(q, k, k, cu, cu, None, None, 20, 30, None, False, -1, -1,
+                                                          0.0, False, 0.0)
         assert out.shape == q.shape and lse.shape == (8, 40) and lse.dtype == torch.float32
-        dq, dk, dv = torch.ops.cuflash.attention_varlen_bwd(out, q, k, k, out, lse, cu, cu, None, 20, 30, None,
-                                                            False, -1, -1, 0.0, False)
+        dq, dk, dv = torch.ops.cuflash.attention_varlen_bwd(out, q, k, k, out, lse, cu, cu, None, None, 20, 30,
+                                                            None, False, -1, -1, 0.0, False, 0.0)
         assert dq.shape == q.shape and dk.shape == k.shape
         with pytest.raises(TypeError, match="cu_seqlens_k: dtype int64 is not supported; expected int32"):
-            torch.ops.cuflash.attention_varlen_fwd(q, k, k, cu, cu.long(), None, 20, 30, None, False, -1, -1, 0.0,
-                                                   False)
+            torch.ops.cuflash.attention_varlen_fwd(q, k, k, cu, cu.long(), None, None, 20, 30, None, False, -1, -1,
+                                                   0.0, False, 0.0)
 
 
 def test_varlen_torch_compile_has_no_graph_break(on_host):
@@ -494,8 +498,9 @@ def test_varlen_paged_opcheck(on_host):
     table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
     cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 20, 37], dtype=torch.int32)
     used = torch.tensor([20, 9], dtype=torch.int32)
-    for args in ((q, pool, pool, cu_q, cu_k, table, None, None, 4, 20, None, True, -1, 0, 0.0),
-                 (q, pool, pool, cu_q, cu_k, table, used, None, 4, 20, 0.2, False, 8, 8, 3.0)):
+    state = torch.tensor([5, 8], dtype=torch.int64)
+    for args in ((q, pool, pool, cu_q, cu_k, table, None, None, None, 4, 20, None, True, -1, 0, 0.0, 0.0),
+                 (q, pool, pool, cu_q, cu_k, table, used, None, state, 4, 20, 0.2, False, 8, 8, 3.0, 0.1)):
         torch.library.opcheck(torch.ops.cuflash.attention_varlen_paged.default, args,
                               test_utils=("test_schema", "test_faketensor"))
 
@@ -603,7 +608,7 @@ def test_dropout_through_varlen_and_padded_head_dims(on_host, monkeypatch):
     assert on_host[2][1]["dropout_offset"] == 4 and generator.offset == 8
 
 
-def test_dropout_is_eager_only_and_checked(on_host, monkeypatch):
+def test_dropout_p_is_checked(on_host, monkeypatch):
     monkeypatch.setattr(cuflash.torch, "_generator", lambda q: _FakeCudaGenerator(0, 0))
     q, k, v = _qkv()
     for p in (1.0, -0.1):
@@ -611,7 +616,73 @@ def test_dropout_is_eager_only_and_checked(on_host, monkeypatch):
             cuflash.torch.attention(q, k, v, dropout_p=p)
     with pytest.raises(TypeError, match="dropout_p"):
         cuflash.torch.attention(q, k, v, dropout_p="0.1")
-    compiled = torch.compile(lambda q, k, v: cuflash.torch.attention(q, k, v, dropout_p=0.1), fullgraph=True)
-    with pytest.raises(Exception, match="dropout_p: dropout runs in eager calls and under CUDA-graph capture, not "
-                                        "under torch.compile"):
+    compiled = torch.compile(lambda q, k, v: cuflash.torch.attention(q, k, v, dropout_p=1.5), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(Exception, match="dropout_p"):
         compiled(q, k, v)
+
+
+def _launched_words(calls) -> list:
+    return [(c[0], c[1]["dropout_p"], c[1]["dropout_seed"], c[1]["dropout_offset"]) for c in calls]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
+    shutil.which("c++") is None, reason="inductor on the CPU compiles C++: no c++ on PATH"))])
+def test_dropout_under_torch_compile_draws_its_mask_in_the_graph(on_host, backend):
+    """Under torch.compile the mask's seed and offset are two words drawn by a random op of the graph (torch's
+    generator, so torch.manual_seed repeats them); the backward reads the words its forward read."""
+    q, k, v = _qkv(torch.float16)
+    p = 0.3
+    f = lambda q, k, v: cuflash.torch.attention(q, k, v, causal=True, dropout_p=p)  # noqa: E731
+    explain = torch._dynamo.explain(f)(q.detach(), k.detach(), v.detach())
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    torch._dynamo.reset()
+    on_host.clear()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    torch.manual_seed(11)
+    out = compiled(q, k, v)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (fwd, p_fwd, seed, offset), (bwd, p_bwd, seed_b, offset_b) = _launched_words(on_host)
+    assert (fwd, bwd, p_fwd, p_bwd) == ("fwd", "bwd", p, p) and (seed_b, offset_b) == (seed, offset)
+    assert 0 <= seed < 2 ** 62 and 0 <= offset < 2 ** 62
+    keep = torch.from_numpy(reference.dropout_keep(seed, offset, 2, 4, 17, 29, p))
+    scale = reference.DROPOUT_LEVELS / reference.dropout_threshold(p)
+    qf, kf, vf = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    kr, vr = kf.repeat_interleave(2, 1), vf.repeat_interleave(2, 1)
+    s = qf @ kr.transpose(-1, -2) / math.sqrt(32)
+    s = s.masked_fill(~(torch.arange(29)[None, :] <= torch.arange(17)[:, None] + 12), float("-inf"))
+    ref = ((s.softmax(-1) * keep * scale) @ vr).transpose(1, 2)
+    ref.backward(dout.double())
+    assert (out.double() - ref).abs().max().item() < 4e-3
+    for got, want in ((q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
+        assert (got.double() - want.transpose(1, 2)).abs().max().item() < 2e-2
+    with torch.no_grad():
+        again = compiled(q, k, v)  # a new mask each run
+        torch.manual_seed(11)
+        repeat = compiled(q, k, v)  # the first run's mask again
+    words = _launched_words(on_host)
+    assert words[2][2:] != (seed, offset) and words[3][2:] == (seed, offset)
+    assert not torch.equal(again, out.detach()) and torch.equal(repeat, out.detach())
+
+
+def test_dropout_under_torch_compile_through_varlen_and_paged_keys(on_host):
+    q, k, v, cu_q, cu_k = _packed(torch.float16)
+    compiled = torch.compile(lambda *a: cuflash.torch.attention_varlen(*a, max(LENS_Q), max(LENS_K), dropout_p=0.1),
+                             backend="aot_eager", fullgraph=True)
+    compiled(q, k, v, cu_q, cu_k).sum().backward()
+    (fwd, p_fwd, *words), (bwd, p_bwd, *words_b) = _launched_words(on_host)
+    assert (fwd, bwd, p_fwd, p_bwd) == ("fwd", "bwd", 0.1, 0.1) and words == words_b
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(6, 4, 32, generator=g).half()
+    pool_k, pool_v = (torch.randn(5, 16, 2, 32, generator=g).half() for _ in range(2))
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
+    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 20, 37], dtype=torch.int32)
+    paged = torch.compile(lambda *a: cuflash.torch.attention_varlen(*a, 4, 20, block_table=table, dropout_p=0.2),
+                          backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        out = paged(q, pool_k, pool_v, cu_q, cu_k)
+    _, p, seed, offset = _launched_words(on_host)[-1]
+    want = reference.attention_varlen(q.numpy(), pool_k.numpy(), pool_v.numpy(), cu_q.numpy(), cu_k.numpy(), 4, 20,
+                                      block_table=table.numpy(), dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    assert p == 0.2 and np.abs(out.numpy() - want).max() < 4e-3

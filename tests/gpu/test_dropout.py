@@ -150,6 +150,48 @@ def test_torch_dropout_follows_torch_manual_seed():
     _far(third[0].view(dt), want, "bf16", "out")
 
 
+def test_torch_dropout_under_torch_compile(monkeypatch):
+    """Under torch.compile (inductor, fullgraph) the graph draws the mask's seed and offset from torch's generator:
+    torch.manual_seed repeats a run bitwise (gradients too, in deterministic mode) and the next run draws another
+    mask. With the two words fixed, the compiled forward and backward are the reference's with those words."""
+    torch = pytest.importorskip("torch")
+    import cuflash.torch
+    rng = np.random.default_rng(5)
+    dt = DTYPES["bf16"]
+    q, k, v = randn(rng, (2, 70, 4, 64), dt), randn(rng, (2, 90, 2, 64), dt), randn(rng, (2, 90, 2, 64), dt)
+    dout = randn(rng, q.shape, dt)
+    as_torch = lambda x: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()  # noqa: E731
+
+    def run(step):
+        tensors = [as_torch(x).requires_grad_() for x in (q, k, v)]
+        out = step(*tensors)
+        out.backward(as_torch(dout))
+        return [x.detach().view(torch.int16).cpu().numpy() for x in (out, *(t.grad for t in tensors))]
+
+    def compiled():
+        torch._dynamo.reset()
+        return torch.compile(lambda q, k, v: cuflash.torch.attention(q, k, v, causal=True, dropout_p=0.25,
+                                                                     deterministic=True), fullgraph=True)
+
+    step = compiled()
+    torch.manual_seed(99)
+    first = run(step)
+    torch.manual_seed(99)
+    for a, b in zip(first, run(step)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(run(step)[0], first[0]), "the next run draws another mask"
+    monkeypatch.setattr(cuflash.torch, "_graph_dropout", lambda q, p: (
+        torch.tensor([2 ** 40 + 5, 12], dtype=torch.int64, device=q.device), float(p)))
+    got = run(compiled())
+    drop = dict(causal=True, dropout_p=0.25, dropout_seed=2 ** 40 + 5, dropout_offset=12)
+    want, lse = reference.attention(q, k, v, return_lse=True, **drop)
+    _close(got[0].view(dt), want, "bf16", "out")
+    want_grads = reference.attention_backward(dout, q, k, v, got[0].view(dt), lse, **drop)
+    for name, g, w in zip(("dq", "dk", "dv"), got[1:], want_grads):
+        _close(g.view(dt), w, "bf16", name)
+    torch._dynamo.reset()
+
+
 def test_jax_dropout_from_a_key():
     """cuflash.jax under jit and grad with a PRNG key: the kernels read the key's four words from device memory
     (dropout_state); the result is the reference's with that seed and offset, the same key repeats bitwise and the

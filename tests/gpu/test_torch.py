@@ -133,12 +133,13 @@ def test_deterministic_backward_is_bitwise_repeatable():
 def test_opcheck_on_cuda():
     import cuflash.torch  # noqa: F401  (registers the ops)
     q, k, v = _qkv(sq=33, sk=33)
-    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, (q, k, v, None, None, True, -1, -1, 0.0, False))
-    out, lse = torch.ops.cuflash.attention_fwd(q, k, v, None, None, True, -1, -1, 0.0, False)
+    args = (q, k, v, None, None, None, True, -1, -1, 0.0, False, 0.0)
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, args)
+    out, lse = torch.ops.cuflash.attention_fwd(*args)
     # the backward op has no derivative of its own (no double backward): check it on inputs without grad
     q, k, v = (x.detach() for x in (q, k, v))
     torch.library.opcheck(torch.ops.cuflash.attention_bwd.default,
-                          (torch.randn_like(out), q, k, v, out.detach(), lse, None, None, True, -1, -1, 0.0, False),
+                          (torch.randn_like(out), q, k, v, out.detach(), lse, *args[3:]),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
@@ -260,14 +261,13 @@ def test_varlen_matches_per_sequence_attention_and_float32_gradients(dtype, caus
 def test_varlen_opcheck_on_cuda():
     import cuflash.torch  # noqa: F401
     q, k, v, cu_q, cu_k = _packed(torch.float16)
-    args = (q, k, v, cu_q, cu_k, None, max(LENS_Q), max(LENS_K), None, True, -1, -1, 0.0, False)
+    args = (q, k, v, cu_q, cu_k, None, None, max(LENS_Q), max(LENS_K), None, True, -1, -1, 0.0, False, 0.0)
     torch.library.opcheck(torch.ops.cuflash.attention_varlen_fwd.default, args)
     out, lse = torch.ops.cuflash.attention_varlen_fwd(*args)
     q, k, v = (x.detach() for x in (q, k, v))
     # dk, dv rows outside every sequence are unspecified: cover every key with a sequence here
     torch.library.opcheck(torch.ops.cuflash.attention_varlen_bwd.default,
-                          (torch.randn_like(out), q, k, v, out.detach(), lse, cu_q, cu_k, None, max(LENS_Q),
-                           max(LENS_K), None, True, -1, -1, 0.0, False),
+                          (torch.randn_like(out), q, k, v, out.detach(), lse, *args[3:]),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
