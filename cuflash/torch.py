@@ -8,7 +8,9 @@
 * :func:`attention_varlen` -- packed variable-length sequences, differentiable in q, k, v:
   ``cuflash::attention_varlen_fwd`` and ``cuflash::attention_varlen_bwd``;
 * :func:`attention_with_kvcache` -- decode against a KV cache, appending to it in place, not differentiable:
-  ``cuflash::attention_with_kvcache`` (mutates ``k_cache``, ``v_cache``).
+  ``cuflash::attention_with_kvcache`` (mutates ``k_cache``, ``v_cache``);
+* :func:`attention_fp8`, :func:`attention_varlen_fp8` -- the FP8 forward: ``cuflash::attention_fp8`` and
+  ``cuflash::attention_varlen_fp8``.
 
 Every op has a fake (shape-only) implementation, and the forward ops carry their backward through
 ``register_autograd``, so ``torch.compile`` traces them without a graph break. A plain eager call skips the
@@ -268,9 +270,14 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
     out : torch.Tensor, (batch, seqlen_q, nheads, headdim), bfloat16
     lse : torch.Tensor, (batch, nheads, seqlen_q), float32 -- only if ``return_lse``
 
-    Not differentiable. V is transposed into a workspace first (docs/fp8.md).
+    Not differentiable. V is transposed into a workspace first (docs/fp8.md). Under torch.compile, export and
+    tracing the call is the op ``cuflash::attention_fp8``.
     """
-    return _fp8(q, k, v, (q_descale, k_descale, v_descale), None, softmax_scale, causal, window_size, return_lse)
+    descales = (q_descale, k_descale, v_descale)
+    if _eager(q, k, v):
+        return _fp8(q, k, v, descales, None, softmax_scale, causal, window_size, return_lse)
+    out, lse = _attention_fp8_op(q, k, v, *descales, softmax_scale, causal, *_window(causal, window_size), return_lse)
+    return (out, lse) if return_lse else out
 
 
 def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, q_descale=None,
@@ -291,9 +298,16 @@ def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     -------
     out : torch.Tensor, (total_q, nheads, headdim), bfloat16; rows outside every sequence are not written
     lse : torch.Tensor, (nheads, total_q), float32 -- only if ``return_lse``
+
+    Under torch.compile, export and tracing the call is the op ``cuflash::attention_varlen_fp8``.
     """
-    return _fp8(q, k, v, (q_descale, k_descale, v_descale), (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                softmax_scale, causal, window_size, return_lse)
+    descales = (q_descale, k_descale, v_descale)
+    if _eager(q, k, v):
+        return _fp8(q, k, v, descales, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), softmax_scale, causal,
+                    window_size, return_lse)
+    out, lse = _attention_varlen_fp8_op(q, k, v, cu_seqlens_q, cu_seqlens_k, *descales, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale, causal, *_window(causal, window_size), return_lse)
+    return (out, lse) if return_lse else out
 
 
 def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_lse):
@@ -327,8 +341,8 @@ def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_l
     return (out, lse) if return_lse else out
 
 
-def _fp8_call(q, k, v, descales, varlen, softmax_scale, causal, window_size):
-    """attention_fp8's and attention_varlen_fp8's checks and their launch for this signature (forward_fp8.Fp8Call)."""
+def _fp8_problem(q, k, v, descales, varlen, softmax_scale, causal, window_size) -> tuple:
+    """attention_fp8's and attention_varlen_fp8's checks: (checks.Problem, the tensors' specs)."""
     cu = varlen[:2] if varlen else (None, None)
     tensors = dict(zip(("q", "k", "v", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k"),
                        (q, k, v) + descales + cu))
@@ -337,10 +351,14 @@ def _fp8_call(q, k, v, descales, varlen, softmax_scale, causal, window_size):
     fp8 = dict(q_descale=specs["q_descale"], k_descale=specs["k_descale"], v_descale=specs["v_descale"],
                softmax_scale=softmax_scale, causal=causal, window_size=window_size)
     if varlen:
-        problem = checks.check_varlen_fp8(specs["q"], specs["k"], specs["v"], specs["cu_seqlens_q"],
-                                          specs["cu_seqlens_k"], *varlen[2:], **fp8)
-    else:
-        problem = checks.check_attention_fp8(specs["q"], specs["k"], specs["v"], **fp8)
+        return checks.check_varlen_fp8(specs["q"], specs["k"], specs["v"], specs["cu_seqlens_q"],
+                                       specs["cu_seqlens_k"], *varlen[2:], **fp8), specs
+    return checks.check_attention_fp8(specs["q"], specs["k"], specs["v"], **fp8), specs
+
+
+def _fp8_call(q, k, v, descales, varlen, softmax_scale, causal, window_size):
+    """attention_fp8's and attention_varlen_fp8's checks and their launch for this signature (forward_fp8.Fp8Call)."""
+    problem, specs = _fp8_problem(q, k, v, descales, varlen, softmax_scale, causal, window_size)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     forward_fp8.require_hopper(index)
     left, right = checks.window(causal, window_size)
@@ -897,6 +915,55 @@ def _no_paged_backward(block_table, *_):
 
 
 # --------------------------------------------------------------------------------------------
+# FP8 attention: forward-only ops over the eager path (_fp8)
+# --------------------------------------------------------------------------------------------
+
+def _attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: Optional[torch.Tensor],
+                   k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+                   softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                   return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_fp8 as an op: ``out, lse``, lse empty (``(0,)``) unless ``return_lse``."""
+    return _fp8_op_result(q, _fp8(q, k, v, (q_descale, k_descale, v_descale), None, softmax_scale, causal,
+                                  (window_left, window_right), return_lse), return_lse)
+
+
+def _attention_varlen_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, q_descale: Optional[torch.Tensor],
+                          k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor], max_seqlen_q: int,
+                          max_seqlen_k: int, softmax_scale: Optional[float], causal: bool, window_left: int,
+                          window_right: int, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_varlen_fp8 as an op, as :func:`_attention_fp8`."""
+    return _fp8_op_result(q, _fp8(q, k, v, (q_descale, k_descale, v_descale),
+                                  (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), softmax_scale, causal,
+                                  (window_left, window_right), return_lse), return_lse)
+
+
+def _fp8_op_result(q, result, return_lse: bool) -> tuple:
+    return result if return_lse else (result, q.new_empty((0,), dtype=torch.float32))
+
+
+def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, window_left, window_right,
+                        return_lse):
+    if _concrete(q, k, v, q_descale, k_descale, v_descale):
+        _fp8_problem(q, k, v, (q_descale, k_descale, v_descale), None, softmax_scale, causal,
+                     (window_left, window_right))
+    b, sq, h, _ = q.shape
+    return (q.new_empty(q.shape, dtype=torch.bfloat16),
+            q.new_empty((b, h, sq) if return_lse else (0,), dtype=torch.float32))
+
+
+def _attention_varlen_fp8_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, max_seqlen_q,
+                               max_seqlen_k, softmax_scale, causal, window_left, window_right, return_lse):
+    if _concrete(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale,
+                 ints=(max_seqlen_q, max_seqlen_k)):
+        _fp8_problem(q, k, v, (q_descale, k_descale, v_descale), (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                  max_seqlen_k), softmax_scale, causal,
+                     (window_left, window_right))
+    return (q.new_empty(q.shape, dtype=torch.bfloat16),
+            q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32))
+
+
+# --------------------------------------------------------------------------------------------
 # KV-cache attention: one op that mutates the caches
 # --------------------------------------------------------------------------------------------
 
@@ -1040,6 +1107,8 @@ _attention_varlen_bwd_op = _register("attention_varlen_bwd", _attention_varlen_b
 _kvcache_op = _register("attention_with_kvcache", _kvcache, _kvcache_fake, mutates_args=("k_cache", "v_cache"))
 _attention_varlen_paged_op = _register("attention_varlen_paged", _attention_varlen_paged,
                                        _attention_varlen_paged_fake)
+_attention_fp8_op = _register("attention_fp8", _attention_fp8, _attention_fp8_fake)
+_attention_varlen_fp8_op = _register("attention_varlen_fp8", _attention_varlen_fp8, _attention_varlen_fp8_fake)
 
 
 def _register_autograd(forward_op, backward_op, tensors: int) -> None:

@@ -686,3 +686,105 @@ def test_dropout_under_torch_compile_through_varlen_and_paged_keys(on_host):
     want = reference.attention_varlen(q.numpy(), pool_k.numpy(), pool_v.numpy(), cu_q.numpy(), cu_k.numpy(), 4, 20,
                                       block_table=table.numpy(), dropout_p=p, dropout_seed=seed, dropout_offset=offset)
     assert p == 0.2 and np.abs(out.numpy() - want).max() < 4e-3
+
+
+# --------------------------------------------------------------------------------------------
+# FP8: the forward ops under torch.compile (the eager path, _fp8, on the host's reference here)
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fp8_on_host(on_host, monkeypatch):
+    """cuflash.torch._fp8 (the eager FP8 call) checks as on a GPU, then computes the reference on host memory."""
+    def fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_lse):
+        cuflash.torch._fp8_problem(q, k, v, descales, varlen, softmax_scale, causal, window_size)
+        on_host.append(("fp8", dict(varlen=varlen is not None, window_size=tuple(window_size))))
+        bits = [x.view(torch.uint8).numpy() for x in (q, k, v)]
+        names = ("q_descale", "k_descale", "v_descale")
+        options = dict({n: d.numpy() for n, d in zip(names, descales) if d is not None},
+                       softmax_scale=softmax_scale, causal=causal, window_size=tuple(window_size), return_lse=True)
+        if varlen is None:
+            out, lse = reference.attention_fp8(*bits, **options)
+        else:
+            out, lse = _fp8_varlen_reference(bits, varlen, options)
+        out = torch.from_numpy(np.ascontiguousarray(out)).to(torch.bfloat16)
+        lse = torch.from_numpy(np.ascontiguousarray(lse)).float()
+        return (out, lse) if return_lse else out
+
+    monkeypatch.setattr(cuflash.torch, "_fp8", fp8)
+    return on_host
+
+
+def _fp8_varlen_reference(bits, varlen, options) -> tuple:
+    """attention_fp8 per packed sequence (tensor descales), as (total_q, h, d) and (h, total_q)."""
+    cu_q, cu_k = varlen[0].numpy(), varlen[1].numpy()
+    q8, k8, v8 = bits
+    out = np.zeros(q8.shape)
+    lse = np.zeros((q8.shape[1], q8.shape[0]))
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        o, l = reference.attention_fp8(q8[None, rows], k8[None, keys], v8[None, keys], **options)
+        out[rows], lse[:, rows] = o[0], l[0]
+    return out, lse
+
+
+def _fp8_qkv(b=2, sq=17, sk=29, h=4, hk=2, d=32):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, h_, d, generator=g) if b is None else torch.randn(b, n, h_, d, generator=g)
+               for n, h_ in ((sq, h), (sk, hk), (sk, hk)))
+    return tuple(x.to(torch.float8_e4m3fn) for x in (q, k, v))
+
+
+def test_fp8_ops_opcheck(fp8_on_host):
+    """The fake implementations against the ops (test_schema compares the inputs by arithmetic that float8 lacks on
+    the CPU)."""
+    q, k, v = _fp8_qkv()
+    descale = torch.tensor(0.5)
+    for args in ((q, k, v, None, None, None, None, True, -1, -1, True),
+                 (q, k, v, *(torch.full((2, 2), x) for x in (0.5, 2.0, 0.25)), 0.2, False, 5, 0, False)):
+        torch.library.opcheck(torch.ops.cuflash.attention_fp8.default, args,
+                              test_utils=("test_faketensor",))
+    q, k, v = _fp8_qkv(b=None, sq=sum(LENS_Q), sk=sum(LENS_K))
+    cu_q, cu_k = (torch.tensor(np.cumsum((0,) + lens), dtype=torch.int32) for lens in (LENS_Q, LENS_K))
+    torch.library.opcheck(torch.ops.cuflash.attention_varlen_fp8.default,
+                          (q, k, v, cu_q, cu_k, descale, None, None, max(LENS_Q), max(LENS_K), None, True, -1, -1,
+                           True), test_utils=("test_faketensor",))
+
+
+def test_fp8_under_torch_compile_is_the_eager_call(fp8_on_host):
+    """attention_fp8 and attention_varlen_fp8 compile without a graph break into their ops, whose results are the
+    eager calls'."""
+    q, k, v = _fp8_qkv()
+    descales = dict(q_descale=torch.full((2, 2), 0.5), v_descale=torch.full((2, 2), 0.25))
+    f = lambda q, k, v: cuflash.torch.attention_fp8(q, k, v, causal=True, window_size=[6, 0], return_lse=True,  # noqa
+                                                    **descales)
+    explain = torch._dynamo.explain(f)(q, k, v)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
+    torch._dynamo.reset()
+    out, lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    want, want_lse = f(q, k, v)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert fp8_on_host[-1] == fp8_on_host[-2] == ("fp8", dict(varlen=False, window_size=(6, 0)))
+    q, k, v = _fp8_qkv(b=None, sq=sum(LENS_Q), sk=sum(LENS_K))
+    cu_q, cu_k = (torch.tensor(np.cumsum((0,) + lens), dtype=torch.int32) for lens in (LENS_Q, LENS_K))
+    g = lambda q, k, v: cuflash.torch.attention_varlen_fp8(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K),  # noqa
+                                                           k_descale=torch.tensor(2.0))
+    out = torch.compile(g, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert out.shape == q.shape and torch.equal(out, g(q, k, v)) and fp8_on_host[-1][1]["varlen"]
+
+
+@_cuda_build
+def test_fp8_fake_tensors_give_shapes_and_run_the_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(2, 5, 8, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        k = torch.empty(2, 9, 2, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        out, lse = torch.ops.cuflash.attention_fp8(q, k, k, None, None, None, None, False, -1, -1, True)
+        assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (2, 8, 5)
+        out, lse = torch.ops.cuflash.attention_fp8(q, k, k, None, None, None, None, False, -1, -1, False)
+        assert lse.shape == (0,)
+        with pytest.raises(TypeError, match="v: dtype torch.bfloat16 is not supported; expected torch.float8_e4m3fn"):
+            torch.ops.cuflash.attention_fp8(q, k, k.to(torch.bfloat16), None, None, None, None, False, -1, -1, True)
+        cu = torch.empty(4, dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.cuflash.attention_varlen_fp8(q[0], k[0], k[0], cu, cu, None, None, None, 5, 9, None,
+                                                          True, -1, -1, True)
+        assert out.shape == q[0].shape and lse.shape == (8, 5)

@@ -148,7 +148,8 @@ def test_fp8_forward_off_hopper_raises():
 
 
 def test_fp8_forward_from_torch_matches_cupy():
-    """cuflash.torch.attention_fp8 on float8_e4m3fn tensors: the CuPy call's result, bit for bit."""
+    """cuflash.torch.attention_fp8 on float8_e4m3fn tensors, eager and under torch.compile: the CuPy call's result,
+    bit for bit."""
     torch = pytest.importorskip("torch")
     import cupy
     import cuflash.torch as cft
@@ -165,6 +166,10 @@ def test_fp8_forward_from_torch_matches_cupy():
     assert out.dtype == torch.bfloat16
     assert np.array_equal(out.view(torch.int16).cpu().numpy(), cupy.asnumpy(want.view(cupy.int16)))
     assert np.array_equal(lse.cpu().numpy(), cupy.asnumpy(want_lse))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: cft.attention_fp8(*a, causal=True, return_lse=True, **ds), fullgraph=True)
+    got, got_lse = compiled(q8, k8, v8)
+    assert torch.equal(got.view(torch.int16), out.view(torch.int16)) and torch.equal(got_lse, lse)
     with pytest.raises(TypeError, match="q: dtype torch.bfloat16 is not supported; expected torch.float8_e4m3fn"):
         cft.attention_fp8(q8.to(torch.bfloat16), k8, v8)
 
@@ -249,7 +254,7 @@ def test_fp8_varlen_matches_each_sequence_alone(fp8_form, lens, hk, group, d, pe
 
 
 def test_fp8_varlen_from_torch_matches_cupy():
-    """cuflash.torch.attention_varlen_fp8: the CuPy call's result, bit for bit."""
+    """cuflash.torch.attention_varlen_fp8, eager and under torch.compile: the CuPy call's result, bit for bit."""
     torch = pytest.importorskip("torch")
     import cupy
     import cuflash.torch as cft
@@ -267,6 +272,12 @@ def test_fp8_varlen_from_torch_matches_cupy():
     assert out.shape == (360, 4, 128) and lse.shape == (4, 360)
     assert np.array_equal(out.view(torch.int16).cpu().numpy(), cupy.asnumpy(want.view(cupy.int16)))
     assert np.array_equal(lse.cpu().numpy(), cupy.asnumpy(want_lse))
+    torch._dynamo.reset()
+    cu = (torch.from_numpy(cu_q).cuda(), torch.from_numpy(cu_k).cuda())
+    compiled = torch.compile(lambda *a: cft.attention_varlen_fp8(*a, *cu, 260, 300, causal=True, return_lse=True,
+                                                                 **tds), fullgraph=True)
+    got, got_lse = compiled(tq, tk, tv)
+    assert torch.equal(got.view(torch.int16), out.view(torch.int16)) and torch.equal(got_lse, lse)
 
 
 def test_fp8_varlen_from_jax_matches_cupy():
