@@ -550,6 +550,22 @@ class _FakeCudaGenerator:
         self.offset = offset
 
 
+def _check_dropout_against_torch(q, k, v, out, dout, p, seed, offset):
+    """out and q, k, v's gradients (after out.backward(dout)) against the same causal attention (_qkv's shapes) in
+    float64 torch with the reference's mask: dropped probabilities, kept ones scaled."""
+    keep = torch.from_numpy(reference.dropout_keep(seed, offset, 2, 4, 17, 29, p))
+    scale = reference.DROPOUT_LEVELS / reference.dropout_threshold(p)
+    qf, kf, vf = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    kr, vr = kf.repeat_interleave(2, 1), vf.repeat_interleave(2, 1)
+    s = qf @ kr.transpose(-1, -2) / math.sqrt(32)
+    s = s.masked_fill(~(torch.arange(29)[None, :] <= torch.arange(17)[:, None] + 12), float("-inf"))
+    ref = ((s.softmax(-1) * keep * scale) @ vr).transpose(1, 2)
+    ref.backward(dout.double())
+    assert (out.double() - ref).abs().max().item() < 4e-3
+    for got, want in ((q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
+        assert (got.double() - want.transpose(1, 2)).abs().max().item() < 2e-2
+
+
 def test_dropout_mask_comes_from_the_generator_and_reaches_forward_and_backward(on_host, monkeypatch):
     generator = _FakeCudaGenerator(seed=(7 << 40) + 123, offset=8)
     monkeypatch.setattr(cuflash.torch, "_generator", lambda q: generator)
@@ -562,18 +578,7 @@ def test_dropout_mask_comes_from_the_generator_and_reaches_forward_and_backward(
     fwd, bwd = on_host[0][1], on_host[1][1]
     for options in (fwd, bwd):  # the backward regenerates the forward's mask
         assert (options["dropout_p"], options["dropout_seed"], options["dropout_offset"]) == (p, (7 << 40) + 123, 8)
-    # the same attention in float32 torch with the reference's mask: dropped probabilities, kept ones scaled
-    keep = torch.from_numpy(reference.dropout_keep((7 << 40) + 123, 8, 2, 4, 17, 29, p))
-    scale = reference.DROPOUT_LEVELS / reference.dropout_threshold(p)
-    qf, kf, vf = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    kr, vr = kf.repeat_interleave(2, 1), vf.repeat_interleave(2, 1)
-    s = qf @ kr.transpose(-1, -2) / math.sqrt(32)
-    s = s.masked_fill(~(torch.arange(29)[None, :] <= torch.arange(17)[:, None] + 12), float("-inf"))
-    ref = ((s.softmax(-1) * keep * scale) @ vr).transpose(1, 2)
-    ref.backward(dout.double())
-    assert (out.double() - ref).abs().max().item() < 4e-3
-    for got, want in ((q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
-        assert (got.double() - want.transpose(1, 2)).abs().max().item() < 2e-2
+    _check_dropout_against_torch(q, k, v, out, dout, p, (7 << 40) + 123, 8)
     # a second call draws a new mask
     out2 = cuflash.torch.attention(q.detach(), k.detach(), v.detach(), causal=True, dropout_p=p)
     assert generator.offset == 16 and on_host[2][1]["dropout_offset"] == 12 and not torch.equal(out2, out.detach())
@@ -646,17 +651,7 @@ def test_dropout_under_torch_compile_draws_its_mask_in_the_graph(on_host, backen
     (fwd, p_fwd, seed, offset), (bwd, p_bwd, seed_b, offset_b) = _launched_words(on_host)
     assert (fwd, bwd, p_fwd, p_bwd) == ("fwd", "bwd", p, p) and (seed_b, offset_b) == (seed, offset)
     assert 0 <= seed < 2 ** 62 and 0 <= offset < 2 ** 62
-    keep = torch.from_numpy(reference.dropout_keep(seed, offset, 2, 4, 17, 29, p))
-    scale = reference.DROPOUT_LEVELS / reference.dropout_threshold(p)
-    qf, kf, vf = (x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v))
-    kr, vr = kf.repeat_interleave(2, 1), vf.repeat_interleave(2, 1)
-    s = qf @ kr.transpose(-1, -2) / math.sqrt(32)
-    s = s.masked_fill(~(torch.arange(29)[None, :] <= torch.arange(17)[:, None] + 12), float("-inf"))
-    ref = ((s.softmax(-1) * keep * scale) @ vr).transpose(1, 2)
-    ref.backward(dout.double())
-    assert (out.double() - ref).abs().max().item() < 4e-3
-    for got, want in ((q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
-        assert (got.double() - want.transpose(1, 2)).abs().max().item() < 2e-2
+    _check_dropout_against_torch(q, k, v, out, dout, p, seed, offset)
     with torch.no_grad():
         again = compiled(q, k, v)  # a new mask each run
         torch.manual_seed(11)
