@@ -17,7 +17,8 @@ Two parts, bf16 by default, every implementation in one process on the same data
 With --bwd, part (b) also times the backward of cuflash varlen and cuflash padded
 (2.5 x the forward's FLOPs). With --paged 16,256 (page sizes), part (b) also times cuflash varlen
 reading the same keys from a shuffled page pool through block_table (chunked prefill against a
-paged KV cache): the cost of paging, beside the packed call.
+paged KV cache): the cost of paging, beside the packed call. With --fp8 (sm_90a), part (b) also times
+cuflash.attention_varlen_fp8 on the same tokens in e4m3 (per-tensor descales of 1), beside the bf16 call.
 
 Timing as bench_attention.py: triton.testing.do_bench (CUDA events, L2 flushed before every
 call), median. Spot check: varlen against per-sequence SDPA on a few sequences.
@@ -62,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help=f"part (a) at seqlen {QUICK_EQUAL_SEQLENS} only")
     p.add_argument("--bwd", action="store_true", help="also time the backward in part (b)")
     p.add_argument("--paged", type=ba._int_list, default=[], help="page sizes for the paged varlen rows of (b)")
+    p.add_argument("--fp8", action="store_true", help="also time attention_varlen_fp8 in part (b) (sm_90a)")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
@@ -206,6 +208,11 @@ def mixed_cell(d: int, causal: bool, args) -> dict:
                 qc, kpc, vpc, cuc, cuc, longest, longest, causal=causal, block_table=tc, stream=stream), args)
         except Exception as e:  # noqa: BLE001
             _record(row, f"paged{page_size}", flops, err=ba.short_error(e))
+    if args.fp8:  # the same tokens in e4m3 (|x| < 448: descale 1)
+        q8, k8, v8 = (cupy.from_dlpack(x.to(torch.float8_e4m3fn).view(torch.uint8)) for x in packed)
+        _timed(row, "varlen_fp8", flops, lambda: cuflash.attention_varlen_fp8(
+            q8, k8, v8, cuc, cuc, longest, longest, causal=causal, stream=stream), args)
+        del q8, k8, v8
     _timed(row, "padded", flops, lambda: cuflash.attention(pqc, pkc, pvc, causal=causal, stream=stream), args)
     qt, kt, vt = (x.transpose(1, 2) for x in padded)
     for name in ("flash", "cudnn"):
@@ -272,6 +279,8 @@ def print_tables(rows, args) -> None:
                     + f" {'ok' if r.get('check_ok') else 'FAIL' if r.get('check_ok') is False else 'n/a':>6}")
             if args.bwd:
                 line += f" {_f(r.get('tflops_varlen_bwd'), '10.1f'):>10} {_f(r.get('tflops_padded_bwd'), '10.1f'):>10}"
+            if args.fp8:
+                line += f"  fp8 {_f(r.get('tflops_varlen_fp8'), '7.1f')}"
             for n in args.paged:  # paged keys: TFLOP/s and the packed call's speed over it
                 line += f"  paged{n} {_f(r.get(f'tflops_paged{n}'), '7.1f')} ({_f(r.get(f'ratio_paged{n}'), '.2f')}x)"
             print(line)

@@ -171,13 +171,16 @@ def varlen_table(rows: list[dict]) -> str:
                              "rlrrrrr", body))
     mixed = [r for r in rows if r.get("part") == "mixed"]
     if mixed:
+        fp8 = any("tflops_varlen_fp8" in r for r in mixed)  # bench_varlen.py --fp8
         body = [[str(r["d"]), yes_no(r["causal"]), str(r.get("tokens", "")), num(r.get("tflops_varlen")),
+                 *([num(r.get("tflops_varlen_fp8"))] if fp8 else []),
                  num(r.get("tflops_padded")), num(r.get("tflops_flash")), num(r.get("tflops_cudnn")),
                  ratio(r.get("ratio_flash"), ".2f"), ratio(r.get("ratio_cudnn"), ".2f"),
                  num(r.get("tflops_varlen_bwd")), num(r.get("tflops_padded_bwd"))] for r in mixed]
         parts.append("Mixed lengths (peers on the padded batch), effective TFLOP/s counting real tokens only:\n\n"
-                     + table(["d", "causal", "tokens", "varlen", "padded cuflash", "SDPA flash", "cuDNN",
-                              "/flash", "/cudnn", "varlen bwd", "padded bwd"], "rlrrrrrrrrr", body))
+                     + table(["d", "causal", "tokens", "varlen", *(["varlen fp8"] if fp8 else []), "padded cuflash",
+                              "SDPA flash", "cuDNN", "/flash", "/cudnn", "varlen bwd", "padded bwd"],
+                             "rlrr" + "r" * fp8 + "rrrrrrr", body))
     return "\n\n".join(parts)
 
 

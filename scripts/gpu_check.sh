@@ -12,7 +12,8 @@
 #   sanitize   compute-sanitizer memcheck, racecheck over scripts/sanitize_cases.py
 #                                                        (SKIP_SANITIZE=1)   -> $OUT/memcheck.log, racecheck.log
 #   bench      benchmarks/bench_attention.py --op all: forward then backward (SKIP_BENCH=1), then
-#              benchmarks/bench_varlen.py --bwd --paged 16,256 (SKIP_VARLEN=1, rows appended with op "varlen"), then
+#              benchmarks/bench_varlen.py --bwd --paged 16,256 --fp8 (SKIP_VARLEN=1, rows appended with op
+#              "varlen"), then
 #              bench_attention.py at head dims 59, 111, 200, 256 (SKIP_DIMS=1, rows appended), then
 #              benchmarks/bench_overhead.py (SKIP_OVERHEAD=1), then benchmarks/bench_decode.py (SKIP_DECODE=1)
 #                                         -> $OUT/bench.txt (every table), bench.json, overhead.json, decode.json
@@ -230,7 +231,7 @@ else
     # Packed variable-length sequences: its log goes to the end of bench.txt and its rows into bench.json.
     if [ "${SKIP_VARLEN:-0}" != 1 ]; then
         run_step varlen "${BENCH_TIMEOUT:-}" "${TMPDIR:-/tmp}/bench_varlen.txt" \
-            python3 benchmarks/bench_varlen.py --bwd --paged 16,256 --json "$OUT/bench.json" --append
+            python3 benchmarks/bench_varlen.py --bwd --paged 16,256 --fp8 --json "$OUT/bench.json" --append
         rc=$?
         cat "${TMPDIR:-/tmp}/bench_varlen.txt" >>"$OUT/bench.txt"
         if [ "$rc" = 0 ]; then record varlen ok "$LAST_DT"

@@ -151,3 +151,12 @@ def test_overhead_table(run_files):
     assert "Run: Test GPU, bf16, 2026-01-02, commit abc1234" in doc and "commit def5678 (torch 2.13.0" in doc
     assert report.main(["--results", str(t / "results.json"), "--docs", str(t / "docs.md")]) == 0
     assert (t / "docs.md").read_text() == doc
+
+
+def test_varlen_table_has_an_fp8_column_when_measured():
+    row = dict(op="varlen", part="mixed", d=128, causal=True, tokens=2000, tflops_varlen=400.0, tflops_padded=200.0,
+               tflops_flash=150.0, tflops_cudnn=250.0, ratio_flash=2.667, ratio_cudnn=1.6)
+    assert "fp8" not in report.varlen_table([row])
+    text = report.varlen_table([dict(row, tflops_varlen_fp8=600.0)])
+    assert "| d | causal | tokens | varlen | varlen fp8 | padded cuflash |" in text
+    assert "| 128 | yes | 2000 | 400.0 | 600.0 | 200.0 | 150.0 | 250.0 | 2.67 | 1.60 |" in text
