@@ -3,6 +3,7 @@
 repeat bitwise; the lse is dropout's none; the backward's limits raise."""
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from cuflash import reference
 from tests.gpu.helpers import DTYPES, randn
@@ -47,21 +48,45 @@ CASES = [  # dtype, b, sq, sk, h, hk, d, options
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-d{c[6]}-{'-'.join(c[7]) or 'plain'}")
 def test_dropout_forward_and_backward_match_the_reference(compiled, case):
+    _check_case(case, dict(dropout_p=0.3, dropout_seed=2 ** 40 + 123, dropout_offset=2 ** 33 + 7),
+                np.random.default_rng(case[2] + case[6]), other_mask=True)
+
+
+@st.composite
+def dropout_cases(draw):
+    hk = draw(st.sampled_from([1, 2]))
+    options = draw(st.sampled_from([{}, {}, dict(causal=True), dict(window_size=(37, 5)), dict(softcap=6.0)]))
+    return (draw(st.sampled_from(["fp16", "bf16"])), draw(st.integers(1, 2)), draw(st.integers(1, 260)),
+            draw(st.integers(1, 300)), hk * draw(st.sampled_from([1, 2, 3])), hk,
+            draw(st.sampled_from([32, 40, 64, 96, 128, 136, 256])), options)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=dropout_cases(), p=st.sampled_from([0.05, 0.3, 0.6]), seed=st.integers(0, 2 ** 64 - 1),
+       offset=st.integers(0, 2 ** 64 - 1), data=st.integers(0, 2 ** 31 - 1))
+def test_dropout_on_hypothesis_shapes(compiled, case, p, seed, offset, data):
+    """Shapes off every tile grid (rows and keys from 1), every head-dim path, seeds and offsets over the whole
+    64-bit range. (Whether another mask would pass is the cases above's check: a small shape's two masks can agree.)"""
+    _check_case(case, dict(dropout_p=p, dropout_seed=seed, dropout_offset=offset), np.random.default_rng(data))
+
+
+def _check_case(case, drop, rng, other_mask=False):
+    """Forward (out, lse) and, where the head dim has one, both backwards against the reference with the same mask
+    (and, with ``other_mask``, not the reference with the next offset's); the same seed and offset repeat bitwise."""
     import cupy
     import cuflash
     dtype, b, sq, sk, h, hk, d, options = case
-    rng = np.random.default_rng(sq + d)
     dt = DTYPES[dtype]
     q, k, v = randn(rng, (b, sq, h, d), dt), randn(rng, (b, sk, hk, d), dt), randn(rng, (b, sk, hk, d), dt)
     dout = randn(rng, (b, sq, h, d), dt)
-    drop = dict(dropout_p=0.3, dropout_seed=2 ** 40 + 123, dropout_offset=2 ** 33 + 7)
     dev = [cupy.asarray(x) for x in (q, k, v, dout)]
     out, lse = cuflash.attention(*dev[:3], return_lse=True, **options, **drop)
     want, want_lse = reference.attention(q, k, v, return_lse=True, **options, **drop)
     _close(out.get(), want, dtype, "out")
     np.testing.assert_allclose(lse.get(), reference.attention(q, k, v, return_lse=True, **options)[1], atol=2e-3)
-    _far(out.get(), reference.attention(q, k, v, **options, **dict(drop, dropout_offset=drop["dropout_offset"] + 1)),
-         dtype, "out")
+    if other_mask:
+        other = dict(drop, dropout_offset=drop["dropout_offset"] + 1)
+        _far(out.get(), reference.attention(q, k, v, **options, **other), dtype, "out")
     again = cuflash.attention(*dev[:3], **options, **drop)
     assert bool(cupy.array_equal(out.view(cupy.uint16), again.view(cupy.uint16))), "the same seed and offset"
     from cuflash import build, plan
