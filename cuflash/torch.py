@@ -666,8 +666,8 @@ def _attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                           softcap: float, deterministic: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
-                    causal, window_left, window_right, softcap, True, dropout=_graph_dropout_words(dropout_p,
-                                                                                                   dropout_state))
+                    causal, window_left, window_right, softcap, True,
+                    dropout=_graph_dropout_words(dropout_p, dropout_state))
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
