@@ -61,8 +61,8 @@ struct FwdFp8 {
     // A block's 128 keys are one 128-byte swizzle span of each V^T row: one TMA box. (FA3's FP8 d 128 tile of 224
     // keys does not fit beside the per-block P V accumulator below: docs/perf-notes.md, "FP8 224-key blocks".)
     static constexpr int BM = 64 * WGS, BN = 128, STAGES = D == 256 ? 2 : 4, THREADS = 128 * (WGS + 1);
-    // each consumer thread's registers after setmaxnreg, the producer warpgroup keeping 24: 65,536 a CTA
-    static constexpr int CONSUMER_REGS = WGS == 2 ? 240 : 160;
+    // each thread's registers after setmaxnreg, inside the CTA's pool (sm90::register_pool)
+    static constexpr int CONSUMER_REGS = WGS == 2 ? 240 : 160, PRODUCER_REGS = 24;
     // P times 2^8 before e4m3, added in exp2's exponent: probabilities down to 2^-14 stay normal. The row sum carries
     // the same factor, so O / sum needs no correction, and the lse subtracts 8 (softmax.cuh).
     static constexpr int LOG2_P = 8;
@@ -95,6 +95,8 @@ struct FwdFp8 {
     static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(V_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles of whole swizzle atoms");
+    static_assert(128 * PRODUCER_REGS + 128 * WGS * CONSUMER_REGS <= sm90::register_pool(THREADS),
+                  "the register split exceeds the CTA's pool");
     static_assert(!PIPE || CHUNKS == 1, "the pipelined form keeps one P V accumulator beside the scores");
     static_assert(WGS == 2 || (WGS == 3 && !PIPE && D <= 128),
                   "three consumer warpgroups (160 registers) fit the simple form's scores, P V and O up to d 128");
@@ -362,7 +364,7 @@ struct FwdFp8 {
         }
         __syncthreads();
         if (__shfl_sync(0xffffffff, tid / 128, 0) == 0) {  // the producer (a role ptxas sees is warp-uniform)
-            sm90::regs_dealloc<24>();
+            sm90::regs_dealloc<PRODUCER_REGS>();
             if (tid == 0 && count > 0) produce(range, count);
             return;
         }

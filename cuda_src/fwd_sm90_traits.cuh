@@ -227,7 +227,8 @@ struct FwdSm90Traits {
     static_assert(STAGES >= 2 && (WS || STAGES == 2), "the lockstep version refills after a CTA barrier: 2 slots");
     static_assert(WS || !PINGPONG, "ping-pong schedules the warp-specialized consumers");
     static_assert(WGS == 2 || (WGS == 3 && WS && !PINGPONG), "three consumer warpgroups: warp-specialized, no turns");
-    static_assert(128 * PRODUCER_REGS + 128 * WGS * CONSUMER_REGS <= 65536, "the register split exceeds the SM's file");
+    static_assert(!WS || 128 * PRODUCER_REGS + 128 * WGS * CONSUMER_REGS <= sm90::register_pool(THREADS),
+                  "the warp-specialized register split exceeds the CTA's pool");
     static_assert(WS || !PERSISTENT, "the persistent kernel is the warp-specialized one");
     static_assert(Q_BUFS == 1 || O_TILE, "O is staged in Q's tile only with one Q tile");
     static_assert(!SPLIT || (PERSISTENT && WGS == 3 && O_TILE && D == 64 && STAGES > WGS),

@@ -220,6 +220,14 @@ template <auto ID, int THREADS> __device__ __forceinline__ void named_arrive() {
     asm volatile("bar.arrive %0, %1;\n" ::"n"(int(ID)), "n"(THREADS) : "memory");
 }
 
+// The registers a CTA of `threads` threads starts with when one fits an SM (__launch_bounds__(threads, 1)): the
+// per-thread budget, rounded down to the allocation unit of 8, times the threads (168 x 384 = 64,512 for three
+// warpgroups, not the whole 65,536). setmaxnreg moves registers between warpgroups inside this pool only: a split that
+// asks for more blocks in setmaxnreg.inc for ever.
+__host__ __device__ constexpr int register_pool(int threads) {
+    return (65536 / threads < 255 ? 65536 / threads : 255) / 8 * 8 * threads;
+}
+
 // Per-thread register budget of the executing warpgroup (all its threads, converged): a producer that only issues
 // copies gives registers back, consumers take them (setmaxnreg; the kernel starts at the launch-bounds budget).
 template <int N> __device__ __forceinline__ void regs_dealloc() {
