@@ -167,8 +167,8 @@ struct FwdSm90Traits {
     static constexpr int BM = 64 * WGS, PANELS = D / 64;  // WGS consumer warpgroups of 64 query rows each
     static constexpr int THREADS = 128 * (WGS + (WS ? 1 : 0)), CONSUMER0 = WS ? 128 : 0;  // consumers: CONSUMER0 ..
     static constexpr int CONSUMERS = THREADS - CONSUMER0;
-    // setmaxnreg after the split: the producer keeps 24 registers, the consumers share the rest of the SM's 64 K
-    // (240 each for two warpgroups, 160 for three)
+    // setmaxnreg after the split: the producer keeps 24 registers, the consumers share the rest of the CTA's pool
+    // (sm90::register_pool: 240 each for two warpgroups, 160 for three)
     static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = WGS == 2 ? 240 : 160;
     static constexpr u32 Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
     static constexpr u32 Q_PANEL = BM * 128, KV_PANEL = BN * 128;  // bytes of one 64-column panel
