@@ -56,7 +56,7 @@ struct BwdSm90 {
     static_assert(OFF_QD_BAR == OFF_KV_BAR + 8, "the mbarriers side by side (initialized in one loop)");
     static_assert(!DSPLIT || (OFF_PT % 1024 == 0 && OFF_PT + DS_PANEL <= OFF_ROWS), "P^T after dS^T, 1024-aligned");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
-    static_assert(D == 64 || D == 128 || (D == 256 && BM == 64 && !SCORE_MOD), "head dims 64, 128 and 256");
+    static_assert(D == 64 || D == 128 || (D == 256 && BM == 64), "head dims 64, 128 and 256");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
     static_assert(!DROPOUT || ((BM == 64 || !SCORE_MOD) && !FIXED && (!SCORE_MOD || D == 64)),
                   "dropout: d 64 (a score mod too: 64 query rows), 128, 256");
@@ -263,6 +263,33 @@ struct BwdSm90 {
             }
     }
 
+    // The score mod of head h (its ALiBi slope read from global memory: the caller issues this before a wait).
+    __device__ __forceinline__ ScoreMod score_mod(int h) const {
+        return ScoreMod{p.mod_scale, p.softcap, p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f,
+                        mask.diag};
+    }
+
+    // SCORE_MOD: P^T and dS^T in place of S^T and dP^T (both waited for): the mod per element, its derivative
+    // (softcap's 1 - tanh^2) straight into dS. st's columns are queries m BM + col0 .., whose lse and D start at
+    // `lse` and `dsum`; with dropout (d = 64) dS takes dP^T M / keep (dV's P^T M: drop_fragments).
+    __device__ __forceinline__ void mod_probabilities(const ScoreMod& mod, float (&st)[NT][4], float (&dpt)[NT][4],
+                                                      const float* lse, const float* dsum, int key0, int m, int col0,
+                                                      const u32 (&kept)[QH]) const {
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col0 + col;
+                float dmod;
+                const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
+                const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
+                float dp = dpt[j][e];
+                if constexpr (DROPOUT) dp = dropped(dp, kept, j, e);
+                st[j][e] = prob;
+                dpt[j][e] = prob * (dp - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
+            }
+    }
+
     // Dropout: P^T's fragments times the keep mask M. Fragment [kk][r] packs elements [2 kk + r / 2][2 (r % 2)] and
     // [..][2 (r % 2) + 1] (sm90::a_fragment): keep bits 8 kk + 2 r and 8 kk + 2 r + 1, its low and high halves.
     __device__ __forceinline__ static void drop_fragments(u32 (&a)[KK][4], const u32 (&kept)[QH]) {
@@ -313,22 +340,9 @@ struct BwdSm90 {
         // wgmma reads is not touched again before the wait that ends it.
         u32 a[KK][4], ds[KK][4];
         if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
-            const ScoreMod mod{p.mod_scale, p.softcap,
-                               p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f, mask.diag};
+            const ScoreMod mod = score_mod(h);
             sm90::wgmma_wait<0>();
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col;
-                    float dmod;
-                    const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
-                    const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
-                    float dp = dpt[j][e];
-                    if constexpr (DROPOUT) dp = dropped(dp, kept, j, e);
-                    st[j][e] = prob;
-                    dpt[j][e] = prob * (dp - dsum[col]) * p.softmax_scale * dmod;  // dS^T, in place
-                }
+            mod_probabilities(mod, st, dpt, lse, dsum, key0, m, 0, kept);
             sm90::a_fragments<T>(st, a);
             if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M
         } else {

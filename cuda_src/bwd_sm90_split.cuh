@@ -85,24 +85,31 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     sm90::wgmma_fence();
     issue_keys_by_query_half(st, base, q_tile(buf));
     issue_keys_by_query_half(dpt, base + OFF_V, do_tile(0));
-    sm90::wgmma_wait<1>();  // S^T
-    if (all_visible(m)) probabilities<false>(st, lse + col0, key0, m, col0);
-    else probabilities<true>(st, lse + col0, key0, m, col0);
-    sm90::wgmma_wait<0>();  // dP^T
+    if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
+        const ScoreMod mod = score_mod(h);
+        sm90::wgmma_wait<0>();
+        const u32 all_kept[QH] = {~0u};  // (no dropout beside a score mod here)
+        mod_probabilities(mod, st, dpt, lse + col0, dsum + col0, key0, m, col0, all_kept);
+    } else {
+        sm90::wgmma_wait<1>();  // S^T
+        if (all_visible(m)) probabilities<false>(st, lse + col0, key0, m, col0);
+        else probabilities<true>(st, lse + col0, key0, m, col0);
+        sm90::wgmma_wait<0>();  // dP^T
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float dp = dpt[j][e];
-            if constexpr (DROPOUT) {  // dS^T from dP^T M / keep; dV takes P^T M (its 1 / keep in store_dkdv)
-                const bool keep = (kept >> (4 * j + e)) & 1u;
-                dp = keep ? dp * p.dropout_scale : 0.f;
-                dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
-                if (!keep) st[j][e] = 0.f;
-            } else {
-                dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
+            for (int e = 0; e < 4; ++e) {
+                float dp = dpt[j][e];
+                if constexpr (DROPOUT) {  // dS^T from dP^T M / keep; dV takes P^T M (its 1 / keep in store_dkdv)
+                    const bool keep = (kept >> (4 * j + e)) & 1u;
+                    dp = keep ? dp * p.dropout_scale : 0.f;
+                    dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
+                    if (!keep) st[j][e] = 0.f;
+                } else {
+                    dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
+                }
             }
-        }
+    }
     // P^T and dS^T, 64 keys x 64 queries each, 128-byte swizzled rows of keys: (key r, query c) at r 128 +
     // (((c / 8) ^ (r % 8)) 16) + (c % 8) 2
     if (tt > 0) sm90::named_sync<256>(int(BwdBarrier::DsFree0) + wg);  // the other's products have read both tiles

@@ -23,7 +23,7 @@ namespace cuflash {
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::run_ws(char* smem) {
     static_assert(OFF_DQ + offsetof(Tail, dq_empty) + sizeof(Tail::dq_empty) + 1024 == SMEM_BYTES && TMA_DQ &&
-                      BM % 64 == 0 && !SCORE_MOD,
+                      BM % 64 == 0,
                   "SMEM_BYTES ends at its last mbarrier; dQ by TMA; 64 or 128 query rows (BM / 64 a rows thread)");
     static_assert(128 * PRODUCER_REGS + (THREADS - 128) * CONSUMER_REGS <= sm90::register_pool(THREADS),
                   "the register split exceeds the CTA's pool");

@@ -368,7 +368,7 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     fixed = np.frombuffer(main.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]["deterministic"] == 2
     assert main.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=block_m, fixed=fixed)
     assert capped.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, score_mod=True)
-    monkeypatch.setattr(backward_sm90, "SCORE_MOD_HEADDIMS", ())  # as at d = 128: score mods stay portable
+    monkeypatch.setattr(backward_sm90, "SCORE_MOD_HEADDIMS", ())  # no Hopper score-mod kernel: the portable one
     portable = call(softcap=5.0)
     assert not isinstance(portable.main, backward_sm90.BackwardMain)
     configure(bwd_sm90_det="slices")  # the fixed point: test_backward_fixed_point_layout

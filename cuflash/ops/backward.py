@@ -21,7 +21,7 @@ from . import backward_sm90
 
 # Head dims the portable backward is compiled for. Beyond 128, dK and dV of a warp's keys no longer fit in
 # registers with the 8-warp split of 64 keys; the wide configuration (WIDE_CONFIG) covers them on sm_90a where the
-# Hopper kernel does not (softcap / ALiBi, or the bwd_sm90 setting off).
+# Hopper kernel does not (the bwd_sm90 setting off).
 BWD_HEADDIMS = (32, 64, 96, 128)
 
 

@@ -1,8 +1,8 @@
 """The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256,
 where the two warpgroups split the head dim), compiled for head dims 64, 128 and 256 and run for 64 and the
-multiples of 8 from 72 up (compiled_headdim: the next compiled one; softcap / ALiBi on the 64 kernel; dropout on
-each, with softcap / ALiBi on the 64 one). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout,
-:func:`dropout_applies`) and launches it behind the portable main kernel's call interface, with the same
+multiples of 8 from 72 up (compiled_headdim: the next compiled one; softcap / ALiBi on each; dropout on each,
+with softcap / ALiBi on the 64 one). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with
+dropout, :func:`dropout_applies`) and launches it behind the portable main kernel's call interface, with the same
 preprocess, workspace and dQ conversion.
 """
 from __future__ import annotations
@@ -16,7 +16,10 @@ from .. import build, plan, settings, tma
 from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
-SCORE_MOD_HEADDIMS = (64,)  # at 128 the score-mod kernel spills: 255 registers are already taken without it
+# Softcap and ALiBi (BwdSm90's SCORE_MOD kernels: 64 query rows) at every head dim; with dropout only at d = 64
+# (DROPOUT_MOD_HEADDIMS: elsewhere the portable kernel takes such calls, up to d 128)
+SCORE_MOD_HEADDIMS = (64, 128, 256)
+DROPOUT_MOD_HEADDIMS = (64,)
 # Dropout (BwdSm90::DROPOUT) at every head dim, with the head dim's query rows (128 at d = 64 without a score mod:
 # the warp-specialized kernel, two keep words a thread) and no fixed-point variant (deterministic mode keeps the fp32
 # slices)
@@ -119,9 +122,11 @@ class BwdSm90Spec:
 
 
 def dropout_applies(problem, score_mod: bool, arch: str) -> bool:
-    """The Hopper kernel runs this backward with dropout: as :func:`applies` (a score mod at SCORE_MOD_HEADDIMS),
-    at the DROPOUT_HEADDIMS."""
-    return applies(problem, score_mod, arch) and compiled_headdim(problem.headdim) in DROPOUT_HEADDIMS
+    """The Hopper kernel runs this backward with dropout: as :func:`applies`, at the DROPOUT_HEADDIMS (with a score
+    mod, at the DROPOUT_MOD_HEADDIMS)."""
+    d = compiled_headdim(problem.headdim)
+    return (applies(problem, score_mod, arch) and d in DROPOUT_HEADDIMS
+            and (not score_mod or d in DROPOUT_MOD_HEADDIMS))
 
 
 def all_specs() -> list:
@@ -132,7 +137,7 @@ def all_specs() -> list:
             for fixed in ((False, True) if tma_dq(d, rows) else (False,))] + [
         BwdSm90Spec(dtype, d, band, mod, block_m(d, mod), dropout=True)
         for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
-        for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))]
+        for band in (False, True) for mod in ((False, True) if d in DROPOUT_MOD_HEADDIMS else (False,))]
 
 
 def params_dtype(inner: np.dtype) -> np.dtype:

@@ -245,8 +245,8 @@ def sm90_backward(configure, request):
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=backward_cases(), d=st.sampled_from([64, 72, 96, 128, 136, 200, 256]), seed=st.integers(0, 2**31 - 1))
 def test_sm90_backward_matches_reference(compiled, sm90_backward, case, d, seed):
-    """Every option; softcap and ALiBi run on the Hopper kernel at d = 64 (elsewhere on the portable one). Head dims
-    between the compiled 128 and 256 and the one before run on the next one's kernel."""
+    """Every option, softcap and ALiBi on the score-mod kernels at every head dim. Head dims between the compiled
+    128 and 256 and the one before run on the next one's kernel."""
     run_case(np.random.default_rng(seed), **dict(case, d=d))
 
 
