@@ -88,8 +88,15 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
         const ScoreMod mod = score_mod(h);
         sm90::wgmma_wait<0>();
-        const u32 all_kept[QH] = {~0u};  // (no dropout beside a score mod here)
-        mod_probabilities(mod, st, dpt, lse + col0, dsum + col0, key0, m, col0, all_kept);
+        const u32 kept_bits[QH] = {kept};  // (bit 4 j + e: dropped's layout, NT = 4)
+        mod_probabilities(mod, st, dpt, lse + col0, dsum + col0, key0, m, col0, kept_bits);
+        if constexpr (DROPOUT) {  // dV takes P^T M (its 1 / keep in store_dkdv)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!((kept >> (4 * j + e)) & 1u)) st[j][e] = 0.f;
+        }
     } else {
         sm90::wgmma_wait<1>();  // S^T
         if (all_visible(m)) probabilities<false>(st, lse + col0, key0, m, col0);

@@ -20,9 +20,7 @@ Where cuflash and flash-attn differ:
   ``(0,)`` of q's dtype: flash-attn 2.x returns the probabilities (for its tests) when ``dropout_p > 0``,
   cuflash never materializes them. ``softmax_lse`` is not differentiable;
 * arguments that cuflash cannot honour yet raise ``NotImplementedError`` naming the argument, never ignored:
-  ``dropout_p > 0`` in the backward above head dim 128 with softcap or ALiBi (off sm_90a every backward above
-  128 raises), and a
-  gradient through :func:`flash_attn_varlen_func` with ``block_table`` or ``seqused_k`` (paged keys serve
+  the backward above head dim 128 off sm_90a, and a gradient through :func:`flash_attn_varlen_func` with ``block_table`` or ``seqused_k`` (paged keys serve
   inference, as in flash-attn);
 * the dropout mask is cuflash's own Philox stream (a different mask from flash-attn's for the same seed), drawn
   from torch's CUDA generator, so ``torch.manual_seed`` makes it repeatable;

@@ -290,8 +290,8 @@ def _sm90_cases() -> list[dict]:
 
 def _dropout_cases() -> list[dict]:
     """Dropout: forward (on sm_90a the Hopper kernel at d 64, 128, 256, with a score mod too), backward in both dQ
-    modes (on sm_90a the Hopper kernel's dropout variant at d 64, 128 and 256, with a score mod at d 64 too; with
-    one at d 128 the portable kernel's 32-key configuration), varlen."""
+    modes (on sm_90a the Hopper kernel's dropout variant at d 64, 128 and 256, with a score mod at d 64 and 256 too;
+    with one at d 128 the portable kernel's 32-key configuration), varlen."""
     drop = dict(dropout_p=0.2, dropout_seed=2 ** 40 + 5, dropout_offset=3)
     return [
         dict(name="dropout_fwd_bf16_d64_causal_lse", fn="attention", dtype="bf16", shape=SMALL,
@@ -321,6 +321,8 @@ def _dropout_cases() -> list[dict]:
              shape=dict(BWD_S70, d=64), opts=dict(drop, window_size=(30, 5), deterministic=True)),
         dict(name="dropout_bwd_bf16_d256_causal_det", fn="attention_backward", dtype="bf16",
              shape=dict(BWD_S70, d=256), opts=dict(drop, causal=True, deterministic=True)),
+        dict(name="dropout_bwd_fp16_d256_softcap_alibi_window_atomic", fn="attention_backward", dtype="fp16",
+             shape=dict(BWD_S70, d=256), opts=dict(drop, softcap=5.0, alibi=True, window_size=(50, 10))),
         dict(name="dropout_varlen_fwd_bf16_causal_lse", fn="attention_varlen", dtype="bf16", shape=VARLEN,
              opts=dict(drop, causal=True, return_lse=True)),
         dict(name="dropout_varlen_bwd_bf16_causal_det", fn="attention_varlen_backward", dtype="bf16", shape=VARLEN,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cuflash import build, checks, ops, options, plan, reference
+from cuflash import build, checks, ops, options, plan, reference, settings as cuflash_settings
 from cuflash.ops import backward, backward_sm90, decode, forward, forward_fp8, forward_sm90
 from tests.fixtures import configure  # noqa: F401  (a fixture)
 
@@ -148,10 +148,11 @@ def test_dropout_forward_plan(arch):
 
 
 def test_dropout_backward_plan():
-    """Dropout's backward: on sm_90a the Hopper kernel's dropout variant at d 64 and 128 (64 query rows, 128 at d 64
-    without a score mod; in deterministic mode the fp32 slices; with a score mod at d 64 only), elsewhere with a score
-    mod the portable kernel with one Q/dO buffer (at d 128 the 32-key configuration: the kernels that would spill leave
-    dropout out, BwdTraits::DROPOUT); above 128 it raises there, and on sm_90a the d 256 Hopper kernel takes 136-248."""
+    """Dropout's backward: on sm_90a the Hopper kernel's dropout variant at d 64, 128 and 256 (64 query rows, 128 at
+    d 64 without a score mod; in deterministic mode the fp32 slices; with a score mod at d 64 and 256), elsewhere with a
+    score mod the portable kernel with one Q/dO buffer (at d 128 the 32-key configuration: the kernels that would spill
+    leave dropout out, BwdTraits::DROPOUT); above 128 it raises there, and on sm_90a the d 256 Hopper kernel takes
+    136-248."""
     problem = checks.Problem(2, 300, 500, 8, 2, 128, np.dtype(np.float16))
     assert backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).sm90.dropout is False
     hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132, dropout=True)
@@ -180,8 +181,11 @@ def test_dropout_backward_plan():
     wide = checks.Problem(1, 8, 8, 1, 1, 256, np.dtype(np.float16))  # d 256: the Hopper kernel's DSPLIT variant
     assert backward.plan_backward(wide, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90 == (
         backward_sm90.BwdSm90Spec("fp16", 256, False, False, 64, False, True))
-    with pytest.raises(NotImplementedError, match="dropout at head dim 256"):  # with a score mod: none
-        backward.plan_backward(wide, -1, -1, True, False, "sm_90a", 132, dropout=True)
+    assert backward.plan_backward(wide, -1, -1, True, False, "sm_90a", 132, dropout=True).sm90 == (  # a score mod
+        backward_sm90.BwdSm90Spec("fp16", 256, False, True, 64, False, True))
+    with cuflash_settings.override(bwd_sm90=False):  # the portable kernel: none
+        with pytest.raises(NotImplementedError, match="dropout at head dim 256"):
+            backward.plan_backward(wide, -1, -1, True, False, "sm_90a", 132, dropout=True)
 
 
 def test_score_mod_backward_plan():

@@ -16,10 +16,10 @@ from .. import build, plan, settings, tma
 from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
-# Softcap and ALiBi (BwdSm90's SCORE_MOD kernels: 64 query rows) at every head dim; with dropout only at d = 64
-# (DROPOUT_MOD_HEADDIMS: elsewhere the portable kernel takes such calls, up to d 128)
+# Softcap and ALiBi (BwdSm90's SCORE_MOD kernels: 64 query rows) at every head dim; with dropout at
+# DROPOUT_MOD_HEADDIMS (d 128's would spill 60 bytes: the portable kernel takes those calls)
 SCORE_MOD_HEADDIMS = (64, 128, 256)
-DROPOUT_MOD_HEADDIMS = (64,)
+DROPOUT_MOD_HEADDIMS = (64, 256)
 # Dropout (BwdSm90::DROPOUT) at every head dim, with the head dim's query rows (128 at d = 64 without a score mod:
 # the warp-specialized kernel, two keep words a thread) and no fixed-point variant (deterministic mode keeps the fp32
 # slices)

@@ -33,9 +33,9 @@ CASES = [  # dtype, b, sq, sk, h, hk, d, options
     ("bf16", 1, 50, 90, 2, 2, 256, dict(causal=True)),  # above d 128 the backward on sm_90a's d 256 kernel only
     ("fp16", 2, 70, 150, 4, 2, 200, dict(causal=True)),  # d 136-248 on the d 256 kernel
     ("bf16", 1, 90, 130, 2, 1, 96, dict(window_size=(30, 10))),  # on the d 128 kernel
-    # on sm_90a the Hopper backward's dropout kernels at d 64 (with softcap too) and 128, causal, local, GQA; with a
-    # score mod at d 128 the portable kernel's 32-key configuration; the Hopper forward's dropout variants with
-    # softcap at every head dim
+    # on sm_90a the Hopper backward's dropout kernels at d 64 and 256 (with softcap too) and 128, causal, local, GQA;
+    # with a score mod at d 128 the portable kernel's 32-key configuration; the Hopper forward's dropout variants
+    # with softcap at every head dim
     ("bf16", 2, 150, 260, 8, 2, 128, dict(causal=True)),
     ("fp16", 2, 130, 190, 4, 2, 128, dict(window_size=(50, 10))),
     ("bf16", 1, 140, 70, 2, 1, 64, dict(window_size=(-1, 30))),
@@ -91,7 +91,7 @@ def _check_case(case, drop, rng, other_mask=False):
     assert bool(cupy.array_equal(out.view(cupy.uint16), again.view(cupy.uint16))), "the same seed and offset"
     from cuflash import build, plan
     from cuflash.ops import backward_sm90
-    hopper = build.device_arch(dev[0].device.id) == "sm_90a" and "softcap" not in options
+    hopper = build.device_arch(dev[0].device.id) == "sm_90a"
     if d > 128 and not (hopper and plan.hopper_headdim(d) in backward_sm90.DROPOUT_HEADDIMS):
         with pytest.raises(NotImplementedError, match="dropout at head dim"):
             cuflash.attention_backward(dev[3], *dev[:3], out, lse, **options, **drop)
