@@ -6,9 +6,9 @@ tokens, hidden 2048; benchmarks/bench_attention.py's cells and timing).
                                            [--seqlens 1024,4096,16384] [--causal both|true|false] [--cuflash-only]
 
 SDPA has neither mod (ALiBi only as a materialized bias), so the peer is torch's FlexAttention
-(`torch.nn.attention.flex_attention`, compiled once per shape) with the same score_mod: softcap
-`c tanh(s / c)` on the scaled score s, ALiBi `- slope_h |i - j|` (slopes 2^(-8 (h + 1) / heads)), and a causal
-block mask. Per cell, TFLOP/s (the forward's 4 b h s^2 d, halved when causal; the backward 2.5x that):
+(`torch.nn.attention.flex_attention` under torch.compile, its shapes dynamic after the first) with the same
+score_mod: softcap `c tanh(s / c)` on the scaled score s, ALiBi `- slope_h |i - j|` (slopes 2^(-8 (h + 1) /
+heads)), and a causal block mask. Per cell, TFLOP/s (the forward's 4 b h s^2 d, halved when causal; the backward 2.5x that):
   cuflash_fwd     cuflash.attention with the mod
   flex_fwd        FlexAttention
   cuflash_bwd     cuflash.attention_backward with the mod (atomic dQ)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     flex = None
     if not args.cuflash_only:
         from torch.nn.attention.flex_attention import flex_attention
-        flex = ba.torch.compile(flex_attention, dynamic=False)
+        flex = ba.torch.compile(flex_attention)
     ba.warm_up_gpu()
     mod = {"softcap": f"softcap {args.softcap:g}", "alibi": "ALiBi", "both": f"softcap {args.softcap:g} and ALiBi"}
     print(f"=== score mods: {mod[args.mod]} ({args.dtype}; TFLOP/s; ratios = cuflash / FlexAttention) ===")
