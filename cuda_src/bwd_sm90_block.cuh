@@ -60,6 +60,7 @@ struct BwdSm90 {
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
     static_assert(!DROPOUT || ((BM == 64 || !SCORE_MOD) && !FIXED && (!SCORE_MOD || D != 128)),
                   "dropout: with a score mod, 64 query rows (not at d = 128, where it spills)");
+    static_assert(!(FIXED && SCORE_MOD && D == 128), "the fixed point with a score mod at d = 128 spills (NVRTC 13.5)");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
     static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64 && !DROPOUT;
@@ -263,18 +264,18 @@ struct BwdSm90 {
             }
     }
 
-    // The score mod of head h (its ALiBi slope read from global memory: the caller issues this before a wait).
-    __device__ __forceinline__ ScoreMod score_mod(int h) const {
-        return ScoreMod{p.mod_scale, p.softcap, p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f,
-                        mask.diag};
+    // Head h's ALiBi slope, 0 without ALiBi (read from global memory: the caller issues this before a wait).
+    __device__ __forceinline__ float alibi_slope(int h) const {
+        return p.alibi != nullptr ? p.alibi[(i64)b * p.alibi_batch_stride + h] : 0.f;
     }
 
     // SCORE_MOD: P^T and dS^T in place of S^T and dP^T (both waited for): the mod per element, its derivative
     // (softcap's 1 - tanh^2) straight into dS. st's columns are queries m BM + col0 .., whose lse and D start at
     // `lse` and `dsum`; with dropout (d = 64) dS takes dP^T M / keep (dV's P^T M: drop_fragments).
-    __device__ __forceinline__ void mod_probabilities(const ScoreMod& mod, float (&st)[NT][4], float (&dpt)[NT][4],
+    __device__ __forceinline__ void mod_probabilities(float slope, float (&st)[NT][4], float (&dpt)[NT][4],
                                                       const float* lse, const float* dsum, int key0, int m, int col0,
                                                       const u32 (&kept)[QH]) const {
+        const ScoreMod mod{p.mod_scale, p.softcap, slope, mask.diag};
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -340,9 +341,9 @@ struct BwdSm90 {
         // wgmma reads is not touched again before the wait that ends it.
         u32 a[KK][4], ds[KK][4];
         if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
-            const ScoreMod mod = score_mod(h);
+            const float slope = alibi_slope(h);
             sm90::wgmma_wait<0>();
-            mod_probabilities(mod, st, dpt, lse, dsum, key0, m, 0, kept);
+            mod_probabilities(slope, st, dpt, lse, dsum, key0, m, 0, kept);
             sm90::a_fragments<T>(st, a);
             if constexpr (DROPOUT) drop_fragments(a, kept);  // dV takes P^T M
         } else {

@@ -86,10 +86,10 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     issue_keys_by_query_half(st, base, q_tile(buf));
     issue_keys_by_query_half(dpt, base + OFF_V, do_tile(0));
     if constexpr (SCORE_MOD) {  // both products first: softcap's derivative goes straight into dS
-        const ScoreMod mod = score_mod(h);
+        const float slope = alibi_slope(h);
         sm90::wgmma_wait<0>();
         const u32 kept_bits[QH] = {kept};  // (bit 4 j + e: dropped's layout, NT = 4)
-        mod_probabilities(mod, st, dpt, lse + col0, dsum + col0, key0, m, col0, kept_bits);
+        mod_probabilities(slope, st, dpt, lse + col0, dsum + col0, key0, m, col0, kept_bits);
         if constexpr (DROPOUT) {  // dV takes P^T M (its 1 / keep in store_dkdv)
 #pragma unroll
             for (int j = 0; j < NT; ++j)
