@@ -67,6 +67,10 @@ struct BwdSm90 {
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
+    // dK and dV columns past p.headdim left out of the stores (TMA zero-fills them in the loads): at d = 128 and 256,
+    // and in d = 64's warp-specialized kernels (head dims 40..56) but the fixed point's and dropout's, which spill
+    // with the bound under NVRTC 13.5 (backward_sm90.narrow)
+    static constexpr bool COL_BOUND = D > 64 || (WS && !FIXED && !DROPOUT);
     static_assert(sizeof(Smem::rows) == 2 * 3 * BM * 4, "a rows buffer per Q/dO buffer: step tt's is tt % 2");
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
     // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
@@ -453,7 +457,7 @@ struct BwdSm90 {
 #pragma unroll
             for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
                 const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane % 4);
-                if (D > 64 && col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
+                if (COL_BOUND && col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
                 const float dv_scale = DROPOUT ? p.dropout_scale : 1.f;  // dropout: dV = (P M)^T dO / keep
                 *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
                 *reinterpret_cast<u32*>(dv + col) =

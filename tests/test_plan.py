@@ -113,10 +113,17 @@ def test_backward_plan(configure):
     hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)  # d 72 on the d 128 Hopper kernel
     assert hopper.sm90 == backward_sm90.BwdSm90Spec("fp16", 128, True) and hopper.grid == (4, 2, 2)
     assert [backward_sm90.compiled_headdim(d) for d in (32, 40, 56, 64, 72, 100, 128, 136, 248, 256)] == [
-        None, None, None, 64, 128, None, 128, 256, 256, 256]  # the d 64 kernel takes 64 only
-    narrow = backward.plan_backward(checks.Problem(2, 300, 500, 8, 2, 40, np.dtype(np.float16)), -1, 0, False, False,
-                                    "sm_90a", 132)
-    assert narrow.sm90 is None and narrow.spec.headdim == 64  # d 40: the portable kernel
+        None, 64, 64, 64, 128, None, 128, 256, 256, 256]
+    # d 40..56 on the d 64 kernel's warp-specialized (128-row) kernels: not its fixed point, no score mod or dropout
+    d40 = checks.Problem(2, 300, 5000, 8, 2, 40, np.dtype(np.float16))
+    narrow = backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132)
+    assert narrow.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=128) and narrow.sm90.tma_dq
+    det = backward.plan_backward(d40, -1, 0, False, True, "sm_90a", 132)  # 40 key blocks: d 64 would take the
+    assert det.sm90 == narrow.sm90 and not det.fixed_point and det.slices == det.grid[0]  # fixed point
+    assert backward.plan_backward(d40, -1, 0, True, False, "sm_90a", 132).sm90 is None  # softcap / ALiBi: portable
+    assert backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132, dropout=True).sm90 is None  # nor dropout
+    with cuflash_settings.override(bwd_sm90_block_m={64: 64}):  # the lockstep kernel has no column bound
+        assert backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132).sm90 is None
     configure(bwd_sm90=False)  # the portable kernel
     atomic = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)
     assert atomic.spec.headdim == 96 and atomic.grid == (8, 2, 2) and atomic.slices == 1

@@ -1,7 +1,7 @@
 """The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256,
-where the two warpgroups split the head dim), compiled for head dims 64, 128 and 256 and run for 64 and the
-multiples of 8 from 72 up (compiled_headdim: the next compiled one; softcap / ALiBi on each; dropout on each,
-with softcap / ALiBi on the 64 one). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with
+where the two warpgroups split the head dim), compiled for head dims 64, 128 and 256 and run for the multiples of 8
+from 40 up (compiled_headdim: the next compiled one; 40..56 as :func:`narrow` says; softcap / ALiBi on each; dropout
+on each, with softcap / ALiBi on the 64 and 256 ones). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with
 dropout, :func:`dropout_applies`) and launches it behind the portable main kernel's call interface, with the same
 preprocess, workspace and dQ conversion.
 """
@@ -51,17 +51,24 @@ def block_n(headdim: int) -> int:
 
 
 def compiled_headdim(headdim: int) -> int | None:
-    """The kernel's compiled head dim for a call's: plan.hopper_headdim's, but the d 64 kernel takes 64 only (the
-    bound on its dK and dV stores spills its fixed-point variant with 128 rows under NVRTC 13.5); None where none
-    runs it."""
-    d = plan.hopper_headdim(headdim)
-    return None if d == 64 and headdim != 64 else d
+    """The kernel's compiled head dim for a call's: plan.hopper_headdim's (the next of HEADDIMS, for multiples of 8
+    from 40); None where none runs it."""
+    return plan.hopper_headdim(headdim)
+
+
+def narrow(headdim: int) -> bool:
+    """Head dims 40..56 on the d 64 kernel: only its warp-specialized kernels (128 query rows) bound the dK and dV
+    stores at the head dim (BwdSm90::COL_BOUND), and neither their fixed point nor dropout's (they spill with the
+    bound under NVRTC 13.5): no score mod, no dropout, 128 query rows, the slices in deterministic mode."""
+    return compiled_headdim(headdim) == 64 and headdim != 64
 
 
 def applies(problem, score_mod: bool, arch: str) -> bool:
     """The Hopper kernel runs this backward: sm_90a, a head dim that runs on one of HEADDIMS (compiled_headdim;
-    with a score mod, on one of SCORE_MOD_HEADDIMS), setting on."""
+    with a score mod, on one of SCORE_MOD_HEADDIMS; a narrow one on the 128-row kernels only), setting on."""
     d = compiled_headdim(problem.headdim)
+    if narrow(problem.headdim) and (score_mod or block_m(64, False) != 128):
+        return False
     return (settings.current().bwd_sm90 and arch == "sm_90a" and d in HEADDIMS
             and (not score_mod or d in SCORE_MOD_HEADDIMS))
 
@@ -131,9 +138,9 @@ class BwdSm90Spec:
 
 def dropout_applies(problem, score_mod: bool, arch: str) -> bool:
     """The Hopper kernel runs this backward with dropout: as :func:`applies`, at the DROPOUT_HEADDIMS (with a score
-    mod, at the DROPOUT_MOD_HEADDIMS)."""
+    mod, at the DROPOUT_MOD_HEADDIMS; not at the narrow head dims)."""
     d = compiled_headdim(problem.headdim)
-    return (applies(problem, score_mod, arch) and d in DROPOUT_HEADDIMS
+    return (applies(problem, score_mod, arch) and d in DROPOUT_HEADDIMS and not narrow(problem.headdim)
             and (not score_mod or d in DROPOUT_MOD_HEADDIMS))
 
 
