@@ -66,17 +66,31 @@ def flex_score_mod(softcap: float, slopes):
     return score_mod
 
 
-def flex_call(flex, q, k, v, causal: bool, softcap: float, slopes):
-    """A no-argument call of `flex` (flex_attention, compiled or not) on (b, h, s, d) tensors with the mods and, when
-    causal, a block mask."""
+def causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def flex_call(flex, q, k, v, causal: bool, mod):
+    """A no-argument call of `flex` (flex_attention, compiled or not) on (b, h, s, d) tensors with the score_mod
+    `mod` and, when causal, a block mask."""
     from torch.nn.attention.flex_attention import create_block_mask
-    block_mask = None
-    if causal:
-        s = q.shape[2]
-        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, s, s,
-                                       device=str(q.device))
-    mod = flex_score_mod(softcap, slopes)
+    s = q.shape[2]
+    block_mask = create_block_mask(causal_mask, None, None, s, s, device=str(q.device)) if causal else None
     return lambda: flex(q, k, v, score_mod=mod, block_mask=block_mask)
+
+
+# (softcap, heads, alibi) -> (score_mod, slopes): one function per head count, so that torch.compile recompiles for
+# new shapes only, not for each cell's new closure
+_MODS = {}
+
+
+def cell_mod(softcap: float, nheads: int, alibi: bool):
+    """The score_mod and the ALiBi slopes tensor (or None) of a cell with `nheads` heads."""
+    key = (softcap, nheads, alibi)
+    if key not in _MODS:
+        slopes = ba.torch.tensor(alibi_slopes(nheads), device="cuda", dtype=ba.torch.float32) if alibi else None
+        _MODS[key] = (flex_score_mod(softcap, slopes), slopes)
+    return _MODS[key]
 
 
 def tflops(flops: float, ms) -> float:
@@ -89,8 +103,7 @@ def run_cell(cell: dict, args, flex) -> dict:
     b, s, h, d, causal = cell["batch"], cell["seqlen"], cell["nheads"], cell["d"], cell["causal"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     softcap = args.softcap if args.mod in ("softcap", "both") else 0.0
-    slopes = (torch.tensor(alibi_slopes(h), device="cuda", dtype=torch.float32)
-              if args.mod in ("alibi", "both") else None)
+    score_mod, slopes = cell_mod(softcap, h, args.mod in ("alibi", "both"))
     x = [torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(4)]  # q, k, v, dout
     ms, errs = {}, {"err": float("nan"), "gerr": float("nan")}
     stream = ba.cupy_stream()
@@ -120,7 +133,7 @@ def run_cell(cell: dict, args, flex) -> dict:
         leaves = [t.detach().transpose(1, 2).requires_grad_() for t in x[:3]]
         dout = x[3].transpose(1, 2)
         try:
-            run = flex_call(flex, *leaves, causal, softcap, slopes)
+            run = flex_call(flex, *leaves, causal, score_mod)
             theirs = run()
             errs["err"] = float((theirs.transpose(1, 2).float() - ours["out"].float()).abs().max())
             with torch.no_grad():
@@ -148,6 +161,8 @@ def main(argv=None) -> int:
     flex = None
     if not args.cuflash_only:
         from torch.nn.attention.flex_attention import flex_attention
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = 64  # shapes x masks x grad modes: past the default 8 flex runs eager
         flex = ba.torch.compile(flex_attention)
     ba.warm_up_gpu()
     mod = {"softcap": f"softcap {args.softcap:g}", "alibi": "ALiBi", "both": f"softcap {args.softcap:g} and ALiBi"}

@@ -31,8 +31,8 @@ def test_flex_peer_matches_the_reference(mod, causal):
     slopes = np.array(bsm.alibi_slopes(h), np.float32) if mod in ("alibi", "both") else None
     want = reference.attention(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes)
     qt, kt, vt = (torch.from_numpy(x).transpose(1, 2) for x in (q, k, v))  # (b, h, s, d) views, float64
-    run = bsm.flex_call(flex_attention, qt, kt, vt, causal, softcap,
-                        torch.from_numpy(slopes).double() if slopes is not None else None)
+    mod = bsm.flex_score_mod(softcap, torch.from_numpy(slopes).double() if slopes is not None else None)
+    run = bsm.flex_call(flex_attention, qt, kt, vt, causal, mod)
     got = run().transpose(1, 2).numpy()
     assert np.abs(got - want).max() < 1e-9
     assert np.abs(got - reference.attention(q, k, v, causal=causal)).max() > 1e-2  # the mods matter here
