@@ -16,7 +16,8 @@ heads)), and a causal block mask. Per cell, TFLOP/s (the forward's 4 b h s^2 d, 
   flex_bwd        FlexAttention through autograd, (forward + backward) - forward
   plain_bwd       cuflash.attention_backward without a mod: what the mod costs the backward
 then cuflash over FlexAttention in each direction, and as checks max |O - O_flex| (err) and the largest of
-max |dX - dX_flex| / max |dX_flex| over dq, dk, dv (gerr). --cuflash-only keeps cuflash_fwd and cuflash_bwd (A/Bs:
+max |dX - dX_flex| / max |dX_flex| over dq, dk, dv (gerr), a row past bench_attention.py's tolerances marked FAIL
+(exit status 1). --cuflash-only keeps cuflash_fwd and cuflash_bwd (A/Bs:
 scripts/gpu_ab.sh, --column cuflash_bwd).
 """
 from __future__ import annotations
@@ -184,8 +185,10 @@ def main(argv=None) -> int:
                         row["ms"].get(c)) for c in COLUMNS}
         cells = " ".join(f"{tf[c]:>11.1f}" if tf[c] == tf[c] else f"{'n/a':>11}" for c in COLUMNS)
         ratios = (tf["cuflash_fwd"] / tf["flex_fwd"], tf["cuflash_bwd"] / tf["flex_bwd"])
+        bad = row["err"] > ba.CHECK_TOL or row["gerr"] > ba.BWD_CHECK_TOL  # (nan: FlexAttention did not run)
+        failed = failed or bad
         print(f"{d:>4} {str(causal):>6} {s:>6} {cells} {ratios[0]:>8.3f} {ratios[1]:>8.3f} {row['err']:>8.2e} "
-              f"{row['gerr']:>8.2e}", flush=True)
+              f"{row['gerr']:>8.2e}{'  <<< FAIL' if bad else ''}", flush=True)
         ba.free_memory()
     print()
     return 1 if failed else 0
