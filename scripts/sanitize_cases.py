@@ -271,14 +271,14 @@ def _sm90_cases() -> list[dict]:
         cases.append(dict(name=f"sm90_bwd_bf16_d256_window_{'det' if det else 'atomic'}", fn="attention_backward",
                           dtype="bf16", shape=dict(BWD_S70, d=256),
                           opts=dict(window_size=(50, 10), deterministic=det)))
-    # the Hopper backward's score-mod kernels at d 128 and 256 (softcap and ALiBi under a window): atomic, and
-    # deterministic (d 128: the slices; d 256: the fixed point)
+    # the Hopper backward's score-mod kernels at d 128 and 256 (softcap and ALiBi under a window): atomic and the
+    # fixed point
     for d in (128, 256):
         for det in (False, True):
-            cases.append(dict(name=f"sm90_bwd_fp16_d{d}_window_softcap_alibi_{'det' if det else 'atomic'}",
+            cases.append(dict(name=f"sm90_bwd_fp16_d{d}_window_softcap_alibi_{'fixed' if det else 'atomic'}",
                               fn="attention_backward", dtype="fp16", shape=dict(BWD_S70, d=d),
                               opts=dict(window_size=(50, 10), softcap=5.0, alibi=True, deterministic=det),
-                              **(dict(det_mode="fixed") if det and d == 256 else {})))
+                              **(dict(det_mode="fixed") if det else {})))
     # head dims between the Hopper kernels' compiled ones: TMA zero-fills the columns past the head dim, the stores
     # leave them out
     for d in (48, 96, 200):

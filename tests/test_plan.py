@@ -197,8 +197,8 @@ def test_dropout_backward_plan():
 
 def test_score_mod_backward_plan():
     """Softcap and ALiBi (a score mod) in the backward: on sm_90a the Hopper kernel's score-mod variant at every
-    compiled head dim (64 query rows; in deterministic mode the fixed point at d 256, the slices elsewhere), a head dim
-    between the compiled ones on the next one's; on sm_80 the portable kernel."""
+    compiled head dim (64 query rows; in deterministic mode the fixed point at d 128 and 256, the slices at 64), a head
+    dim between the compiled ones on the next one's; on sm_80 the portable kernel."""
     for d, compiled in ((64, 64), (128, 128), (96, 128), (200, 256), (256, 256)):
         problem = checks.Problem(2, 300, 1100, 8, 2, d, np.dtype(np.float16))
         for band in (False, True):
@@ -207,7 +207,7 @@ def test_score_mod_backward_plan():
             assert launch.sm90 in backward_sm90.all_specs()
             det = backward.plan_backward(problem, -1, 0 if band else -1, True, True, "sm_90a", 132)
             assert det.sm90.score_mod and det.sm90 in backward_sm90.all_specs()
-            assert det.fixed_point == (compiled == 256), (d, band)  # (backward_sm90.FIXED_MOD_HEADDIMS)
+            assert det.fixed_point == (compiled != 64), (d, band)  # 1100 keys: 9 blocks of 128, 18 of 64
         if d <= 128:  # (above, sm_80 has no backward)
             assert backward.plan_backward(problem, -1, 0, True, False, "sm_80", 108).sm90 is None
 

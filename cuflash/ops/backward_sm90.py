@@ -20,9 +20,6 @@ HEADDIMS = (64, 128, 256)
 # DROPOUT_MOD_HEADDIMS (d 128's would spill 60 bytes: the portable kernel takes those calls)
 SCORE_MOD_HEADDIMS = (64, 128, 256)
 DROPOUT_MOD_HEADDIMS = (64, 256)
-# The fixed point (deterministic mode 2) with a score mod: at d 256 (d 128's kernel spills 4 bytes under NVRTC 13.5,
-# and d 64's score-mod kernel adds dQ by vector reductions), elsewhere the fp32 slices
-FIXED_MOD_HEADDIMS = (256,)
 # Dropout (BwdSm90::DROPOUT) at every head dim, with the head dim's query rows (128 at d = 64 without a score mod:
 # the warp-specialized kernel, two keep words a thread) and no fixed-point variant (deterministic mode keeps the fp32
 # slices)
@@ -81,11 +78,6 @@ def tma_dq(headdim: int, block_m: int) -> bool:
     """BwdSm90::TMA_DQ: dQ added by TMA bulk reductions from staging tiles (all but d = 64 with 64 query rows, the
     score-mod kernel, whose warpgroups both add to every element with vector reductions)."""
     return not (headdim == 64 and block_m == 64)
-
-
-def fixed_allowed(headdim: int, block_m: int, score_mod: bool) -> bool:
-    """A fixed-point kernel (BwdSm90Spec.fixed) exists: dQ added by TMA, and with a score mod at FIXED_MOD_HEADDIMS."""
-    return tma_dq(headdim, block_m) and (not score_mod or headdim in FIXED_MOD_HEADDIMS)
 
 
 def block_m(headdim: int, score_mod: bool) -> int:
@@ -149,7 +141,7 @@ def all_specs() -> list:
     return [BwdSm90Spec(dtype, d, band, mod, rows, fixed) for d in HEADDIMS for dtype in ("fp16", "bf16")
             for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))
             for rows in BLOCK_M_CHOICES if block_m_allowed(d, mod, rows)
-            for fixed in ((False, True) if fixed_allowed(d, rows, mod) else (False,))] + [
+            for fixed in ((False, True) if tma_dq(d, rows) else (False,))] + [
         BwdSm90Spec(dtype, d, band, mod, block_m(d, mod), dropout=True)
         for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
         for band in (False, True) for mod in ((False, True) if d in DROPOUT_MOD_HEADDIMS else (False,))]
