@@ -254,12 +254,12 @@ def test_sm90_backward_matches_reference(compiled, sm90_backward, case, d, seed)
 @pytest.mark.parametrize("hk", [4, 1])
 @pytest.mark.parametrize("d", [48, 64, 96, 128, 200, 256])
 def test_sm90_backward_several_blocks_and_repeatable(compiled, sm90_backward, hk, d):
-    """Several 128-key blocks and 64-row query blocks, GQA, packed sequences; deterministic mode bitwise
-    repeatable."""
+    """Several 128-key blocks and 64-row query blocks, GQA, packed sequences (with softcap from d 64); deterministic
+    mode bitwise repeatable."""
     from tests.gpu.test_varlen import run_backward
     run_case(np.random.default_rng(12), b=2, sq=333, sk=300, h=4, hk=hk, d=d, dtype="bf16", causal=True)
     run_backward(np.random.default_rng(15), lens_q=[200, 1, 130], lens_k=[300, 70, 129], h=4, hk=hk, d=d,
-                 dtype="fp16", causal=True, softcap=6.0)
+                 dtype="fp16", causal=True, softcap=0.0 if d < 64 else 6.0)  # (d 48 takes no softcap on sm_90a)
     run_case(np.random.default_rng(13), b=1, sq=200, sk=700, h=4, hk=hk, d=d, dtype="fp16", window_size=(90, 30),
              deterministic=True)
     run_case(np.random.default_rng(14), b=2, sq=150, sk=260, h=4, hk=hk, d=d, dtype="bf16", causal=True, softcap=8.0,
