@@ -8,7 +8,8 @@ tokens, hidden 2048; benchmarks/bench_attention.py's cells and timing).
 SDPA has neither mod (ALiBi only as a materialized bias), so the peer is torch's FlexAttention
 (`torch.nn.attention.flex_attention` under torch.compile, its shapes dynamic after the first) with the same
 score_mod: softcap `c tanh(s / c)` on the scaled score s, ALiBi `- slope_h |i - j|` (slopes 2^(-8 (h + 1) /
-heads)), and a causal block mask. Per cell, TFLOP/s (the forward's 4 b h s^2 d, halved when causal; the backward 2.5x that):
+heads)), and a causal block mask. Per cell, TFLOP/s (the forward's 4 b h s^2 d, halved when causal; the backward
+2.5x that):
   cuflash_fwd     cuflash.attention with the mod
   flex_fwd        FlexAttention
   cuflash_bwd     cuflash.attention_backward with the mod (atomic dQ)

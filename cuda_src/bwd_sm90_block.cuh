@@ -274,7 +274,7 @@ struct BwdSm90 {
 
     // SCORE_MOD: P^T and dS^T in place of S^T and dP^T (both waited for): the mod per element, its derivative
     // (softcap's 1 - tanh^2) straight into dS. st's columns are queries m BM + col0 .., whose lse and D start at
-    // `lse` and `dsum`; with dropout (d = 64) dS takes dP^T M / keep (dV's P^T M: drop_fragments).
+    // `lse` and `dsum`; with dropout (d = 64 and 256) dS takes dP^T M / keep (dV's P^T M: the caller's).
     __device__ __forceinline__ void mod_probabilities(float slope, float (&st)[NT][4], float (&dpt)[NT][4],
                                                       const float* lse, const float* dsum, int key0, int m, int col0,
                                                       const u32 (&kept)[QH]) const {

@@ -20,8 +20,8 @@ Where cuflash and flash-attn differ:
   ``(0,)`` of q's dtype: flash-attn 2.x returns the probabilities (for its tests) when ``dropout_p > 0``,
   cuflash never materializes them. ``softmax_lse`` is not differentiable;
 * arguments that cuflash cannot honour yet raise ``NotImplementedError`` naming the argument, never ignored:
-  the backward above head dim 128 off sm_90a, and a gradient through :func:`flash_attn_varlen_func` with ``block_table`` or ``seqused_k`` (paged keys serve
-  inference, as in flash-attn);
+  the backward above head dim 128 off sm_90a, and a gradient through :func:`flash_attn_varlen_func` with
+  ``block_table`` or ``seqused_k`` (paged keys serve inference, as in flash-attn);
 * the dropout mask is cuflash's own Philox stream (a different mask from flash-attn's for the same seed), drawn
   from torch's CUDA generator, so ``torch.manual_seed`` makes it repeatable;
 * values in device memory (``cache_seqlens``, ``block_table``, ``cache_batch_idx``, ``cache_leftpad``,

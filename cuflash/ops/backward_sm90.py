@@ -1,9 +1,9 @@
 """The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256,
 where the two warpgroups split the head dim), compiled for head dims 64, 128 and 256 and run for the multiples of 8
 from 40 up (compiled_headdim: the next compiled one; 40..56 as :func:`narrow` says; softcap / ALiBi on each; dropout
-on each, with softcap / ALiBi on the 64 and 256 ones). :mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with
-dropout, :func:`dropout_applies`) and launches it behind the portable main kernel's call interface, with the same
-preprocess, workspace and dQ conversion.
+on each, with softcap / ALiBi on the 64 and 256 ones). :mod:`cuflash.ops.backward` chooses it on sm_90a where
+:func:`applies` (with dropout, :func:`dropout_applies`) and launches it behind the portable main kernel's call
+interface, with the same preprocess, workspace and dQ conversion.
 """
 from __future__ import annotations
 

@@ -299,9 +299,9 @@ def run_deterministic_mix(d, seeds, plain):
 def test_sm90_fixed_point_deterministic(configure, compiled, sm90_backward, d):
     """The bwd_sm90_det setting "fixed": dQ as int32 fixed point on the atomic grid (cuda_src/fixed_dq.cuh; not with the
     d = 64 kernel of 64 query rows, which keeps the slices), under causal, local and no masks, GQA, lengths off the
-    tiles and packed sequences, softcap and ALiBi: against the reference and bitwise equal over repeated calls. Then rows of dO over
-    five orders of magnitude, some all zero (their dq exactly 0), and one outlier in K (a bound 30x looser for
-    every row)."""
+    tiles and packed sequences, softcap and ALiBi: against the reference and bitwise equal over repeated calls. Then
+    rows of dO over five orders of magnitude, some all zero (their dq exactly 0), and one outlier in K (a bound 30x
+    looser for every row)."""
     import cupy
     import cuflash
     from cuflash import checks
