@@ -188,27 +188,26 @@ struct FwdFp8 {
     // slot (rows of keys, K's layout) into the V^T slot (rows of the head dim). One ldmatrix.trans of four 8 x 8
     // matrices of byte pairs: lanes 8 m .. 8 m + 7 address keys 8 (m % 2) + .. of 16-byte chunk 2 q + m / 2 of their
     // 128-byte panel, and thread (j, c) = (lane / 4, lane % 4) receives in r[m] the pairs (bytes 2 j, 2 j + 1 of the
-    // chunk) of keys 2 c and 2 c + 1 of those 8. Bytes 0 and 2 of r[0] and r[1] (r[2] and r[3] for the second chunk)
-    // are then V^T row 32 q + 2 j's keys 2 c, 2 c + 1, 2 c + 8, 2 c + 9, which are slots 4 c .. 4 c + 3 of the
-    // chunk's order (the top); bytes 1 and 3 are row 32 q + 2 j + 1's. Store i of a pair writes row
-    // 2 j + (i ^ (j >= 4)), so that a store's 32 lanes meet rows of 8 residues mod 8: 32 banks through the swizzle.
+    // chunk) of keys 2 c and 2 c + 1 of those 8. Bytes 0 and 2 of r[0] and r[1] (r[2] and r[3] for the second chunk,
+    // h = 1) are then V^T row 32 q + 16 h + 2 j's keys 2 c, 2 c + 1, 2 c + 8, 2 c + 9, which are slots 4 c .. 4 c + 3
+    // of the chunk's order (the top), 4 bytes at 16 g + 4 c of the row; bytes 1 and 3 are row 32 q + 16 h + 2 j + 1's.
+    // One stmatrix of four 8 x 8 matrices of byte pairs writes them: matrix 2 h + s has row j's 16 bytes from lanes
+    // 4 j .. 4 j + 3, V^T row 32 q + 16 h + 2 j + (s ^ (j >= 4)), so that each matrix's 8 rows have 8 residues mod 8:
+    // 32 banks through the swizzle (odd_first, j >= 4, picks a lane's row of the pair).
     __device__ __forceinline__ void transpose(int count, int first_keys, u32 w) const {
-        const u32 m = lane / 8, j = lane / 4, c = lane % 4, odd_first = lane >= 16;
+        const u32 m = lane / 8, i = lane % 8;
+        const bool odd_first = lane >= 16;
         // The lane's offsets within a unit, the swizzle's XOR with the row residue folded in (bits 4-6, which the
-        // unit's chunk then XORs): the producer warpgroup has 24 registers at two consumer warpgroups.
-        const u32 ld_at = (8 * (m % 2) + lane % 8) * 128 + (((m / 2) ^ (lane % 8)) << 4);
-        u32 st_at[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const u32 row = 2 * j + (i ^ odd_first);
-            st_at[i] = row * 128 + ((row % 8) << 4) + 4 * c;
-        }
+        // unit's chunk then XORs): the producer warpgroup has 24 registers at two consumer warpgroups. st_at: row i of
+        // stmatrix's matrix m.
+        const u32 ld_at = (8 * (m % 2) + i) * 128 + (((m / 2) ^ i) << 4);
+        const u32 row = 16 * (m / 2) + 2 * i + ((m % 2) ^ (i >= 4)), st_at = row * 128 + ((row % 8) << 4);
         if (first_keys < BN) {  // a packed sequence's last block: whole rows past its keys to zeros
             sm90::mbar_wait(vs_full(0), 0);
 #pragma unroll 1
-            for (u32 i = w * 32 + lane; i < (BN - first_keys) * PANELS * 8u; i += TRANSPOSERS * 32)
-                st_shared_zero16(base + OFF_O + (i / 8 % PANELS) * K_PANEL + (first_keys + i / (8 * PANELS)) * 128 +
-                                 (i % 8) * 16);
+            for (u32 x = w * 32 + lane; x < (BN - first_keys) * PANELS * 8u; x += TRANSPOSERS * 32)
+                st_shared_zero16(base + OFF_O + (x / 8 % PANELS) * K_PANEL + (first_keys + x / (8 * PANELS)) * 128 +
+                                 (x % 8) * 16);
             sm90::named_sync(1, TRANSPOSERS * 32);
         }
         for (int t = 0; t < count; ++t) {
@@ -229,42 +228,40 @@ struct FwdFp8 {
     }
 
     // One block's transposes by a warp, in units of 16 keys (g) by 32 bytes of the head dim (q), with the lane's
-    // offsets of transpose; the byte selectors are constants, and each store's data (row 2 j's bytes or row
-    // 2 j + 1's) is picked by odd_first. With 32 registers (three consumer warpgroups): the warp's key groups
-    // g = w, w + 3, ..., each over every q unrolled, so that the stores' offsets are constants (half the
-    // instructions a unit). With 24: units u = w, w + 3, ... one at a time.
-    __device__ __forceinline__ void transpose_groups(u32 src, u32 dst, u32 w, u32 ld_at, const u32 (&st_at)[2],
-                                                     u32 odd_first) const {
+    // offsets of transpose. With 32 registers (three consumer warpgroups): the warp's key groups
+    // g = w, w + 3, ..., each over every q unrolled, so that the stores' offsets are constants. With 24: units
+    // u = w, w + 3, ... one at a time.
+    __device__ __forceinline__ void transpose_groups(u32 src, u32 dst, u32 w, u32 ld_at, u32 st_at,
+                                                     bool odd_first) const {
 #pragma unroll 1
         for (u32 g = w; g < BN / 16; g += TRANSPOSERS) {
-            const u32 ld = src + g * 2048, st0 = dst + (st_at[0] ^ (g << 4)), st1 = dst + (st_at[1] ^ (g << 4));
+            const u32 ld = src + g * 2048, st = dst + (st_at ^ (g << 4));
 #pragma unroll
             for (int q = 0; q < D / 32; ++q)
-                transpose_unit(ld + (q / 4) * K_PANEL + (ld_at ^ ((2 * (q % 4)) << 4)), st0 + q * 4096,
-                               st1 + q * 4096, odd_first);
+                transpose_unit(ld + (q / 4) * K_PANEL + (ld_at ^ ((2 * (q % 4)) << 4)), st + q * 4096, odd_first);
         }
     }
-    __device__ __forceinline__ void transpose_units(u32 src, u32 dst, u32 w, u32 ld_at, const u32 (&st_at)[2],
-                                                    u32 odd_first) const {
+    __device__ __forceinline__ void transpose_units(u32 src, u32 dst, u32 w, u32 ld_at, u32 st_at,
+                                                    bool odd_first) const {
 #pragma unroll 1
         for (u32 u = w; u < (BN / 16) * (D / 32); u += TRANSPOSERS) {
-            const u32 g = u % 8, q = u / 8, st = dst + q * 4096;
+            const u32 g = u % 8, q = u / 8;
             transpose_unit(src + (q / 4) * K_PANEL + g * 2048 + (ld_at ^ ((2 * (q % 4)) << 4)),
-                           st + (st_at[0] ^ (g << 4)), st + (st_at[1] ^ (g << 4)), odd_first);
+                           dst + q * 4096 + (st_at ^ (g << 4)), odd_first);
         }
     }
-    // One unit: the ldmatrix.trans at `from`, its two V^T rows' bytes stored at st0 and st1 (+ 2048 for the second
-    // chunk's keys).
-    __device__ __forceinline__ static void transpose_unit(u32 from, u32 st0, u32 st1, u32 odd_first) {
+    // One unit: the ldmatrix.trans at `from`, its V^T rows' bytes by one stmatrix at `to`.
+    __device__ __forceinline__ static void transpose_unit(u32 from, u32 to, bool odd_first) {
         u32 r[4];
         ldmatrix_x4_trans(r, from);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const u32 even = __byte_perm(r[2 * half], r[2 * half + 1], 0x6420u);  // row 2 j
-            const u32 odd = __byte_perm(r[2 * half], r[2 * half + 1], 0x7531u);   // row 2 j + 1
-            st_shared(st0 + half * 2048, odd_first ? odd : even);
-            st_shared(st1 + half * 2048, odd_first ? even : odd);
+        for (int h = 0; h < 2; ++h) {
+            const u32 even = __byte_perm(r[2 * h], r[2 * h + 1], 0x6420u);  // row 2 j's bytes
+            const u32 odd = __byte_perm(r[2 * h], r[2 * h + 1], 0x7531u);   // row 2 j + 1's
+            r[2 * h] = odd_first ? odd : even;
+            r[2 * h + 1] = odd_first ? even : odd;
         }
+        sm90::stmatrix_x4(to, r[0], r[1], r[2], r[3]);
     }
 
     // S of this warpgroup's 64 rows against the block in `slot`.

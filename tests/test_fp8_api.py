@@ -125,6 +125,18 @@ def ldmatrix_x4_trans(smem, addresses):
     return r
 
 
+def stmatrix_x4(smem, addresses, regs):
+    """stmatrix.sync.aligned.m8n8.x4.shared.b16: lane 8m + i gives the address of row i of matrix m; lane t's
+    register m (4 bytes, regs[t][m]) is matrix m's row t / 4, bytes 4 (t % 4) ... Each matrix's 8 rows of 16 bytes
+    must meet 32 different banks (one phase)."""
+    for m in range(4):
+        rows = addresses[8 * m:8 * m + 8]
+        assert len({(a // 4 + x) % 32 for a in rows for x in range(4)}) == 32, f"matrix {m}: bank conflict"
+        for t in range(32):
+            at = rows[t // 4] + 4 * (t % 4)
+            smem[at:at + 4] = np.frombuffer(regs[t][m], np.uint8)
+
+
 def prmt(a, b, selector):
     pool = a + b
     return bytes(pool[(selector >> (4 * n)) & 7] for n in range(4))
@@ -141,9 +153,9 @@ def transpose_walk(walk, d, transposers=3):
 @pytest.mark.parametrize("walk", ["units", "groups"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_in_kernel_v_transpose_model(d, walk):
-    """FwdFp8::transpose, step for step on the CPU with ldmatrix.trans and prmt as PTX defines them: a V block (128
-    keys, TMA's swizzled rows of 128 bytes, d / 128 panels) becomes V^T (d rows of 128 keys, swizzled) with each
-    32-key chunk in chunk_key's order; every ldmatrix phase and every store meets 32 different banks. Both walks
+    """FwdFp8::transpose, step for step on the CPU with ldmatrix.trans, prmt and stmatrix as PTX defines them: a V
+    block (128 keys, TMA's swizzled rows of 128 bytes, d / 128 panels) becomes V^T (d rows of 128 keys, swizzled) with
+    each 32-key chunk in chunk_key's order; every ldmatrix and stmatrix phase meets 32 different banks. Both walks
     (24 and 32 producer registers) take every unit once."""
     keys, panels, k_panel, transposers = 128, max(d // 128, 1), 128 * 128, 3
     v = np.random.default_rng(d).integers(0, 256, (keys, d), dtype=np.uint8)
@@ -164,18 +176,18 @@ def test_in_kernel_v_transpose_model(d, walk):
             for m in range(4):  # a phase: 8 rows of 16 bytes
                 assert len({(a // 4 + x) % 32 for a in addresses[8 * m:8 * m + 8] for x in range(4)}) == 32
             r = ldmatrix_x4_trans(staging, addresses)
-            for half in range(2):
-                for i in range(2):
-                    banks = set()
-                    for lane in range(32):
-                        j, c, odd_first = lane // 4, lane % 4, int(lane >= 16)
-                        row = 2 * j + (i ^ odd_first)
-                        st_at = row * 128 + ((row % 8) << 4) + 4 * c
-                        at = q * 4096 + half * 2048 + (st_at ^ (g << 4))
-                        even, odd = (prmt(r[2 * half][lane], r[2 * half + 1][lane], sel) for sel in (0x6420, 0x7531))
-                        vt[at:at + 4] = np.frombuffer(odd if i ^ odd_first else even, np.uint8)
-                        banks.add(at // 4 % 32)
-                    assert len(banks) == 32
+            regs, targets = [], []
+            for lane in range(32):
+                odd_first, m, i = lane >= 16, lane // 8, lane % 8
+                words = []
+                for h in range(2):
+                    even, odd = (prmt(r[2 * h][lane], r[2 * h + 1][lane], sel) for sel in (0x6420, 0x7531))
+                    words += [odd, even] if odd_first else [even, odd]
+                regs.append(words)
+                row = 16 * (m // 2) + 2 * i + ((m % 2) ^ (i >= 4))
+                st_at = row * 128 + ((row % 8) << 4)
+                targets.append(q * 4096 + (st_at ^ (g << 4)))
+            stmatrix_x4(vt, targets, regs)
     expected = np.array([[v[32 * (s // 32) + chunk_key(s % 32), row] for s in range(keys)] for row in range(d)])
     got = np.array([[vt[swizzled(row, s)] for s in range(keys)] for row in range(d)])
     np.testing.assert_array_equal(got, expected)
