@@ -5,7 +5,7 @@
     python3 benchmarks/bench_fp8.py [--dims 64,128,256] [--seqlens 512,...,16384] [--causal both|true|false]
 
 Per cell, TFLOP/s (the forward's 4 b h s^2 d, halved when causal):
-  cuflash_fp8     cuflash.attention_fp8 (the V^T transpose pass included), per-tensor descales
+  cuflash_fp8     cuflash.attention_fp8, per-tensor descales (from forward_fp8.VT_PASS_FROM keys the V^T pass included)
   cudnn_fp8       cuDNN's FP8 attention on the same e4m3 tensors (cudnn-frontend's sdpa_fp8 graph, descales of 1,
                   bf16 O where cuDNN takes it, else e4m3 O), where the cudnn-frontend package imports; with max
                   |O - cuflash's O| (err) as a check that both compute the same attention

@@ -425,6 +425,14 @@ __device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x
 #undef CUFLASH_ACC8
 
 // ------------------------------------------------------------------------------------- tile helpers
+
+// Four 8x8 16-bit matrices to shared memory: lane l gives the address of row (l % 8) of matrix (l / 8), and in r[m]
+// matrix m's row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 (the layout ldmatrix loads).
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 // A TMA box of rows `row` .. of one sequence, from column `col` of head `head`: a 3-D map (d, heads, total) of packed
 // sequences whose rows start at token `begin`, or a 4-D one (d, heads, seqlen, batch) of a padded batch (sequence
 // `batch`). Rows past the tensor's end arrive as zeros and are not stored; rows past a packed sequence's end (the

@@ -133,7 +133,8 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
     out : jax.Array, (batch, seqlen_q, nheads, headdim), bfloat16
     lse : jax.Array, (batch, nheads, seqlen_q), float32 -- only if ``return_lse``
 
-    V^T is a third result of the call, XLA's buffer (docs/fp8.md), dropped here.
+    From ``forward_fp8.VT_PASS_FROM`` keys V^T is a third result of the call, XLA's buffer (docs/fp8.md), dropped
+    here.
     """
     return _fp8(q, k, v, (q_descale, k_descale, v_descale), None, softmax_scale, causal, window_size, return_lse)
 
@@ -159,7 +160,8 @@ def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     out : jax.Array, (total_q, nheads, headdim), bfloat16; rows outside every sequence are left undefined
     lse : jax.Array, (nheads, total_q), float32 -- only if ``return_lse``
 
-    V^T (``batch nheads_k headdim ceil(max_seqlen_k / 32) 32`` bytes) is a third result of the call, dropped here.
+    From ``forward_fp8.VT_PASS_FROM`` keys V^T (``batch nheads_k headdim ceil(max_seqlen_k / 32) 32`` bytes) is a
+    third result of the call, dropped here.
     """
     return _fp8(q, k, v, (q_descale, k_descale, v_descale), (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                 softmax_scale, causal, window_size, return_lse)
@@ -168,7 +170,7 @@ def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_lse):
     """attention_fp8 (varlen None) and attention_varlen_fp8 (varlen: cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k): cuflash.checks' checks at trace time, then one ffi_call (inputs q, k, v, the cu_seqlens where
-    packed, the descales present; results out, lse, V^T)."""
+    packed, the descales present; results out, lse, and V^T where the call takes it from the pass)."""
     names = ("q_descale", "k_descale", "v_descale")
     options = dict(zip(names, (_spec(x, n) for x, n in zip(descales, names))), softmax_scale=softmax_scale,
                    causal=causal, window_size=window_size)
@@ -186,11 +188,13 @@ def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_l
     _register()
     b, sq, h = problem.batch, problem.seqlen_q, problem.nheads
     lse_shape = (h, q.shape[0]) if varlen else (b, h, sq)
-    results = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16), jax.ShapeDtypeStruct(lse_shape, jnp.float32),
-               jax.ShapeDtypeStruct(forward_fp8.vt_shape(problem), jnp.uint8))
+    results = (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
+    vt_shape = forward_fp8.vt_shape(problem, left >= 0 or right >= 0)
+    if vt_shape is not None:
+        results += (jax.ShapeDtypeStruct(vt_shape, jnp.uint8),)
     args = (q, k, v) + (tuple(varlen[:2]) if varlen else ()) + tuple(x for x in descales if x is not None)
     target = VARLEN_FP8_TARGET if varlen else FP8_TARGET
-    out, lse, _ = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, config=repr(config))
+    out, lse = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, config=repr(config))[:2]
     return (out, lse) if return_lse else out
 
 
@@ -558,7 +562,8 @@ def _parse_fp8(frame):
     """(options, problem, packed, inputs, outputs, slots) of an FP8 call: options (softmax_scale, left, right); inputs
     q, k, v, then for packed sequences cu_seqlens_q and cu_seqlens_k, then the descales present; packed (total_q,
     total_k) for packed sequences (the config then ends in max_seqlen_q, max_seqlen_k), else None; slots: the input
-    index of q_descale, k_descale, v_descale (None where absent); outputs out, lse and V^T's workspace."""
+    index of q_descale, k_descale, v_descale (None where absent); outputs out, lse, and V^T's workspace where the call
+    takes V^T from the pass."""
     scale, left, right, present, *max_seqlens = ast.literal_eval(ffi.string_attr(frame, "config").decode())
     ins, outs = ffi.buffers(frame.args), ffi.buffers(frame.rets)
     fixed = 5 if max_seqlens else 3
@@ -571,17 +576,20 @@ def _parse_fp8(frame):
 
 
 def _build_fp8(device, frame):
-    """The FP8 forward's launch for the call of `frame` (_parse_fp8), dense or packed; V^T is its third output."""
+    """The FP8 forward's launches for the call of `frame` (_parse_fp8), dense or packed; V^T is its third output
+    where the call takes it from the pass."""
     (scale, left, right), problem, packed, ins, outs, slots = _parse_fp8(frame)
     descales = [None if j is None else _buffer_spec(ins[j], "descale") for j in slots]
     call = forward_fp8.Fp8Call(problem, *(_buffer_spec(b, x).strides for b, x in zip(ins, "qkv")), left, right,
                                scale, forward_fp8.descale_stride(problem, descales), device, packed)
-    if outs[2][1] != call.vt_shape:
-        raise ValueError(f"V^T workspace: shape {outs[2][1]}, the FP8 forward needs {call.vt_shape}")
+    workspace = outs[2][1] if len(outs) > 2 else None
+    if workspace != call.vt_shape:  # traced under other settings (forward_fp8.vt_pass)
+        raise ValueError(f"V^T workspace: shape {workspace}, the FP8 forward needs {call.vt_shape}")
 
     def launch(stream, i, o):
         cu = (i[3], i[4]) if packed else (0, 0)
-        call(stream, i[0], i[1], i[2], o[2], o[0], o[1], *(0 if j is None else i[j] for j in slots), *cu)
+        call(stream, i[0], i[1], i[2], o[2] if len(o) > 2 else 0, o[0], o[1],
+             *(0 if j is None else i[j] for j in slots), *cu)
     return launch
 
 

@@ -84,20 +84,24 @@ class Settings:
     decode_fused_max_splits: int = 128     # CUFLASH_DECODE_FUSED_MAX_SPLITS: splits the TMA kernel merges itself
     decode_evict_first_mb: int = 128       # CUFLASH_DECODE_EVICT_FIRST_MB: evict_first K/V up to this many MiB
     fp8_pipelined: int | None = None       # CUFLASH_FP8_PIPELINED: 0/1, the FP8 forward's form; None: its table
+    fp8_vt_pass: int | None = None         # CUFLASH_FP8_VT_PASS: 0/1, V^T from the pass or not; None: its table
 
     def __post_init__(self):
         if self.bwd_sm90_det not in DET_MODES:
             raise ValueError(f"CUFLASH_BWD_SM90_DET must be auto, slices or fixed, not {self.bwd_sm90_det!r}")
         if self.sm90_o_tma not in (None, 0, 1):
             raise ValueError(f"CUFLASH_SM90_O_TMA must be 0 or 1, not {self.sm90_o_tma!r}")
-        if self.fp8_pipelined not in (None, 0, 1):
-            raise ValueError(f"CUFLASH_FP8_PIPELINED must be 0 or 1, not {self.fp8_pipelined!r}")
+        for name, value in (("CUFLASH_FP8_PIPELINED", self.fp8_pipelined), ("CUFLASH_FP8_VT_PASS", self.fp8_vt_pass)):
+            if value not in (None, 0, 1):
+                raise ValueError(f"{name} must be 0 or 1, not {value!r}")
 
     @classmethod
     def from_env(cls, env: Mapping = os.environ) -> Settings:
         """The settings a process with environment `env` runs with (unset variables keep the defaults)."""
         o_tma, pipelined = env.get("CUFLASH_SM90_O_TMA"), env.get("CUFLASH_FP8_PIPELINED")
-        for name, value in (("CUFLASH_SM90_O_TMA", o_tma), ("CUFLASH_FP8_PIPELINED", pipelined)):
+        vt_pass = env.get("CUFLASH_FP8_VT_PASS")
+        for name, value in (("CUFLASH_SM90_O_TMA", o_tma), ("CUFLASH_FP8_PIPELINED", pipelined),
+                            ("CUFLASH_FP8_VT_PASS", vt_pass)):
             if value is not None and value.strip() not in ("0", "1"):
                 raise ValueError(f"{name} must be 0 or 1, not {value!r}")
         return cls(
@@ -120,6 +124,7 @@ class Settings:
             decode_fused_max_splits=_int(env, "CUFLASH_DECODE_FUSED_MAX_SPLITS", 128),
             decode_evict_first_mb=_int(env, "CUFLASH_DECODE_EVICT_FIRST_MB", 128),
             fp8_pipelined=None if pipelined is None else int(pipelined),
+            fp8_vt_pass=None if vt_pass is None else int(vt_pass),
         )
 
 

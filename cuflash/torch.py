@@ -270,8 +270,8 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
     out : torch.Tensor, (batch, seqlen_q, nheads, headdim), bfloat16
     lse : torch.Tensor, (batch, nheads, seqlen_q), float32 -- only if ``return_lse``
 
-    Not differentiable. V is transposed into a workspace first (docs/fp8.md). Under torch.compile, export and
-    tracing the call is the op ``cuflash::attention_fp8``.
+    Not differentiable. From ``forward_fp8.VT_PASS_FROM`` keys V is transposed into a workspace first
+    (docs/fp8.md). Under torch.compile, export and tracing the call is the op ``cuflash::attention_fp8``.
     """
     descales = (q_descale, k_descale, v_descale)
     if _eager(q, k, v):
@@ -328,12 +328,13 @@ def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_l
     if return_lse:
         lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    vt = torch.empty(call.vt_shape, dtype=torch.uint8, device=q.device)
+    vt = torch.empty(call.vt_shape, dtype=torch.uint8, device=q.device) if call.vt_shape else None
     previous = _get_device()
     if previous != index:
         _set_device(index)
     try:
-        call(_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), vt.data_ptr(), out.data_ptr(),
+        call(_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if vt is None else vt.data_ptr(),
+             out.data_ptr(),
              0 if lse is None else lse.data_ptr(), *(0 if x is None else x.data_ptr() for x in descales + cu))
     finally:
         if previous != index:

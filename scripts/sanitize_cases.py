@@ -51,6 +51,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import cuflash  # noqa: E402
+from cuflash import settings  # noqa: E402
 
 DTYPES = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 NONFINITE_MASK = {"fp16": 0x7C00, "bf16": 0x7F80}  # exponent bits all ones = inf/nan
@@ -332,9 +333,10 @@ def _dropout_cases() -> list[dict]:
 
 
 def _fp8_cases() -> list[dict]:
-    """The FP8 forward (sm_90a): its V^T transpose and kernel, off-tile lengths, GQA, masks, per-head descales, rows
+    """The FP8 forward (sm_90a), V transposed in shared memory: off-tile lengths, GQA, masks, per-head descales, rows
     without keys, the ring refilled (several key blocks), d 64 (V^T's row of ones in shared memory), 128 (at 80),
-    256."""
+    256, packed sequences (a sequence's last V block zeroed past its keys); and with V^T from the pass (vt_pass:
+    forward_fp8.vt_pass forced)."""
     return [
         dict(name="fp8_fwd_d128_gqa_head", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, sk=600),
              opts=dict(descale="head", return_lse=True)),
@@ -356,6 +358,14 @@ def _fp8_cases() -> list[dict]:
              opts=dict(return_lse=True)),
         dict(name="fp8_varlen_d64_cu_past_rows", fn="attention_varlen_fp8", dtype="bf16", shape=VARLEN,
              opts=dict(short_rows=(7, 9), return_lse=True)),
+        dict(name="fp8_fwd_d128_ring_vt_pass", fn="attention_fp8", dtype="bf16", shape=dict(MULTI, sk=1800),
+             opts=dict(descale="head", return_lse=True, vt_pass=1)),
+        dict(name="fp8_fwd_d64_causal_vt_pass", fn="attention_fp8", dtype="bf16", shape=dict(SQ_GT_SK, d=64),
+             opts=dict(causal=True, vt_pass=1)),
+        dict(name="fp8_fwd_d256_vt_pass", fn="attention_fp8", dtype="bf16", shape=dict(BWD_S70, d=256),
+             opts=dict(vt_pass=1)),
+        dict(name="fp8_varlen_d128_cu_past_rows_vt_pass", fn="attention_varlen_fp8", dtype="bf16",
+             shape=dict(VARLEN, d=128), opts=dict(short_rows=(7, 9), causal=True, vt_pass=1)),
     ]
 
 
@@ -415,7 +425,6 @@ def run_attention_backward(rng, case, stream):
     out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
     dout = _rand(rng, out.shape, case["dtype"])
     _ready()  # out, lse from the forward's stream; dout from the default stream's copy
-    from cuflash import settings
     with settings.override(bwd_sm90_det=case.get("det_mode", settings.current().bwd_sm90_det)):
         return cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
 
@@ -503,7 +512,6 @@ def run_attention_varlen_backward(rng, case, stream):
 
 
 def run_attention_sm90(rng, case, stream):
-    from cuflash import settings
     from cuflash.ops import forward_sm90
     q, k, v = _qkv(rng, case)
     kw = _kwargs(rng, case, stream)
@@ -531,12 +539,12 @@ def _fp8_descales(rng, per, batch: int, hk: int) -> dict:
 def run_attention_fp8(rng, case, stream):
     """e4m3 inputs (_e4m3), descales per tensor or per (batch, KV head) as the case says."""
     s, o = case["shape"], dict(case["opts"])
-    per = o.pop("descale", None)
+    per, vt_pass = o.pop("descale", None), o.pop("vt_pass", None)
     q = _e4m3(rng, (s["b"], s["sq"], s["h"], s["d"]))
     k, v = (_e4m3(rng, (s["b"], s["sk"], s["hk"], s["d"])) for _ in range(2))
     o.update(_fp8_descales(rng, per, s["b"], s["hk"]))
     _ready()
-    with stream or cupy.cuda.get_current_stream():
+    with settings.override(fp8_vt_pass=vt_pass), (stream or cupy.cuda.get_current_stream()):
         return cuflash.attention_fp8(q, k, v, **o)
 
 
@@ -544,13 +552,13 @@ def run_attention_varlen_fp8(rng, case, stream):
     """Packed e4m3 sequences (VARLEN's lengths); short_rows=(a, b): q and k hold a and b rows fewer than the
     cu_seqlens say, which the kernels must bound."""
     s, o = case["shape"], dict(case["opts"])
-    per, short = o.pop("descale", None), o.pop("short_rows", (0, 0))
+    per, short, vt_pass = o.pop("descale", None), o.pop("short_rows", (0, 0)), o.pop("vt_pass", None)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(s[n])]).astype(np.int32) for n in ("lens_q", "lens_k"))
     q = _e4m3(rng, (int(cu_q[-1]) - short[0], s["h"], s["d"]))
     k, v = (_e4m3(rng, (int(cu_k[-1]) - short[1], s["hk"], s["d"])) for _ in range(2))
     o.update(_fp8_descales(rng, per, len(s["lens_q"]), s["hk"]))
     _ready()
-    with stream or cupy.cuda.get_current_stream():
+    with settings.override(fp8_vt_pass=vt_pass), (stream or cupy.cuda.get_current_stream()):
         return cuflash.attention_varlen_fp8(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), max(s["lens_q"]),
                                             max(s["lens_k"]), **o)
 

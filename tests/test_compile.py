@@ -9,7 +9,7 @@ Two sweeps:
 - ``CUFLASH_COMPILE_ALL=1`` (what ``.ci/run`` sets): every specialization the planner can choose, for sm_80 and
   sm_90a (portable forward, backward and decode with their helper kernels), the Hopper forward (each variant of
   ``forward_sm90.VARIANTS`` at each head dim, band and score mod, in one dtype of the two by turns: ``one_dtype``),
-  every Hopper backward, the FP8 forward and its V^T transpose, the Hopper self-tests: about 760 compiles.
+  every Hopper backward, the FP8 forward and its V^T pass, the Hopper self-tests: about 760 compiles.
 - By default, a representative subset of about 125 compiles: the specializations are grouped by everything but
   their dtype, band, score mod (and the FP8 forward's form), that is by kernel family, architecture, head dim and tile configuration
   (for the Hopper forward: each distinct variant structure at each head dim), and each group compiles one member,
@@ -44,7 +44,7 @@ hopper_forward_specs = forward_sm90.all_specs      # every Hopper forward: varia
 hopper_variants = forward_sm90.VARIANTS            # the Hopper forward's variants
 hopper_variant_spec = forward_sm90.variant_spec    # (variant, dtype, head dim, band, score mod) -> its spec
 hopper_backward_specs = backward_sm90.all_specs    # every Hopper backward
-fp8_specs = forward_fp8.all_specs                  # the FP8 forward (each head dim, band) and its V^T transpose
+fp8_specs = forward_fp8.all_specs                  # the FP8 forward (each head dim, band, form, V^T source), its pass
 compile_cubin = build.compile_cubin                # (spec, arch) -> (cubin, log with ptxas's resource report)
 resource_report = build.resource_report            # log -> registers, spill stores, spill loads
 nvrtc = build._nvrtc                               # CuPy's NVRTC bindings
@@ -248,8 +248,8 @@ def test_hopper_forward_compiles_with_async_wgmma(compiled, job):
 
 @pytest.mark.parametrize("job", cases(FP8))
 def test_fp8_forward_compiles_with_async_wgmma(compiled, job):
-    """The FP8 forward (fwd_fp8_sm90.cu) and its V^T transpose: no spills, no C75xx note at all (P's e4m3 fragments
-    are packed before the fence, so ptxas injects no warpgroup fence)."""
+    """The FP8 forward (fwd_fp8_sm90.cu), its producer's V transposes within 32 registers, and the V^T pass: no spills,
+    no C75xx note at all (P's e4m3 fragments are packed before the fence, so ptxas injects no warpgroup fence)."""
     log = compiled_log(compiled, job)
     assert_no_spills(job, log)
     assert not re.findall(r"\((C75\d\d)\)", log), log

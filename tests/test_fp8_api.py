@@ -1,5 +1,6 @@
 """CPU tests of the FP8 forward's interface (cuflash.attention_fp8): its checks raise before any launch, naming the
-argument, and its specializations, parameter struct and V^T key order are what the kernels expect."""
+argument, and its specializations, parameter struct, V^T key order and in-kernel transpose are what the kernels
+expect."""
 import dataclasses
 
 import numpy as np
@@ -51,27 +52,46 @@ def test_check_rejects_strides_tma_cannot_load():
 
 def test_specs_and_params():
     specs = forward_fp8.all_specs()
-    assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{form}" for d in (64, 128)
+    assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{form}{vt}" for d in (64, 128) for vt in ("", "_vt")
                                        for form in ("_w3", "_pp", "_band", "_pp_band")} | {
-        "fwd_fp8_sm90_d256", "fwd_fp8_sm90_d256_band", "fp8_transpose_v"}
-    forms = [(s.warpgroups, s.pipelined) for d in (64, 128, 256) for s in (forward_fp8.kernel_spec(d, band=False),
-                                                                            forward_fp8.kernel_spec(d, band=True))]
+        f"fwd_fp8_sm90_d256{band}{vt}" for band in ("", "_band") for vt in ("", "_vt")} | {"fp8_transpose_v"}
+    forms = [(s.warpgroups, s.pipelined) for d in (64, 128, 256) for s in (forward_fp8.kernel_spec(d, False, 1024),
+                                                                            forward_fp8.kernel_spec(d, True, 1024))]
     assert forms == [(3, False), (2, True), (3, False), (2, True), (2, False), (2, False)]
     assert [forward_fp8.quantized_sums(d) for d in (16, 64, 80, 256)] == [True, True, False, False]
     with settings.override(fp8_pipelined=1):
-        assert [(s.warpgroups, s.pipelined) for s in (forward_fp8.kernel_spec(128, False),
-                                                      forward_fp8.kernel_spec(256, False))] == [(2, True), (2, False)]
+        assert [(s.warpgroups, s.pipelined) for s in (forward_fp8.kernel_spec(128, False, 1024),
+                                                      forward_fp8.kernel_spec(256, False, 1024))] == [
+            (2, True), (2, False)]
     with settings.override(fp8_pipelined=0):
-        assert [(s.warpgroups, s.pipelined) for s in (forward_fp8.kernel_spec(64, False),
-                                                      forward_fp8.kernel_spec(64, True))] == [(3, False), (2, False)]
-    assert [(s.threads, s.block_m) for s in (forward_fp8.kernel_spec(64, False),
-                                             forward_fp8.kernel_spec(64, True))] == [(512, 192), (384, 128)]
+        assert [(s.warpgroups, s.pipelined) for s in (forward_fp8.kernel_spec(64, False, 1024),
+                                                      forward_fp8.kernel_spec(64, True, 1024))] == [
+            (3, False), (2, False)]
+    assert [(s.threads, s.block_m) for s in (forward_fp8.kernel_spec(64, False, 1024),
+                                             forward_fp8.kernel_spec(64, True, 1024))] == [(512, 192), (384, 128)]
     assert forward_fp8.PARAMS_DTYPE.itemsize == 640 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72
     assert [forward_fp8.compiled_headdim(d) for d in (16, 64, 80, 128, 144, 256)] == [64, 64, 128, 128, 256, 256]
 
 
+def test_vt_pass_from_its_table_or_the_setting():
+    """V^T comes from the pass from VT_PASS_FROM keys on (per compiled head dim, band), with its workspace's shape;
+    below, the kernel transposes V and there is no workspace. The setting forces either."""
+    for d, call_d in ((64, 48), (128, 128), (256, 200)):
+        for band in (False, True):
+            start = forward_fp8.VT_PASS_FROM[d][band]
+            assert not forward_fp8.kernel_spec(call_d, band, start - 1).vt_pass
+            assert forward_fp8.kernel_spec(call_d, band, start).vt_pass
+            problem = checks.Problem(2, 100, start + 5, 8, 4, call_d, np.dtype(np.uint8))
+            assert forward_fp8.vt_shape(problem, band) == (2, 4, call_d, -(-(start + 5) // 32) * 32)
+            assert forward_fp8.vt_shape(dataclasses.replace(problem, seqlen_k=start - 1), band) is None
+    with settings.override(fp8_vt_pass=0):
+        assert not forward_fp8.kernel_spec(128, False, 1 << 20).vt_pass
+    with settings.override(fp8_vt_pass=1):
+        assert forward_fp8.kernel_spec(128, True, 1).vt_pass
+
+
 def chunk_key(s):
-    """fwd_fp8_aux.cu's fp8_chunk_key: the key V^T slot s of a 32-key chunk holds."""
+    """The key V^T slot s of a 32-key chunk holds (fwd_fp8_sm90.cu, the top)."""
     c, i = (s % 16) // 4, s % 4
     return 16 * (s // 16) + 2 * c + (i & 1) + 8 * (i >> 1)
 
@@ -84,6 +104,93 @@ def test_vt_key_order_matches_p_fragments():
         for half in range(2):
             accumulator_keys = [16 * half + x for x in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9)]
             assert [chunk_key(16 * half + 4 * c + i) for i in range(4)] == accumulator_keys
+
+
+def swizzled(row, byte):
+    """A byte's offset in a tile of 128-byte rows with the 128-byte swizzle (16-byte chunk c at c ^ (row % 8))."""
+    return row * 128 + (((byte // 16) ^ (row % 8)) * 16) + byte % 16
+
+
+def ldmatrix_x4_trans(smem, addresses):
+    """ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane 8m + i gives the address of row i of matrix m (eight
+    16-bit elements); lane t receives in r[m] elements (2 (t % 4), t / 4) and (2 (t % 4) + 1, t / 4) of matrix m,
+    the first in the low half. Returns r as [m][lane] -> 4 bytes."""
+    r = [[None] * 32 for _ in range(4)]
+    for m in range(4):
+        rows = addresses[8 * m:8 * m + 8]
+        for t in range(32):
+            j, c = t // 4, t % 4
+            r[m][t] = bytes(smem[rows[2 * c] + 2 * j:rows[2 * c] + 2 * j + 2]) + bytes(
+                smem[rows[2 * c + 1] + 2 * j:rows[2 * c + 1] + 2 * j + 2])
+    return r
+
+
+def stmatrix_x4(smem, addresses, regs):
+    """stmatrix.sync.aligned.m8n8.x4.shared.b16: lane 8m + i gives the address of row i of matrix m; lane t's
+    register m (4 bytes, regs[t][m]) is matrix m's row t / 4, bytes 4 (t % 4) ... Each matrix's 8 rows of 16 bytes
+    must meet 32 different banks (one phase)."""
+    for m in range(4):
+        rows = addresses[8 * m:8 * m + 8]
+        assert len({(a // 4 + x) % 32 for a in rows for x in range(4)}) == 32, f"matrix {m}: bank conflict"
+        for t in range(32):
+            at = rows[t // 4] + 4 * (t % 4)
+            smem[at:at + 4] = np.frombuffer(regs[t][m], np.uint8)
+
+
+def prmt(a, b, selector):
+    pool = a + b
+    return bytes(pool[(selector >> (4 * n)) & 7] for n in range(4))
+
+
+def transpose_walk(walk, d, transposers=3):
+    """The (g, q) units each transposing warp takes in FwdFp8::transpose_units / transpose_groups."""
+    units = (128 // 16) * (d // 32)
+    if walk == "units":
+        return [[(u % 8, u // 8) for u in range(w, units, transposers)] for w in range(transposers)]
+    return [[(g, q) for g in range(w, 8, transposers) for q in range(d // 32)] for w in range(transposers)]
+
+
+@pytest.mark.parametrize("walk", ["units", "groups"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_in_kernel_v_transpose_model(d, walk):
+    """FwdFp8::transpose, step for step on the CPU with ldmatrix.trans, prmt and stmatrix as PTX defines them: a V
+    block (128 keys, TMA's swizzled rows of 128 bytes, d / 128 panels) becomes V^T (d rows of 128 keys, swizzled) with
+    each 32-key chunk in chunk_key's order; every ldmatrix and stmatrix phase meets 32 different banks. Both walks
+    (24 and 32 producer registers) take every unit once."""
+    keys, panels, k_panel, transposers = 128, max(d // 128, 1), 128 * 128, 3
+    v = np.random.default_rng(d).integers(0, 256, (keys, d), dtype=np.uint8)
+    staging = np.zeros(panels * k_panel, np.uint8)
+    for key in range(keys):
+        for byte in range(d):
+            staging[(byte // 128) * k_panel + swizzled(key, byte % 128)] = v[key, byte]
+    vt = np.full(d * 128, 0xEE, np.uint8)
+    walks = transpose_walk(walk, d, transposers)
+    assert sorted(unit for units in walks for unit in units) == [(g, q) for g in range(8) for q in range(d // 32)]
+    for units in walks:
+        for g, q in units:
+            addresses = []
+            for lane in range(32):
+                m = lane // 8
+                ld_at = (8 * (m % 2) + lane % 8) * 128 + (((m // 2) ^ (lane % 8)) << 4)
+                addresses.append((q // 4) * k_panel + g * 2048 + (ld_at ^ ((2 * (q % 4)) << 4)))
+            for m in range(4):  # a phase: 8 rows of 16 bytes
+                assert len({(a // 4 + x) % 32 for a in addresses[8 * m:8 * m + 8] for x in range(4)}) == 32
+            r = ldmatrix_x4_trans(staging, addresses)
+            regs, targets = [], []
+            for lane in range(32):
+                odd_first, m, i = lane >= 16, lane // 8, lane % 8
+                words = []
+                for h in range(2):
+                    even, odd = (prmt(r[2 * h][lane], r[2 * h + 1][lane], sel) for sel in (0x6420, 0x7531))
+                    words += [odd, even] if odd_first else [even, odd]
+                regs.append(words)
+                row = 16 * (m // 2) + 2 * i + ((m % 2) ^ (i >= 4))
+                st_at = row * 128 + ((row % 8) << 4)
+                targets.append(q * 4096 + (st_at ^ (g << 4)))
+            stmatrix_x4(vt, targets, regs)
+    expected = np.array([[v[32 * (s // 32) + chunk_key(s % 32), row] for s in range(keys)] for row in range(d)])
+    got = np.array([[vt[swizzled(row, s)] for s in range(keys)] for row in range(d)])
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_map_strides_replace_unit_axes():
@@ -124,13 +231,12 @@ def test_check_varlen_rejects_descales_of_another_batch():
 
 
 def test_varlen_call_params():
-    """Packed sequences: the row stride is the batch stride (seqlen.cuh), total_q / total_k bound the sequences, and
-    the transpose reads the key starts from cu_seqlens_k."""
+    """Packed sequences: the call's head is the four maps, then the seven pointers, cu_seqlens_k last."""
     problem = checks.check_varlen_fp8(*packed_arrays())
     p = np.zeros((), forward_fp8.PARAMS_DTYPE)
-    assert p.dtype.fields["cu_seqlens_k"][1] + 8 == 4 * 128 + 7 * 8  # the call's head: maps, then 7 pointers
+    assert p.dtype.fields["cu_seqlens_k"][1] + 8 == 4 * 128 + 7 * 8
+    assert forward_fp8.PARAMS_DTYPE.names[:4] == ("q", "k", "v", "o") and problem.seqlen_k == 100
     assert forward_fp8.TRANSPOSE_DTYPE.names[:3] == ("v", "vt", "cu_seqlens_k")
-    assert problem.seqlen_k == 100 and -(-problem.seqlen_k // 32) * 32 == 128  # V^T keys: the longest, rounded to 32
 
 
 # ---- an e4m3 KV cache (cuflash.attention_with_kvcache with uint8 caches) ----

@@ -14,7 +14,7 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 import cuflash.jax  # noqa: E402
-from cuflash import _xla_ffi, reference  # noqa: E402
+from cuflash import _xla_ffi, reference, settings  # noqa: E402
 from cuflash.ops import backward, forward_fp8
 
 _host_handlers = []
@@ -101,16 +101,15 @@ def _fp8_descales(ins, slots):
 
 def _host_fp8(frame):
     """The FP8 call as the CUDA handler parses it (cuflash.jax._parse_fp8), computed by reference.attention_fp8;
-    V^T's workspace scribbled on."""
+    V^T's workspace, where the call has one, scribbled on."""
     (scale, left, right), problem, packed, ins, outs, slots = cuflash.jax._parse_fp8(frame)
     assert packed is None and (problem.batch, problem.seqlen_q, problem.nheads, problem.headdim) == ins[0][1]
-    assert outs[2][1] == forward_fp8.vt_shape(problem)
+    _check_workspace(problem, left, right, outs)
     q8, k8, v8 = (_np(b) for b in ins[:3])
     out, lse = (_np(b) for b in outs[:2])
     o, l = reference.attention_fp8(q8, k8, v8, softmax_scale=scale, window_size=(left, right), return_lse=True,
                                    **_fp8_descales(ins, slots))
     out[...], lse[...] = o.astype(out.dtype), l
-    _np(outs[2])[...] = 0xAB
 
 
 def _host_varlen_fp8(frame):
@@ -121,7 +120,7 @@ def _host_varlen_fp8(frame):
     cu_q, cu_k = (_np(b) for b in ins[3:5])
     assert packed == (q8.shape[0], k8.shape[0]) and problem.batch == len(cu_q) - 1
     assert (problem.nheads, problem.nheads_k, problem.headdim) == (q8.shape[1], k8.shape[1], q8.shape[2])
-    assert outs[2][1] == forward_fp8.vt_shape(problem)
+    _check_workspace(problem, left, right, outs)
     assert problem.seqlen_q == np.diff(cu_q).max() and problem.seqlen_k == np.diff(cu_k).max()  # the test's maxima
     descales = _fp8_descales(ins, slots)
     out, lse = (_np(b) for b in outs[:2])
@@ -131,7 +130,14 @@ def _host_varlen_fp8(frame):
         o, l = reference.attention_fp8(q8[None, sq], k8[None, sk], v8[None, sk], softmax_scale=scale,
                                        window_size=(left, right), return_lse=True, **one)
         out[sq], lse[:, sq] = o[0].astype(out.dtype), l[0]
-    _np(outs[2])[...] = 0xAB
+
+
+def _check_workspace(problem, left, right, outs):
+    """out and lse, then V^T's workspace where forward_fp8.vt_shape says the call takes V^T from the pass."""
+    vt = forward_fp8.vt_shape(problem, left >= 0 or right >= 0)
+    assert [o[1] for o in outs[2:]] == ([] if vt is None else [vt])
+    if vt is not None:
+        _np(outs[2])[...] = 0xAB
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -471,21 +477,25 @@ def _packed_fp8(lens_q, lens_k, h, hk, d, per, seed=0):
     return x8, descales, cu_q, cu_k
 
 
+@pytest.mark.parametrize("vt_pass", [0, 1])
 @pytest.mark.parametrize("per", ["tensor", "head", None])
-def test_fp8_varlen_under_jit_reaches_the_handler(per):
+def test_fp8_varlen_under_jit_reaches_the_handler(per, vt_pass):
     """cuflash.jax.attention_varlen_fp8 under jit (lengths 0, 30, 17 against 11, 0, 40; GQA 2:1; causal): the
     cu_seqlens, the descales present (or none), max_seqlen and the options reach the handler in the order it reads
-    them; each sequence's rows are the FP8 reference's for that sequence alone, and V^T is the call's third result."""
+    them; each sequence's rows are the FP8 reference's for that sequence alone, and V^T is the call's third result
+    where it comes from the pass."""
     lens_q, lens_k = [0, 30, 17], [11, 0, 40]
     x8, descales, cu_q, cu_k = _packed_fp8(lens_q, lens_k, 4, 2, 32, per or "tensor", seed=4)
     ds = {n + "_descale": jnp.asarray(d) for n, d in descales.items()} if per else {}
     f = jax.jit(lambda q, k, v, cq, ck, ds: cuflash.jax.attention_varlen_fp8(
         q, k, v, cq, ck, 30, 40, causal=True, softmax_scale=0.3, return_lse=True, **ds))
     args = (*(jnp.asarray(x8[n]) for n in "qkv"), jnp.asarray(cu_q), jnp.asarray(cu_k), ds)
-    text = f.lower(*args).as_text()
-    assert text.count("@cuflash_attention_varlen_fp8") == 1 and "callback" not in text
-    assert "tensor<3x2x32x64xui8>" in text  # V^T: 3 sequences, 2 KV heads, d 32, max_seqlen_k 40 to 64 keys
-    out, lse = f(*args)
+    with settings.override(fp8_vt_pass=vt_pass):
+        text = f.lower(*args).as_text()
+        assert text.count("@cuflash_attention_varlen_fp8") == 1 and "callback" not in text
+        # V^T: 3 sequences, 2 KV heads, d 32, max_seqlen_k 40 to 64 keys
+        assert ("tensor<3x2x32x64xui8>" in text) == bool(vt_pass)
+        out, lse = f(*args)
     assert out.shape == (47, 4, 32) and out.dtype == jnp.bfloat16 and lse.shape == (4, 47)
     for b in range(3):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])

@@ -69,7 +69,7 @@ def test_one_kernel_end_to_end(capsys):
         sass_loops.tool("nvdisasm")
     except SystemExit:
         pytest.skip("needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
-    assert sass_loops.main(["fp8_transpose_v", "--min", "1"]) == 0
+    assert sass_loops.main(["bwd_convert_dq_bf16", "--min", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("fp8_transpose_v (sm_90a") and "spill stores" in out and "loop 0x" in out
+    assert out.startswith("bwd_convert_dq_bf16 (sm_90a") and "spill stores" in out and "loop 0x" in out
     assert "highest register: R" in out

@@ -1,7 +1,8 @@
-"""The FP8 (e4m3) forward on Hopper (``cuda_src/fwd_fp8_sm90.cu``) and its V^T (``cuda_src/fwd_fp8_aux.cu``):
-specializations, the parameter struct, and :func:`attention_fp8` and :func:`attention_varlen_fp8` on CuPy arrays of
-e4m3 bits (uint8). Padded batches and packed sequences, causal and local windows, GQA, descales per tensor or per
-(sequence, KV head), bf16 output and float32 lse; sm_90a only. docs/fp8.md states the accuracy contract,
+"""The FP8 (e4m3) forward on Hopper (``cuda_src/fwd_fp8_sm90.cu``, which transposes V in shared memory, or takes V^T
+from ``cuda_src/fwd_fp8_aux.cu``'s pass over long rows: :data:`VT_PASS_FROM`): specializations, the parameter
+struct, and :func:`attention_fp8` and :func:`attention_varlen_fp8` on CuPy arrays of e4m3 bits (uint8). Padded
+batches and packed sequences, causal and local windows, GQA, descales per tensor or per (sequence, KV head), bf16
+output and float32 lse; sm_90a only. docs/fp8.md states the accuracy contract,
 :func:`cuflash.reference.attention_fp8` models it.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ class FwdFp8Spec:
     band: bool
     pipelined: bool = False  # each block's softmax under the last block's P V (fwd_fp8_sm90.cu PIPE)
     warpgroups: int = 2      # consumer warpgroups of 64 query rows (fwd_fp8_sm90.cu WGS): 2, or 3 in the simple form
+    vt_pass: bool = False    # V^T from fp8_transpose_v's workspace (fwd_fp8_sm90.cu VT_PASS), not transposed in-kernel
 
     source = "fwd_fp8_sm90.cu"
 
@@ -41,12 +43,13 @@ class FwdFp8Spec:
     @property
     def name(self) -> str:
         return (f"fwd_fp8_sm90_d{self.headdim}{'_pp' if self.pipelined else ''}"
-                f"{f'_w{self.warpgroups}' if self.warpgroups != 2 else ''}{'_band' if self.band else ''}")
+                f"{f'_w{self.warpgroups}' if self.warpgroups != 2 else ''}{'_band' if self.band else ''}"
+                f"{'_vt' if self.vt_pass else ''}")
 
     @property
     def template(self) -> str:
-        flags = ", ".join("true" if f else "false" for f in (self.band, self.pipelined))
-        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {flags}, {self.warpgroups}>"
+        band, pipe, vt = ("true" if f else "false" for f in (self.band, self.pipelined, self.vt_pass))
+        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {band}, {pipe}, {self.warpgroups}, {vt}>"
 
     @property
     def smem_symbol(self) -> str:
@@ -73,6 +76,11 @@ FORMS = {64: ((3, False), (2, True)), 128: ((3, False), (2, True)), 256: ((2, Fa
 # The head dims whose pipelined form compiles without spills: at 256, P V's accumulator of a 128-column chunk, O and
 # the scores do not fit beside each other (the setting cannot force it there).
 PIPE_HEADDIMS = (64, 128)
+# From how many keys (seqlen_k, packed: max_seqlen_k) a compiled head dim takes V^T from the pass (fp8_transpose_v,
+# one more launch and a workspace of vt_shape bytes) rather than transposing V in the kernel, without a mask band and
+# with one. The pass costs a read and a write of V, which long rows spread thin; the kernel's transposes take issue
+# slots and shared-memory bandwidth beside the softmax on every block (docs/perf-notes.md, "FP8 V^T pass").
+VT_PASS_FROM = {64: (16384, 8192), 128: (4096, 4096), 256: (2048, 4096)}
 
 
 def all_specs() -> list:
@@ -80,19 +88,35 @@ def all_specs() -> list:
     for d in HEADDIMS:
         for band in (False, True):
             warpgroups, pipe = FORMS[d][band]
-            specs.append(FwdFp8Spec(d, band, pipe, warpgroups))
-            if d in PIPE_HEADDIMS:  # the other form, which the setting forces (kernel_spec)
-                specs.append(FwdFp8Spec(d, band, not pipe, 2))
+            for vt_pass in (False, True):
+                specs.append(FwdFp8Spec(d, band, pipe, warpgroups, vt_pass))
+                if d in PIPE_HEADDIMS:  # the other form, which the setting forces (kernel_spec)
+                    specs.append(FwdFp8Spec(d, band, not pipe, 2, vt_pass))
     return specs + [Fp8TransposeSpec()]
 
 
-def kernel_spec(headdim: int, band: bool) -> FwdFp8Spec:
+def kernel_spec(headdim: int, band: bool, seqlen_k: int) -> FwdFp8Spec:
     d = compiled_headdim(headdim)
     warpgroups, pipe = FORMS[d][band]
     forced = settings.current().fp8_pipelined
     if forced is not None and d in PIPE_HEADDIMS and bool(forced) != pipe:
         warpgroups, pipe = 2, bool(forced)
-    return FwdFp8Spec(d, band, pipe, warpgroups)
+    return FwdFp8Spec(d, band, pipe, warpgroups, vt_pass(d, band, seqlen_k))
+
+
+def vt_pass(headdim: int, band: bool, seqlen_k: int) -> bool:
+    """Whether a call takes V^T from the pass (:data:`VT_PASS_FROM`; the fp8_vt_pass setting forces it either way)."""
+    forced = settings.current().fp8_vt_pass
+    return bool(forced) if forced is not None else seqlen_k >= VT_PASS_FROM[compiled_headdim(headdim)][band]
+
+
+def vt_shape(problem, band: bool) -> tuple | None:
+    """V^T's workspace, uint8 ``(batch, nheads_k, headdim, keys)``, where the call takes V^T from the pass (else
+    None): seqlen_k (packed sequences: max_seqlen_k) rounded up to the transpose's 32-key chunks, each sequence
+    zero-padded to it."""
+    if not vt_pass(problem.headdim, band, problem.seqlen_k):
+        return None
+    return problem.batch, problem.nheads_k, problem.headdim, -(-problem.seqlen_k // 32) * 32
 
 
 def quantized_sums(headdim: int) -> bool:
@@ -112,7 +136,7 @@ def compiled_headdim(headdim: int) -> int:
 _INTS = ["descale_batch_stride", "seqlen_q", "seqlen_k", "rows_q", "rows_k", "nheads", "heads_per_kv", "window_left",
          "window_right", "headdim"]
 PARAMS_DTYPE = np.dtype({
-    "names": ["q", "k", "vt", "o", "o_ptr", "lse", "q_descale", "k_descale", "v_descale", "cu_seqlens_q",
+    "names": ["q", "k", "v", "o", "o_ptr", "lse", "q_descale", "k_descale", "v_descale", "cu_seqlens_q",
               "cu_seqlens_k", "o_batch_stride", "o_row_stride", "o_head_stride"] + _INTS + ["scale_log2"],
     "formats": ["V128"] * 4 + [np.uint64] * 7 + [np.int64] * 3 + [np.int32] * len(_INTS) + [np.float32],
     "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(10)] + [592 + 4 * i for i in range(len(_INTS) + 1)],
@@ -124,19 +148,18 @@ TRANSPOSE_DTYPE = np.dtype({
     "formats": [np.uint64] * 3 + [np.int64] * 3 + [np.int32] * 5,
     "offsets": [0, 8, 16, 24, 32, 40, 48, 52, 56, 60, 64], "itemsize": 72})
 
-
 # o_ptr, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k: right after the four maps
 _HEAD_POINTERS = struct.Struct("7Q")
 
 
 class Fp8Call:
-    """The FP8 forward's launches for one call signature (layouts and options), from data pointers:
-    ``call(stream, q, k, v, vt, o, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k)`` (0 where
-    absent), ``vt`` a workspace of ``vt_shape`` uint8 (C-contiguous), ``o`` bf16 ``(batch, seqlen_q, nheads,
-    headdim)`` C-contiguous, ``lse`` float32 ``(batch, nheads, seqlen_q)``. With ``packed = (total_q, total_k)`` the
-    layouts are packed sequences (q ``(total_q, nheads, headdim)``, k and v ``(total_k, ...)``, o like q, lse
-    ``(nheads, total_q)``) and the problem's lengths are the maxima. The tensor maps embed the addresses: kept joined
-    per pointer tuple (tma.joined_encoder)."""
+    """The FP8 forward's launches for one call signature (layouts and options), from data pointers: ``call(stream, q,
+    k, v, vt, o, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k)`` (0 where absent), ``vt`` a
+    workspace of ``vt_shape`` uint8 (C-contiguous) where that is not None (else 0), ``o`` bf16 ``(batch, seqlen_q,
+    nheads, headdim)`` C-contiguous, ``lse`` float32 ``(batch, nheads, seqlen_q)``. With ``packed = (total_q,
+    total_k)`` the layouts are packed sequences (q ``(total_q, nheads, headdim)``, k and v ``(total_k, ...)``, o
+    like q, lse ``(nheads, total_q)``) and the problem's lengths are the maxima. The tensor maps embed the
+    addresses: kept joined per pointer tuple (tma.joined_encoder)."""
 
     __slots__ = ("transpose", "main", "_maps", "vt_shape", "device_id")
 
@@ -145,17 +168,19 @@ class Fp8Call:
         b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
         sk, hk = problem.seqlen_k, problem.nheads_k
         rows_q, rows_k = packed or (sq, sk)
-        self.vt_shape, self.device_id = vt_shape(problem), device_id
-        keys = self.vt_shape[3]
-        spec = kernel_spec(d, left >= 0 or right >= 0)
-        tp = np.zeros((), dtype=TRANSPOSE_DTYPE)
-        # packed: the row stride is the batch stride (cuda_src/seqlen.cuh)
-        tp["v_batch_stride"], tp["v_row_stride"], tp["v_head_stride"] = (
-            (v_strides[0],) + v_strides[:2] if packed else v_strides[:3])
-        tp["seqlen_k"], tp["rows_k"], tp["keys"], tp["heads_k"], tp["headdim"] = sk, rows_k, keys, hk, d
-        self.transpose = KernelCall([(build.get_kernel(Fp8TransposeSpec(), device_id),
-                                      plan.check_grid((keys // 32, hk, b)), (Fp8TransposeSpec.threads,), 0)],
-                                    tp, ("v", "vt", "cu_seqlens_k"))
+        band = left >= 0 or right >= 0
+        spec = kernel_spec(d, band, sk)
+        self.vt_shape, self.device_id, self.transpose = vt_shape(problem, band), device_id, None
+        if spec.vt_pass:
+            keys = self.vt_shape[3]
+            tp = np.zeros((), dtype=TRANSPOSE_DTYPE)
+            # packed: the row stride is the batch stride (cuda_src/seqlen.cuh)
+            tp["v_batch_stride"], tp["v_row_stride"], tp["v_head_stride"] = (
+                (v_strides[0],) + v_strides[:2] if packed else v_strides[:3])
+            tp["seqlen_k"], tp["rows_k"], tp["keys"], tp["heads_k"], tp["headdim"] = sk, rows_k, keys, hk, d
+            self.transpose = KernelCall([(build.get_kernel(Fp8TransposeSpec(), device_id),
+                                          plan.check_grid((keys // 32, hk, b)), (Fp8TransposeSpec.threads,), 0)],
+                                        tp, ("v", "vt", "cu_seqlens_k"))
         p = np.zeros((), dtype=PARAMS_DTYPE)
         p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = (h * d if packed else sq * h * d), h * d, d
         p["descale_batch_stride"] = descale_stride
@@ -166,29 +191,32 @@ class Fp8Call:
         p["scale_log2"] = scale * math.log2(math.e)
         self.main = KernelCall([(build.get_kernel(spec, device_id), plan.check_grid((-(-sq // spec.block_m), h, b)),
                                  (spec.threads,), build.smem_bytes(spec, device_id))], p, ())
-        # (d, heads, rows, batch) maps, packed (d, heads, total), boxes of 128 columns (bytes); V^T (keys, d, heads_k,
-        # batch), D rows a box; O (bf16, contiguous) as Q, boxes of one warp's 16 rows of a 64-column panel
+        # (d, heads, rows, batch) maps, packed (d, heads, total), boxes of 128 columns (bytes); V as K (the kernel
+        # transposes its blocks), or V^T (keys, d, heads_k, batch) with D rows a box; O (bf16, contiguous) as Q, boxes
+        # of one warp's 16 rows of a 64-column panel
         if packed:
             q_map = tma.encoder("uint8", (d, h, rows_q), _map_strides((1, rows_q, h, d), (0,) + q_strides)[:2],
                                 (128, 1, spec.block_m))
-            k_map = tma.encoder("uint8", (d, hk, rows_k), _map_strides((1, rows_k, hk, d), (0,) + k_strides)[:2],
-                                (128, 1, BLOCK_N))
+            k_map, v_map = (tma.encoder("uint8", (d, hk, rows_k), _map_strides((1, rows_k, hk, d), (0,) + x)[:2],
+                                        (128, 1, BLOCK_N)) for x in (k_strides, v_strides))
         else:
             q_map = tma.encoder("uint8", (d, h, sq, b), _map_strides((b, sq, h, d), q_strides),
                                 (128, 1, spec.block_m, 1))
-            k_map = tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), k_strides),
-                                (128, 1, BLOCK_N, 1))
-        vt_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (128, spec.headdim, 1, 1))
+            k_map, v_map = (tma.encoder("uint8", (d, hk, sk, b), _map_strides((b, sk, hk, d), x), (128, 1, BLOCK_N, 1))
+                            for x in (k_strides, v_strides))
+        if spec.vt_pass:
+            v_map = tma.encoder("uint8", (keys, d, hk, b), (keys, keys * d, keys * d * hk), (128, spec.headdim, 1, 1))
         o_strides = (2 * d, 2 * h * d, 2 * sq * h * d)  # bytes: heads, rows, batch (packed: no batch axis)
         o_map = (tma.encoder("bfloat16", (d, h, rows_q), o_strides[:2], (64, 1, 16)) if packed else
                  tma.encoder("bfloat16", (d, h, sq, b), o_strides, (64, 1, 16, 1)))
-        self._maps = tma.joined_encoder((q_map, k_map, vt_map, o_map))
+        self._maps = tma.joined_encoder((q_map, k_map, v_map, o_map))
 
     def __call__(self, stream: int, q: int, k: int, v: int, vt: int, o: int, lse: int = 0, q_descale: int = 0,
                  k_descale: int = 0, v_descale: int = 0, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0) -> None:
-        head = self._maps((q, k, vt, o)) + _HEAD_POINTERS.pack(o, lse, q_descale, k_descale, v_descale, cu_seqlens_q,
-                                                            cu_seqlens_k)
-        self.transpose(stream, v, vt, cu_seqlens_k)  # (after the maps: a map the driver refuses raises first)
+        head = self._maps((q, k, vt if self.transpose else v, o)) + _HEAD_POINTERS.pack(
+            o, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k)
+        if self.transpose:  # (after the maps: a map the driver refuses raises first)
+            self.transpose(stream, v, vt, cu_seqlens_k)
         self.main.launch_head(stream, head)
 
 
@@ -198,12 +226,6 @@ def _map_strides(shape: tuple, strides: tuple) -> tuple:
     contiguous = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3])
     batch, rows, heads = (s if n > 1 else c for n, s, c in zip(shape[:3], strides[:3], contiguous))
     return heads, rows, batch
-
-
-def vt_shape(problem) -> tuple:
-    """V^T's workspace, uint8 ``(batch, nheads_k, headdim, keys)``: seqlen_k (packed sequences: max_seqlen_k) rounded
-    up to the transpose's 32-key chunks, each sequence zero-padded to it."""
-    return problem.batch, problem.nheads_k, problem.headdim, -(-problem.seqlen_k // 32) * 32
 
 
 _calls: dict = {}  # key of an attention_fp8() call (runtime.call_key) -> its Fp8Call
@@ -244,8 +266,9 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
     P is quantized to e4m3 as e4m3(256 P) / 256 for P V. Up to head dim 64 the row sums that normalize the output,
     and the lse, are those of the e4m3 P, added up on the tensor cores; above, those of the fp32 P
     (:func:`quantized_sums`). The error is that of :func:`cuflash.reference.attention_fp8` with that
-    ``quantized_sums`` (docs/fp8.md). V is first transposed into a workspace of
-    ``batch nheads_k headdim ceil(seqlen_k / 32) 32`` bytes (one extra pass over V).
+    ``quantized_sums`` (docs/fp8.md). The kernel transposes V's blocks in shared memory; from :data:`VT_PASS_FROM`
+    keys a pass over V transposes it first, into a workspace of ``batch nheads_k headdim ceil(seqlen_k / 32) 32``
+    bytes.
     """
     descales = (q_descale, k_descale, v_descale)
     return _run(q, k, v, descales, None, softmax_scale, causal, window_size, return_lse)
@@ -272,7 +295,8 @@ def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     out : cupy.ndarray, (total_q, nheads, headdim), bfloat16; rows outside every sequence are not written
     lse : cupy.ndarray, (nheads, total_q), float32, only with ``return_lse``
 
-    V's transpose workspace is ``batch nheads_k headdim ceil(max_seqlen_k / 32) 32`` bytes.
+    From :data:`VT_PASS_FROM` keys (``max_seqlen_k``), V's transpose workspace is ``batch nheads_k headdim
+    ceil(max_seqlen_k / 32) 32`` bytes.
     """
     descales = (q_descale, k_descale, v_descale)
     varlen = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -309,8 +333,8 @@ def _run(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_l
         out = cupy.empty(q.shape, dtype=BF16)
         lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
         lse = cupy.empty(lse_shape, dtype=np.float32) if return_lse else None
-        vt = cupy.empty(call.vt_shape, dtype=np.uint8)
-        call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, vt.data.ptr, out.data.ptr,
+        vt = cupy.empty(call.vt_shape, dtype=np.uint8) if call.vt_shape else None
+        call(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, runtime.ptr(vt), out.data.ptr,
              runtime.ptr(lse), *(runtime.ptr(x) for x in descales + cu))
     return (out, lse) if return_lse else out
 

@@ -71,12 +71,22 @@ def run_and_check(args, **options):
                                                  f"{lse_bound[worst]:.3g}")
 
 
-@pytest.fixture(params=[0, 1], ids=["simple", "pipelined"])
+@pytest.fixture(params=[(0, 0), (1, 0), (0, 1), (1, 1)], ids=["simple", "pipelined", "simple-vt", "pipelined-vt"])
 def fp8_form(request):
-    """Both forms of the FP8 kernel (fwd_fp8_sm90.cu PIPE), whatever forward_fp8.FORMS picks; with the forms'
-    warpgroups (forward_fp8.kernel_spec) every compiled FP8 kernel runs in one of the two."""
+    """Both forms of the FP8 kernel (fwd_fp8_sm90.cu PIPE), whatever forward_fp8.FORMS picks, each with V transposed
+    in the kernel and with V^T from the pass (VT_PASS), whatever forward_fp8.VT_PASS_FROM picks; with the forms'
+    warpgroups (forward_fp8.kernel_spec) every compiled FP8 kernel runs in one of the four."""
     from cuflash import settings as cf_settings
-    with cf_settings.override(fp8_pipelined=request.param):
+    pipelined, vt_pass = request.param
+    with cf_settings.override(fp8_pipelined=pipelined, fp8_vt_pass=vt_pass):
+        yield request.param
+
+
+@pytest.fixture(params=[0, 1], ids=["in-kernel", "vt-pass"])
+def vt_pass(request):
+    """V transposed in the kernel, and V^T from the pass with its workspace (forward_fp8.vt_pass)."""
+    from cuflash import settings as cf_settings
+    with cf_settings.override(fp8_vt_pass=request.param):
         yield request.param
 
 
@@ -110,7 +120,7 @@ def test_fp8_forward_outlier_channels(fp8_form, d):
 
 @pytest.mark.parametrize("v_offset", [0.0, 4.0])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_fp8_forward_long_rows(d, v_offset):
+def test_fp8_forward_long_rows(vt_pass, d, v_offset):
     """Rows of 16k keys, V's values around 0 or all around 4: FP8 wgmma's accumulator keeps fewer bits than fp32,
     so one accumulator over the whole row would lose most small terms (O 25% low at 16k keys; the row sums of d 64
     too). Each block's P V in its own accumulator, added to O in fp32, stays within the bounds."""
@@ -147,7 +157,7 @@ def test_fp8_forward_off_hopper_raises():
         cuflash.attention_fp8(x, x, x)
 
 
-def test_fp8_forward_from_torch_matches_cupy():
+def test_fp8_forward_from_torch_matches_cupy(vt_pass):
     """cuflash.torch.attention_fp8 on float8_e4m3fn tensors, eager and under torch.compile: the CuPy call's result,
     bit for bit."""
     torch = pytest.importorskip("torch")
@@ -174,7 +184,7 @@ def test_fp8_forward_from_torch_matches_cupy():
         cft.attention_fp8(q8.to(torch.bfloat16), k8, v8)
 
 
-def test_fp8_forward_from_jax_matches_cupy():
+def test_fp8_forward_from_jax_matches_cupy(vt_pass):
     """cuflash.jax.attention_fp8 under jit on float8_e4m3fn arrays: the CuPy call's result, bit for bit."""
     jax = pytest.importorskip("jax")
     import cupy
@@ -220,7 +230,8 @@ def packed(rng, lens_q, lens_k, h, hk, d, per):
 def test_fp8_varlen_matches_each_sequence_alone(fp8_form, lens, hk, group, d, per, mask, seed):
     """cuflash.attention_varlen_fp8 on packed sequences (empty ones included) gives, row for row and bit for bit,
     what attention_fp8 gives each sequence as a batch of one (whose error the tests above bound); rows past the last
-    sequence stay unwritten (NaN from the poisoning allocator)."""
+    sequence stay unwritten (NaN from the poisoning allocator). K and V have rows of e4m3 NaN past the last sequence,
+    which its last key block reads: the key bound masks K's, and the kernel zeroes V's before P V."""
     import cupy
     if not hopper():
         pytest.skip("the FP8 kernel is sm_90a's")
@@ -231,7 +242,9 @@ def test_fp8_varlen_matches_each_sequence_alone(fp8_form, lens, hk, group, d, pe
     spare = 5  # rows past the last sequence
     q8 = cupy.zeros((cat["q"].shape[0] + spare, h, d), np.uint8)
     q8[:cat["q"].shape[0]] = cupy.asarray(cat["q"])
-    k8, v8 = (cupy.asarray(cat[n]) if cat[n].shape[0] else cupy.zeros((1, hk, d), np.uint8) for n in "kv")
+    k8, v8 = (cupy.full((cat[n].shape[0] + spare, hk, d), 0x7F, np.uint8) for n in "kv")  # 0x7F: e4m3 NaN
+    for x, n in ((k8, "k"), (v8, "v")):
+        x[:cat[n].shape[0]] = cupy.asarray(cat[n])
     ds = {n + "_descale": cupy.asarray(descales[n]) for n in "qkv"}
     out, lse = cuflash.attention_varlen_fp8(q8, k8, v8, cupy.asarray(cu_q), cupy.asarray(cu_k), max(max(lens_q), 1),
                                             max(max(lens_k), 1), return_lse=True, **ds, **options)
@@ -253,7 +266,7 @@ def test_fp8_varlen_matches_each_sequence_alone(fp8_form, lens, hk, group, d, pe
     assert np.all(np.isnan(tail)), "rows past the last sequence were written"
 
 
-def test_fp8_varlen_from_torch_matches_cupy():
+def test_fp8_varlen_from_torch_matches_cupy(vt_pass):
     """cuflash.torch.attention_varlen_fp8, eager and under torch.compile: the CuPy call's result, bit for bit."""
     torch = pytest.importorskip("torch")
     import cupy
@@ -280,7 +293,7 @@ def test_fp8_varlen_from_torch_matches_cupy():
     assert torch.equal(got.view(torch.int16), out.view(torch.int16)) and torch.equal(got_lse, lse)
 
 
-def test_fp8_varlen_from_jax_matches_cupy():
+def test_fp8_varlen_from_jax_matches_cupy(vt_pass):
     """cuflash.jax.attention_varlen_fp8 under jit on float8_e4m3fn arrays (GQA 2:1, causal, a sequence without queries
     and one without keys, per-head descales, lse): the CuPy call's result, bit for bit."""
     jax = pytest.importorskip("jax")
