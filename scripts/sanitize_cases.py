@@ -6,6 +6,7 @@
         python3 scripts/sanitize_cases.py
     python3 scripts/sanitize_cases.py --list          # the case table
     python3 scripts/sanitize_cases.py --only causal   # cases whose name contains 'causal'
+    python3 scripts/sanitize_cases.py --only fp8_,softcap   # ... 'fp8_' or 'softcap'
 
 CuPy's memory pool is switched off before anything is allocated: a pooled block is
 larger than the array in it, so an out-of-bounds write lands inside the block and
@@ -581,10 +582,10 @@ def _nonfinite_count(outputs, dtype: str) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="cuflash launches for compute-sanitizer")
     p.add_argument("--list", action="store_true", help="print the case table and exit")
-    p.add_argument("--only", default="", help="run cases whose name contains this")
+    p.add_argument("--only", default="", help="run cases whose name contains this (or, comma-separated, any of these)")
     args = p.parse_args(argv)
 
-    cases = [c for c in CASES if args.only in c["name"]]
+    cases = [c for c in CASES if any(part in c["name"] for part in args.only.split(","))]
     if args.list:
         for c in cases:
             state = "" if _available(c["fn"]) else "   (skipped: cuflash lacks it, or not sm_90a)"
