@@ -100,8 +100,7 @@ def attention_backward(dout, q, k, v, out, lse, *, softmax_scale=None, causal=Fa
         If True, dQ is accumulated in a fixed order (per-CTA slices summed in order), so repeated calls
         give bitwise-identical results; otherwise fp32 atomics (faster, last-bit nondeterministic).
     dropout_p, dropout_seed, dropout_offset
-        The forward's: the backward regenerates its mask (head dims up to 128; on sm_90a up to 256, with softcap
-        or ALiBi up to 128).
+        The forward's: the backward regenerates its mask (head dims up to 128; on sm_90a up to 256).
     stream : cupy.cuda.Stream, optional
         Defaults to CuPy's current stream.
 

@@ -400,8 +400,7 @@ def backward_workspace_bytes(problem, left: int, right: int, score_mod: bool, de
     Hopper main kernel, so it is planned for the largest GPU visible here and every architecture among the
     visible GPUs (both, on a machine without one), and the largest count taken (an upper bound for any of them),
     with room for the Hopper kernel's fixed point (one slice and two small pieces). A backward that none of those
-    architectures has (head dims above 128 off sm_90a; above 128 with dropout and softcap or ALiBi on sm_90a too)
-    raises NotImplementedError here, at trace time.
+    architectures has (head dims above 128 off sm_90a) raises NotImplementedError here, at trace time.
     `rows`: query rows of the workspaces, batch * seqlen_q by default, total_q for packed sequences.
     """
     left, right = normalize_window(left, right, problem.seqlen_q, problem.seqlen_k)
