@@ -23,7 +23,7 @@
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
 // waited for first: mod_probabilities) at every head dim, 64 query rows a step. Head dims D = 64, 128 and 256
 // (DSPLIT: 64 keys per CTA, the warpgroups splitting the head dim; step_split), and the multiples of 8 down to the
-// one before (at D = 64 from 40, in the kernels with COL_BOUND): the TMA boxes zero-fill the columns past p.headdim,
+// one before (at D = 64 from 40): the TMA boxes zero-fill the columns past p.headdim,
 // dK and dV leave them out, and dQ's TMA additions are clipped at the accumulator's head dim.
 // Dropout (DROPOUT kernels, d = 64, 128 and 256 with the head dim's query rows: 128 at d = 64, 64 with a score mod
 // there): dV takes P M / keep and dS^T = P^T (dP^T M / keep - D), with M's bits regenerated per step (dropout.cuh)

@@ -58,18 +58,13 @@ struct BwdSm90 {
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(D == 64 || D == 128 || (D == 256 && BM == 64), "head dims 64, 128 and 256");
     static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
-    static_assert(!DROPOUT || ((BM == 64 || !SCORE_MOD) && !FIXED && (!SCORE_MOD || D != 128)),
-                  "dropout: with a score mod, 64 query rows (not at d = 128, where it spills)");
+    static_assert(!DROPOUT || ((BM == 64 || !SCORE_MOD) && !FIXED), "dropout: with a score mod, 64 query rows");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
     static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64 && !DROPOUT;
     // d = 64 with 128 query rows: each warpgroup computes dQ for its 64-row half over all 128 keys (both dS^T halves
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
-    // dK and dV columns past p.headdim left out of the stores (TMA zero-fills them in the loads): at d = 128 and 256,
-    // and in d = 64's warp-specialized kernels (head dims 40..56) but the fixed point's and dropout's, which spill
-    // with the bound under NVRTC 13.5 (backward_sm90.narrow)
-    static constexpr bool COL_BOUND = D > 64 || (WS && !FIXED && !DROPOUT);
     static_assert(sizeof(Smem::rows) == 2 * 3 * BM * 4, "a rows buffer per Q/dO buffer: step tt's is tt % 2");
     // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
     // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
@@ -78,7 +73,11 @@ struct BwdSm90 {
 
     const BwdSm90Params& P;
     const BwdParams& p;
-    int tid, wg, warp, lane;
+    int tid, wg;
+    // The thread's warp in its warpgroup and its lane, read from threadIdx where used: as members they would hold
+    // two registers through the step
+    __device__ __forceinline__ static int warp() { return (threadIdx.x / 32) % 4; }
+    __device__ __forceinline__ static int lane() { return threadIdx.x % 32; }
     u32 base;
     int h_kv, b, q_begin, k_begin, n_key0;
     Mask<BAND> mask;
@@ -245,7 +244,7 @@ struct BwdSm90 {
     template <bool MASKED>
     __device__ __forceinline__ void probabilities(float (&st)[NT][4], const float* lse, int key0, int m,
                                                   int col0 = 0) const {
-        const int col_lane = 2 * (lane % 4);
+        const int col_lane = 2 * (lane() % 4);
         int lo[2], hi[2];  // visible columns c (query m BM + col0 + col_lane + c) of key key0 + 8 i: lo <= c < hi
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -283,7 +282,7 @@ struct BwdSm90 {
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane % 4) + e % 2, query = m * BM + col0 + col;
+                const int key = key0 + 8 * (e / 2), col = 8 * j + 2 * (lane() % 4) + e % 2, query = m * BM + col0 + col;
                 float dmod;
                 const float x = mod.modify(st[j][e], query, key, mod.slope, &dmod);
                 const float prob = visible(key, query) ? exp2f(x * p.scale_log2 - lse[col]) : 0.f;
@@ -321,7 +320,7 @@ struct BwdSm90 {
         const auto [h, m, buf, lse] = begin_step(smem, t, tt, m_min, m_count);
         const float* dsum = lse + BM;
         // P^T and dS^T; element (key, query): key = key0 + 8 (e / 2), query = 8 j + 2 (lane % 4) + e % 2
-        const int key0 = n_key0 + wg * 64 + warp * 16 + lane / 4;
+        const int key0 = n_key0 + wg * 64 + warp() * 16 + lane() / 4;
         // dropout: the keep bits of this warp's 16 keys x BM queries (word j / 8, bit 4 (j % 8) + e: element [j][e]),
         // drawn while Q and dO load and before S^T and dP^T take their registers (beside them, at d = 128, ptxas
         // spills)
@@ -333,7 +332,7 @@ struct BwdSm90 {
 #pragma unroll
                 for (int qh = 0; qh < QH; ++qh)
                     kept[qh] = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT / QH>(
-                        (key0 - lane / 4) / 16, m * BM / 16 + 4 * qh, lane);
+                        (key0 - lane() / 4) / 16, m * BM / 16 + 4 * qh, lane());
             }
         }
         sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);
@@ -369,7 +368,7 @@ struct BwdSm90 {
             for (int j = 0; j < NT; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int col = 8 * j + 2 * (lane % 4) + e % 2;
+                    const int col = 8 * j + 2 * (lane() % 4) + e % 2;
                     float dp = dpt[j][e];
                     if constexpr (DROPOUT) dp = dropped(dp, kept, j, e);
                     dpt[j][e] = st[j][e] * (dp - dsum[col]) * p.softmax_scale;  // dS^T, in place
@@ -387,8 +386,8 @@ struct BwdSm90 {
         for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const int r = wg * 64 + warp * 16 + lane / 4 + 8 * hh;
-                const u32 addr = ds_tile + (j / 8) * DS_PANEL + r * 128 + (((j % 8) ^ (r % 8)) * 16) + (lane % 4) * 4;
+                const int r = wg * 64 + warp() * 16 + lane() / 4 + 8 * hh;
+                const u32 addr = ds_tile + (j / 8) * DS_PANEL + r * 128 + (((j % 8) ^ (r % 8)) * 16) + (lane() % 4) * 4;
                 sm90::st_shared_b32(addr, ds[j / 2][(j % 2) * 2 + hh]);
             }
         sm90::fence_proxy_async();  // generic-proxy stores, read by wgmma (async proxy) below
@@ -449,7 +448,7 @@ struct BwdSm90 {
         const int k_begin = WS ? SeqInfo::k_begin_of(p, b) : this->k_begin;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const int key = n_key0 + (DSPLIT ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * hh;
+            const int key = n_key0 + (DSPLIT ? 0 : wg * 64) + warp() * 16 + lane() / 4 + 8 * hh;
             if (key >= seqlen_k) continue;
             u16* dk =
                 p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
@@ -457,8 +456,8 @@ struct BwdSm90 {
                 p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
 #pragma unroll
             for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
-                const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane % 4);
-                if (COL_BOUND && col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
+                const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane() % 4);
+                if (col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
                 const float dv_scale = DROPOUT ? p.dropout_scale : 1.f;  // dropout: dV = (P M)^T dO / keep
                 *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
                 *reinterpret_cast<u32*>(dv + col) =
@@ -505,8 +504,6 @@ struct BwdSm90 {
         static_assert(!WS && !DSPLIT && !TMA_DQ, "d = 64 with 64 query rows: dQ by vector reductions");
         tid = threadIdx.x;
         wg = uniform(tid / 128);
-        warp = (tid / 32) % 4;
-        lane = tid % 32;
         base = (smem_u32(smem) + 1023) & ~1023u;
         h_kv = blockIdx.y;
         b = blockIdx.z;

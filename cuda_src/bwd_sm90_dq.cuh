@@ -13,17 +13,19 @@ template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DR
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::add_dq_red(
     const float (&dq)[1][8][4], int h, int m, int seqlen_q) const {
     float* dq_rows = p.dq_accum + (p.deterministic ? (i64)blockIdx.x * p.dq_slice_stride : 0) +
-                     SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * D;
-    const i64 row_stride = (i64)p.nheads * D;
+                     SeqInfo::offset(q_begin, p.dq_batch_stride, 0, 0) + (i64)h * p.headdim;
+    const i64 row_stride = (i64)p.nheads * p.headdim;  // the accumulator has the call's head dim
     if (p.deterministic && wg == 1) sm90::named_sync<BwdBarrier::DqOrder, 256>();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        const int row = m * BM + warp * 16 + lane / 4 + 8 * hh;
+        const int row = m * BM + warp() * 16 + lane() / 4 + 8 * hh;
         if (row >= seqlen_q) continue;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-            sm90::red_add_v2(dq_rows + row * row_stride + 8 * j + 2 * (lane % 4), dq[0][j][2 * hh],
-                       dq[0][j][2 * hh + 1]);
+        for (int j = 0; j < 8; ++j) {
+            const int col = 8 * j + 2 * (lane() % 4);
+            if (col < p.headdim)  // a head dim below D
+                sm90::red_add_v2(dq_rows + row * row_stride + col, dq[0][j][2 * hh], dq[0][j][2 * hh + 1]);
+        }
     }
     if (p.deterministic) __threadfence_block();
     if (p.deterministic && wg == 0) sm90::named_arrive<BwdBarrier::DqOrder, 256>();
@@ -51,11 +53,11 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     }
     // (128 rows: the lane made opaque per step, so that ptxas computes the swizzled offsets here rather than
     // hoisting them out of the step loop, where they spill at 240 registers)
-    int ln = lane;
+    int ln = lane();
     if constexpr (ROW_SPLIT) asm volatile("" : "+r"(ln));
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        const int r = warp * 16 + ln / 4 + 8 * hh;
+        const int r = warp() * 16 + ln / 4 + 8 * hh;
         const float scale = FIXED ? scales[r] : 0.f;
         const bool odd = DSPLIT && r % 2;
 #pragma unroll

@@ -70,14 +70,14 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     const int buf = uniform(tt % 2);
     const float* lse = rows(smem, tt % 2);
     const float* dsum = lse + BM;
-    const int key0 = n_key0 + warp * 16 + lane / 4, col0 = wg * 32;
+    const int key0 = n_key0 + warp() * 16 + lane() / 4, col0 = wg * 32;
     // dropout: the keep bits of this warp's 16 keys x the warpgroup's 32 queries (bit 4 j + e: element [j][e]),
     // drawn while Q and dO load
     u32 kept = ~0u;
     if constexpr (DROPOUT) {
         if (p.dropout_threshold < (int)Dropout::LEVELS)
-            kept = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT>(n_key0 / 16 + warp,
-                                                                               (m * BM + col0) / 16, lane);
+            kept = Dropout::of(p, b * p.nheads + h).template keep_mask_cols<NT>(n_key0 / 16 + warp(),
+                                                                               (m * BM + col0) / 16, lane());
     }
     sm90::mbar_wait(qd_bar(buf), (tt / 2) & 1);  // Q
     sm90::mbar_wait(do_bar(), tt & 1);           // dO: one load per step
@@ -110,10 +110,10 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                 if constexpr (DROPOUT) {  // dS^T from dP^T M / keep; dV takes P^T M (its 1 / keep in store_dkdv)
                     const bool keep = (kept >> (4 * j + e)) & 1u;
                     dp = keep ? dp * p.dropout_scale : 0.f;
-                    dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
+                    dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane() % 4) + e % 2]) * p.softmax_scale;
                     if (!keep) st[j][e] = 0.f;
                 } else {
-                    dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane % 4) + e % 2]) * p.softmax_scale;
+                    dpt[j][e] = st[j][e] * (dp - dsum[col0 + 8 * j + 2 * (lane() % 4) + e % 2]) * p.softmax_scale;
                 }
             }
     }
@@ -124,7 +124,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const int r = warp * 16 + lane / 4 + 8 * hh, c = col0 + 8 * j + 2 * (lane % 4);
+            const int r = warp() * 16 + lane() / 4 + 8 * hh, c = col0 + 8 * j + 2 * (lane() % 4);
             const u32 at = r * 128 + (((c / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
             sm90::st_shared_b32(base + OFF_PT + at, pack2<T>(st[j][2 * hh], st[j][2 * hh + 1]));
             sm90::st_shared_b32(base + OFF_DS + at, pack2<T>(dpt[j][2 * hh], dpt[j][2 * hh + 1]));

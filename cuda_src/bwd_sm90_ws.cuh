@@ -65,8 +65,6 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     sm90::regs_alloc<CONSUMER_REGS>();
     tid -= 128;
     wg = uniform(tid / 128);
-    warp = (tid / 32) % 4;
-    lane = tid % 32;
     consume(smem, m_blocks, seq.seqlen_q);
 }
 

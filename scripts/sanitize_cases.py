@@ -287,13 +287,18 @@ def _sm90_cases() -> list[dict]:
                           shape=dict(BWD_S70, d=d), opts=dict(causal=True)))
         cases.append(dict(name=f"sm90_between_bwd_fp16_d{d}_window_det", fn="attention_backward", dtype="fp16",
                           shape=dict(BWD_S70, d=d), opts=dict(window_size=(50, 10), deterministic=True)))
+    # d 48 on the d 64 score-mod kernel (its dQ vector reductions bounded at the head dim) and fixed point
+    cases.append(dict(name="sm90_between_bwd_fp16_d48_causal_softcap_alibi_det", fn="attention_backward",
+                      dtype="fp16", shape=dict(BWD_S70, d=48),
+                      opts=dict(causal=True, softcap=5.0, alibi=True, deterministic=True)))
+    cases.append(dict(name="sm90_between_bwd_bf16_d48_window_fixed", fn="attention_backward", dtype="bf16",
+                      shape=dict(BWD_S70, d=48), det_mode="fixed", opts=dict(window_size=(50, 10), deterministic=True)))
     return cases
 
 
 def _dropout_cases() -> list[dict]:
     """Dropout: forward (on sm_90a the Hopper kernel at d 64, 128, 256, with a score mod too), backward in both dQ
-    modes (on sm_90a the Hopper kernel's dropout variant at d 64, 128 and 256, with a score mod at d 64 and 256 too;
-    with one at d 128 the portable kernel's 32-key configuration), varlen."""
+    modes (on sm_90a the Hopper kernel's dropout variant at d 40 to 256, with a score mod too), varlen."""
     drop = dict(dropout_p=0.2, dropout_seed=2 ** 40 + 5, dropout_offset=3)
     return [
         dict(name="dropout_fwd_bf16_d64_causal_lse", fn="attention", dtype="bf16", shape=SMALL,
@@ -325,6 +330,12 @@ def _dropout_cases() -> list[dict]:
              shape=dict(BWD_S70, d=256), opts=dict(drop, causal=True, deterministic=True)),
         dict(name="dropout_bwd_fp16_d256_softcap_alibi_window_atomic", fn="attention_backward", dtype="fp16",
              shape=dict(BWD_S70, d=256), opts=dict(drop, softcap=5.0, alibi=True, window_size=(50, 10))),
+        dict(name="dropout_bwd_bf16_d128_softcap_causal_det", fn="attention_backward", dtype="bf16",
+             shape=dict(BWD_S70, d=128), opts=dict(drop, softcap=5.0, causal=True, deterministic=True)),
+        dict(name="dropout_bwd_fp16_d48_softcap_alibi_atomic", fn="attention_backward", dtype="fp16",
+             shape=dict(BWD_S70, d=48), opts=dict(drop, softcap=5.0, alibi=True)),
+        dict(name="dropout_bwd_bf16_d40_window_det", fn="attention_backward", dtype="bf16",
+             shape=dict(BWD_S70, d=40), opts=dict(drop, window_size=(50, 10), deterministic=True)),
         dict(name="dropout_varlen_fwd_bf16_causal_lse", fn="attention_varlen", dtype="bf16", shape=VARLEN,
              opts=dict(drop, causal=True, return_lse=True)),
         dict(name="dropout_varlen_bwd_bf16_causal_det", fn="attention_varlen_backward", dtype="bf16", shape=VARLEN,

@@ -114,16 +114,21 @@ def test_backward_plan(configure):
     assert hopper.sm90 == backward_sm90.BwdSm90Spec("fp16", 128, True) and hopper.grid == (4, 2, 2)
     assert [backward_sm90.compiled_headdim(d) for d in (32, 40, 56, 64, 72, 100, 128, 136, 248, 256)] == [
         None, 64, 64, 64, 128, None, 128, 256, 256, 256]
-    # d 40..56 on the d 64 kernel's warp-specialized (128-row) kernels: not its fixed point, no score mod or dropout
+    # d 40..56 on the d 64 kernels, each of them: the stores and dQ's vector reductions bounded at the head dim
     d40 = checks.Problem(2, 300, 5000, 8, 2, 40, np.dtype(np.float16))
     narrow = backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132)
     assert narrow.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=128) and narrow.sm90.tma_dq
-    det = backward.plan_backward(d40, -1, 0, False, True, "sm_90a", 132)  # 40 key blocks: d 64 would take the
-    assert det.sm90 == narrow.sm90 and not det.fixed_point and det.slices == det.grid[0]  # fixed point
-    assert backward.plan_backward(d40, -1, 0, True, False, "sm_90a", 132).sm90 is None  # softcap / ALiBi: portable
-    assert backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132, dropout=True).sm90 is None  # nor dropout
-    with cuflash_settings.override(bwd_sm90_block_m={64: 64}):  # the lockstep kernel has no column bound
-        assert backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132).sm90 is None
+    det = backward.plan_backward(d40, -1, 0, False, True, "sm_90a", 132)  # 40 key blocks: the fixed point
+    assert det.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=128, fixed=True) and det.fixed_point
+    mod = backward.plan_backward(d40, -1, 0, True, False, "sm_90a", 132, dropout=True)  # softcap / ALiBi, dropout
+    assert mod.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 64, dropout=True) and not mod.sm90.tma_dq
+    assert backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132, dropout=True).sm90 == (
+        backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=128, dropout=True))
+    with cuflash_settings.override(bwd_sm90_block_m={64: 64}):  # the lockstep kernel
+        assert backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132).sm90 == (
+            backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=64))
+    for launch in (narrow, det, mod):
+        assert launch.sm90 in backward_sm90.all_specs()
     configure(bwd_sm90=False)  # the portable kernel
     atomic = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)
     assert atomic.spec.headdim == 96 and atomic.grid == (8, 2, 2) and atomic.slices == 1
@@ -170,8 +175,12 @@ def test_dropout_backward_plan():
     narrow = checks.Problem(2, 300, 500, 8, 2, 64, np.dtype(np.float16))
     assert backward.plan_backward(narrow, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90.block_m == 128
     modded = backward.plan_backward(problem, -1, 0, True, False, "sm_90a", 132, dropout=True)
-    assert modded.sm90 is None and modded.spec.config == backward.DROPOUT_CONFIG
-    assert modded.spec in backward.all_specs("sm_90a")
+    assert modded.sm90 == backward_sm90.BwdSm90Spec("fp16", 128, True, True, 64, False, True)
+    assert modded.sm90 in backward_sm90.all_specs()
+    with cuflash_settings.override(bwd_sm90=False):  # the portable kernel's 32-key configuration
+        modded = backward.plan_backward(problem, -1, 0, True, False, "sm_90a", 132, dropout=True)
+        assert modded.sm90 is None and modded.spec.config == backward.DROPOUT_CONFIG
+        assert modded.spec in backward.all_specs("sm_90a")
     ampere = backward.plan_backward(problem, -1, 0, False, False, "sm_80", 108, dropout=True)
     assert ampere.spec.config == backward.BWD_CONFIG and ampere.spec in backward.all_specs("sm_80")
     ampere_mod = backward.plan_backward(problem, -1, 0, True, False, "sm_80", 108, dropout=True)  # a score mod

@@ -1,9 +1,9 @@
 """The Hopper backward's main kernel (``cuda_src/bwd_sm90.cu``): TMA and wgmma, 128 keys per CTA (64 at d = 256,
 where the two warpgroups split the head dim), compiled for head dims 64, 128 and 256 and run for the multiples of 8
-from 40 up (compiled_headdim: the next compiled one; 40..56 as :func:`narrow` says; softcap / ALiBi on each; dropout
-on each, with softcap / ALiBi on the 64 and 256 ones). :mod:`cuflash.ops.backward` chooses it on sm_90a where
-:func:`applies` (with dropout, :func:`dropout_applies`) and launches it behind the portable main kernel's call
-interface, with the same preprocess, workspace and dQ conversion.
+from 40 up (compiled_headdim: the next compiled one), with softcap / ALiBi, dropout or both at each.
+:mod:`cuflash.ops.backward` chooses it on sm_90a where :func:`applies` (with dropout, :func:`dropout_applies`) and
+launches it behind the portable main kernel's call interface, with the same preprocess, workspace and dQ
+conversion.
 """
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from .. import build, plan, settings, tma
 from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
-# Softcap and ALiBi (BwdSm90's SCORE_MOD kernels: 64 query rows) at every head dim; with dropout at
-# DROPOUT_MOD_HEADDIMS (d 128's would spill 60 bytes: the portable kernel takes those calls)
+# Softcap and ALiBi (BwdSm90's SCORE_MOD kernels: 64 query rows) at every head dim, with dropout too
 SCORE_MOD_HEADDIMS = (64, 128, 256)
-DROPOUT_MOD_HEADDIMS = (64, 256)
 # Dropout (BwdSm90::DROPOUT) at every head dim, with the head dim's query rows (128 at d = 64 without a score mod:
 # the warp-specialized kernel, two keep words a thread) and no fixed-point variant (deterministic mode keeps the fp32
 # slices)
@@ -53,19 +51,10 @@ def compiled_headdim(headdim: int) -> int | None:
     return plan.hopper_headdim(headdim)
 
 
-def narrow(headdim: int) -> bool:
-    """Head dims 40..56 on the d 64 kernel: only its warp-specialized kernels (128 query rows) bound the dK and dV
-    stores at the head dim (BwdSm90::COL_BOUND), and neither their fixed point nor dropout's (they spill with the
-    bound under NVRTC 13.5): no score mod, no dropout, 128 query rows, the slices in deterministic mode."""
-    return compiled_headdim(headdim) == 64 and headdim != 64
-
-
 def applies(problem, score_mod: bool, arch: str) -> bool:
     """The Hopper kernel runs this backward: sm_90a, a head dim that runs on one of HEADDIMS (compiled_headdim;
-    with a score mod, on one of SCORE_MOD_HEADDIMS; a narrow one on the 128-row kernels only), setting on."""
+    with a score mod, on one of SCORE_MOD_HEADDIMS), setting on."""
     d = compiled_headdim(problem.headdim)
-    if narrow(problem.headdim) and (score_mod or block_m(64, False) != 128):
-        return False
     return (settings.current().bwd_sm90 and arch == "sm_90a" and d in HEADDIMS
             and (not score_mod or d in SCORE_MOD_HEADDIMS))
 
@@ -130,10 +119,8 @@ class BwdSm90Spec:
 
 def dropout_applies(problem, score_mod: bool, arch: str) -> bool:
     """The Hopper kernel runs this backward with dropout: as :func:`applies`, at the DROPOUT_HEADDIMS (with a score
-    mod, at the DROPOUT_MOD_HEADDIMS; not at the narrow head dims)."""
-    d = compiled_headdim(problem.headdim)
-    return (applies(problem, score_mod, arch) and d in DROPOUT_HEADDIMS and not narrow(problem.headdim)
-            and (not score_mod or d in DROPOUT_MOD_HEADDIMS))
+    mod too)."""
+    return applies(problem, score_mod, arch) and compiled_headdim(problem.headdim) in DROPOUT_HEADDIMS
 
 
 def all_specs() -> list:
@@ -144,7 +131,7 @@ def all_specs() -> list:
             for fixed in ((False, True) if tma_dq(d, rows) else (False,))] + [
         BwdSm90Spec(dtype, d, band, mod, block_m(d, mod), dropout=True)
         for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
-        for band in (False, True) for mod in ((False, True) if d in DROPOUT_MOD_HEADDIMS else (False,))]
+        for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))]
 
 
 def params_dtype(inner: np.dtype) -> np.dtype:

@@ -33,9 +33,8 @@ CASES = [  # dtype, b, sq, sk, h, hk, d, options
     ("bf16", 1, 50, 90, 2, 2, 256, dict(causal=True)),  # above d 128 the backward on sm_90a's d 256 kernel only
     ("fp16", 2, 70, 150, 4, 2, 200, dict(causal=True)),  # d 136-248 on the d 256 kernel
     ("bf16", 1, 90, 130, 2, 1, 96, dict(window_size=(30, 10))),  # on the d 128 kernel
-    # on sm_90a the Hopper backward's dropout kernels at d 64 and 256 (with softcap too) and 128, causal, local, GQA;
-    # with a score mod at d 128 the portable kernel's 32-key configuration; the Hopper forward's dropout variants
-    # with softcap at every head dim
+    # on sm_90a the Hopper backward's dropout kernels at d 64, 128 and 256, with softcap too, causal, local, GQA
+    # (at d 40-56 on the d 64 kernels); the Hopper forward's dropout variants with softcap at every head dim
     ("bf16", 2, 150, 260, 8, 2, 128, dict(causal=True)),
     ("fp16", 2, 130, 190, 4, 2, 128, dict(window_size=(50, 10))),
     ("bf16", 1, 140, 70, 2, 1, 64, dict(window_size=(-1, 30))),
@@ -43,6 +42,7 @@ CASES = [  # dtype, b, sq, sk, h, hk, d, options
     ("bf16", 2, 120, 150, 4, 2, 64, dict(softcap=20.0, causal=True)),
     ("fp16", 2, 230, 180, 4, 2, 64, dict()),  # d 64 without a band: three consumer warpgroups, a partial second tile
     ("fp16", 1, 70, 130, 2, 2, 256, dict(softcap=10.0, window_size=(40, 8))),
+    ("fp16", 2, 90, 140, 4, 2, 48, dict(softcap=8.0, causal=True)),  # the d 64 lockstep kernel, 48 columns
 ]
 
 
