@@ -308,7 +308,8 @@ def test_sm90_fixed_point_deterministic(configure, compiled, sm90_backward, d):
     from cuflash.ops import backward, backward_sm90
     configure(bwd_sm90_det="fixed")
     problem = checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16))
-    tma_dq = backward_sm90.tma_dq(d, backward_sm90.block_m(d, False))
+    kernel_d = backward_sm90.compiled_headdim(d)  # d 48 runs on d 64's kernel, of 64 or 128 rows (sm90_backward)
+    tma_dq = backward_sm90.tma_dq(kernel_d, backward_sm90.block_m(kernel_d, False))
     assert backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point == tma_dq
     backward._launches.clear()
     try:
