@@ -57,8 +57,9 @@ struct BwdSm90 {
     static_assert(!DSPLIT || (OFF_PT % 1024 == 0 && OFF_PT + DS_PANEL <= OFF_ROWS), "P^T after dS^T, 1024-aligned");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(D == 64 || D == 128 || (D == 256 && BM == 64), "head dims 64, 128 and 256");
-    static_assert(BM == 64 || (BM == 128 && D == 64 && !SCORE_MOD), "128 query rows per step at d = 64 only");
+    static_assert(BM == 64 || (BM == 128 && D == 64), "128 query rows per step at d = 64 only");
     static_assert(!DROPOUT || ((BM == 64 || !SCORE_MOD) && !FIXED), "dropout: with a score mod, 64 query rows");
+    static_assert(!(FIXED && SCORE_MOD && BM == 128), "the fixed point with a score mod: 64 query rows");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
     static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64 && !DROPOUT;
@@ -66,10 +67,12 @@ struct BwdSm90 {
     // in shared memory first), so every dQ element gets one reduction per step instead of one per warpgroup.
     static constexpr bool ROW_SPLIT = PANELS == 1 && QH == 2;
     static_assert(sizeof(Smem::rows) == 2 * 3 * BM * 4, "a rows buffer per Q/dO buffer: step tt's is tt % 2");
-    // The step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform): the
-    // descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Neither
-    // with 128 query rows at d = 64 (ROW_SPLIT): at 255 registers either one makes ptxas spill.
-    __device__ __forceinline__ static int uniform(int x) { return ROW_SPLIT ? x : sm90::warp_uniform(x); }
+    // UNIFORM: the step's buffer, base and warpgroup as values ptxas can see are warp-uniform (sm90::warp_uniform):
+    // the descriptors then stay on the uniform datapath, advanced from one per operand (sm90::desc_advance). Not in
+    // the plain kernel with 128 query rows at d = 64 (ROW_SPLIT without a score mod): at 255 registers there either
+    // one makes ptxas spill, while the score-mod kernel spills without them.
+    static constexpr bool UNIFORM = !ROW_SPLIT || SCORE_MOD;
+    __device__ __forceinline__ static int uniform(int x) { return UNIFORM ? sm90::warp_uniform(x) : x; }
 
     const BwdSm90Params& P;
     const BwdParams& p;
@@ -193,8 +196,8 @@ struct BwdSm90 {
         for (int ks = 0; ks < D / 16; ++ks) {
             const u32 a_at = keys + wg * 64 * 128 + (ks / 4) * K_PANEL + (ks % 4) * 32;
             const u32 q_at = queries + (ks / 4) * Q_PANEL + (ks % 4) * 32;
-            const auto a = ROW_SPLIT ? sm90::smem_desc(a_at) : sm90::desc_advance(desc0, a_at - base);
-            const auto q = ROW_SPLIT ? sm90::smem_desc(q_at) : sm90::desc_advance(desc0, q_at - base);
+            const auto a = UNIFORM ? sm90::desc_advance(desc0, a_at - base) : sm90::smem_desc(a_at);
+            const auto q = UNIFORM ? sm90::desc_advance(desc0, q_at - base) : sm90::smem_desc(q_at);
             if constexpr (BM == 64)
                 sm90::wgmma_m64n64k16_ss<T>(*reinterpret_cast<float(*)[32]>(&acc[0][0]), a, q, ks > 0);
             else
@@ -212,8 +215,8 @@ struct BwdSm90 {
             for (int pn = 0; pn < PANELS; ++pn) {
                 const u32 at = tile + pn * Q_PANEL + kk * 2048;
                 sm90::wgmma_m64n64k16_rs<T>(*reinterpret_cast<float(*)[32]>(&acc[pn * 8][0]), a[kk],
-                                            ROW_SPLIT ? sm90::smem_desc_mn(at, Q_PANEL)
-                                                      : sm90::desc_advance(desc0, at - base), true);
+                                            UNIFORM ? sm90::desc_advance(desc0, at - base)
+                                                    : sm90::smem_desc_mn(at, Q_PANEL), true);
             }
     }
 

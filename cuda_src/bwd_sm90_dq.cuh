@@ -4,7 +4,7 @@
 
 namespace cuflash {
 
-// d = 64 with 64 rows (the score-mod kernel): both warpgroups add to every element of the 64 x 64 tile, each
+// d = 64 with 64 rows (score mods with dropout): both warpgroups add to every element of the 64 x 64 tile, each
 // over its own 64 keys, with fp32 vector reductions (two adjacent columns each: whole 32-byte sectors per quad).
 // Deterministic mode: each slot adds to its own slice, warpgroup 0 first (BwdBarrier::DqOrder: it arrives once its
 // additions are ordered, warpgroup 1 waits); the end-of-step barrier orders warpgroup 1's before the next step's.

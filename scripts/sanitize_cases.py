@@ -272,6 +272,12 @@ def _sm90_cases() -> list[dict]:
         cases.append(dict(name=f"sm90_bwd_bf16_d256_window_{'det' if det else 'atomic'}", fn="attention_backward",
                           dtype="bf16", shape=dict(BWD_S70, d=256),
                           opts=dict(window_size=(50, 10), deterministic=det)))
+    # the Hopper backward's score-mod kernel at d 64 (128 query rows, dQ by TMA; softcap and ALiBi under a window):
+    # atomic and the slices (its deterministic mode)
+    for det in (False, True):
+        cases.append(dict(name=f"sm90_bwd_fp16_d64_window_softcap_alibi_{'det' if det else 'atomic'}",
+                          fn="attention_backward", dtype="fp16", shape=dict(BWD_S70, d=64),
+                          opts=dict(window_size=(50, 10), softcap=5.0, alibi=True, deterministic=det)))
     # the Hopper backward's score-mod kernels at d 128 and 256 (softcap and ALiBi under a window): atomic and the
     # fixed point
     for d in (128, 256):
@@ -287,7 +293,7 @@ def _sm90_cases() -> list[dict]:
                           shape=dict(BWD_S70, d=d), opts=dict(causal=True)))
         cases.append(dict(name=f"sm90_between_bwd_fp16_d{d}_window_det", fn="attention_backward", dtype="fp16",
                           shape=dict(BWD_S70, d=d), opts=dict(window_size=(50, 10), deterministic=True)))
-    # d 48 on the d 64 score-mod kernel (its dQ vector reductions bounded at the head dim) and fixed point
+    # d 48 on the d 64 score-mod kernel (its dQ TMA additions clipped at the head dim) and fixed point
     cases.append(dict(name="sm90_between_bwd_fp16_d48_causal_softcap_alibi_det", fn="attention_backward",
                       dtype="fp16", shape=dict(BWD_S70, d=48),
                       opts=dict(causal=True, softcap=5.0, alibi=True, deterministic=True)))

@@ -367,7 +367,8 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     assert isinstance(main.main, backward_sm90.BackwardMain)
     fixed = np.frombuffer(main.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]["deterministic"] == 2
     assert main.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=block_m, fixed=fixed)
-    assert capped.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, score_mod=True)
+    assert capped.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, score_mod=True,
+                                                         block_m=backward_sm90.block_m(64, True))
     monkeypatch.setattr(backward_sm90, "SCORE_MOD_HEADDIMS", ())  # no Hopper score-mod kernel: the portable one
     portable = call(softcap=5.0)
     assert not isinstance(portable.main, backward_sm90.BackwardMain)
@@ -399,14 +400,15 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
 
 
 def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels):
-    """bwd_sm90_block_m {64: 128}: d = 64 without a score mod steps over 128 query rows (the spec, its shared
-    memory, the Q/dO tensor maps' box); with a score mod, and at d = 128, 64."""
+    """bwd_sm90_block_m {64: 128}: d = 64 steps over 128 query rows (the spec, its shared memory, the Q/dO tensor
+    maps' box), with a score mod too; with a score mod and dropout together, and at d = 128, 64."""
     from cuflash import checks, tma
     from cuflash.ops import backward_sm90
     configure(bwd_sm90=True)
     configure(bwd_sm90_block_m={64: 128})
     assert backward_sm90.block_m(64, False) == 128
-    assert backward_sm90.block_m(64, True) == 64 and backward_sm90.block_m(128, False) == 64
+    assert backward_sm90.block_m(64, True) == 128 and backward_sm90.block_m(64, False, dropout=True) == 128
+    assert backward_sm90.block_m(64, True, dropout=True) == 64 and backward_sm90.block_m(128, False) == 64
     b, sq, sk, h, hk, d = 2, 300, 400, 4, 2, 64
     q = _FakeDeviceArray(np.zeros((b, sq, h, d), np.float16), 0)
     k = _FakeDeviceArray(np.zeros((b, sk, hk, d), np.float16), 0)
@@ -419,7 +421,10 @@ def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels):
     assert spec.template == "cuflash::bwd_sm90_kernel<cuflash::half_t, 64, 128, false, false, false, false>"
     assert tma.map_layout(q, spec.block_m)[3][2] == 128
     assert spec in backward_sm90.all_specs()
-    assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128) not in backward_sm90.all_specs()
+    specs = backward_sm90.all_specs()
+    assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128) in specs
+    assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128, fixed=True) not in specs  # slices only
+    assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128, dropout=True) not in specs  # 64 rows
 
 
 def test_sm90_forward_is_chosen_only_where_it_applies(configure):

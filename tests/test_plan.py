@@ -124,10 +124,15 @@ def test_backward_plan(configure):
     assert mod.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 64, dropout=True) and not mod.sm90.tma_dq
     assert backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132, dropout=True).sm90 == (
         backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=128, dropout=True))
+    capped = backward.plan_backward(d40, -1, 0, True, False, "sm_90a", 132)  # softcap / ALiBi: 128 rows
+    assert capped.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 128) and capped.sm90.tma_dq
+    capped_det = backward.plan_backward(d40, -1, 0, True, True, "sm_90a", 132)  # no fixed point there: slices
+    assert capped_det.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 128) and not capped_det.fixed_point
+    assert capped_det.slices == capped_det.grid[0] > 1
     with cuflash_settings.override(bwd_sm90_block_m={64: 64}):  # the lockstep kernel
         assert backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132).sm90 == (
             backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=64))
-    for launch in (narrow, det, mod):
+    for launch in (narrow, det, mod, capped, capped_det):
         assert launch.sm90 in backward_sm90.all_specs()
     configure(bwd_sm90=False)  # the portable kernel
     atomic = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132)
@@ -206,13 +211,14 @@ def test_dropout_backward_plan():
 
 def test_score_mod_backward_plan():
     """Softcap and ALiBi (a score mod) in the backward: on sm_90a the Hopper kernel's score-mod variant at every
-    compiled head dim (64 query rows; in deterministic mode the fixed point at d 128 and 256, the slices at 64), a head
-    dim between the compiled ones on the next one's; on sm_80 the portable kernel."""
+    compiled head dim (the head dim's query rows: 128 at d 64; in deterministic mode the fixed point at d 128 and 256,
+    the slices at 64), a head dim between the compiled ones on the next one's; on sm_80 the portable kernel."""
     for d, compiled in ((64, 64), (128, 128), (96, 128), (200, 256), (256, 256)):
         problem = checks.Problem(2, 300, 1100, 8, 2, d, np.dtype(np.float16))
         for band in (False, True):
             launch = backward.plan_backward(problem, -1, 0 if band else -1, True, False, "sm_90a", 132)
-            assert launch.sm90 == backward_sm90.BwdSm90Spec("fp16", compiled, band, True, 64), (d, band)
+            rows = 128 if compiled == 64 else 64
+            assert launch.sm90 == backward_sm90.BwdSm90Spec("fp16", compiled, band, True, rows), (d, band)
             assert launch.sm90 in backward_sm90.all_specs()
             det = backward.plan_backward(problem, -1, 0 if band else -1, True, True, "sm_90a", 132)
             assert det.sm90.score_mod and det.sm90 in backward_sm90.all_specs()

@@ -199,7 +199,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
                          slots if deterministic else 1)
     s = settings.current()
     d = backward_sm90.compiled_headdim(problem.headdim)  # the Hopper kernel's compiled head dim
-    block_m = backward_sm90.block_m(d, score_mod)
+    block_m = backward_sm90.block_m(d, score_mod, dropout)
     n_blocks = math.ceil(problem.seqlen_k / backward_sm90.block_n(d))
     fixed = False
     if not deterministic:
@@ -210,7 +210,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
         slots = slots_sm90(n_blocks, groups, sm_count, s.bwd_sm90_det_max_passes)
         causal = left < 0 and right == 0
         auto = slots > 1 or n_blocks >= FIXED_MIN_BLOCKS[d][causal]
-        fixed_ok = backward_sm90.tma_dq(d, block_m)
+        fixed_ok = backward_sm90.fixed_allowed(d, score_mod, block_m)
         fixed = not dropout and fixed_ok and (s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det == "auto" and auto))
     sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)
     if fixed:

@@ -16,7 +16,7 @@ from .. import build, plan, settings, tma
 from ..launcher import KernelCall
 
 HEADDIMS = (64, 128, 256)
-# Softcap and ALiBi (BwdSm90's SCORE_MOD kernels: 64 query rows) at every head dim, with dropout too
+# Softcap and ALiBi (BwdSm90's SCORE_MOD kernels, with the head dim's query rows) at every head dim, with dropout too
 SCORE_MOD_HEADDIMS = (64, 128, 256)
 # Dropout (BwdSm90::DROPOUT) at every head dim, with the head dim's query rows (128 at d = 64 without a score mod:
 # the warp-specialized kernel, two keep words a thread) and no fixed-point variant (deterministic mode keeps the fp32
@@ -25,9 +25,9 @@ DROPOUT_HEADDIMS = (64, 128, 256)
 BLOCK_N = 128               # keys per CTA (BwdSm90::BN), 64 at d = 256 (block_n)
 BLOCK_M = 64                # query rows per step by default
 
-# Query rows per step, per head dim: 64, or 128 at d = 64 without a score mod (twice the work per step for the
-# same barriers and waits; faster in every cell measured, docs/perf-notes.md, "Hopper backward 128 rows at d 64").
-# The bwd_sm90_block_m setting overrides a head dim's.
+# Query rows per step, per head dim: 64, or 128 at d = 64 (twice the work per step for the same barriers and waits;
+# faster in every cell measured, docs/perf-notes.md, "Hopper backward 128 rows at d 64"), but with a score mod and
+# dropout together (block_m_allowed). The bwd_sm90_block_m setting overrides a head dim's.
 BLOCK_M_CHOICES = (64, 128)
 BLOCK_M_TABLE = {64: 128, 128: 64}
 
@@ -59,20 +59,28 @@ def applies(problem, score_mod: bool, arch: str) -> bool:
             and (not score_mod or d in SCORE_MOD_HEADDIMS))
 
 
-def block_m_allowed(headdim: int, score_mod: bool, block_m: int) -> bool:
-    return block_m == 64 or (block_m == 128 and headdim == 64 and not score_mod)
+def block_m_allowed(headdim: int, score_mod: bool, block_m: int, dropout: bool = False) -> bool:
+    """A kernel with `block_m` query rows exists: 64, or 128 at d = 64 but with a score mod and dropout together
+    (its registers: ptxas spills)."""
+    return block_m == 64 or (block_m == 128 and headdim == 64 and not (score_mod and dropout))
+
+
+def fixed_allowed(headdim: int, score_mod: bool, block_m: int) -> bool:
+    """Deterministic mode's fixed point (BwdSm90's FIXED kernels) exists for this kernel: dQ by TMA (tma_dq), and
+    not with a score mod at 128 query rows (ptxas spills); those keep the fp32 slices."""
+    return tma_dq(headdim, block_m) and not (score_mod and block_m == 128)
 
 
 def tma_dq(headdim: int, block_m: int) -> bool:
-    """BwdSm90::TMA_DQ: dQ added by TMA bulk reductions from staging tiles (all but d = 64 with 64 query rows, the
-    score-mod kernel, whose warpgroups both add to every element with vector reductions)."""
+    """BwdSm90::TMA_DQ: dQ added by TMA bulk reductions from staging tiles (all but d = 64 with 64 query rows, whose
+    warpgroups both add to every element with vector reductions)."""
     return not (headdim == 64 and block_m == 64)
 
 
-def block_m(headdim: int, score_mod: bool) -> int:
+def block_m(headdim: int, score_mod: bool, dropout: bool = False) -> int:
     """Query rows per step for this head dim (the table's entry, or the setting's, where the kernel allows it)."""
     rows = {**BLOCK_M_TABLE, **settings.current().bwd_sm90_block_m}.get(headdim, 64)
-    return rows if block_m_allowed(headdim, score_mod, rows) else 64
+    return rows if block_m_allowed(headdim, score_mod, rows, dropout) else 64
 
 
 
@@ -83,7 +91,7 @@ class BwdSm90Spec:
     headdim: int
     band: bool
     score_mod: bool = False
-    block_m: int = BLOCK_M  # query rows per step: 64, or 128 at d = 64 without a score mod
+    block_m: int = BLOCK_M  # query rows per step: 64, or 128 at d = 64 (block_m_allowed)
     fixed: bool = False  # deterministic mode 2 (int32 fixed-point dQ), which runs only on these kernels
     dropout: bool = False  # BwdSm90::DROPOUT: regenerates the forward's dropout mask (dropout_spec)
 
@@ -128,8 +136,8 @@ def all_specs() -> list:
     return [BwdSm90Spec(dtype, d, band, mod, rows, fixed) for d in HEADDIMS for dtype in ("fp16", "bf16")
             for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))
             for rows in BLOCK_M_CHOICES if block_m_allowed(d, mod, rows)
-            for fixed in ((False, True) if tma_dq(d, rows) else (False,))] + [
-        BwdSm90Spec(dtype, d, band, mod, block_m(d, mod), dropout=True)
+            for fixed in ((False, True) if fixed_allowed(d, mod, rows) else (False,))] + [
+        BwdSm90Spec(dtype, d, band, mod, block_m(d, mod, True), dropout=True)
         for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
         for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))]
 
