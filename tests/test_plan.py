@@ -458,7 +458,7 @@ def test_deterministic_fixed_point_rule(configure):
             assert backward.plan_backward(d256, -1, right, False, True, "sm_90a", 132).fixed_point
     capped = checks.Problem(1, 4096, 4096, 4, 4, 64, np.dtype(np.float16))
     assert backward.plan_backward(capped, -1, -1, False, True, "sm_90a", 132).fixed_point
-    assert not backward.plan_backward(capped, -1, -1, True, True, "sm_90a", 132).fixed_point  # score mod: 64 rows
+    assert not backward.plan_backward(capped, -1, -1, True, True, "sm_90a", 132).fixed_point  # score mod: the slices
     configure(bwd_sm90_det="slices")
     assert not backward.plan_backward(long, -1, -1, False, True, "sm_90a", 132).fixed_point
     configure(bwd_sm90_det="fixed")

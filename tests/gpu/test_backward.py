@@ -232,8 +232,8 @@ def test_wide_backward_deterministic_is_bitwise_repeatable(compiled, wide_backwa
 
 @pytest.fixture(params=[64, 128], ids=["m64", "m128"])
 def sm90_backward(configure, request):
-    """The Hopper backward with 64 query rows per step, or 128 at d = 64 (backward_sm90.BLOCK_M_TABLE; score mods and
-    d = 128 keep 64)."""
+    """The Hopper backward with 64 query rows per step, or 128 at d = 64 (backward_sm90.BLOCK_M_TABLE; score mods with
+    dropout and d = 128 keep 64)."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the Hopper backward needs compute capability 9.0")
