@@ -42,7 +42,7 @@ CASES = [  # dtype, b, sq, sk, h, hk, d, options
     ("bf16", 2, 120, 150, 4, 2, 64, dict(softcap=20.0, causal=True)),
     ("fp16", 2, 230, 180, 4, 2, 64, dict()),  # d 64 without a band: three consumer warpgroups, a partial second tile
     ("fp16", 1, 70, 130, 2, 2, 256, dict(softcap=10.0, window_size=(40, 8))),
-    ("fp16", 2, 90, 140, 4, 2, 48, dict(softcap=8.0, causal=True)),  # the d 64 lockstep kernel (mod and dropout), 48 columns
+    ("fp16", 2, 90, 140, 4, 2, 48, dict(softcap=8.0, causal=True)),  # d 64's lockstep kernel (mod, dropout), 48 columns
 ]
 
 
