@@ -6,17 +6,18 @@ each compile is then its own test case, named after the kernel.
 
 Two sweeps:
 
-- ``CUFLASH_COMPILE_ALL=1`` (what ``.ci/run`` sets): every specialization the planner can choose, for sm_80 and
-  sm_90a (portable forward, backward and decode with their helper kernels), the Hopper forward (each variant of
-  ``forward_sm90.VARIANTS`` at each head dim, band and score mod, in one dtype of the two by turns: ``one_dtype``),
-  every Hopper backward, the FP8 forward and its V^T pass, the Hopper self-tests: about 760 compiles.
-- By default, a representative subset of about 125 compiles: the specializations are grouped by everything but
-  their dtype, band, score mod (and the FP8 forward's form), that is by kernel family, architecture, head dim and tile configuration
-  (for the Hopper forward: each distinct variant structure at each head dim), and each group compiles one member,
-  the k-th group its k-th member in the planner's order, so that both dtypes, the band and the score mod each
-  appear across the groups. Every .cu file, kernel family, head dim, tile configuration and Hopper variant
-  compiles at least once; a spill that only one dtype, band or score mod of a configuration shows may need the
-  full sweep.
+- ``CUFLASH_COMPILE_ALL=1`` (what ``.ci/run`` sets): every specialization the planner can choose, in one dtype of
+  the two by turns (``one_dtype``: fp16 and bf16 differ only in their conversions), for sm_80 and sm_90a (portable
+  forward, backward and decode with their helper kernels: each architecture the other dtype of a specialization), the
+  Hopper forward (each variant of ``forward_sm90.VARIANTS`` at each head dim, band and score mod), every Hopper
+  backward, the FP8 forward and its V^T pass, the Hopper self-tests: about 570 compiles.
+- By default, a representative subset of about 200 compiles: the specializations are grouped by everything but
+  their dtype, band, score mod (and the FP8 forward's form), that is by kernel family, architecture, head dim and
+  tile configuration (for the Hopper forward: each distinct variant structure at each head dim), and each group
+  compiles one member, the k-th group its k-th member in the planner's order, so that both dtypes, the band and the
+  score mod each appear across the groups. Every .cu file, kernel family, head dim, tile configuration and Hopper
+  variant compiles at least once; a spill that only one dtype, band or score mod of a configuration shows may need
+  the full sweep.
 
 The checks that read PTX (the split kernel's O store) or compile a static_assert program (the Hopper forward's
 shared-memory layout) run in both sweeps.
@@ -57,27 +58,29 @@ COMPILE_ALL = os.environ.get("CUFLASH_COMPILE_ALL", "") not in ("", "0")
 VARYING = ("dtype", "band", "score_mod", "pipelined")  # the fields the subset does not spread over
 
 
-def one_dtype(specs: list) -> list:
-    """Of the specializations that differ only in their dtype, one: fp16 and bf16 by turns over the groups (they differ
-    only in conversions). What the full sweep compiles of the Hopper forward, whose specializations are about half of
-    it; the subset takes its members across both dtypes too."""
+def one_dtype(specs: list, turn: int = 0) -> list:
+    """Of the specializations that differ only in their dtype, one: fp16 and bf16 by turns over the groups, the k-th
+    group its (k + turn)-th member (they differ only in their conversions, which take the same instructions and
+    registers in both). Specs without a dtype (the FP8 forward) are their own group."""
     groups = {}
     for spec in specs:
-        groups.setdefault(dataclasses.replace(spec, dtype=""), []).append(spec)
-    return [members[k % len(members)] for k, members in enumerate(groups.values())]
+        typed = any(f.name == "dtype" for f in dataclasses.fields(spec)) if dataclasses.is_dataclass(spec) else False
+        groups.setdefault(dataclasses.replace(spec, dtype="") if typed else spec, []).append(spec)
+    return [members[(k + turn) % len(members)] for k, members in enumerate(groups.values())]
 
 
-def representative(specs: list) -> list:
+def representative(specs: list, turn: int = 0) -> list:
     """One specialization per group of specs alike but for their dtype, band and score mod (the k-th group its
-    k-th member, cyclically); all of them under CUFLASH_COMPILE_ALL=1."""
+    (k + turn)-th member, cyclically); under CUFLASH_COMPILE_ALL=1 every specialization in one dtype of the two
+    (`one_dtype`)."""
     if COMPILE_ALL:
-        return specs
+        return one_dtype(specs, turn)
     groups = {}
     for spec in specs:
         key = (type(spec),) + tuple((f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec)
                                     if f.name not in VARYING)
         groups.setdefault(key, []).append(spec)
-    return [members[k % len(members)] for k, members in enumerate(groups.values())]
+    return [members[(k + turn) % len(members)] for k, members in enumerate(groups.values())]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,11 +142,13 @@ def _shared_memory_program() -> Program:
     return Program("sm90_smem", text)
 
 
-PORTABLE = [Job(arch, spec) for arch in ARCHS for spec in representative(portable_specs(arch))]
+# The portable kernels compile for both architectures from one source: each architecture takes the other dtype of a
+# group (turn), so that the full sweep compiles every portable specialization in both dtypes, one per architecture.
+PORTABLE = [Job(arch, spec) for turn, arch in enumerate(ARCHS) for spec in representative(portable_specs(arch), turn)]
 SELFTESTS = [Job(HOPPER, spec) for spec in representative([SelftestSpec(dtype, kernel) for kernel in SELFTEST_KERNELS
                                                            for dtype in ("bf16", "fp16")])]
 HOPPER_BACKWARD = [Job(HOPPER, spec) for spec in representative(hopper_backward_specs())]
-HOPPER_FORWARD = [Job(HOPPER, spec) for spec in representative(one_dtype(hopper_forward_specs()))]
+HOPPER_FORWARD = [Job(HOPPER, spec) for spec in representative(hopper_forward_specs())]
 FP8 = [Job(HOPPER, spec) for spec in representative(fp8_specs())]
 SPLIT_PTX = [Job(HOPPER, hopper_variant_spec(variant, "bf16", 64, False, False), "ptx")
              for variant in ("ws3_n128_p_split", "ws3_n128_p")]
