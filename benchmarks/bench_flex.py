@@ -21,7 +21,7 @@ window, as bench_attention.py; the backward 2.5x that):
   plain_bwd       cuflash.attention_backward without the score mod (n/a with --mod none): what the mod costs
 then cuflash over FlexAttention in each direction, and as checks max |O - O_flex| (err) and the largest of
 max |dX - dX_flex| / max |dX_flex| over dq, dk, dv (gerr), a row past bench_attention.py's tolerances marked FAIL
-(exit status 1). --cuflash-only keeps cuflash_fwd and cuflash_bwd (A/Bs: scripts/gpu_ab.sh, --column
+(exit status 1). --cuflash-only keeps cuflash_fwd, cuflash_bwd and cuflash_det (A/Bs: scripts/gpu_ab.sh, --column
 cuflash_bwd).
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
-    p.add_argument("--cuflash-only", action="store_true", help="cuflash_fwd and cuflash_bwd alone (A/Bs)")
+    p.add_argument("--cuflash-only", action="store_true", help="cuflash's columns alone (A/Bs)")
     args = p.parse_args(argv)
     args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     if args.softcap <= 0:
@@ -175,7 +175,7 @@ def run_cell(cell: dict, args, flex) -> dict:
     plain = fwd() if with_plain else None  # out and lse without the mod, for plain_bwd
     ours = {}
     for name, kw in (("cuflash_bwd", mods), ("cuflash_det", dict(mods, deterministic=True)), ("plain_bwd", {})):
-        if (args.cuflash_only and name != "cuflash_bwd") or (name == "plain_bwd" and not with_plain):
+        if name == "plain_bwd" and not with_plain:
             continue
         o, l = plain if name == "plain_bwd" else (out, lse)
 

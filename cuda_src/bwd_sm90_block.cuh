@@ -59,7 +59,6 @@ struct BwdSm90 {
     static_assert(D == 64 || D == 128 || (D == 256 && BM == 64), "head dims 64, 128 and 256");
     static_assert(BM == 64 || (BM == 128 && D == 64), "128 query rows per step at d = 64 only");
     static_assert(!DROPOUT || ((BM == 64 || !SCORE_MOD) && !FIXED), "dropout: with a score mod, 64 query rows");
-    static_assert(!(FIXED && SCORE_MOD && BM == 128), "the fixed point with a score mod: 64 query rows");
     // dV issued as soon as P^T is ready (its wgmma overlaps dS); at d = 128, or with 128 query rows, that keeps too
     // many registers live (P^T's fragments beside dP^T and the accumulators): there dV follows dQ.
     static constexpr bool EARLY_DV = D == 64 && !SCORE_MOD && BM == 64 && !DROPOUT;

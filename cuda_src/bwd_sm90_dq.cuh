@@ -58,7 +58,9 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int r = warp() * 16 + ln / 4 + 8 * hh;
-        const float scale = FIXED ? scales[r] : 0.f;
+        // (the scale by its 32-bit shared address: through the generic pointer the score-mod kernel with 128 rows
+        // spills under NVRTC 13.5)
+        const float scale = FIXED ? __uint_as_float(ld_shared_u32(smem_u32(scales) + 4 * r)) : 0.f;
         const bool odd = DSPLIT && r % 2;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {

@@ -367,7 +367,7 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     assert isinstance(main.main, backward_sm90.BackwardMain)
     fixed = np.frombuffer(main.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]["deterministic"] == 2
     assert main.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=block_m, fixed=fixed)
-    assert capped.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, score_mod=True,
+    assert capped.main.spec == backward_sm90.BwdSm90Spec("fp16", 64, True, score_mod=True,  # causal: the slices
                                                          block_m=backward_sm90.block_m(64, True))
     monkeypatch.setattr(backward_sm90, "SCORE_MOD_HEADDIMS", ())  # no Hopper score-mod kernel: the portable one
     portable = call(softcap=5.0)
@@ -423,7 +423,7 @@ def test_sm90_backward_128_query_rows_at_d64(configure, no_gpu_kernels):
     assert spec in backward_sm90.all_specs()
     specs = backward_sm90.all_specs()
     assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128) in specs
-    assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128, fixed=True) not in specs  # slices only
+    assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128, fixed=True) in specs  # deterministic mode
     assert backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128, dropout=True) not in specs  # 64 rows
 
 

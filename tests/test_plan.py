@@ -126,9 +126,11 @@ def test_backward_plan(configure):
         backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=128, dropout=True))
     capped = backward.plan_backward(d40, -1, 0, True, False, "sm_90a", 132)  # softcap / ALiBi: 128 rows
     assert capped.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 128) and capped.sm90.tma_dq
-    capped_det = backward.plan_backward(d40, -1, 0, True, True, "sm_90a", 132)  # no fixed point there: slices
-    assert capped_det.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 128) and not capped_det.fixed_point
-    assert capped_det.slices == capped_det.grid[0] > 1
+    capped_det = backward.plan_backward(d40, -1, -1, True, True, "sm_90a", 132)  # 40 key blocks: the fixed point
+    assert capped_det.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, False, True, 128, fixed=True)
+    assert capped_det.fixed_point and capped_det.slices == 1
+    causal_det = backward.plan_backward(d40, -1, 0, True, True, "sm_90a", 132)  # causal with a mod: the slices
+    assert causal_det.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 128) and not causal_det.fixed_point
     with cuflash_settings.override(bwd_sm90_block_m={64: 64}):  # the lockstep kernel
         assert backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132).sm90 == (
             backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=64))
@@ -211,8 +213,9 @@ def test_dropout_backward_plan():
 
 def test_score_mod_backward_plan():
     """Softcap and ALiBi (a score mod) in the backward: on sm_90a the Hopper kernel's score-mod variant at every
-    compiled head dim (the head dim's query rows: 128 at d 64; in deterministic mode the fixed point at d 128 and 256,
-    the slices at 64), a head dim between the compiled ones on the next one's; on sm_80 the portable kernel."""
+    compiled head dim (the head dim's query rows: 128 at d 64; in deterministic mode the fixed point or the slices by
+    the rule without a mod, but the slices at d 64 under a causal mask), a head dim between the compiled ones on the
+    next one's; on sm_80 the portable kernel."""
     for d, compiled in ((64, 64), (128, 128), (96, 128), (200, 256), (256, 256)):
         problem = checks.Problem(2, 300, 1100, 8, 2, d, np.dtype(np.float16))
         for band in (False, True):
@@ -222,7 +225,14 @@ def test_score_mod_backward_plan():
             assert launch.sm90 in backward_sm90.all_specs()
             det = backward.plan_backward(problem, -1, 0 if band else -1, True, True, "sm_90a", 132)
             assert det.sm90.score_mod and det.sm90 in backward_sm90.all_specs()
-            assert det.fixed_point == (compiled != 64), (d, band)  # 1100 keys: 9 blocks of 128, 18 of 64
+            plain = backward.plan_backward(problem, -1, 0 if band else -1, False, True, "sm_90a", 132)
+            want = plain.fixed_point and not (compiled == 64 and band)  # (band: causal here)
+            assert det.fixed_point == want and det.sm90.fixed == det.fixed_point, (d, band)
+    for seqlen in (4096, 16384):  # d 64 with a mod: the fixed point without a mask, the slices under a causal one
+        problem = checks.Problem(16384 // seqlen, seqlen, seqlen, 32, 32, 64, np.dtype(np.float16))
+        assert backward.plan_backward(problem, -1, -1, True, True, "sm_90a", 132).fixed_point
+        assert backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132).fixed_point  # no mod
+        assert not backward.plan_backward(problem, -1, 0, True, True, "sm_90a", 132).fixed_point
         if d <= 128:  # (above, sm_80 has no backward)
             assert backward.plan_backward(problem, -1, 0, True, False, "sm_80", 108).sm90 is None
 
@@ -431,8 +441,8 @@ def test_kv_bound_blocks():
 
 def test_deterministic_fixed_point_rule(configure):
     """The bwd_sm90_det setting "auto": the fixed point where the slot rule gives several slots or from
-    backward.FIXED_MIN_BLOCKS key blocks on (per head dim, without and with a causal mask), not with the d = 64
-    score-mod kernel (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
+    backward.FIXED_MIN_BLOCKS key blocks on (per head dim, without and with a causal mask), with a score mod too, not
+    with dropout or on the d = 64 kernel with 64 rows (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
     from cuflash import checks
     from cuflash.ops import backward
     configure(bwd_sm90=True)
@@ -458,7 +468,8 @@ def test_deterministic_fixed_point_rule(configure):
             assert backward.plan_backward(d256, -1, right, False, True, "sm_90a", 132).fixed_point
     capped = checks.Problem(1, 4096, 4096, 4, 4, 64, np.dtype(np.float16))
     assert backward.plan_backward(capped, -1, -1, False, True, "sm_90a", 132).fixed_point
-    assert not backward.plan_backward(capped, -1, -1, True, True, "sm_90a", 132).fixed_point  # score mod: the slices
+    assert backward.plan_backward(capped, -1, -1, True, True, "sm_90a", 132).fixed_point  # score mod (128 rows)
+    assert not backward.plan_backward(capped, -1, -1, True, True, "sm_90a", 132, dropout=True).fixed_point
     configure(bwd_sm90_det="slices")
     assert not backward.plan_backward(long, -1, -1, False, True, "sm_90a", 132).fixed_point
     configure(bwd_sm90_det="fixed")

@@ -69,7 +69,9 @@ def dropout_config(headdim: int, arch: str, score_mod: bool) -> BwdConfig:
 # fixed point where the slot rule gives a head more than one slot, or from FIXED_MIN_BLOCKS[d] key blocks on
 # (without, with a causal mask); measured in docs/perf-notes.md, "deterministic backward: slices or fixed point".
 # At d = 256 the fixed point is faster from one key block on: a slot there adds a 64 x 256 dQ tile per step. A fixed
-# slot count (bwd_sm90_det_slots > 0) keeps the slices.
+# slot count (bwd_sm90_det_slots > 0) keeps the slices. With a score mod at d = 64 under a causal mask the slices are
+# as fast or faster up to 16k keys, and keep the auto choice there (docs/perf-notes.md, "Hopper backward 128 rows at
+# d 64").
 FIXED_MIN_BLOCKS = {64: (16, 32), 128: (8, 8), 256: (0, 0)}
 
 
@@ -209,8 +211,8 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     else:
         slots = slots_sm90(n_blocks, groups, sm_count, s.bwd_sm90_det_max_passes)
         causal = left < 0 and right == 0
-        auto = slots > 1 or n_blocks >= FIXED_MIN_BLOCKS[d][causal]
-        fixed_ok = backward_sm90.fixed_allowed(d, score_mod, block_m)
+        auto = (slots > 1 or n_blocks >= FIXED_MIN_BLOCKS[d][causal]) and not (score_mod and causal and d == 64)
+        fixed_ok = backward_sm90.tma_dq(d, block_m)  # the FIXED kernels add dQ by TMA
         fixed = not dropout and fixed_ok and (s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det == "auto" and auto))
     sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)
     if fixed:

@@ -65,15 +65,10 @@ def block_m_allowed(headdim: int, score_mod: bool, block_m: int, dropout: bool =
     return block_m == 64 or (block_m == 128 and headdim == 64 and not (score_mod and dropout))
 
 
-def fixed_allowed(headdim: int, score_mod: bool, block_m: int) -> bool:
-    """Deterministic mode's fixed point (BwdSm90's FIXED kernels) exists for this kernel: dQ by TMA (tma_dq), and
-    not with a score mod at 128 query rows (ptxas spills); those keep the fp32 slices."""
-    return tma_dq(headdim, block_m) and not (score_mod and block_m == 128)
-
-
 def tma_dq(headdim: int, block_m: int) -> bool:
     """BwdSm90::TMA_DQ: dQ added by TMA bulk reductions from staging tiles (all but d = 64 with 64 query rows, whose
-    warpgroups both add to every element with vector reductions)."""
+    warpgroups both add to every element with vector reductions). Deterministic mode's fixed point (the FIXED
+    kernels) exists where this holds; the others keep the fp32 slices."""
     return not (headdim == 64 and block_m == 64)
 
 
@@ -136,7 +131,7 @@ def all_specs() -> list:
     return [BwdSm90Spec(dtype, d, band, mod, rows, fixed) for d in HEADDIMS for dtype in ("fp16", "bf16")
             for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))
             for rows in BLOCK_M_CHOICES if block_m_allowed(d, mod, rows)
-            for fixed in ((False, True) if fixed_allowed(d, mod, rows) else (False,))] + [
+            for fixed in ((False, True) if tma_dq(d, rows) else (False,))] + [
         BwdSm90Spec(dtype, d, band, mod, block_m(d, mod, True), dropout=True)
         for d in DROPOUT_HEADDIMS for dtype in ("fp16", "bf16")
         for band in (False, True) for mod in ((False, True) if d in SCORE_MOD_HEADDIMS else (False,))]

@@ -316,7 +316,7 @@ def test_sm90_fixed_point_deterministic(configure, compiled, sm90_backward, d):
         run_deterministic_mix(d, (41, 42, 43, 45, 46), dict(b=3, sq=129, sk=333, h=3, hk=1))
         run_case(np.random.default_rng(44), b=1, sq=17, sk=1, h=2, hk=2, d=d, dtype="bf16", deterministic=True)
         run_case(np.random.default_rng(48), b=2, sq=150, sk=400, h=4, hk=2, d=d, dtype="fp16", causal=True,
-                 softcap=8.0, alibi="bh", deterministic=True)  # the score-mod kernels' fixed point (d > 64)
+                 softcap=8.0, alibi="bh", deterministic=True)  # the score-mod kernels' fixed point
         rng = np.random.default_rng(47)
         q, _, v, _, _ = make_case(rng, b=2, sq=300, sk=500, h=4, hk=2, d=d, dtype="bf16")
         host_do = randn(rng, (2, 300, 4, d), np.float32) * 10.0 ** rng.uniform(-3, 2, (2, 300, 4, 1))
