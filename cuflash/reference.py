@@ -716,6 +716,10 @@ E4M3_MAX = 448.0          # the largest finite float8_e4m3fn
 E4M3_UNIT = 2.0 ** -4     # unit roundoff: 3 fraction bits, |rn(x) - x| <= 2^-4 |x| for normal x
 E4M3_HALF_STEP = 2.0 ** -10  # half the subnormal spacing 2^-9: |rn(x) - x| <= 2^-10 below 2^-6
 P_SCALE = 256.0           # P in [0, 1] is multiplied by this before its conversion to e4m3
+# S = Q K^T on FP8 tensor cores: each k = 32 group's exact products are summed with the accumulator aligned to the
+# largest of them and kept to about 13 fraction bits, so a group loses under 32 2^-13 = 2^-8 of its largest
+# magnitude. The lse bound charges 2^-8 of each score's sum of magnitudes sum_d |q_d k_d| (docs/fp8.md).
+FP8_S_UNIT = 2.0 ** -8
 
 
 def _float8_e4m3fn():
@@ -888,7 +892,7 @@ def _weighted_deviations(w, v, o):
 
 def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, p_scale=P_SCALE, bf16_error=0.0,
-                    quantized_sums=False, bf16_lse_error=0.0, return_lse=False):
+                    quantized_sums=False, bf16_lse_error=0.0, tensor_core_scores=False, return_lse=False):
     """The FP8 forward's accuracy contract, elementwise ``(batch, seqlen_q, nheads, headdim_v)`` float64:
 
         |out_fp8 - O| <= 2 bf16_error + E_P,        O = attention(dequantized inputs)
@@ -919,17 +923,23 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
     With ``return_lse`` the result is ``(out_bound, lse_bound)``, lse_bound float64 ``(batch, nheads, seqlen_q)``:
 
         |lse_fp8 - lse| <= 2 bf16_lse_error + (-log(1 - eta_i) with quantized_sums, else 0)
+                           + (E_S,i with tensor_core_scores, else 0)
+        E_S,i = 2^-8 softmax_scale max_j sum_d |q_id k_jd|
 
-    bf16_lse_error being bf16 attention's lse error, as bf16_error; a row with no visible key has bound 0 (its lse is
-    -inf in both). Other arguments are :func:`attention_fp8`'s; ``0 < p_scale <= 448`` (no saturation of
-    P p_scale <= p_scale).
+    bf16_lse_error being bf16 attention's lse error, as bf16_error; E_S bounds the FP8 tensor cores' sums of S
+    (the kernel's: :data:`FP8_S_UNIT`; the lse moves by at most the largest change of a visible score), which bf16's
+    fp32 accumulation does not show and :func:`attention_fp8` does not model (its S is exact); a row with no visible
+    key has bound 0 (its lse is -inf in both). Other arguments are :func:`attention_fp8`'s; ``0 < p_scale <= 448``
+    (no saturation of P p_scale <= p_scale).
     """
     p_scale = float(p_scale)
     if not 0 < p_scale <= E4M3_MAX:
         raise ValueError(f"the bound needs 0 < p_scale <= {E4M3_MAX:g} (P p_scale must not saturate), got {p_scale}")
     q, k, v = _fp8_inputs(q8, k8, v8, q_descale, k_descale, v_descale)
     nheads = q.shape[2]
-    pr = _probs(q, _repeat_kv(k, nheads), **_options(q, softmax_scale, causal, window_size, softcap, alibi_slopes))
+    options = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    k = _repeat_kv(k, nheads)
+    pr = _probs(q, k, **options)
     v = _repeat_kv(v, nheads)
     step = np.where(pr.visible, np.maximum(E4M3_UNIT * pr.p, E4M3_HALF_STEP / p_scale), 0.0)
     eta = step.sum(axis=-1) / np.where(pr.l > 0, pr.l, 1.0)   # 0 in a row with no visible key
@@ -948,4 +958,7 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
     bound = 2.0 * np.asarray(bf16_error, dtype=np.float64) + p_term
     if not return_lse:
         return bound
+    if tensor_core_scores:  # softcap's tanh and ALiBi's bias move no score by more than its product did
+        magnitudes = options["softmax_scale"] * (_bhsd(np.abs(q)) @ _bhsd(np.abs(k)).transpose(0, 1, 3, 2))
+        lse_term = lse_term + FP8_S_UNIT * np.max(np.where(pr.visible, magnitudes, 0.0), axis=-1, initial=0.0)
     return bound, np.where(pr.l > 0, 2.0 * np.asarray(bf16_lse_error, dtype=np.float64) + lse_term, 0.0)

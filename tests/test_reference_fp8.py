@@ -437,3 +437,20 @@ def test_online_softmax_within_quantized_sums_bound(outliers, block, reverse, op
     assert_within_bounds(out, lse, want, want_lse, bound, lse_bound)
     if not outliers and "window_size" not in options:   # the running max rises somewhere
         assert np.abs(out - ref.attention_fp8(**args, **options, quantized_sums=True)).max() > 0
+
+
+def test_tensor_core_scores_term():
+    """With tensor_core_scores the lse bound adds 2^-8 c max_j sum_d |q_id k_jd| over the visible keys (the FP8 tensor
+    cores' score sums, docs/fp8.md); the output bound stays. One key: the term alone, from a loop over rows."""
+    args = make_fp8(np.random.default_rng(14), seqlen_q=5, seqlen_k=1, outliers=2)
+    q, k, _ = dequantized(args)
+    bound, lse_bound = ref.fp8_error_bound(**args, return_lse=True)
+    with_s, lse_with_s = ref.fp8_error_bound(**args, tensor_core_scores=True, return_lse=True)
+    assert np.array_equal(bound, with_s) and np.all(lse_bound == 0)
+    group = q.shape[2] // k.shape[2]
+    for b, i, h in np.ndindex(q.shape[0], q.shape[1], q.shape[2]):
+        want = 2.0 ** -8 / np.sqrt(q.shape[-1]) * np.abs(q[b, i, h] * k[b, 0, h // group]).sum()
+        assert lse_with_s[b, h, i] == pytest.approx(want, rel=1e-12)
+    empty = ref.fp8_error_bound(**dict(args, k8=args["k8"][:, :0], v8=args["v8"][:, :0]), tensor_core_scores=True,
+                                 return_lse=True)[1]
+    assert np.all(empty == 0)  # rows without keys

@@ -57,7 +57,8 @@ def run_and_check(args, **options):
     finite = np.isfinite(exact_lse)
     bf16_lse_error = float(np.abs(bf16_lse[finite] - exact_lse[finite]).max(initial=0.0))
     bound, lse_bound = ref.fp8_error_bound(args["q8"], args["k8"], args["v8"], bf16_error=bf16_error,
-                                           bf16_lse_error=bf16_lse_error, return_lse=True, **fp8_args)
+                                           bf16_lse_error=bf16_lse_error, tensor_core_scores=True, return_lse=True,
+                                           **fp8_args)
     err = np.abs(out - exact)
     assert np.all(np.isfinite(out)), "non-finite output"
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
@@ -99,6 +100,16 @@ def test_fp8_forward_within_bound(fp8_form, b, sq, sk, hk, group, d, per, mask, 
         pytest.skip("the FP8 kernel is sm_90a's")
     options = {"none": {}, "causal": {"causal": True}, "window": {"window_size": (37, 5)}}[mask]
     run_and_check(make(np.random.default_rng(seed), b, sq, sk, hk * group, hk, d, per), **options)
+
+
+@pytest.mark.parametrize("outliers", [0, 4])
+@pytest.mark.parametrize("d", HEADDIMS)
+def test_fp8_one_key_lse_is_the_score(d, outliers):
+    """Rows that see one key: the lse is that key's score, off by the FP8 tensor cores' sums of S alone (the lse
+    bound's E_S, docs/fp8.md); bf16's lse error can be near 0 there."""
+    if not hopper():
+        pytest.skip("the FP8 kernel is sm_90a's")
+    run_and_check(make(np.random.default_rng(d + outliers), 4, 64, 1, 8, 4, d, "tensor", outliers=outliers))
 
 
 @pytest.mark.parametrize("sk", [150, 300, 600, 1000, 1800])
