@@ -273,11 +273,12 @@ def _sm90_cases() -> list[dict]:
                           dtype="bf16", shape=dict(BWD_S70, d=256),
                           opts=dict(window_size=(50, 10), deterministic=det)))
     # the Hopper backward's score-mod kernel at d 64 (128 query rows, dQ by TMA; softcap and ALiBi under a window):
-    # atomic and deterministic mode's choice at this length (the slices); its fixed point below
+    # atomic and the slices; its fixed point below
     for det in (False, True):
-        cases.append(dict(name=f"sm90_bwd_fp16_d64_window_softcap_alibi_{'det' if det else 'atomic'}",
+        cases.append(dict(name=f"sm90_bwd_fp16_d64_window_softcap_alibi_{'slices' if det else 'atomic'}",
                           fn="attention_backward", dtype="fp16", shape=dict(BWD_S70, d=64),
-                          opts=dict(window_size=(50, 10), softcap=5.0, alibi=True, deterministic=det)))
+                          opts=dict(window_size=(50, 10), softcap=5.0, alibi=True, deterministic=det),
+                          **(dict(det_mode="slices") if det else {})))
     # the Hopper backward's score-mod kernels at d 128 and 256 (softcap and ALiBi under a window): atomic and the
     # fixed point; at d 64 the fixed point (its atomic case above)
     for d in (64, 128, 256):
