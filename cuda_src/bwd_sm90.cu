@@ -22,7 +22,7 @@
 // with dropout) each warpgroup adds its own 64 keys' part to every element, with vector reductions (add_dq_red).
 // Softcap and ALiBi (SCORE_MOD: score_mod.cuh's modify per element, its derivative straight into dS, both products
 // waited for first: mod_probabilities) at every head dim, with the head dim's query rows a step (at d = 64, 128,
-// or 64 with dropout too; no fixed point with 128). Head dims D = 64, 128 and 256
+// or 64 with dropout too). Head dims D = 64, 128 and 256
 // (DSPLIT: 64 keys per CTA, the warpgroups splitting the head dim; step_split), and the multiples of 8 down to the
 // one before (at D = 64 from 40): the TMA boxes zero-fill the columns past p.headdim,
 // dK and dV leave them out, and dQ's TMA additions are clipped at the accumulator's head dim.
