@@ -1,14 +1,17 @@
-"""GPU tests (marked `gpu`) skip themselves cleanly when no CUDA device is usable, and the summary says which
-tests skipped for want of a GPU or of an optional package."""
+"""GPU tests (marked `gpu`) skip themselves cleanly when no CUDA device is usable; tests marked `slow` (CPU tests of
+several seconds each: processes per rank, large XLA graphs) run only under CUFLASH_SLOW_TESTS=1, which `.ci/run` sets.
+The summary says which tests skipped for want of a GPU, of an optional package or of that setting."""
 import functools
+import os
 import re
 
 import pytest
 
 NO_GPU = "needs a CUDA GPU"
+SLOW = "slow: runs under CUFLASH_SLOW_TESTS=1 (.ci/run sets it)"
+RUN_SLOW = os.environ.get("CUFLASH_SLOW_TESTS", "") not in ("", "0")
 # missing module -> the extra that installs it
 EXTRAS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "transformers": "transformers"}
-_SELECTED = pytest.StashKey[list]()
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,24 +25,26 @@ def gpu_available() -> bool:
 
 @pytest.hookimpl(trylast=True)  # after -k / -m have deselected
 def pytest_collection_modifyitems(config, items):
-    config.stash[_SELECTED] = list(items)
-    if gpu_available():
-        return
-    skip = pytest.mark.skip(reason=NO_GPU)
+    # A module with work to start ahead of its tests (`start_early`: test_compile.py's compiles, in other processes)
+    # gets it started now, and its tests run last, so that the work overlaps every other test.
+    early = [item for item in items if hasattr(getattr(item, "module", None), "start_early")]
+    if early and not config.option.collectonly:
+        items[:] = [item for item in items if item not in early] + early
+        for module in dict.fromkeys(item.module for item in early):
+            module.start_early([item for item in early if item.module is module])
+    skip_gpu = None if gpu_available() else pytest.mark.skip(reason=NO_GPU)
+    skip_slow = None if RUN_SLOW else pytest.mark.skip(reason=SLOW)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
-@pytest.fixture(scope="module")
-def selected_tests(request) -> list:
-    """The tests that run (after -k / -m deselected some), for fixtures that prepare work for exactly those."""
-    return request.config.stash.get(_SELECTED, [])
+        if skip_gpu and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        elif skip_slow and "slow" in item.keywords:
+            item.add_marker(skip_slow)
 
 
 def pytest_terminal_summary(terminalreporter):
-    """One line per missing optional package (with what installs it) and one for the GPU tests, when they skip."""
-    missing, no_gpu = {}, 0
+    """One line per missing optional package (with what installs it), one for the GPU tests and one for the slow
+    tests, when they skip."""
+    missing, no_gpu, slow = {}, 0, 0
     for report in terminalreporter.stats.get("skipped", []):
         if not isinstance(report.longrepr, tuple):
             continue
@@ -54,6 +59,8 @@ def pytest_terminal_summary(terminalreporter):
                 skipped[0] += 1
         elif reason.endswith(NO_GPU):
             no_gpu += 1
+        elif reason.endswith(SLOW):
+            slow += 1
     write = functools.partial(terminalreporter.write_line, yellow=True)
     for name, (tests, modules) in sorted(missing.items()):
         what = [f"{len(modules)} test module{'s' * (len(modules) > 1)} ({', '.join(sorted(modules))})"] * bool(modules)
@@ -62,3 +69,5 @@ def pytest_terminal_summary(terminalreporter):
         write(f"{' and '.join(what)} skipped: {name} is not installed ({install})")
     if no_gpu:
         write(f"{no_gpu} GPU tests skipped: no CUDA GPU")
+    if slow:
+        write(f"{slow} slow tests skipped: CUFLASH_SLOW_TESTS=1 runs them, as .ci/run does")

@@ -1,8 +1,9 @@
 """The kernels compile with NVRTC for their architectures, without local-memory spills.
 
 Needs NVRTC (pip's nvidia-cuda-nvrtc through CuPy), no GPU. Every compile of this module runs in one pool of
-processes (CUFLASH_COMPILE_WORKERS, default: the CPUs this process may use) before the first test that needs it;
-each compile is then its own test case, named after the kernel.
+processes (CUFLASH_COMPILE_WORKERS, default: the CPUs this process may use), started as soon as pytest has collected
+(`start_early`, called by conftest.py), so that the compiles run beside the other modules' tests; this module's tests
+run last, each compile its own test case, named after the kernel.
 
 Two sweeps:
 
@@ -11,13 +12,15 @@ Two sweeps:
   forward, backward and decode with their helper kernels: each architecture the other dtype of a specialization), the
   Hopper forward (each variant of ``forward_sm90.VARIANTS`` at each head dim, band and score mod), every Hopper
   backward, the FP8 forward and its V^T pass, the Hopper self-tests: about 570 compiles.
-- By default, a representative subset of about 200 compiles: the specializations are grouped by everything but
-  their dtype, band, score mod (and the FP8 forward's form), that is by kernel family, architecture, head dim and
-  tile configuration (for the Hopper forward: each distinct variant structure at each head dim), and each group
-  compiles one member, the k-th group its k-th member in the planner's order, so that both dtypes, the band and the
-  score mod each appear across the groups. Every .cu file, kernel family, head dim, tile configuration and Hopper
-  variant compiles at least once; a spill that only one dtype, band or score mod of a configuration shows may need
-  the full sweep.
+- By default, a representative subset of about 80 compiles, so that README's test command stays near three
+  minutes on two cores. The specializations are grouped, and each group compiles one member, the k-th group its
+  k-th member in the planner's order, so that both dtypes, the band and the score mod each appear across the groups:
+  the portable kernels by kernel family, source and head dim over both architectures (each helper kernel its own
+  group; the k-th group for the k-th architecture by turns), the Hopper backward and the FP8 forward by everything
+  but their dtype, band, score mod and the FP8 form, and the Hopper forward by its variant's structure (each at one
+  of its head dims, by turns). Every .cu file, kernel family, head dim, Hopper backward configuration and Hopper
+  forward variant structure compiles at least once; a spill that only one architecture, tile, dtype, band, score
+  mod or (Hopper forward) head dim shows needs the full sweep, which CI runs.
 
 The checks that read PTX (the split kernel's O store) or compile a static_assert program (the Hopper forward's
 shared-memory layout) run in both sweeps.
@@ -69,16 +72,15 @@ def one_dtype(specs: list, turn: int = 0) -> list:
     return [members[(k + turn) % len(members)] for k, members in enumerate(groups.values())]
 
 
-def representative(specs: list, turn: int = 0) -> list:
-    """One specialization per group of specs alike but for their dtype, band and score mod (the k-th group its
-    (k + turn)-th member, cyclically); under CUFLASH_COMPILE_ALL=1 every specialization in one dtype of the two
-    (`one_dtype`)."""
+def representative(specs: list, turn: int = 0, varying: tuple = VARYING) -> list:
+    """One specialization per group of specs alike but for their `varying` fields (the k-th group its (k + turn)-th
+    member, cyclically); under CUFLASH_COMPILE_ALL=1 every specialization in one dtype of the two (`one_dtype`)."""
     if COMPILE_ALL:
         return one_dtype(specs, turn)
     groups = {}
     for spec in specs:
         key = (type(spec),) + tuple((f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec)
-                                    if f.name not in VARYING)
+                                    if f.name not in varying)
         groups.setdefault(key, []).append(spec)
     return [members[(k + turn) % len(members)] for k, members in enumerate(groups.values())]
 
@@ -142,13 +144,33 @@ def _shared_memory_program() -> Program:
     return Program("sm90_smem", text)
 
 
-# The portable kernels compile for both architectures from one source: each architecture takes the other dtype of a
-# group (turn), so that the full sweep compiles every portable specialization in both dtypes, one per architecture.
-PORTABLE = [Job(arch, spec) for turn, arch in enumerate(ARCHS) for spec in representative(portable_specs(arch), turn)]
+def portable_jobs() -> list:
+    """The portable kernels' jobs. They compile for both architectures from one source. The full sweep: each
+    architecture takes the other dtype of a group (turn), so that every portable specialization compiles in both
+    dtypes, one per architecture. By default: the specializations of both architectures grouped by kernel family,
+    source and head dim (each helper kernel its own group), the k-th group compiling its k-th member for
+    ARCHS[k % 2], so that every family, source and head dim compiles once, on one architecture or the other."""
+    if COMPILE_ALL:
+        return [Job(arch, spec) for turn, arch in enumerate(ARCHS)
+                for spec in representative(portable_specs(arch), turn)]
+    groups = {}
+    for arch in ARCHS:
+        for spec in portable_specs(arch):
+            helper = not hasattr(spec, "headdim")
+            key = (type(spec), spec.source, dataclasses.replace(spec, dtype="") if helper else spec.headdim)
+            groups.setdefault(key, []).append(Job(arch, spec))
+    jobs = []
+    for k, members in enumerate(groups.values()):
+        on_arch = [job for job in members if job.arch == ARCHS[k % len(ARCHS)]] or members
+        jobs.append(on_arch[k % len(on_arch)])
+    return jobs
+
+
+PORTABLE = portable_jobs()
 SELFTESTS = [Job(HOPPER, spec) for spec in representative([SelftestSpec(dtype, kernel) for kernel in SELFTEST_KERNELS
                                                            for dtype in ("bf16", "fp16")])]
 HOPPER_BACKWARD = [Job(HOPPER, spec) for spec in representative(hopper_backward_specs())]
-HOPPER_FORWARD = [Job(HOPPER, spec) for spec in representative(hopper_forward_specs())]
+HOPPER_FORWARD = [Job(HOPPER, spec) for spec in representative(hopper_forward_specs(), varying=VARYING + ("headdim",))]
 FP8 = [Job(HOPPER, spec) for spec in representative(fp8_specs())]
 SPLIT_PTX = [Job(HOPPER, hopper_variant_spec(variant, "bf16", 64, False, False), "ptx")
              for variant in ("ws3_n128_p_split", "ws3_n128_p")]
@@ -160,17 +182,28 @@ def cases(jobs: list, arch: bool = False) -> list:
     return [pytest.param(job, id=f"{job.arch}-{job.spec.name}" if arch else job.spec.name) for job in jobs]
 
 
-@pytest.fixture(scope="module")
-def compiled(request, selected_tests):
-    """Job -> _compile's result, for the jobs of the tests selected in this module, compiled in parallel."""
-    jobs = [item.callspec.params["job"] for item in selected_tests
-            if item.module is request.module and "job" in getattr(getattr(item, "callspec", None), "params", {})]
-    jobs = list(dict.fromkeys(jobs or PORTABLE + SELFTESTS + HOPPER_BACKWARD + HOPPER_FORWARD + FP8 + SPLIT_PTX
-                              + [SHARED_MEMORY]))
+_STARTED = {}  # Job -> the Future of its _compile (start_early)
+
+
+def start_early(items: list) -> None:
+    """Called by conftest.py once pytest has collected (this module's tests then run last): the compiles of the
+    selected tests start in a pool of processes (CUFLASH_COMPILE_WORKERS, default: the CPUs this process may use), so
+    that they run beside the other tests."""
+    jobs = list(dict.fromkeys(item.callspec.params["job"] for item in items
+                              if "job" in getattr(getattr(item, "callspec", None), "params", {})))
+    if not jobs:
+        return
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = int(os.environ.get("CUFLASH_COMPILE_WORKERS", cpus))
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
-        return dict(zip(jobs, pool.map(_compile, jobs)))
+    pool = ProcessPoolExecutor(max_workers=max(1, min(workers, len(jobs))))
+    _STARTED.update((job, pool.submit(_compile, job)) for job in jobs)
+    pool.shutdown(wait=False)  # the queued compiles still run; the pool's processes exit after the last
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Job -> _compile's result, for the jobs start_early started."""
+    return {job: future.result() for job, future in _STARTED.items()}
 
 
 def compiled_log(compiled: dict, job: Job) -> str:
@@ -198,22 +231,27 @@ def test_spill_detection_works():
 
 
 def test_subset_covers_every_family_and_head_dim():
-    """The compiled specializations span every kernel source, kind of spec and head dim, and every Hopper forward
-    variant's structure at every head dim."""
+    """The compiled specializations span every kernel source, kind of spec and head dim (the full sweep: on each
+    architecture), and every Hopper forward variant's structure (the full sweep: at every head dim)."""
     def spread(specs):
         return {(type(s), s.source, getattr(s, "headdim", None)) for s in specs}
 
-    def structure(spec):
-        return tuple(getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in VARYING)
+    def structure(spec, varying=()):
+        return tuple(getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in VARYING + varying)
 
-    for arch in ARCHS:
-        assert spread(j.spec for j in PORTABLE if j.arch == arch) == spread(portable_specs(arch))
+    assert spread(j.spec for j in PORTABLE) == spread(s for arch in ARCHS for s in portable_specs(arch))
+    if COMPILE_ALL:
+        for arch in ARCHS:
+            assert spread(j.spec for j in PORTABLE if j.arch == arch) == spread(portable_specs(arch))
     assert spread(j.spec for j in HOPPER_BACKWARD) == spread(hopper_backward_specs())
-    compiled_structures = {structure(j.spec) for j in HOPPER_FORWARD}
+    head_dims = {s.headdim for s in hopper_forward_specs()}
+    assert {j.spec.headdim for j in HOPPER_FORWARD} == head_dims
+    compiled_structures = {structure(j.spec, ("headdim",) * (not COMPILE_ALL)) for j in HOPPER_FORWARD}
     for variant in hopper_variants:
-        for d in {s.headdim for s in hopper_forward_specs()}:
+        for d in head_dims:
             for dtype, band, mod in itertools.product(("fp16", "bf16"), (False, True), (False, True)):
-                assert structure(hopper_variant_spec(variant, dtype, d, band, mod)) in compiled_structures, (variant, d)
+                spec = hopper_variant_spec(variant, dtype, d, band, mod)
+                assert structure(spec, ("headdim",) * (not COMPILE_ALL)) in compiled_structures, (variant, d)
 
 
 @pytest.mark.parametrize("job", cases(PORTABLE, arch=True))

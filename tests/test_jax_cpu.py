@@ -283,6 +283,7 @@ def test_deterministic_backward_is_repeatable():
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
 
 
+@pytest.mark.slow  # XLA compiles the per-sequence reference
 @pytest.mark.parametrize("d", [32, 59])  # 59: zero-padded copies inside the call
 def test_varlen_jit_grad_matches_per_sequence_xla_attention(d):
     """Packed sequences (lengths 5, 0, 17 against 9, 3, 17): value and gradients of jit(grad) equal those of

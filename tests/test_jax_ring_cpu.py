@@ -62,7 +62,7 @@ def _close(got, want, tol, what):
     assert err < tol, f"{what}: relative error {err:.3g} (tolerance {tol})"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layout", ring.LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_shard_map_ring_matches_attention_on_the_whole_sequence(world, layout, causal):
@@ -76,6 +76,7 @@ def test_shard_map_ring_matches_attention_on_the_whole_sequence(world, layout, c
         _close(got, ref, 1e-2, name)
 
 
+@pytest.mark.slow
 def test_shard_map_ring_window_softcap_and_odd_head_dim():
     q, k, v, dout = _inputs(s=24, d=20, dtype=jnp.bfloat16, seed=3)
     options = dict(causal=True, window_size=(5, -1), softcap=2.0)

@@ -290,6 +290,7 @@ def _install_host(monkeypatch):
 
 
 @needs_torch
+@pytest.mark.slow  # a process per rank, each importing torch
 @pytest.mark.parametrize("world,layout,causal", [(2, "contiguous", False), (4, "zigzag", True)])
 def test_gloo_ring_across_processes(tmp_path, world, layout, causal):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
