@@ -716,10 +716,11 @@ E4M3_MAX = 448.0          # the largest finite float8_e4m3fn
 E4M3_UNIT = 2.0 ** -4     # unit roundoff: 3 fraction bits, |rn(x) - x| <= 2^-4 |x| for normal x
 E4M3_HALF_STEP = 2.0 ** -10  # half the subnormal spacing 2^-9: |rn(x) - x| <= 2^-10 below 2^-6
 P_SCALE = 256.0           # P in [0, 1] is multiplied by this before its conversion to e4m3
-# S = Q K^T on FP8 tensor cores: each k = 32 group's exact products are summed with the accumulator aligned to the
-# largest of them and kept to about 13 fraction bits, so a group loses under 32 2^-13 = 2^-8 of its largest
-# magnitude. The lse bound charges 2^-8 of each score's sum of magnitudes sum_d |q_d k_d| (docs/fp8.md).
+# S = Q K^T on FP8 tensor cores: each k = 32 group's exact products are added to the accumulator with all of them
+# aligned to the largest magnitude among them (a product or the accumulator) and kept to about 13 fraction bits, so a
+# group loses under 32 2^-13 = 2^-8 of that magnitude (docs/fp8.md, _fp8_score_errors).
 FP8_S_UNIT = 2.0 ** -8
+FP8_S_GROUP = 32
 
 
 def _float8_e4m3fn():
@@ -874,6 +875,25 @@ def attention_fp8(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None,
     return (out, lse) if return_lse else out
 
 
+def _fp8_score_errors(q, k, softmax_scale):
+    """The FP8 tensor cores' error in each score, bounded: q ``(b, sq, h, d)``, k ``(b, sk, h, d)`` dequantized ->
+    ``(b, h, sq, sk)``,
+
+        e_ij = 2^-8 c sum_g max(max_{d in g} |q_id| max_{d in g} |k_jd|, |sum_{d before g} q_id k_jd|)
+
+    over the k = 32 groups g of the head dim, in the wgmmas' order: each group's products and the accumulator they
+    join are aligned to the largest of them (at most the first term, or the accumulator's exact value, the second)."""
+    qt, kt = _bhsd(q), _bhsd(k)
+    errors = np.zeros(qt.shape[:-1] + kt.shape[-2:-1])
+    partial = np.zeros_like(errors)
+    for g in range(0, qt.shape[-1], FP8_S_GROUP):
+        qg, kg = qt[..., g:g + FP8_S_GROUP], kt[..., g:g + FP8_S_GROUP]
+        largest = np.abs(qg).max(axis=-1)[..., :, None] * np.abs(kg).max(axis=-1)[..., None, :]
+        errors += np.maximum(largest, np.abs(partial))
+        partial += qg @ kg.transpose(0, 1, 3, 2)
+    return FP8_S_UNIT * softmax_scale * errors
+
+
 _DEVIATION_BLOCK = 1 << 24  # elements of the (rows, keys, headdim_v) differences that _weighted_deviations holds
 
 
@@ -924,13 +944,19 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
 
         |lse_fp8 - lse| <= 2 bf16_lse_error + (-log(1 - eta_i) with quantized_sums, else 0)
                            + (E_S,i with tensor_core_scores, else 0)
-        E_S,i = 2^-8 softmax_scale max_j sum_d |q_id k_jd|
 
-    bf16_lse_error being bf16 attention's lse error, as bf16_error; E_S bounds the FP8 tensor cores' sums of S
-    (the kernel's: :data:`FP8_S_UNIT`; the lse moves by at most the largest change of a visible score), which bf16's
-    fp32 accumulation does not show and :func:`attention_fp8` does not model (its S is exact); a row with no visible
-    key has bound 0 (its lse is -inf in both). Other arguments are :func:`attention_fp8`'s; ``0 < p_scale <= 448``
-    (no saturation of P p_scale <= p_scale).
+    bf16_lse_error being bf16 attention's lse error, as bf16_error. ``tensor_core_scores`` accounts for the FP8
+    tensor cores' sums of S (the kernel's), which bf16's fp32 accumulation does not show and :func:`attention_fp8`
+    does not model (its S is exact): with e_ij the bound on score (i, j)'s error (:func:`_fp8_score_errors`) and
+    E_S,i = max_j e_ij over the visible keys, by which the lse moves at most, the output bound becomes
+
+        2 bf16_error + exp(2 E_S,i) E_P + min((exp(2 E_S,i) - 1) sigma_ic, max_j |V_jc - O_ic|)
+
+    (each P_ij / l_i moves by a factor within exp(+-2 E_S,i), which moves O_ic by at most that minus 1 times
+    sum_j P_ij |V_jc - O_ic| / l_i <= sigma_ic, the standard deviation of column c's values under P_i / l_i; the
+    maximum over all of the sequence's keys).
+    A row with no visible key has bound 0 (its lse is -inf in both). Other arguments are :func:`attention_fp8`'s;
+    ``0 < p_scale <= 448`` (no saturation of P p_scale <= p_scale).
     """
     p_scale = float(p_scale)
     if not 0 < p_scale <= E4M3_MAX:
@@ -955,10 +981,21 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
     else:
         p_term = _weighted_values(step, np.abs(v), pr.l)
         lse_term = np.zeros_like(eta)
+    if tensor_core_scores:  # softcap's tanh and ALiBi's bias move no score by more than its product did
+        e_s = np.max(np.where(pr.visible, _fp8_score_errors(q, k, options["softmax_scale"]), 0.0), axis=-1,
+                     initial=0.0)                          # (b, h, sq): the most any visible score moves
+        lse_term = lse_term + e_s
+        # Scores off by at most e_s move each P_j / l by a factor within exp(+-2 e_s): the P term grows by that
+        # factor, and the output moves by at most (exp(2 e_s) - 1) sum_j P_j |V_j - O| / l, which the values'
+        # standard deviation under P bounds (two products, where the mean deviation would take a pass over rows x
+        # keys x columns), and by no more than the farthest value from O (both outputs averaging the values). Past
+        # 2 e_s = 40 the bound says nothing anyway.
+        grow = np.exp(np.minimum(2.0 * e_s, 40.0)).transpose(0, 2, 1)[..., None]   # (b, sq, h, 1)
+        o = _weighted_values(pr.p, v, pr.l)
+        spread = np.sqrt(np.maximum(_weighted_values(pr.p, v * v, pr.l) - o * o, 0.0))
+        farthest = np.maximum(v.max(axis=1)[:, None] - o, o - v.min(axis=1)[:, None]) if v.shape[1] else 0.0
+        p_term = grow * p_term + np.minimum((grow - 1.0) * spread, farthest)
     bound = 2.0 * np.asarray(bf16_error, dtype=np.float64) + p_term
     if not return_lse:
         return bound
-    if tensor_core_scores:  # softcap's tanh and ALiBi's bias move no score by more than its product did
-        magnitudes = options["softmax_scale"] * (_bhsd(np.abs(q)) @ _bhsd(np.abs(k)).transpose(0, 1, 3, 2))
-        lse_term = lse_term + FP8_S_UNIT * np.max(np.where(pr.visible, magnitudes, 0.0), axis=-1, initial=0.0)
     return bound, np.where(pr.l > 0, 2.0 * np.asarray(bf16_lse_error, dtype=np.float64) + lse_term, 0.0)

@@ -439,18 +439,56 @@ def test_online_softmax_within_quantized_sums_bound(outliers, block, reverse, op
         assert np.abs(out - ref.attention_fp8(**args, **options, quantized_sums=True)).max() > 0
 
 
+def score_error_loop(q_row, k_row, scale):
+    """_fp8_score_errors of one score, by a loop over the head dim's groups of 32."""
+    err, partial = 0.0, 0.0
+    for g in range(0, len(q_row), 32):
+        qg, kg = q_row[g:g + 32], k_row[g:g + 32]
+        err += max(np.abs(qg).max() * np.abs(kg).max(), abs(partial))
+        partial += float(qg @ kg)
+    return 2.0 ** -8 * scale * err
+
+
 def test_tensor_core_scores_term():
-    """With tensor_core_scores the lse bound adds 2^-8 c max_j sum_d |q_id k_jd| over the visible keys (the FP8 tensor
-    cores' score sums, docs/fp8.md); the output bound stays. One key: the term alone, from a loop over rows."""
-    args = make_fp8(np.random.default_rng(14), seqlen_q=5, seqlen_k=1, outliers=2)
+    """With tensor_core_scores the lse bound adds E_S = the largest score error bound over the visible keys (the FP8
+    tensor cores' score sums by groups of 32, docs/fp8.md), and the output bound grows by exp(2 E_S) on the P term
+    plus the scores' term, at most the farthest value from O. One key: E_S is that key's term and O is V's row, so the
+    scores' term is 0, from a loop over rows."""
+    args = make_fp8(np.random.default_rng(14), seqlen_q=5, seqlen_k=1, d=80, outliers=2)
     q, k, _ = dequantized(args)
     bound, lse_bound = ref.fp8_error_bound(**args, return_lse=True)
     with_s, lse_with_s = ref.fp8_error_bound(**args, tensor_core_scores=True, return_lse=True)
-    assert np.array_equal(bound, with_s) and np.all(lse_bound == 0)
+    assert np.all(lse_bound == 0)
     group = q.shape[2] // k.shape[2]
     for b, i, h in np.ndindex(q.shape[0], q.shape[1], q.shape[2]):
-        want = 2.0 ** -8 / np.sqrt(q.shape[-1]) * np.abs(q[b, i, h] * k[b, 0, h // group]).sum()
+        want = score_error_loop(q[b, i, h], k[b, 0, h // group], 1.0 / np.sqrt(q.shape[-1]))
         assert lse_with_s[b, h, i] == pytest.approx(want, rel=1e-12)
+        grow = np.exp(min(2.0 * want, 40.0))
+        assert np.allclose(with_s[b, i, h], grow * bound[b, i, h], rtol=1e-12, atol=0)
     empty = ref.fp8_error_bound(**dict(args, k8=args["k8"][:, :0], v8=args["v8"][:, :0]), tensor_core_scores=True,
-                                 return_lse=True)[1]
-    assert np.all(empty == 0)  # rows without keys
+                                 return_lse=True)
+    assert np.all(empty[0] == 0) and np.all(empty[1] == 0)  # rows without keys
+
+
+def test_tensor_core_scores_output_term():
+    """Many keys: the output bound with tensor_core_scores is the bound without it times exp(2 E_S), plus
+    min((exp(2 E_S) - 1) sigma, max_j |V_j - O|) (sigma: the values' standard deviation under P / l), computed here by
+    loops over rows."""
+    args = make_fp8(np.random.default_rng(15), batch=1, seqlen_q=3, seqlen_k=40, nheads=2, nheads_k=1, d=64,
+                    outliers=1)
+    q, k, v = dequantized(args)
+    bound = ref.fp8_error_bound(**args, causal=True)
+    with_s, lse_with_s = ref.fp8_error_bound(**args, causal=True, tensor_core_scores=True, return_lse=True)
+    c = 1.0 / np.sqrt(q.shape[-1])
+    for i, h in np.ndindex(q.shape[1], q.shape[2]):
+        keys = range(k.shape[1] - q.shape[1] + i + 1)  # bottom-right causal
+        s = np.array([c * q[0, i, h] @ k[0, j, 0] for j in keys])
+        p = np.exp(s - s.max())
+        o = p @ v[0, list(keys), 0] / p.sum()
+        e_s = max(score_error_loop(q[0, i, h], k[0, j, 0], c) for j in keys)
+        assert lse_with_s[0, h, i] == pytest.approx(e_s, rel=1e-12)
+        grow = np.exp(min(2.0 * e_s, 40.0))
+        spread = np.sqrt(p @ (v[0, list(keys), 0] - o) ** 2 / p.sum())
+        farthest = np.maximum(v[0, :, 0].max(axis=0) - o, o - v[0, :, 0].min(axis=0))
+        want = grow * bound[0, i, h] + np.minimum((grow - 1.0) * spread, farthest)
+        assert np.allclose(with_s[0, i, h], want, rtol=1e-9, atol=1e-12)

@@ -23,7 +23,7 @@ def hopper():
     return cupy.cuda.Device().compute_capability == "90"
 
 
-def make(rng, b, sq, sk, h, hk, d, per, outliers=0, v_offset=0.0):
+def make(rng, b, sq, sk, h, hk, d, per, outliers=0, v_offset=0.0, pow2=False):
     q = rng.standard_normal((b, sq, h, d))
     k = rng.standard_normal((b, sk, hk, d))
     v = rng.standard_normal((b, sk, hk, d)) + v_offset
@@ -33,7 +33,7 @@ def make(rng, b, sq, sk, h, hk, d, per, outliers=0, v_offset=0.0):
         k[..., cols] *= 100.0
     out = {}
     for name, x in (("q", q), ("k", k), ("v", v)):
-        out[name + "8"], out[name + "_descale"] = ref.quantize_e4m3(x, per, nheads_k=hk)
+        out[name + "8"], out[name + "_descale"] = ref.quantize_e4m3(x, per, nheads_k=hk, pow2=pow2)
     return out
 
 
@@ -113,6 +113,19 @@ def test_fp8_one_key_lse_is_the_score(d, outliers):
     for seed in range(8):
         run_and_check(make(np.random.default_rng(100 * d + 10 * outliers + seed), 1, 1, 1, 1, 1, d, "tensor",
                            outliers=outliers))
+
+
+@pytest.mark.parametrize("outliers", [0, 4])
+@pytest.mark.parametrize("d", [64, 128, 176, 256])
+def test_fp8_forward_power_of_two_descales(fp8_form, d, outliers):
+    """Descales that are powers of two: the dequantized inputs are exact in bf16, so the bf16 kernel's error, which
+    the bounds double, is its fp32 sums' alone, and the output bound's margin for the FP8 tensor cores' sums of S
+    (which it carries no term for, docs/fp8.md) is E_P and that small error."""
+    if not hopper():
+        pytest.skip("the FP8 kernel is sm_90a's")
+    for seed in range(2):
+        rng = np.random.default_rng(1000 * d + 10 * outliers + seed)
+        run_and_check(make(rng, 2, 150, 333, 4, 2, d, "head", outliers=outliers, pow2=True), causal=seed == 1)
 
 
 @pytest.mark.parametrize("sk", [150, 300, 600, 1000, 1800])
