@@ -119,8 +119,8 @@ def test_fp8_one_key_lse_is_the_score(d, outliers):
 @pytest.mark.parametrize("d", [64, 128, 176, 256])
 def test_fp8_forward_power_of_two_descales(fp8_form, d, outliers):
     """Descales that are powers of two: the dequantized inputs are exact in bf16, so the bf16 kernel's error, which
-    the bounds double, is its fp32 sums' alone, and the output bound's margin for the FP8 tensor cores' sums of S
-    (which it carries no term for, docs/fp8.md) is E_P and that small error."""
+    the bounds double, is its fp32 sums' alone, and the bound's scores' term (docs/fp8.md, the scores' accumulator)
+    alone covers the FP8 tensor cores' sums of S: without it every case with outlier channels fails."""
     if not hopper():
         pytest.skip("the FP8 kernel is sm_90a's")
     for seed in range(2):
