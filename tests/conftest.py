@@ -26,7 +26,8 @@ def gpu_available() -> bool:
 @pytest.hookimpl(trylast=True)  # after -k / -m have deselected
 def pytest_collection_modifyitems(config, items):
     # A module with work to start ahead of its tests (`start_early`: test_compile.py's compiles, in other processes)
-    # gets it started now, and its tests run last, so that the work overlaps every other test.
+    # gets it started now, and its tests run last, so that the work overlaps every other test; its `stop_early` drops
+    # what is left when the session ends.
     early = [item for item in items if hasattr(getattr(item, "module", None), "start_early")]
     if early and not config.option.collectonly:
         items[:] = [item for item in items if item not in early] + early
@@ -39,6 +40,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         elif skip_slow and "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+def pytest_sessionfinish(session):
+    for module in {getattr(item, "module", None) for item in session.items}:
+        if hasattr(module, "stop_early"):
+            module.stop_early()
 
 
 def pytest_terminal_summary(terminalreporter):

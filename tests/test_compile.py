@@ -183,6 +183,7 @@ def cases(jobs: list, arch: bool = False) -> list:
 
 
 _STARTED = {}  # Job -> the Future of its _compile (start_early)
+_POOLS = []
 
 
 def start_early(items: list) -> None:
@@ -197,7 +198,14 @@ def start_early(items: list) -> None:
     workers = int(os.environ.get("CUFLASH_COMPILE_WORKERS", cpus))
     pool = ProcessPoolExecutor(max_workers=max(1, min(workers, len(jobs))))
     _STARTED.update((job, pool.submit(_compile, job)) for job in jobs)
-    pool.shutdown(wait=False)  # the queued compiles still run; the pool's processes exit after the last
+    _POOLS.append(pool)
+
+
+def stop_early() -> None:
+    """Called by conftest.py when the session ends: compiles not yet started are dropped (a session stopped early, by
+    -x or an interrupt, does not wait for them)."""
+    while _POOLS:
+        _POOLS.pop().shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture(scope="module")
