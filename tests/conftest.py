@@ -30,7 +30,8 @@ def pytest_collection_modifyitems(config, items):
     # what is left when the session ends.
     early = [item for item in items if hasattr(getattr(item, "module", None), "start_early")]
     if early and not config.option.collectonly:
-        items[:] = [item for item in items if item not in early] + early
+        later = set(map(id, early))
+        items[:] = [item for item in items if id(item) not in later] + early
         for module in dict.fromkeys(item.module for item in early):
             module.start_early([item for item in early if item.module is module])
     skip_gpu = None if gpu_available() else pytest.mark.skip(reason=NO_GPU)
