@@ -27,7 +27,7 @@ def gpu_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     # A module with work to start ahead of its tests (`start_early`: test_compile.py's compiles, in other processes)
     # gets it started now, and its tests run last, so that the work overlaps every other test; its `stop_early` drops
-    # what is left when the session ends.
+    # what is left when the test run ends.
     early = [item for item in items if hasattr(getattr(item, "module", None), "start_early")]
     if early and not config.option.collectonly:
         later = set(map(id, early))
@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session):  # (pytest's hook: the end of the test run)
     for module in {getattr(item, "module", None) for item in session.items}:
         if hasattr(module, "stop_early"):
             module.stop_early()

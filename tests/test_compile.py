@@ -202,8 +202,8 @@ def start_early(items: list) -> None:
 
 
 def stop_early() -> None:
-    """Called by conftest.py when the session ends: compiles not yet started are dropped (a session stopped early, by
-    -x or an interrupt, does not wait for them)."""
+    """Called by conftest.py when the test run ends: compiles not yet started are dropped (a run stopped early, by -x
+    or an interrupt, does not wait for them)."""
     while _POOLS:
         _POOLS.pop().shutdown(wait=False, cancel_futures=True)
 
