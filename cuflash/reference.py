@@ -967,6 +967,7 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
     k = _repeat_kv(k, nheads)
     pr = _probs(q, k, **options)
     v = _repeat_kv(v, nheads)
+    o = _weighted_values(pr.p, v, pr.l)  # the exact output
     step = np.where(pr.visible, np.maximum(E4M3_UNIT * pr.p, E4M3_HALF_STEP / p_scale), 0.0)
     eta = step.sum(axis=-1) / np.where(pr.l > 0, pr.l, 1.0)   # 0 in a row with no visible key
     if quantized_sums:
@@ -975,7 +976,7 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
                              f"{eta.max():.4g} (rows of {np.count_nonzero(pr.visible, axis=-1).max()} keys; "
                              f"eta < 1 holds below 960 p_scale = {960 * p_scale:g} keys)")
         lq_min = pr.l * (1.0 - eta)                         # the least quantized row sum
-        deviations = _weighted_deviations(step, v, _weighted_values(pr.p, v, pr.l))
+        deviations = _weighted_deviations(step, v, o)
         p_term = deviations / np.where(lq_min > 0, lq_min, 1.0).transpose(0, 2, 1)[..., None]
         lse_term = -np.log1p(-eta)
     else:
@@ -991,7 +992,6 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
         # keys x columns), and by no more than the farthest value from O (both outputs averaging the values). Past
         # 2 e_s = 40 the bound says nothing anyway.
         grow = np.exp(np.minimum(2.0 * e_s, 40.0)).transpose(0, 2, 1)[..., None]   # (b, sq, h, 1)
-        o = _weighted_values(pr.p, v, pr.l)
         spread = np.sqrt(np.maximum(_weighted_values(pr.p, v * v, pr.l) - o * o, 0.0))
         farthest = np.maximum(v.max(axis=1)[:, None] - o, o - v.min(axis=1)[:, None]) if v.shape[1] else 0.0
         p_term = grow * p_term + np.minimum((grow - 1.0) * spread, farthest)
