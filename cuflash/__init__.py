@@ -8,7 +8,8 @@ from .api import (attention, attention_backward, attention_varlen, attention_var
                   attention_with_kvcache)
 from .build import precompile
 from .ops.forward_fp8 import attention_fp8, attention_varlen_fp8
+from .ops.quantize import quantize_e4m3
 
 __all__ = ["attention", "attention_backward", "attention_fp8", "attention_varlen", "attention_varlen_backward",
-           "attention_varlen_fp8", "attention_with_kvcache", "precompile", "reference"]
+           "attention_varlen_fp8", "attention_with_kvcache", "precompile", "quantize_e4m3", "reference"]
 __version__ = "0.1.0"

@@ -50,6 +50,7 @@ KVCACHE_Q_AXES = ("batch", "seqlen_new", "nheads", "head dim")
 CACHE_AXES = ("batch_cache", "max_len", "nheads_k", "head dim")
 PAGED_CACHE_AXES = ("num_pages", "page_size", "nheads_k", "head dim")
 NEW_K_AXES = ("batch", "seqlen_new_k", "nheads_k", "head dim")
+QUANTIZE_AXES = ("batch", "seqlen", "nheads", "head dim")
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,29 @@ def check_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _check_fp8(_spec(q, "q"), _spec(k, "k"), _spec(v, "v"), (q_descale, k_descale, v_descale), problem.batch,
                problem.nheads_k)
     return problem
+
+
+def check_quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False) -> tuple:
+    """Check the arguments of ``quantize_e4m3``: x ``(batch, seqlen, nheads, d)``, fp16 or bf16, d a multiple of 16
+    up to 256 (what the e4m3 kernels take), the last axis contiguous; ``per`` "tensor" or "head"; nheads_k (None:
+    x's heads) a divisor of nheads; pow2 a bool. Returns ``(batch, seqlen, nheads, d, nheads_k)``."""
+    x = _spec(x, "x")
+    _check_tensor(x, QUANTIZE_AXES)
+    _check_dtype(x, ATTENTION_DTYPES)
+    _check_headdim(x)
+    batch, seqlen, nheads, d = x.shape
+    if d % 16:
+        raise ValueError(f"x: head dim (axis 3) is {d}; e4m3 arrays take multiples of 16")
+    if per not in ("tensor", "head"):
+        raise ValueError(f"per: expected 'tensor' or 'head', got {per!r}")
+    if nheads_k is None:
+        nheads_k = nheads
+    if not is_int(nheads_k) or nheads_k < 1 or nheads % nheads_k:
+        raise ValueError(f"nheads_k: expected a positive int dividing x's nheads (axis 2) = {nheads}, got "
+                         f"{_given(nheads_k)}")
+    if not isinstance(pow2, (bool, np.bool_)):
+        raise TypeError(f"pow2: expected a bool, got {_given(pow2)}")
+    return batch, seqlen, nheads, d, int(nheads_k)
 
 
 def _check_fp8(q, k, v, descales, batch: int, nheads_k: int) -> None:

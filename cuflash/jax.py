@@ -34,9 +34,10 @@ import ml_dtypes  # noqa: E402
 from . import _xla_ffi as ffi  # noqa: E402
 from . import checks, runtime  # noqa: E402
 from .options import normalize_window, resolve  # noqa: E402
-from .ops import backward, forward, forward_fp8  # noqa: E402
+from .ops import backward, forward, forward_fp8, quantize  # noqa: E402
 
-__all__ = ["attention", "attention_fp8", "attention_varlen", "attention_varlen_fp8", "backward_workspace_bytes"]
+__all__ = ["attention", "attention_fp8", "attention_varlen", "attention_varlen_fp8", "backward_workspace_bytes",
+           "quantize_e4m3"]
 
 FWD_TARGET = "cuflash_attention_fwd"
 BWD_TARGET = "cuflash_attention_bwd"
@@ -44,6 +45,7 @@ VARLEN_FWD_TARGET = "cuflash_attention_varlen_fwd"
 VARLEN_BWD_TARGET = "cuflash_attention_varlen_bwd"
 FP8_TARGET = "cuflash_attention_fp8"
 VARLEN_FP8_TARGET = "cuflash_attention_varlen_fp8"
+QUANTIZE_TARGET = "cuflash_quantize_e4m3"
 
 _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
            "float32": np.dtype(np.float32), "uint8": np.dtype(np.uint8), "int32": np.dtype(np.int32),
@@ -196,6 +198,21 @@ def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_l
     target = VARLEN_FP8_TARGET if varlen else FP8_TARGET
     out, lse = jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, config=repr(config))[:2]
     return (out, lse) if return_lse else out
+
+
+def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False):
+    """:func:`cuflash.quantize_e4m3` on a jax array, under jit: ``(x8, descale)``, x8 float8_e4m3fn of x's shape and
+    descale float32 ``()`` (per "tensor") or ``(batch, nheads_k)`` (per "head"), the inputs :func:`attention_fp8`
+    takes. x: ``(batch, seqlen, nheads, headdim)`` float16 or bfloat16, headdim a multiple of 16 up to 256. One
+    ffi_call, whose third result is the kernels' amax workspace (zeroed on the call's stream)."""
+    batch, _, _, _, nheads_k = checks.check_quantize_e4m3(_spec(x, "x"), per=per, nheads_k=nheads_k, pow2=pow2)
+    groups = batch * nheads_k if per == "head" else 1
+    _register()
+    results = (jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct((groups,), jnp.float32),
+               jax.ShapeDtypeStruct((groups,), jnp.uint32))
+    x8, descale, _ = jax.ffi.ffi_call(QUANTIZE_TARGET, results, vmap_method="sequential")(
+        x, config=repr((per, nheads_k, bool(pow2))))
+    return x8, descale.reshape(() if per == "tensor" else (batch, nheads_k))
 
 
 def _e4m3_spec(x, name):
@@ -592,6 +609,24 @@ def _build_fp8(device, frame):
     return launch
 
 
+def _build_quantize(device, frame):
+    """quantize_e4m3's launches for the call of `frame`: inputs x; outputs x8, descale and the amax workspace."""
+    per, nheads_k, pow2 = ast.literal_eval(ffi.string_attr(frame, "config").decode())
+    x = _buffer_spec(ffi.buffers(frame.args)[0], "x")
+    call = quantize.QuantizeCall(x.shape + (nheads_k,), x.strides, x.dtype, per, pow2, device)
+    import cupy
+    memset, amax_bytes = cupy.cuda.runtime.memsetAsync, 4 * call.groups
+
+    def launch(stream, i, o):
+        memset(o[2], 0, amax_bytes, stream)
+        call(stream, i[0], o[0], o[2], o[1])
+    return launch
+
+
+def _run_quantize(frame):
+    _run(frame, QUANTIZE_TARGET, _build_quantize)
+
+
 def _run_fp8(frame):
     _run(frame, FP8_TARGET, _build_fp8)
 
@@ -625,6 +660,7 @@ def _register() -> None:
         return
     for name, run in ((FWD_TARGET, _run_forward), (BWD_TARGET, _run_backward),
                       (VARLEN_FWD_TARGET, _run_varlen_forward), (VARLEN_BWD_TARGET, _run_varlen_backward),
-                      (FP8_TARGET, _run_fp8), (VARLEN_FP8_TARGET, _run_varlen_fp8)):
+                      (FP8_TARGET, _run_fp8), (VARLEN_FP8_TARGET, _run_varlen_fp8),
+                      (QUANTIZE_TARGET, _run_quantize)):
         _handlers[name] = handler = ffi.make_handler(run)
         jax.ffi.register_ffi_target(name, ffi.capsule(handler), platform="CUDA", api_version=1)

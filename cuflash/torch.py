@@ -10,7 +10,8 @@
 * :func:`attention_with_kvcache` -- decode against a KV cache, appending to it in place, not differentiable:
   ``cuflash::attention_with_kvcache`` (mutates ``k_cache``, ``v_cache``);
 * :func:`attention_fp8`, :func:`attention_varlen_fp8` -- the FP8 forward: ``cuflash::attention_fp8`` and
-  ``cuflash::attention_varlen_fp8``.
+  ``cuflash::attention_varlen_fp8``;
+* :func:`quantize_e4m3` -- fp16 or bf16 to float8_e4m3fn with amax descales: ``cuflash::quantize_e4m3``.
 
 Every op has a fake (shape-only) implementation, and the forward ops carry their backward through
 ``register_autograd``, so ``torch.compile`` traces them without a graph break. A plain eager call skips the
@@ -48,10 +49,11 @@ cupy = import_cupy()
 import ml_dtypes  # noqa: E402  (a dependency of cupy's bfloat16 support and of cuflash)
 
 from . import checks, runtime, settings  # noqa: E402
-from .ops import backward, decode, forward, forward_fp8  # noqa: E402
+from .ops import backward, decode, forward, forward_fp8, quantize  # noqa: E402
 from .options import resolve  # noqa: E402
 
-__all__ = ["attention", "attention_fp8", "attention_varlen", "attention_varlen_fp8", "attention_with_kvcache"]
+__all__ = ["attention", "attention_fp8", "attention_varlen", "attention_varlen_fp8", "attention_with_kvcache",
+           "quantize_e4m3"]
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -308,6 +310,62 @@ def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     out, lse = _attention_varlen_fp8_op(q, k, v, cu_seqlens_q, cu_seqlens_k, *descales, max_seqlen_q, max_seqlen_k,
                                         softmax_scale, causal, *_window(causal, window_size), return_lse)
     return (out, lse) if return_lse else out
+
+
+def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False):
+    """:func:`cuflash.quantize_e4m3` on torch tensors: ``(x8, descale)`` with ``x ~ x8.float() * descale``, the
+    inputs :func:`attention_fp8` takes.
+
+    Parameters
+    ----------
+    x : torch.Tensor, (batch, seqlen, nheads, headdim), float16 or bfloat16, on a CUDA device
+        headdim a multiple of 16 up to 256; the last axis contiguous, other strides free.
+    per, nheads_k, pow2 : as in :func:`cuflash.quantize_e4m3` (per "tensor" or "head")
+
+    Returns
+    -------
+    x8 : torch.Tensor, shape of x, torch.float8_e4m3fn, contiguous
+    descale : torch.Tensor of float32, ``()`` or ``(batch, nheads_k)``
+
+    Not differentiable. Under torch.compile, export and tracing the call is the op ``cuflash::quantize_e4m3``.
+    """
+    if _eager(x):
+        return _quantize(x, per, nheads_k, pow2)
+    return _quantize_op(x, per, nheads_k, pow2)
+
+
+def _quantize(x, per, nheads_k, pow2):
+    """quantize_e4m3: checked and planned once per signature, then two launches on torch's stream."""
+    try:
+        key = ("quantize", per, nheads_k, pow2, _signature(x))
+        call = _plans.get(key)
+    except (AttributeError, TypeError):
+        key = call = None
+    if call is None:
+        call = _plan(key, lambda: _quantize_call(x, per, nheads_k, pow2))
+    x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    amax = torch.zeros(call.groups, dtype=torch.int32, device=x.device)  # float bits, as the kernel's uint32
+    descale = torch.empty(call.groups, dtype=torch.float32, device=x.device)
+    index = call.device_id
+    previous = _get_device()
+    if previous != index:
+        _set_device(index)
+    try:
+        call(_stream(index), x.data_ptr(), x8.data_ptr(), amax.data_ptr(), descale.data_ptr())
+    finally:
+        if previous != index:
+            _set_device(previous)
+    return x8, descale.reshape(() if per == "tensor" else (x.shape[0], call.groups // x.shape[0]))
+
+
+def _quantize_call(x, per, nheads_k, pow2) -> quantize.QuantizeCall:
+    specs = _specs({"x": x})
+    sizes = checks.check_quantize_e4m3(specs["x"], per=per, nheads_k=nheads_k, pow2=pow2)
+    if x.device.type != "cuda":
+        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(index):
+        return quantize.QuantizeCall(sizes, x.stride(), specs["x"].dtype, per, bool(pow2), index)
 
 
 def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_lse):
@@ -943,6 +1001,19 @@ def _fp8_op_result(q, result, return_lse: bool) -> tuple:
     return result if return_lse else (result, q.new_empty((0,), dtype=torch.float32))
 
 
+def _quantize_e4m3(x: torch.Tensor, per: str, nheads_k: Optional[int],
+                   pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_e4m3 as an op."""
+    return _quantize(x, per, nheads_k, pow2)
+
+
+def _quantize_e4m3_fake(x, per, nheads_k, pow2):
+    if _concrete(x, ints=() if nheads_k is None else (nheads_k,)):
+        checks.check_quantize_e4m3(_specs({"x": x})["x"], per=per, nheads_k=nheads_k, pow2=pow2)
+    shape = () if per == "tensor" else (x.shape[0], x.shape[2] if nheads_k is None else nheads_k)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(shape, dtype=torch.float32)
+
+
 def _attention_fp8_fake(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, window_left, window_right,
                         return_lse):
     if _concrete(q, k, v, q_descale, k_descale, v_descale):
@@ -1110,6 +1181,7 @@ _attention_varlen_paged_op = _register("attention_varlen_paged", _attention_varl
                                        _attention_varlen_paged_fake)
 _attention_fp8_op = _register("attention_fp8", _attention_fp8, _attention_fp8_fake)
 _attention_varlen_fp8_op = _register("attention_varlen_fp8", _attention_varlen_fp8, _attention_varlen_fp8_fake)
+_quantize_op = _register("quantize_e4m3", _quantize_e4m3, _quantize_e4m3_fake)
 
 
 def _register_autograd(forward_op, backward_op, tensors: int) -> None:

@@ -21,7 +21,7 @@ sequences with lengths 0 (on either side), 1 and off-tile sizes.
 
 Hopper cases (``--only sm90_``) call ``cuflash.ops.forward_sm90.attention_sm90`` in each variant (skipped off sm_90a);
 FP8 cases (``--only fp8_``) call ``cuflash.attention_fp8`` and ``cuflash.attention_varlen_fp8`` on e4m3 inputs
-(sm_90a too).
+(sm_90a too). Quantization cases (``--only quantize_``) call ``cuflash.quantize_e4m3``.
 
 Backward cases (``--only bwd_``) call ``cuflash.attention_backward(dout, q, k, v, out, lse,
 causal=..., window_size=..., softcap=..., alibi_slopes=..., deterministic=False|True,
@@ -387,8 +387,19 @@ def _fp8_cases() -> list[dict]:
     ]
 
 
+def _quantize_cases() -> list[dict]:
+    """e4m3 quantization (any architecture): per tensor over several row blocks, per (sequence, KV head) on a strided
+    view (a head dim of 48: a row shorter than a warp's 128 columns)."""
+    return [
+        dict(name="quantize_fp16_tensor_d256", fn="quantize_e4m3", dtype="fp16", shape=dict(b=2, s=130, h=3, d=256),
+             opts=dict(per="tensor")),
+        dict(name="quantize_bf16_head_strided_d48", fn="quantize_e4m3", dtype="bf16", shape=dict(b=2, s=70, h=4, d=48),
+             opts=dict(per="head", nheads_k=2, pow2=True)),
+    ]
+
+
 CASES = (_fwd_cases() + _bwd_cases() + _kvcache_cases() + _varlen_cases() + _sm90_cases() + _dropout_cases()
-         + _fp8_cases())
+         + _fp8_cases() + _quantize_cases())
 
 
 # --------------------------------------------------------------------------- #
@@ -581,6 +592,16 @@ def run_attention_varlen_fp8(rng, case, stream):
                                             max(s["lens_k"]), **o)
 
 
+def run_quantize_e4m3(rng, case, stream):
+    """x from _rand; with per="head" a strided view (every other row of a wider array)."""
+    s, o = case["shape"], case["opts"]
+    x = _rand(rng, (s["b"], 2 * s["s"], s["h"], s["d"]), case["dtype"])
+    x = x[:, ::2] if o["per"] == "head" else x[:, :s["s"]]
+    _ready()
+    with stream or cupy.cuda.get_current_stream():
+        return cuflash.quantize_e4m3(x, **o)
+
+
 def _available(fn: str) -> bool:
     """The case's function exists (and, for the Hopper kernels, the device is sm_90a)."""
     if fn in ("attention_sm90", "attention_fp8", "attention_varlen_fp8"):
@@ -600,6 +621,7 @@ RUNNERS = {
     "attention": run_attention,
     "attention_backward": run_attention_backward,
     "attention_with_kvcache": run_attention_with_kvcache,
+    "quantize_e4m3": run_quantize_e4m3,
 }
 
 

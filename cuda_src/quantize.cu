@@ -1,0 +1,100 @@
+// e4m3 quantization with amax scaling (cuflash.quantize_e4m3; cuflash.reference.quantize_e4m3 is its float64
+// model): x (batch, seqlen, nheads, d) fp16 or bf16, any strides with d contiguous, d a multiple of 16 up to 256,
+// to x8 (batch, seqlen, nheads, d) e4m3 bytes, contiguous, and one float32 descale per group of rows, x ~ x8 descale.
+//
+// A group is the whole tensor (group_batch_stride 0, heads_per_group nheads) or one (sequence, KV head): rows of
+// sequence b and head h belong to group b group_batch_stride + h / heads_per_group. Two kernels on one grid
+// (row blocks, nheads, batch), each warp taking rows of one (b, h):
+//   e4m3_amax      the largest |x| of each group, as float bits (order-preserving for non-negative floats) by
+//                  atomicMax into `amax`, which the caller zeroes; NaN bits exceed Inf's, which exceed every finite
+//                  value's, so a non-finite x gives a non-finite descale;
+//   e4m3_quantize  descale = amax / 448 (1 where amax is 0; with pow2 the power of two at or above it), written
+//                  once per group, then x8 = e4m3(x / descale), rounded to nearest even, saturating at +-448.
+#include "e4m3_encode.cuh"
+#include "types.cuh"
+
+namespace cuflash {
+
+struct QuantizeParams {
+    const u16* x;
+    u8* x8;
+    u32* amax;                                         // one per group, float bits, zeroed by the caller
+    float* descale;                                    // one per group
+    i64 x_batch_stride, x_row_stride, x_head_stride;   // elements
+    int seqlen, nheads, headdim, heads_per_group, group_batch_stride, pow2;
+};
+
+constexpr int QUANTIZE_WARPS = 8, QUANTIZE_ROWS = 64;  // warps and rows of a block (rows of one head)
+constexpr float E4M3_MAX = 448.f;
+
+// The four elements of row (b, row, h) of x from column i on, as floats.
+template <class T>
+__device__ __forceinline__ void load4(const QuantizeParams& p, int b, int row, int h, int i, float (&v)[4]) {
+    const u16* x = p.x + b * p.x_batch_stride + row * p.x_row_stride + h * p.x_head_stride + i;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) v[t] = to_float<T>(x[t]);
+}
+
+__device__ __forceinline__ int quantize_group(const QuantizeParams& p, int b, int h) {
+    return b * p.group_batch_stride + h / p.heads_per_group;
+}
+
+template <class T>
+__global__ void __launch_bounds__(32 * QUANTIZE_WARPS) e4m3_amax(const __grid_constant__ QuantizeParams p) {
+    __shared__ u32 warp_max[QUANTIZE_WARPS];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y, b = blockIdx.z;
+    u32 m = 0;  // |x| as float bits
+    const int row_end = min(p.seqlen, (int)(blockIdx.x + 1) * QUANTIZE_ROWS);
+    for (int row = blockIdx.x * QUANTIZE_ROWS + warp; row < row_end; row += QUANTIZE_WARPS) {
+        for (int i = 4 * lane; i < p.headdim; i += 128) {  // four elements a lane: d is a multiple of 16
+            float v[4];
+            load4<T>(p, b, row, h, i, v);
+#pragma unroll
+            for (int t = 0; t < 4; ++t) m = max(m, __float_as_uint(fabsf(v[t])));
+        }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (lane == 0) warp_max[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < QUANTIZE_WARPS; ++w) m = max(m, warp_max[w]);
+        atomicMax(p.amax + quantize_group(p, b, h), m);
+    }
+}
+
+// amax / 448; with pow2 the power of two at or above it, found in double so that it is the reference's exactly
+// (amax / 448 in float64, not rounded to float32 first). 1 where amax is 0, or below float32's normal range (bf16
+// values there are zeros to the kernels' flushing arithmetic); amax itself where it is not finite.
+__device__ __forceinline__ float e4m3_descale(u32 amax_bits, int pow2) {
+    const float amax = __uint_as_float(amax_bits);
+    if (amax_bits < 0x00800000u) return 1.f;
+    if (amax_bits >= 0x7f800000u) return amax;
+    if (!pow2) return __fdiv_rn(amax, E4M3_MAX);
+    int e;
+    const double m = frexp((double)amax / 448.0, &e);  // amax / 448 = m 2^e, m in [0.5, 1)
+    return (float)ldexp(1.0, m == 0.5 ? e - 1 : e);
+}
+
+template <class T>
+__global__ void __launch_bounds__(32 * QUANTIZE_WARPS) e4m3_quantize(const __grid_constant__ QuantizeParams p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y, b = blockIdx.z;
+    const int group = quantize_group(p, b, h);
+    const float descale = e4m3_descale(p.amax[group], p.pow2);
+    if (threadIdx.x == 0 && blockIdx.x == 0 && h % p.heads_per_group == 0 && (p.group_batch_stride || b == 0))
+        p.descale[group] = descale;
+    const int row_end = min(p.seqlen, (int)(blockIdx.x + 1) * QUANTIZE_ROWS);
+    for (int row = blockIdx.x * QUANTIZE_ROWS + warp; row < row_end; row += QUANTIZE_WARPS) {
+        u8* x8 = p.x8 + (((i64)b * p.seqlen + row) * p.nheads + h) * p.headdim;
+        for (int i = 4 * lane; i < p.headdim; i += 128) {
+            float v[4];
+            load4<T>(p, b, row, h, i, v);
+            u32 word = 0;
+#pragma unroll
+            for (int t = 0; t < 4; ++t) word |= e4m3_from_float(__fdiv_rn(v[t], descale)) << (8 * t);
+            *reinterpret_cast<u32*>(x8 + i) = word;
+        }
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,143 @@
+"""e4m3 quantization on the GPU (cuflash.quantize_e4m3, cuda_src/quantize.cu) against cuflash.reference.quantize_e4m3
+on hypothesis shapes, strided views, GQA groups, per tensor and per head, with and without power-of-two descales;
+every fp16 and bf16 value within e4m3's range bit for bit; non-finite inputs; the torch and JAX forms; and the FP8
+forward on what it makes. Outputs start as NaN (conftest), so a byte or descale left unwritten fails."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import cuflash
+from cuflash import reference as ref
+from cuflash.ops import forward_fp8
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"float16": np.float16, "bfloat16": forward_fp8.BF16}
+
+
+def on_gpu(host, dtype, rng, strided):
+    """host (float64) as a CuPy array of `dtype`, a strided view of a larger one if `strided`; and the values it
+    holds, float64."""
+    import cupy
+    values = host.astype(dtype)
+    if not strided:
+        return cupy.asarray(values), values.astype(np.float64)
+    b, s, h, d = host.shape
+    wide = np.zeros((b, s + 3, h + 1, d + 16), dtype)
+    wide[:, 1:s + 1, :h, 8:d + 8] = values
+    return cupy.asarray(wide)[:, 1:s + 1, :h, 8:d + 8], values.astype(np.float64)
+
+
+def compare(x8, descale, want8, want_descale, exact: bool):
+    """The GPU's e4m3 bytes and descales against the reference's. Where the descale is a power of two, x / descale
+    is exact in float32 and every byte must match; otherwise the kernel's float32 quotient may, rarely, round to the
+    other neighbour of an e4m3 midpoint: at most one step off, in under 0.1% of the elements."""
+    import cupy
+    descale = cupy.asnumpy(descale)
+    assert descale.shape == np.shape(want_descale) and descale.dtype == np.float32
+    np.testing.assert_array_equal(descale, want_descale)
+    got = cupy.asnumpy(x8)
+    want = np.asarray(want8).view(np.uint8)
+    assert got.shape == want.shape and got.flags.c_contiguous
+    off = got != want
+    if exact:
+        assert not off.any(), (np.flatnonzero(off)[:8], got[off][:8], want[off][:8])
+        return
+    assert off.mean() < 1e-3, off.mean()
+    e4m3 = ref._float8_e4m3fn()
+    a, b = got[off].view(e4m3).astype(np.float64), want[off].view(e4m3).astype(np.float64)
+    assert np.all(np.abs(a - b) <= np.abs(b) / 8 + 2.0 ** -9), (a[:8], b[:8])  # neighbours: one step apart
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(b=st.integers(1, 3), s=st.integers(1, 200), hk=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4]),
+       d=st.sampled_from([16, 48, 64, 128, 176, 256]), per=st.sampled_from(["tensor", "head"]),
+       pow2=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), strided=st.booleans(),
+       scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2 ** 16))
+def test_quantize_matches_reference(b, s, hk, group, d, per, pow2, dtype, strided, scale, seed):
+    rng = np.random.default_rng(seed)
+    host = rng.standard_normal((b, s, hk * group, d)) * scale
+    x, values = on_gpu(host, DTYPES[dtype], rng, strided)
+    x8, descale = cuflash.quantize_e4m3(x, per=per, nheads_k=hk, pow2=pow2)
+    want8, want_descale = ref.quantize_e4m3(values, per, nheads_k=hk, pow2=pow2)
+    compare(x8, descale, want8, want_descale, exact=pow2)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_every_half_value_in_range_rounds_as_the_reference(dtype):
+    """Every finite fp16 (bf16) value of magnitude up to 448, with 448 itself, so that the descale is 1 and each
+    byte is that value's e4m3 rounding: subnormals, ties and the largest values included."""
+    import cupy
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    values = bits.view(np.float16) if dtype == "float16" else bits.view(forward_fp8.BF16)
+    values = values[np.isfinite(values.astype(np.float64)) & (np.abs(values.astype(np.float64)) <= 448)]
+    values = np.concatenate([values, np.full((-len(values)) % 64 or 64, 448.0, values.dtype)])
+    host = values.reshape(1, -1, 1, 64)
+    x8, descale = cuflash.quantize_e4m3(cupy.asarray(host))
+    assert float(descale) == 1.0
+    compare(x8, descale, *ref.quantize_e4m3(host.astype(np.float64)), exact=True)
+
+
+def test_non_finite_inputs_give_non_finite_descales():
+    import cupy
+    host = np.ones((2, 40, 2, 64), np.float16)
+    host[0, 3, 1, 5] = np.inf
+    host[1, 7, 0, 9] = np.nan
+    _, descale = cuflash.quantize_e4m3(cupy.asarray(host), per="head")
+    descale = cupy.asnumpy(descale)
+    assert np.isinf(descale[0, 1]) and np.isnan(descale[1, 0])
+    np.testing.assert_array_equal(descale[[0, 1], [0, 1]], np.float32(1 / 448))
+    _, whole = cuflash.quantize_e4m3(cupy.asarray(host), pow2=True)
+    assert np.isnan(float(whole))
+
+
+def test_zeros_quantize_with_descale_one():
+    import cupy
+    x8, descale = cuflash.quantize_e4m3(cupy.zeros((1, 5, 3, 32), np.float16), per="head")
+    assert np.all(cupy.asnumpy(x8) == 0) and np.all(cupy.asnumpy(descale) == 1)
+
+
+def test_quantized_inputs_run_the_fp8_forward():
+    """q, k, v quantized on the GPU per head, then attention_fp8: the same output as with the reference's
+    quantization (the bytes agree), within reach of bf16 attention on the unquantized inputs."""
+    import cupy
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("attention_fp8 runs on Hopper")
+    rng = np.random.default_rng(1)
+    host = [rng.standard_normal((2, 300, h, 128)) for h in (8, 2, 2)]
+    arrays = [cupy.asarray(a.astype(forward_fp8.BF16)) for a in host]
+    (q8, qd), (k8, kd), (v8, vd) = (cuflash.quantize_e4m3(a, per="head", nheads_k=2) for a in arrays)
+    out = cuflash.attention_fp8(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+    bf16 = cuflash.attention(*arrays, causal=True)
+    error = float(cupy.abs(out.astype(cupy.float32) - bf16.astype(cupy.float32)).max())
+    assert error < 0.1, error
+
+
+def test_torch_quantize_matches_cupy():
+    torch = pytest.importorskip("torch")
+    import cupy
+    import cuflash.torch
+    t = torch.randn(2, 70, 4, 64, device="cuda", dtype=torch.bfloat16)[:, :, ::2]  # a strided view
+    x8, descale = cuflash.torch.quantize_e4m3(t, per="head", nheads_k=1)
+    assert x8.dtype == torch.float8_e4m3fn and x8.shape == t.shape and x8.is_contiguous()
+    assert descale.dtype == torch.float32 and descale.shape == (2, 1)
+    want8, want_descale = cuflash.quantize_e4m3(cupy.from_dlpack(t.detach()), per="head", nheads_k=1)
+    assert torch.equal(x8.view(torch.uint8), torch.from_dlpack(want8))
+    assert torch.equal(descale, torch.from_dlpack(want_descale))
+    compiled = torch.compile(lambda a: cuflash.torch.quantize_e4m3(a, pow2=True), fullgraph=True)
+    c8, cd = compiled(t)
+    e8, ed = cuflash.torch.quantize_e4m3(t, pow2=True)
+    assert torch.equal(c8.view(torch.uint8), e8.view(torch.uint8)) and torch.equal(cd, ed)
+
+
+def test_jax_quantize_matches_cupy():
+    jax = pytest.importorskip("jax")
+    import cupy
+    import jax.numpy as jnp
+    import cuflash.jax
+    host = np.random.default_rng(2).standard_normal((2, 50, 4, 128)).astype(np.float16)
+    x8, descale = jax.jit(lambda a: cuflash.jax.quantize_e4m3(a, per="head", nheads_k=2))(jnp.asarray(host))
+    assert x8.dtype == jnp.float8_e4m3fn and descale.shape == (2, 2)
+    want8, want_descale = cuflash.quantize_e4m3(cupy.asarray(host), per="head", nheads_k=2)
+    np.testing.assert_array_equal(np.asarray(x8).view(np.uint8), cupy.asnumpy(want8))
+    np.testing.assert_array_equal(np.asarray(descale), cupy.asnumpy(want_descale))
