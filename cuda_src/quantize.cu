@@ -27,12 +27,21 @@ struct QuantizeParams {
 constexpr int QUANTIZE_WARPS = 8, QUANTIZE_ROWS = 64;  // warps and rows of a block (rows of one head)
 constexpr float E4M3_MAX = 448.f;
 
-// The four elements of row (b, row, h) of x from column i on, as floats.
+// The four elements of row (b, row, h) of x from column i (a multiple of 4) on, as floats: one 8-byte load where the
+// row starts 8-byte aligned (warp-uniform), else four 2-byte ones.
 template <class T>
 __device__ __forceinline__ void load4(const QuantizeParams& p, int b, int row, int h, int i, float (&v)[4]) {
-    const u16* x = p.x + b * p.x_batch_stride + row * p.x_row_stride + h * p.x_head_stride + i;
+    const u16* x = p.x + b * p.x_batch_stride + row * p.x_row_stride + h * p.x_head_stride;
+    u16 e[4];
+    if (reinterpret_cast<size_t>(x) % 8 == 0) {
+        const uint2 w = *reinterpret_cast<const uint2*>(x + i);
+        e[0] = w.x & 0xffffu, e[1] = w.x >> 16, e[2] = w.y & 0xffffu, e[3] = w.y >> 16;
+    } else {
 #pragma unroll
-    for (int t = 0; t < 4; ++t) v[t] = to_float<T>(x[t]);
+        for (int t = 0; t < 4; ++t) e[t] = x[i + t];
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) v[t] = to_float<T>(e[t]);
 }
 
 __device__ __forceinline__ int quantize_group(const QuantizeParams& p, int b, int h) {

@@ -1,7 +1,7 @@
 """e4m3 quantization on the GPU (cuflash.quantize_e4m3, cuda_src/quantize.cu) against cuflash.reference.quantize_e4m3
-on hypothesis shapes, strided views, GQA groups, per tensor and per head, with and without power-of-two descales;
-every fp16 and bf16 value within e4m3's range bit for bit; non-finite inputs; the torch and JAX forms; and the FP8
-forward on what it makes. Outputs start as NaN (conftest), so a byte or descale left unwritten fails."""
+on hypothesis shapes, strided views (rows aligned for 8-byte loads or not), GQA groups, per tensor and per head, with
+and without power-of-two descales; every fp16 and bf16 value within e4m3's range bit for bit; non-finite inputs; the
+torch and JAX forms; and the FP8 forward on what it makes. Outputs start as NaN (conftest), so a byte or descale left unwritten fails."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -15,17 +15,18 @@ pytestmark = pytest.mark.gpu
 DTYPES = {"float16": np.float16, "bfloat16": forward_fp8.BF16}
 
 
-def on_gpu(host, dtype, rng, strided):
-    """host (float64) as a CuPy array of `dtype`, a strided view of a larger one if `strided`; and the values it
-    holds, float64."""
+def on_gpu(host, dtype, offset):
+    """host (float64) as a CuPy array of `dtype`, or (offset, a number of elements) a strided view of a larger one
+    whose rows start `offset` elements in (8: rows 16-byte aligned, the kernels' 8-byte loads; 1: 2-byte aligned,
+    their 2-byte loads); and the values it holds, float64."""
     import cupy
     values = host.astype(dtype)
-    if not strided:
+    if offset is None:
         return cupy.asarray(values), values.astype(np.float64)
     b, s, h, d = host.shape
     wide = np.zeros((b, s + 3, h + 1, d + 16), dtype)
-    wide[:, 1:s + 1, :h, 8:d + 8] = values
-    return cupy.asarray(wide)[:, 1:s + 1, :h, 8:d + 8], values.astype(np.float64)
+    wide[:, 1:s + 1, :h, offset:d + offset] = values
+    return cupy.asarray(wide)[:, 1:s + 1, :h, offset:d + offset], values.astype(np.float64)
 
 
 def compare(x8, descale, want8, want_descale, exact: bool):
@@ -52,12 +53,12 @@ def compare(x8, descale, want8, want_descale, exact: bool):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(b=st.integers(1, 3), s=st.integers(1, 200), hk=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 4]),
        d=st.sampled_from([16, 48, 64, 128, 176, 256]), per=st.sampled_from(["tensor", "head"]),
-       pow2=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), strided=st.booleans(),
+       pow2=st.booleans(), dtype=st.sampled_from(sorted(DTYPES)), offset=st.sampled_from([None, 8, 1]),
        scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2 ** 16))
-def test_quantize_matches_reference(b, s, hk, group, d, per, pow2, dtype, strided, scale, seed):
+def test_quantize_matches_reference(b, s, hk, group, d, per, pow2, dtype, offset, scale, seed):
     rng = np.random.default_rng(seed)
     host = rng.standard_normal((b, s, hk * group, d)) * scale
-    x, values = on_gpu(host, DTYPES[dtype], rng, strided)
+    x, values = on_gpu(host, DTYPES[dtype], offset)
     x8, descale = cuflash.quantize_e4m3(x, per=per, nheads_k=hk, pow2=pow2)
     want8, want_descale = ref.quantize_e4m3(values, per, nheads_k=hk, pow2=pow2)
     compare(x8, descale, want8, want_descale, exact=pow2)
