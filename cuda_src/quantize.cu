@@ -10,6 +10,8 @@
 //                  value's, so a non-finite x gives a non-finite descale;
 //   e4m3_quantize  descale = amax / 448 (1 where amax is 0; with pow2 the power of two at or above it), written
 //                  once per group, then x8 = e4m3(x / descale), rounded to nearest even, saturating at +-448.
+// With `given` the caller's descales are read instead (a KV cache's, for the rows appended to it), and only
+// e4m3_quantize runs.
 #include "e4m3_encode.cuh"
 #include "types.cuh"
 
@@ -22,6 +24,7 @@ struct QuantizeParams {
     float* descale;                                    // one per group
     i64 x_batch_stride, x_row_stride, x_head_stride;   // elements
     int seqlen, nheads, headdim, heads_per_group, group_batch_stride, pow2;
+    int given;                                         // 1: descale is the caller's (no e4m3_amax launch)
 };
 
 constexpr int QUANTIZE_WARPS = 8, QUANTIZE_ROWS = 64;  // warps and rows of a block (rows of one head)
@@ -89,8 +92,9 @@ template <class T>
 __global__ void __launch_bounds__(32 * QUANTIZE_WARPS) e4m3_quantize(const __grid_constant__ QuantizeParams p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y, b = blockIdx.z;
     const int group = quantize_group(p, b, h);
-    const float descale = e4m3_descale(p.amax[group], p.pow2);
-    if (threadIdx.x == 0 && blockIdx.x == 0 && h % p.heads_per_group == 0 && (p.group_batch_stride || b == 0))
+    const float descale = p.given ? p.descale[group] : e4m3_descale(p.amax[group], p.pow2);
+    if (!p.given && threadIdx.x == 0 && blockIdx.x == 0 && h % p.heads_per_group == 0 &&
+        (p.group_batch_stride || b == 0))
         p.descale[group] = descale;
     const int row_end = min(p.seqlen, (int)(blockIdx.x + 1) * QUANTIZE_ROWS);
     for (int row = blockIdx.x * QUANTIZE_ROWS + warp; row < row_end; row += QUANTIZE_WARPS) {

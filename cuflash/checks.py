@@ -213,10 +213,12 @@ def check_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return problem
 
 
-def check_quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False) -> tuple:
+def check_quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False, descale=None) -> tuple:
     """Check the arguments of ``quantize_e4m3``: x ``(batch, seqlen, nheads, d)``, fp16 or bf16, d a multiple of 16
     up to 256 (what the e4m3 kernels take), the last axis contiguous; ``per`` "tensor" or "head"; nheads_k (None:
-    x's heads) a divisor of nheads; pow2 a bool. Returns ``(batch, seqlen, nheads, d, nheads_k)``."""
+    x's heads) a divisor of nheads; pow2 a bool. A given ``descale`` (float32, ``()`` or ``(1,)``, or ``(batch,
+    nheads_k)`` contiguous) sets the form instead: ``per`` follows its shape, nheads_k is its second axis, and pow2
+    must be False. Returns ``(batch, seqlen, nheads, d, nheads_k, per)``."""
     x = _spec(x, "x")
     _check_tensor(x, QUANTIZE_AXES)
     _check_dtype(x, ATTENTION_DTYPES)
@@ -226,14 +228,31 @@ def check_quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False) -> tuple:
         raise ValueError(f"x: head dim (axis 3) is {d}; e4m3 arrays take multiples of 16")
     if per not in ("tensor", "head"):
         raise ValueError(f"per: expected 'tensor' or 'head', got {per!r}")
+    if not isinstance(pow2, (bool, np.bool_)):
+        raise TypeError(f"pow2: expected a bool, got {_given(pow2)}")
+    descale = _spec(descale, "descale", required=False)
+    if descale is not None:
+        _check_dtype(descale, ("float32",))
+        if pow2:
+            raise ValueError("pow2: must be False with a given descale, which is used as it is")
+        if descale.shape in ((), (1,)):
+            per = "tensor"
+        elif len(descale.shape) == 2 and descale.shape[0] == batch:
+            if nheads_k is not None and nheads_k != descale.shape[1]:
+                raise ValueError(f"nheads_k: {nheads_k} differs from descale's {descale.shape[1]} heads (axis 1)")
+            per, nheads_k = "head", descale.shape[1]
+            if descale.strides != (nheads_k, 1) and batch * nheads_k > 1:
+                raise ValueError(f"descale: must be contiguous, got strides {descale.strides} (elements)")
+        else:
+            raise ValueError(f"descale: expected shape () or (1,) (per tensor) or (batch, nheads_k) with batch = "
+                             f"{batch}, got {descale.shape}")
+        _same_device(x, descale)
     if nheads_k is None:
         nheads_k = nheads
     if not is_int(nheads_k) or nheads_k < 1 or nheads % nheads_k:
         raise ValueError(f"nheads_k: expected a positive int dividing x's nheads (axis 2) = {nheads}, got "
                          f"{_given(nheads_k)}")
-    if not isinstance(pow2, (bool, np.bool_)):
-        raise TypeError(f"pow2: expected a bool, got {_given(pow2)}")
-    return batch, seqlen, nheads, d, int(nheads_k)
+    return batch, seqlen, nheads, d, int(nheads_k), per
 
 
 def _check_fp8(q, k, v, descales, batch: int, nheads_k: int) -> None:

@@ -200,19 +200,25 @@ def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_l
     return (out, lse) if return_lse else out
 
 
-def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False):
+def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False, descale=None):
     """:func:`cuflash.quantize_e4m3` on a jax array, under jit: ``(x8, descale)``, x8 float8_e4m3fn of x's shape and
     descale float32 ``()`` (per "tensor") or ``(batch, nheads_k)`` (per "head"), the inputs :func:`attention_fp8`
-    takes. x: ``(batch, seqlen, nheads, headdim)`` float16 or bfloat16, headdim a multiple of 16 up to 256. One
-    ffi_call, whose third result is the kernels' amax workspace (zeroed on the call's stream)."""
-    batch, _, _, _, nheads_k = checks.check_quantize_e4m3(_spec(x, "x"), per=per, nheads_k=nheads_k, pow2=pow2)
+    takes. x: ``(batch, seqlen, nheads, headdim)`` float16 or bfloat16, headdim a multiple of 16 up to 256. A given
+    ``descale`` (float32 ``()``, ``(1,)`` or ``(batch, nheads_k)``) is used instead of found, and returned. One
+    ffi_call; without a given descale its third result is the kernels' amax workspace (zeroed on the call's
+    stream)."""
+    batch, _, _, _, nheads_k, per = checks.check_quantize_e4m3(_spec(x, "x"), per=per, nheads_k=nheads_k, pow2=pow2,
+                                                               descale=_spec(descale, "descale"))
     groups = batch * nheads_k if per == "head" else 1
     _register()
-    results = (jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct((groups,), jnp.float32),
-               jax.ShapeDtypeStruct((groups,), jnp.uint32))
-    x8, descale, _ = jax.ffi.ffi_call(QUANTIZE_TARGET, results, vmap_method="sequential")(
-        x, config=repr((per, nheads_k, bool(pow2))))
-    return x8, descale.reshape(() if per == "tensor" else (batch, nheads_k))
+    results = (jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),)
+    if descale is None:
+        results += (jax.ShapeDtypeStruct((groups,), jnp.float32), jax.ShapeDtypeStruct((groups,), jnp.uint32))
+    outs = jax.ffi.ffi_call(QUANTIZE_TARGET, results, vmap_method="sequential")(
+        x, *(() if descale is None else (descale,)), config=repr((per, nheads_k, bool(pow2))))
+    if descale is not None:
+        return outs[0], descale
+    return outs[0], outs[1].reshape(() if per == "tensor" else (batch, nheads_k))
 
 
 def _e4m3_spec(x, name):
@@ -610,14 +616,19 @@ def _build_fp8(device, frame):
 
 
 def _build_quantize(device, frame):
-    """quantize_e4m3's launches for the call of `frame`: inputs x; outputs x8, descale and the amax workspace."""
+    """quantize_e4m3's launches for the call of `frame`: inputs x (and a given descale); outputs x8, and without a
+    given descale the descale found and the amax workspace."""
     per, nheads_k, pow2 = ast.literal_eval(ffi.string_attr(frame, "config").decode())
-    x = _buffer_spec(ffi.buffers(frame.args)[0], "x")
-    call = quantize.QuantizeCall(x.shape + (nheads_k,), x.strides, x.dtype, per, pow2, device)
+    ins = ffi.buffers(frame.args)
+    x, given = _buffer_spec(ins[0], "x"), len(ins) > 1
+    call = quantize.QuantizeCall(x.shape + (nheads_k, per), x.strides, x.dtype, pow2, device, given)
     import cupy
     memset, amax_bytes = cupy.cuda.runtime.memsetAsync, 4 * call.groups
 
     def launch(stream, i, o):
+        if given:
+            call(stream, i[0], o[0], 0, i[1])
+            return
         memset(o[2], 0, amax_bytes, stream)
         call(stream, i[0], o[0], o[2], o[1])
     return launch

@@ -781,7 +781,7 @@ def dequantize_e4m3(x8, descale=None):
     return _dequantize(x8, descale, nheads_k, "descale")
 
 
-def quantize_e4m3(x, per="tensor", *, nheads_k=None, pow2=False):
+def quantize_e4m3(x, per="tensor", *, nheads_k=None, pow2=False, descale=None):
     """Quantize ``x`` ``(batch, seqlen, nheads, d)`` to e4m3 with amax scaling: ``(x8, descale)``, x8 float8_e4m3fn
     (``x8.view(np.uint8)`` for CuPy) and descale float32, ``x ~ x8 * descale`` (:func:`dequantize_e4m3`).
 
@@ -791,6 +791,9 @@ def quantize_e4m3(x, per="tensor", *, nheads_k=None, pow2=False):
     kv head ``h // (nheads // nheads_k)``. Where amax is 0 the descale is 1. Rounding is to nearest even, saturating.
     ``pow2``: the descale rounded up to a power of two (amax then maps into [224, 448]); the dequantized values (4
     significant bits times a power of two) are then exact in bf16, so bf16 attention sees exactly the FP8 inputs.
+    A given ``descale`` (float32, a scalar, ``(1,)`` or ``(batch, nheads_k)``, which sets nheads_k) is used instead
+    of the amax one, and returned as float32 of its shape: ``x8 = e4m3(x / descale)``, saturating.
+    :func:`cuflash.quantize_e4m3` is the GPU form.
     """
     x = _f64(x)
     if x.ndim != 4:
@@ -798,6 +801,14 @@ def quantize_e4m3(x, per="tensor", *, nheads_k=None, pow2=False):
     if not np.all(np.isfinite(x)):
         raise ValueError("x must be finite")
     batch, _, nheads, d = x.shape
+    if descale is not None:
+        given = np.asarray(_host(descale), dtype=np.float32)
+        nheads_k = given.shape[1] if given.ndim == 2 else nheads
+        if nheads % nheads_k:
+            raise ValueError(f"descale's {nheads_k} heads (axis 1) must divide x's {nheads}")
+        per_group = _descales(given.reshape(()) if given.ndim < 2 and given.size == 1 else given, batch, nheads_k,
+                              "descale")
+        return _to_e4m3(x / _per_head(per_group, nheads)), given
     nheads_k = nheads if nheads_k is None else int(nheads_k)
     if nheads_k <= 0 or nheads % nheads_k:
         raise ValueError(f"nheads_k ({nheads_k}) must divide x's {nheads} heads")

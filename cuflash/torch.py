@@ -312,7 +312,7 @@ def attention_varlen_fp8(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     return (out, lse) if return_lse else out
 
 
-def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False):
+def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False, descale=None):
     """:func:`cuflash.quantize_e4m3` on torch tensors: ``(x8, descale)`` with ``x ~ x8.float() * descale``, the
     inputs :func:`attention_fp8` takes.
 
@@ -321,6 +321,9 @@ def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False):
     x : torch.Tensor, (batch, seqlen, nheads, headdim), float16 or bfloat16, on a CUDA device
         headdim a multiple of 16 up to 256; the last axis contiguous, other strides free.
     per, nheads_k, pow2 : as in :func:`cuflash.quantize_e4m3` (per "tensor" or "head")
+    descale : torch.Tensor of float32, optional
+        Quantize with these descales (``()``, ``(1,)`` or ``(batch, nheads_k)`` contiguous), e.g. an e4m3 KV cache's,
+        instead of finding them; returned as given.
 
     Returns
     -------
@@ -329,43 +332,46 @@ def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False):
 
     Not differentiable. Under torch.compile, export and tracing the call is the op ``cuflash::quantize_e4m3``.
     """
-    if _eager(x):
-        return _quantize(x, per, nheads_k, pow2)
-    return _quantize_op(x, per, nheads_k, pow2)
+    if _eager(x) and (descale is None or _eager(descale)):
+        return _quantize(x, per, nheads_k, pow2, descale)
+    return _quantize_op(x, per, nheads_k, pow2, descale)
 
 
-def _quantize(x, per, nheads_k, pow2):
-    """quantize_e4m3: checked and planned once per signature, then two launches on torch's stream."""
+def _quantize(x, per, nheads_k, pow2, descale):
+    """quantize_e4m3: checked and planned once per signature, then its launches on torch's stream."""
     try:
-        key = ("quantize", per, nheads_k, pow2, _signature(x))
+        key = ("quantize", per, nheads_k, pow2, _signature(x), _signature(descale))
         call = _plans.get(key)
     except (AttributeError, TypeError):
         key = call = None
     if call is None:
-        call = _plan(key, lambda: _quantize_call(x, per, nheads_k, pow2))
+        call = _plan(key, lambda: _quantize_call(x, per, nheads_k, pow2, descale))
     x8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    amax = torch.zeros(call.groups, dtype=torch.int32, device=x.device)  # float bits, as the kernel's uint32
-    descale = torch.empty(call.groups, dtype=torch.float32, device=x.device)
+    amax = None if call.given else torch.zeros(call.groups, dtype=torch.int32, device=x.device)  # float bits
+    found = descale if call.given else torch.empty(call.groups, dtype=torch.float32, device=x.device)
     index = call.device_id
     previous = _get_device()
     if previous != index:
         _set_device(index)
     try:
-        call(_stream(index), x.data_ptr(), x8.data_ptr(), amax.data_ptr(), descale.data_ptr())
+        call(_stream(index), x.data_ptr(), x8.data_ptr(), 0 if amax is None else amax.data_ptr(), found.data_ptr())
     finally:
         if previous != index:
             _set_device(previous)
-    return x8, descale.reshape(() if per == "tensor" else (x.shape[0], call.groups // x.shape[0]))
+    if call.given:
+        return x8, descale
+    return x8, found.reshape(() if call.groups == 1 and per == "tensor" else (x.shape[0], call.groups // x.shape[0]))
 
 
-def _quantize_call(x, per, nheads_k, pow2) -> quantize.QuantizeCall:
-    specs = _specs({"x": x})
-    sizes = checks.check_quantize_e4m3(specs["x"], per=per, nheads_k=nheads_k, pow2=pow2)
-    if x.device.type != "cuda":
-        raise ValueError(f"x: expected a CUDA tensor, got one on {x.device}")
+def _quantize_call(x, per, nheads_k, pow2, descale) -> quantize.QuantizeCall:
+    specs = _specs({"x": x, "descale": descale})
+    sizes = checks.check_quantize_e4m3(specs["x"], per=per, nheads_k=nheads_k, pow2=pow2, descale=specs["descale"])
+    for name, t in (("x", x), ("descale", descale)):
+        if t is not None and t.device.type != "cuda":
+            raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     with cupy.cuda.Device(index):
-        return quantize.QuantizeCall(sizes, x.stride(), specs["x"].dtype, per, bool(pow2), index)
+        return quantize.QuantizeCall(sizes, x.stride(), specs["x"].dtype, bool(pow2), index, descale is not None)
 
 
 def _fp8(q, k, v, descales, varlen, softmax_scale, causal, window_size, return_lse):
@@ -1001,15 +1007,23 @@ def _fp8_op_result(q, result, return_lse: bool) -> tuple:
     return result if return_lse else (result, q.new_empty((0,), dtype=torch.float32))
 
 
-def _quantize_e4m3(x: torch.Tensor, per: str, nheads_k: Optional[int],
-                   pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_e4m3 as an op."""
-    return _quantize(x, per, nheads_k, pow2)
+def _quantize_e4m3(x: torch.Tensor, per: str, nheads_k: Optional[int], pow2: bool,
+                   descale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_e4m3 as an op; with a given descale its second result is a copy of it (an op's outputs may not alias
+    its inputs)."""
+    x8, out = _quantize(x, per, nheads_k, pow2, descale)
+    return x8, (out.clone() if descale is not None else out)
 
 
-def _quantize_e4m3_fake(x, per, nheads_k, pow2):
-    if _concrete(x, ints=() if nheads_k is None else (nheads_k,)):
-        checks.check_quantize_e4m3(_specs({"x": x})["x"], per=per, nheads_k=nheads_k, pow2=pow2)
+def _quantize_e4m3_fake(x, per, nheads_k, pow2, descale):
+    sizes = None
+    if _concrete(x, descale, ints=() if nheads_k is None else (nheads_k,)):
+        specs = _specs({"x": x, "descale": descale})
+        sizes = checks.check_quantize_e4m3(specs["x"], per=per, nheads_k=nheads_k, pow2=pow2, descale=specs["descale"])
+    if descale is not None:
+        return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty_like(descale)
+    if sizes is not None:
+        per, nheads_k = sizes[5], sizes[4]
     shape = () if per == "tensor" else (x.shape[0], x.shape[2] if nheads_k is None else nheads_k)
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(shape, dtype=torch.float32)
 

@@ -69,11 +69,11 @@ def test_e4m3_encode_rounds_random_floats_as_the_reference(encode):
 
 def test_params_struct_matches_the_kernel():
     dtype = quantize.PARAMS_DTYPE
-    assert [dtype.fields[n][1] for n in ("x", "x8", "amax", "descale", "x_batch_stride", "seqlen", "pow2")] == \
-        [0, 8, 16, 24, 32, 56, 76]
-    assert dtype.itemsize == 80
+    assert [dtype.fields[n][1] for n in ("x", "x8", "amax", "descale", "x_batch_stride", "seqlen", "pow2",
+                                         "given")] == [0, 8, 16, 24, 32, 56, 76, 80]
+    assert dtype.itemsize == 88
     text = (ROOT / "cuda_src" / "quantize.cu").read_text()
-    assert "int seqlen, nheads, headdim, heads_per_group, group_batch_stride, pow2;" in text
+    assert "int seqlen, nheads, headdim, heads_per_group, group_batch_stride, pow2;\n    int given;" in text
 
 
 def test_specializations_cover_both_dtypes_and_kernels():
@@ -88,8 +88,11 @@ def x(b=2, s=33, h=4, d=64, dtype=np.float16):
 
 
 def test_check_accepts_and_sizes():
-    assert checks.check_quantize_e4m3(x(), per="head", nheads_k=2) == (2, 33, 4, 64, 2)
-    assert checks.check_quantize_e4m3(x(d=256)) == (2, 33, 4, 256, 4)
+    assert checks.check_quantize_e4m3(x(), per="head", nheads_k=2) == (2, 33, 4, 64, 2, "head")
+    assert checks.check_quantize_e4m3(x(d=256)) == (2, 33, 4, 256, 4, "tensor")
+    given = np.ones((2, 2), np.float32)
+    assert checks.check_quantize_e4m3(x(), descale=given) == (2, 33, 4, 64, 2, "head")
+    assert checks.check_quantize_e4m3(x(), per="head", descale=np.ones((1,), np.float32))[4:] == (4, "tensor")
 
 
 @pytest.mark.parametrize("array, options, error, match", [
@@ -102,10 +105,27 @@ def test_check_accepts_and_sizes():
     (x(), dict(nheads_k=3), ValueError, r"nheads_k: expected a positive int dividing x's nheads \(axis 2\) = 4"),
     (x(), dict(nheads_k=2.0), ValueError, "nheads_k: expected a positive int"),
     (x(), dict(pow2=1), TypeError, "pow2: expected a bool, got int 1"),
+    (x(), dict(descale=np.ones((2, 2))), TypeError, "descale: dtype float64 is not supported; expected float32"),
+    (x(), dict(descale=np.ones((2, 3), np.float32)), ValueError, r"nheads_k: expected a positive int dividing"),
+    (x(), dict(descale=np.ones((3, 2), np.float32)), ValueError,
+     r"descale: expected shape \(\) or \(1,\) \(per tensor\) or \(batch, nheads_k\) with batch = 2, got \(3, 2\)"),
+    (x(), dict(descale=np.ones((2, 4), np.float32)[:, ::2]), ValueError, "descale: must be contiguous"),
+    (x(), dict(descale=np.ones((2, 2), np.float32), nheads_k=4), ValueError,
+     r"nheads_k: 4 differs from descale's 2 heads \(axis 1\)"),
+    (x(), dict(descale=np.ones((), np.float32), pow2=True), ValueError, "pow2: must be False with a given descale"),
 ])
 def test_check_rejects(array, options, error, match):
     with pytest.raises(error, match=match):
         checks.check_quantize_e4m3(array, **options)
+
+
+def test_reference_quantizes_with_a_given_descale():
+    host = np.random.default_rng(3).standard_normal((2, 9, 4, 32)) * 5
+    x8, found = ref.quantize_e4m3(host, "head", nheads_k=2)
+    again, given = ref.quantize_e4m3(host, descale=found)
+    assert np.array_equal(again.view(np.uint8), x8.view(np.uint8)) and given is not None and given.shape == (2, 2)
+    small, _ = ref.quantize_e4m3(host, descale=np.float32(1e-3))  # past 448 descale: saturated
+    assert np.abs(small.astype(np.float64)).max() == 448.0
 
 
 def test_host_arrays_are_refused_before_any_launch():

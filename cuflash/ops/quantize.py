@@ -26,29 +26,31 @@ def all_specs(arch: str) -> list:
 
 
 PARAMS_DTYPE = plan.struct(["x", "x8", "amax", "descale"], ["x_batch_stride", "x_row_stride", "x_head_stride"],
-                           ["seqlen", "nheads", "headdim", "heads_per_group", "group_batch_stride", "pow2"],
+                           ["seqlen", "nheads", "headdim", "heads_per_group", "group_batch_stride", "pow2", "given"],
                            [])
 
 
 class QuantizeCall:
-    """Both kernels of one call signature: ``call(stream, x, x8, amax, descale)`` from data pointers, ``amax`` a
-    zeroed uint32 workspace and ``descale`` float32, one element per group each (:attr:`groups`), x8 contiguous."""
+    """The kernels of one call signature: ``call(stream, x, x8, amax, descale)`` from data pointers, x8 contiguous,
+    ``descale`` float32 with one element per group (:attr:`groups`) and ``amax`` a zeroed uint32 workspace of as
+    many; with ``given`` the descales are the caller's, read as they are, and ``amax`` is not used (0)."""
 
-    __slots__ = ("launch", "groups", "device_id")
+    __slots__ = ("launch", "groups", "device_id", "given")
 
-    def __init__(self, sizes: tuple, x_strides: tuple, dtype, per: str, pow2: bool, device_id: int):
-        batch, seqlen, nheads, d, nheads_k = sizes
+    def __init__(self, sizes: tuple, x_strides: tuple, dtype, pow2: bool, device_id: int, given: bool = False):
+        batch, seqlen, nheads, d, nheads_k, per = sizes
         tag = plan.DTYPES[np.dtype(dtype).name][0]
         p = np.zeros((), dtype=PARAMS_DTYPE)
         p["x_batch_stride"], p["x_row_stride"], p["x_head_stride"] = x_strides[:3]
         p["seqlen"], p["nheads"], p["headdim"] = seqlen, nheads, d
         p["heads_per_group"], p["group_batch_stride"] = (nheads // nheads_k, nheads_k) if per == "head" else (nheads, 0)
-        p["pow2"] = pow2
-        self.groups, self.device_id = (batch * nheads_k if per == "head" else 1), device_id
+        p["pow2"], p["given"] = pow2, given
+        self.groups, self.device_id, self.given = (batch * nheads_k if per == "head" else 1), device_id, given
         grid = plan.check_grid((-(-seqlen // ROWS), nheads, batch))
+        kernels = ("e4m3_quantize",) if given else ("e4m3_amax", "e4m3_quantize")
         self.launch = KernelCall([(build.get_kernel(QuantizeSpec(kernel, tag), device_id), grid,
-                                   (QuantizeSpec.threads,), 0) for kernel in ("e4m3_amax", "e4m3_quantize")],
-                                 p, ("x", "x8", "amax", "descale"))
+                                   (QuantizeSpec.threads,), 0) for kernel in kernels], p,
+                                 ("x", "x8", "amax", "descale"))
 
     def __call__(self, stream: int, x: int, x8: int, amax: int, descale: int) -> None:
         self.launch(stream, x, x8, amax, descale)
@@ -57,7 +59,7 @@ class QuantizeCall:
 _calls: dict = {}  # key of a quantize_e4m3() call (runtime.call_key) -> its QuantizeCall
 
 
-def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False):
+def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False, descale=None):
     """Quantize ``x`` to e4m3 on the GPU with amax scaling: ``(x8, descale)``, ``x ~ x8 * descale``.
 
     Parameters
@@ -73,30 +75,39 @@ def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False):
         x's heads.
     pow2 : bool
         The descale rounded up to a power of two (amax then maps into [224, 448]).
+    descale : cupy.ndarray of float32, optional
+        Quantize with these descales instead of finding them: ``()`` or ``(1,)``, or ``(batch, nheads_k)``
+        contiguous (which sets ``per`` and ``nheads_k``), e.g. an e4m3 KV cache's ``k_descale`` for the rows appended
+        to it. Values past ``448 * descale`` saturate. It is returned as it is; pow2 must be False.
 
     Returns
     -------
     x8 : cupy.ndarray, (batch, seqlen, nheads, headdim), uint8 holding e4m3 bits, contiguous
-    descale : cupy.ndarray of float32, ``()`` or ``(batch, nheads_k)``
+    descale : cupy.ndarray of float32, ``()`` or ``(batch, nheads_k)`` (or the one given)
 
     ``descale = amax / 448`` (1 where amax is 0) and ``x8 = e4m3(x / descale)``, rounded to nearest even and
     saturating, as :func:`cuflash.reference.quantize_e4m3`. A non-finite x gives a non-finite descale; a group whose
     amax is below float32's normal range (2^-126, bf16 only) quantizes as zeros with descale 1. Two kernels on the
-    current stream: the group maxima, then the quantization (each reads x once).
+    current stream: the group maxima, then the quantization (each reads x once); one with a given descale.
     """
-    key, call = runtime.kept(_calls, (x,), (per, nheads_k, pow2))
+    key, call = runtime.kept(_calls, (x, descale), (per, nheads_k, pow2))
     if call is None:
-        sizes = checks.check_quantize_e4m3(x, per=per, nheads_k=nheads_k, pow2=pow2)
-        if not isinstance(x, runtime.import_cupy().ndarray):
-            raise TypeError(f"x: expected a cupy.ndarray, got {type(x).__module__}.{type(x).__name__} (torch and JAX "
-                            "arrays convert without a copy: cupy.from_dlpack(x))")
+        sizes = checks.check_quantize_e4m3(x, per=per, nheads_k=nheads_k, pow2=pow2, descale=descale)
+        cupy = runtime.import_cupy()
+        for name, a in (("x", x), ("descale", descale)):
+            if a is not None and not isinstance(a, cupy.ndarray):
+                raise TypeError(f"{name}: expected a cupy.ndarray, got {type(a).__module__}.{type(a).__name__} "
+                                "(torch and JAX arrays convert without a copy: cupy.from_dlpack(x))")
         runtime.require_gpu()
-        call = runtime.keep(_calls, key, QuantizeCall(sizes, checks.elem_strides(x), x.dtype, per, bool(pow2),
-                                                      x.device.id))
+        call = runtime.keep(_calls, key, QuantizeCall(sizes, checks.elem_strides(x), x.dtype, bool(pow2),
+                                                      x.device.id, descale is not None))
     import cupy
     with cupy.cuda.Device(x.device.id):
         x8 = cupy.empty(x.shape, dtype=np.uint8)
+        if call.given:
+            call(cupy.cuda.get_current_stream().ptr, x.data.ptr, x8.data.ptr, 0, descale.data.ptr)
+            return x8, descale
         amax = cupy.zeros(call.groups, dtype=np.uint32)
-        descale = cupy.empty(call.groups, dtype=np.float32)
-        call(cupy.cuda.get_current_stream().ptr, x.data.ptr, x8.data.ptr, amax.data.ptr, descale.data.ptr)
-    return x8, descale.reshape(() if per == "tensor" else (x.shape[0], call.groups // x.shape[0]))
+        found = cupy.empty(call.groups, dtype=np.float32)
+        call(cupy.cuda.get_current_stream().ptr, x.data.ptr, x8.data.ptr, amax.data.ptr, found.data.ptr)
+    return x8, found.reshape(() if per == "tensor" else (x.shape[0], call.groups // x.shape[0]))

@@ -1,7 +1,8 @@
 """e4m3 quantization on the GPU (cuflash.quantize_e4m3, cuda_src/quantize.cu) against cuflash.reference.quantize_e4m3
 on hypothesis shapes, strided views (rows aligned for 8-byte loads or not), GQA groups, per tensor and per head, with
-and without power-of-two descales; every fp16 and bf16 value within e4m3's range bit for bit; non-finite inputs; the
-torch and JAX forms; and the FP8 forward on what it makes. Outputs start as NaN (conftest), so a byte or descale left unwritten fails."""
+and without power-of-two descales, or with given ones (a KV cache's, for appended rows); every fp16 and bf16 value
+within e4m3's range bit for bit; non-finite inputs; the torch and JAX forms; and the FP8 forward on what it makes.
+Outputs start as NaN (conftest), so a byte or descale left unwritten fails."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -62,6 +63,44 @@ def test_quantize_matches_reference(b, s, hk, group, d, per, pow2, dtype, offset
     x8, descale = cuflash.quantize_e4m3(x, per=per, nheads_k=hk, pow2=pow2)
     want8, want_descale = ref.quantize_e4m3(values, per, nheads_k=hk, pow2=pow2)
     compare(x8, descale, want8, want_descale, exact=pow2)
+
+
+@pytest.mark.parametrize("per", ["tensor", "head"])
+def test_quantize_with_a_given_descale(per):
+    """A given descale (per tensor as (1,), or per (sequence, KV head)) is read, not found: the bytes are the
+    reference's with that descale, values past 448 descale saturate, and the descale comes back as given."""
+    import cupy
+    rng = np.random.default_rng(4)
+    host = rng.standard_normal((3, 45, 4, 64)) * 3
+    given = rng.uniform(0.001, 0.01, (1,) if per == "tensor" else (3, 2)).astype(np.float32)
+    x, values = on_gpu(host, forward_fp8.BF16, 1)
+    x8, back = cuflash.quantize_e4m3(x, descale=cupy.asarray(given))
+    assert np.array_equal(cupy.asnumpy(back), given)
+    want8, _ = ref.quantize_e4m3(values, descale=given)
+    compare(x8, back, want8, given, exact=False)
+    assert (cupy.asnumpy(x8) & 0x7F == 0x7E).any()  # some saturated: |x| / descale past 448
+
+
+def test_quantized_rows_append_to_an_e4m3_cache():
+    """A bf16 cache quantized per (sequence, KV head), then new rows quantized with the cache's descales and appended
+    by attention_with_kvcache: the cache holds exactly the new rows' bytes, and the output is the bf16 cache's within
+    FP8's error."""
+    import cupy
+    rng = np.random.default_rng(5)
+    b, cap, hk, h, d, lens = 2, 96, 2, 4, 64, np.array([40, 71], np.int32)
+    bf16 = forward_fp8.BF16
+    k_cache, v_cache = (cupy.asarray(rng.standard_normal((b, cap, hk, d)).astype(bf16)) for _ in range(2))
+    k_new, v_new = (cupy.asarray(rng.standard_normal((b, 1, hk, d)).astype(bf16)) for _ in range(2))
+    q = cupy.asarray(rng.standard_normal((b, 1, h, d)).astype(bf16))
+    (k8, kd), (v8, vd) = (cuflash.quantize_e4m3(c, per="head") for c in (k_cache, v_cache))
+    (kn8, _), (vn8, _) = cuflash.quantize_e4m3(k_new, descale=kd), cuflash.quantize_e4m3(v_new, descale=vd)
+    seqlens = cupy.asarray(lens)
+    out = cuflash.attention_with_kvcache(q, k8, v8, k=kn8, v=vn8, cache_seqlens=seqlens, k_descale=kd, v_descale=vd)
+    for i, n in enumerate(lens):
+        assert cupy.array_equal(k8[i, n], kn8[i, 0]) and cupy.array_equal(v8[i, n], vn8[i, 0])
+    want = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=cupy.asarray(lens))
+    error = float(cupy.abs(out.astype(cupy.float32) - want.astype(cupy.float32)).max())
+    assert error < 0.1, error
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -129,6 +168,13 @@ def test_torch_quantize_matches_cupy():
     c8, cd = compiled(t)
     e8, ed = cuflash.torch.quantize_e4m3(t, pow2=True)
     assert torch.equal(c8.view(torch.uint8), e8.view(torch.uint8)) and torch.equal(cd, ed)
+    given = torch.full((2, 1), 0.01, device="cuda")
+    g8, back = cuflash.torch.quantize_e4m3(t, descale=given)
+    assert back is given
+    assert torch.equal(g8.view(torch.uint8), torch.from_dlpack(
+        cuflash.quantize_e4m3(cupy.from_dlpack(t.detach()), descale=cupy.from_dlpack(given))[0]))
+    c8, cd = torch.compile(lambda a, s: cuflash.torch.quantize_e4m3(a, descale=s), fullgraph=True)(t, given)
+    assert torch.equal(c8.view(torch.uint8), g8.view(torch.uint8)) and torch.equal(cd, given)
 
 
 def test_jax_quantize_matches_cupy():
@@ -142,3 +188,6 @@ def test_jax_quantize_matches_cupy():
     want8, want_descale = cuflash.quantize_e4m3(cupy.asarray(host), per="head", nheads_k=2)
     np.testing.assert_array_equal(np.asarray(x8).view(np.uint8), cupy.asnumpy(want8))
     np.testing.assert_array_equal(np.asarray(descale), cupy.asnumpy(want_descale))
+    g8, back = jax.jit(lambda a, s: cuflash.jax.quantize_e4m3(a, descale=s))(jnp.asarray(host), descale)
+    np.testing.assert_array_equal(np.asarray(g8).view(np.uint8), cupy.asnumpy(want8))
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(descale))
