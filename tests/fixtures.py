@@ -1,10 +1,27 @@
-"""Fixtures shared by test modules (import the ones a module uses)."""
+"""Fixtures and helpers shared by test modules (import the ones a module uses)."""
 import contextlib
+import shutil
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from cuflash import settings as cuflash_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def host_program(tmp_path_factory, source: str, std: str, flags=()) -> tuple:
+    """tests/`source` (C++ that includes cuda_src/ headers on the host) built with the host's compiler as
+    ``(the build's CompletedProcess, the executable's path)``; the test skips where there is no g++ or clang++."""
+    compiler = shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no host C++ compiler (g++ or clang++)")
+    exe = tmp_path_factory.mktemp(Path(source).stem) / Path(source).stem
+    build = subprocess.run([compiler, f"-std={std}", "-O1", *flags, f"-I{ROOT / 'cuda_src'}",
+                            str(ROOT / "tests" / source), "-o", str(exe)], capture_output=True, text=True)
+    return build, exe
 
 
 @pytest.fixture

@@ -3,28 +3,20 @@ with the host's C++ compiler; skipped without one): keep_rows (the forward's lay
 backward's transposed one) give every element of 1 to 8 16 x 16 tiles the keep bit of cuflash.reference.dropout_keep,
 in the mma.sync C-fragment positions, and drop_fragments (the Hopper forward's, on P's A fragments) zeroes exactly the
 dropped elements of 1 to 8 tiles, an odd count included, for seeds and offsets across their 64 bits."""
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from cuflash import reference as ref
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.fixtures import host_program
 CASES = [((5 << 40) + 77, (3 << 33) + 9, 0.4), (123, 7, 0.1), (2 ** 63 + 5, 2 ** 40 + 3, 0.75)]
 
 
 @pytest.fixture(scope="module")
 def warp(tmp_path_factory):
-    compiler = shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.skip("no host C++ compiler (g++ or clang++)")
-    exe = tmp_path_factory.mktemp("dropout_warp") / "dropout_warp"
-    build = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", f"-I{ROOT / 'cuda_src'}",
-                            str(ROOT / "tests" / "dropout_warp.cpp"), "-o", str(exe)], capture_output=True, text=True)
+    build, exe = host_program(tmp_path_factory, "dropout_warp.cpp", "c++20", ("-pthread",))
     if build.returncode != 0 and "barrier" in build.stderr:
-        pytest.skip(f"{compiler} has no C++20 <barrier>")
+        pytest.skip(f"{build.args[0]} has no C++20 <barrier>")
     assert build.returncode == 0, build.stderr
 
     def run(seed, offset, bh, threshold, mode, nt, r, c):

@@ -2,9 +2,7 @@
 (cuda_src/e4m3_encode.cuh, built for the host with tests/e4m3_encode.cpp; skipped without a C++ compiler) against
 cuflash.reference's (ml_dtypes) on every fp16 and bf16 value and on random floats, the checks' errors before any
 launch, and the parameter struct's layout."""
-import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,19 +10,12 @@ import pytest
 import cuflash
 from cuflash import checks, reference as ref
 from cuflash.ops import quantize
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.fixtures import ROOT, host_program
 
 
 @pytest.fixture(scope="module")
 def encode(tmp_path_factory):
-    compiler = shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.skip("no host C++ compiler (g++ or clang++)")
-    exe = tmp_path_factory.mktemp("e4m3_encode") / "e4m3_encode"
-    source = ROOT / "tests" / "e4m3_encode.cpp"
-    build = subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT / 'cuda_src'}", str(source), "-o", str(exe)],
-                           capture_output=True, text=True)
+    build, exe = host_program(tmp_path_factory, "e4m3_encode.cpp", "c++17")
     assert build.returncode == 0, build.stderr
 
     def run(x):
