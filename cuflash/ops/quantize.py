@@ -11,7 +11,7 @@ import numpy as np
 from .. import build, checks, plan, runtime
 from ..launcher import KernelCall
 
-ROWS = 64  # rows of one head a block takes (quantize.cu QUANTIZE_ROWS; its QUANTIZE_THREADS is HelperSpec's 256)
+ROWS = 64  # rows of one head a block takes (quantize.cu QUANTIZE_ROWS)
 
 
 @dataclass(frozen=True)

