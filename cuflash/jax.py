@@ -218,7 +218,7 @@ def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False, descale=None):
         x, *(() if descale is None else (descale,)), config=repr((per, nheads_k, bool(pow2))))
     if descale is not None:
         return outs[0], descale
-    return outs[0], outs[1].reshape(() if per == "tensor" else (batch, nheads_k))
+    return outs[0], outs[1].reshape(quantize.descale_shape(batch, nheads_k, per))
 
 
 def _e4m3_spec(x, name):

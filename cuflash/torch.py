@@ -358,9 +358,7 @@ def _quantize(x, per, nheads_k, pow2, descale):
     finally:
         if previous != index:
             _set_device(previous)
-    if call.given:
-        return x8, descale
-    return x8, found.reshape(() if call.groups == 1 and per == "tensor" else (x.shape[0], call.groups // x.shape[0]))
+    return (x8, descale) if call.given else (x8, found.reshape(call.descale_shape))
 
 
 def _quantize_call(x, per, nheads_k, pow2, descale) -> quantize.QuantizeCall:
@@ -1024,7 +1022,7 @@ def _quantize_e4m3_fake(x, per, nheads_k, pow2, descale):
         return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), torch.empty_like(descale)
     if sizes is not None:
         per, nheads_k = sizes[5], sizes[4]
-    shape = () if per == "tensor" else (x.shape[0], x.shape[2] if nheads_k is None else nheads_k)
+    shape = quantize.descale_shape(x.shape[0], x.shape[2] if nheads_k is None else nheads_k, per)
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(shape, dtype=torch.float32)
 
 

@@ -123,3 +123,15 @@ def test_host_arrays_are_refused_before_any_launch():
     pytest.importorskip("cupy")
     with pytest.raises(TypeError, match="x: expected a cupy.ndarray, got numpy.ndarray"):
         cuflash.quantize_e4m3(x())
+
+
+def test_call_plans_groups_descale_shape_and_launches(monkeypatch):
+    from types import SimpleNamespace
+    from cuflash import build, launcher
+    monkeypatch.setattr(build, "get_kernel", lambda spec, device_id: SimpleNamespace(kernel=SimpleNamespace(ptr=7)))
+    monkeypatch.setattr(launcher, "_load_driver", lambda: None)
+    strides = (8448, 256, 64, 1)
+    head = quantize.QuantizeCall((2, 33, 4, 64, 2, "head"), strides, np.float16, False, 0)
+    assert (head.groups, head.descale_shape, len(head.launch.launches)) == (4, (2, 2), 2)
+    given = quantize.QuantizeCall((2, 33, 4, 64, 4, "tensor"), strides, np.float16, False, 0, given=True)
+    assert (given.groups, given.descale_shape, len(given.launch.launches)) == (1, (), 1)

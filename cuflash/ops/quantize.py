@@ -21,6 +21,11 @@ class QuantizeSpec(plan.HelperSpec):
     source = "quantize.cu"
 
 
+def descale_shape(batch: int, nheads_k: int, per: str) -> tuple:
+    """The descales' shape: ``()`` per tensor, ``(batch, nheads_k)`` per (sequence, KV head)."""
+    return () if per == "tensor" else (batch, nheads_k)
+
+
 def all_specs(arch: str) -> list:
     return [QuantizeSpec(kernel, dtype) for dtype in ("fp16", "bf16") for kernel in ("e4m3_amax", "e4m3_quantize")]
 
@@ -33,9 +38,10 @@ PARAMS_DTYPE = plan.struct(["x", "x8", "amax", "descale"], ["x_batch_stride", "x
 class QuantizeCall:
     """The kernels of one call signature: ``call(stream, x, x8, amax, descale)`` from data pointers, x8 contiguous,
     ``descale`` float32 with one element per group (:attr:`groups`) and ``amax`` a zeroed uint32 workspace of as
-    many; with ``given`` the descales are the caller's, read as they are, and ``amax`` is not used (0)."""
+    many; with ``given`` the descales are the caller's, read as they are, and ``amax`` is not used (0). The descales
+    found come back as :attr:`descale_shape`."""
 
-    __slots__ = ("launch", "groups", "device_id", "given")
+    __slots__ = ("launch", "groups", "descale_shape", "device_id", "given")
 
     def __init__(self, sizes: tuple, x_strides: tuple, dtype, pow2: bool, device_id: int, given: bool = False):
         batch, seqlen, nheads, d, nheads_k, per = sizes
@@ -46,6 +52,7 @@ class QuantizeCall:
         p["heads_per_group"], p["group_batch_stride"] = (nheads // nheads_k, nheads_k) if per == "head" else (nheads, 0)
         p["pow2"], p["given"] = pow2, given
         self.groups, self.device_id, self.given = (batch * nheads_k if per == "head" else 1), device_id, given
+        self.descale_shape = descale_shape(batch, nheads_k, per)
         grid = plan.check_grid((-(-seqlen // ROWS), nheads, batch))
         kernels = ("e4m3_quantize",) if given else ("e4m3_amax", "e4m3_quantize")
         self.launch = KernelCall([(build.get_kernel(QuantizeSpec(kernel, tag), device_id), grid,
@@ -110,4 +117,4 @@ def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False, descale=None):
         amax = cupy.zeros(call.groups, dtype=np.uint32)
         found = cupy.empty(call.groups, dtype=np.float32)
         call(cupy.cuda.get_current_stream().ptr, x.data.ptr, x8.data.ptr, amax.data.ptr, found.data.ptr)
-    return x8, found.reshape(() if per == "tensor" else (x.shape[0], call.groups // x.shape[0]))
+    return x8, found.reshape(call.descale_shape)
