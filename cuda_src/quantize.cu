@@ -4,7 +4,7 @@
 //
 // A group is the whole tensor (group_batch_stride 0, heads_per_group nheads) or one (sequence, KV head): rows of
 // sequence b and head h belong to group b group_batch_stride + h / heads_per_group. Two kernels on one grid
-// (row blocks, nheads, batch), each warp taking rows of one (b, h):
+// (blocks of QUANTIZE_ROWS rows, nheads, batch):
 //   e4m3_amax      the largest |x| of each group, as float bits (order-preserving for non-negative floats) by
 //                  atomicMax into `amax`, which the caller zeroes; NaN bits exceed Inf's, which exceed every finite
 //                  value's, so a non-finite x gives a non-finite descale;
@@ -27,50 +27,57 @@ struct QuantizeParams {
     int given;                                         // 1: descale is the caller's (no e4m3_amax launch)
 };
 
-constexpr int QUANTIZE_WARPS = 8, QUANTIZE_ROWS = 64;  // warps and rows of a block (rows of one head)
+constexpr int QUANTIZE_THREADS = 256, QUANTIZE_ROWS = 64;  // a block: rows of one head, 8 elements a thread a turn
 constexpr float E4M3_MAX = 448.f;
 
-// The four elements of row (b, row, h) of x from column i (a multiple of 4) on, as floats: one 8-byte load where the
-// row starts 8-byte aligned (warp-uniform), else four 2-byte ones.
+// Eight elements of row (b, row, h) of x from column c (a multiple of 8) on, as floats: one 16-byte load where they
+// are 16-byte aligned, else eight 2-byte ones.
 template <class T>
-__device__ __forceinline__ void load4(const QuantizeParams& p, int b, int row, int h, int i, float (&v)[4]) {
-    const u16* x = p.x + b * p.x_batch_stride + row * p.x_row_stride + h * p.x_head_stride;
-    u16 e[4];
-    if (reinterpret_cast<size_t>(x) % 8 == 0) {
-        const uint2 w = *reinterpret_cast<const uint2*>(x + i);
-        e[0] = w.x & 0xffffu, e[1] = w.x >> 16, e[2] = w.y & 0xffffu, e[3] = w.y >> 16;
+__device__ __forceinline__ void load8(const QuantizeParams& p, int b, int row, int h, int c, float (&v)[8]) {
+    const u16* x = p.x + b * p.x_batch_stride + row * p.x_row_stride + h * p.x_head_stride + c;
+    u16 e[8];
+    if (reinterpret_cast<size_t>(x) % 16 == 0) {
+        const uint4 w = *reinterpret_cast<const uint4*>(x);
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) e[2 * t] = words[t] & 0xffffu, e[2 * t + 1] = words[t] >> 16;
     } else {
 #pragma unroll
-        for (int t = 0; t < 4; ++t) e[t] = x[i + t];
+        for (int t = 0; t < 8; ++t) e[t] = x[t];
     }
 #pragma unroll
-    for (int t = 0; t < 4; ++t) v[t] = to_float<T>(e[t]);
+    for (int t = 0; t < 8; ++t) v[t] = to_float<T>(e[t]);
 }
 
 __device__ __forceinline__ int quantize_group(const QuantizeParams& p, int b, int h) {
     return b * p.group_batch_stride + h / p.heads_per_group;
 }
 
+// A block's rows as chunks of 8 elements, chunk i at row first_row + i / (d / 8), column 8 (i % (d / 8)): every
+// thread busy at any head dim, consecutive threads on consecutive bytes of a row.
+__device__ __forceinline__ int block_chunks(const QuantizeParams& p) {
+    const int first_row = blockIdx.x * QUANTIZE_ROWS;
+    return (min(p.seqlen, first_row + QUANTIZE_ROWS) - first_row) * (p.headdim / 8);
+}
+
 template <class T>
-__global__ void __launch_bounds__(32 * QUANTIZE_WARPS) e4m3_amax(const __grid_constant__ QuantizeParams p) {
-    __shared__ u32 warp_max[QUANTIZE_WARPS];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y, b = blockIdx.z;
+__global__ void __launch_bounds__(QUANTIZE_THREADS) e4m3_amax(const __grid_constant__ QuantizeParams p) {
+    __shared__ u32 warp_max[QUANTIZE_THREADS / 32];
+    const int h = blockIdx.y, b = blockIdx.z;
     u32 m = 0;  // |x| as float bits
-    const int row_end = min(p.seqlen, (int)(blockIdx.x + 1) * QUANTIZE_ROWS);
-    for (int row = blockIdx.x * QUANTIZE_ROWS + warp; row < row_end; row += QUANTIZE_WARPS) {
-        for (int i = 4 * lane; i < p.headdim; i += 128) {  // four elements a lane: d is a multiple of 16
-            float v[4];
-            load4<T>(p, b, row, h, i, v);
+    for (int i = threadIdx.x, n = block_chunks(p); i < n; i += QUANTIZE_THREADS) {
+        const int row = blockIdx.x * QUANTIZE_ROWS + i / (p.headdim / 8), c = 8 * (i % (p.headdim / 8));
+        float v[8];
+        load8<T>(p, b, row, h, c, v);
 #pragma unroll
-            for (int t = 0; t < 4; ++t) m = max(m, __float_as_uint(fabsf(v[t])));
-        }
+        for (int t = 0; t < 8; ++t) m = max(m, __float_as_uint(fabsf(v[t])));
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if (lane == 0) warp_max[warp] = m;
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int w = 1; w < QUANTIZE_WARPS; ++w) m = max(m, warp_max[w]);
+        for (int w = 1; w < QUANTIZE_THREADS / 32; ++w) m = max(m, warp_max[w]);
         atomicMax(p.amax + quantize_group(p, b, h), m);
     }
 }
@@ -89,24 +96,22 @@ __device__ __forceinline__ float e4m3_descale(u32 amax_bits, int pow2) {
 }
 
 template <class T>
-__global__ void __launch_bounds__(32 * QUANTIZE_WARPS) e4m3_quantize(const __grid_constant__ QuantizeParams p) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y, b = blockIdx.z;
+__global__ void __launch_bounds__(QUANTIZE_THREADS) e4m3_quantize(const __grid_constant__ QuantizeParams p) {
+    const int h = blockIdx.y, b = blockIdx.z;
     const int group = quantize_group(p, b, h);
     const float descale = p.given ? p.descale[group] : e4m3_descale(p.amax[group], p.pow2);
     if (!p.given && threadIdx.x == 0 && blockIdx.x == 0 && h % p.heads_per_group == 0 &&
         (p.group_batch_stride || b == 0))
         p.descale[group] = descale;
-    const int row_end = min(p.seqlen, (int)(blockIdx.x + 1) * QUANTIZE_ROWS);
-    for (int row = blockIdx.x * QUANTIZE_ROWS + warp; row < row_end; row += QUANTIZE_WARPS) {
-        u8* x8 = p.x8 + (((i64)b * p.seqlen + row) * p.nheads + h) * p.headdim;
-        for (int i = 4 * lane; i < p.headdim; i += 128) {
-            float v[4];
-            load4<T>(p, b, row, h, i, v);
-            u32 word = 0;
+    for (int i = threadIdx.x, n = block_chunks(p); i < n; i += QUANTIZE_THREADS) {
+        const int row = blockIdx.x * QUANTIZE_ROWS + i / (p.headdim / 8), c = 8 * (i % (p.headdim / 8));
+        float v[8];
+        load8<T>(p, b, row, h, c, v);
+        u32 words[2] = {0, 0};
 #pragma unroll
-            for (int t = 0; t < 4; ++t) word |= e4m3_from_float(__fdiv_rn(v[t], descale)) << (8 * t);
-            *reinterpret_cast<u32*>(x8 + i) = word;
-        }
+        for (int t = 0; t < 8; ++t) words[t / 4] |= e4m3_from_float(__fdiv_rn(v[t], descale)) << (8 * (t % 4));
+        *reinterpret_cast<uint2*>(p.x8 + (((i64)b * p.seqlen + row) * p.nheads + h) * p.headdim + c) =
+            make_uint2(words[0], words[1]);
     }
 }
 
