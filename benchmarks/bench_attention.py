@@ -220,7 +220,7 @@ def to_torch(a):
 
 def cupy_stream():
     """CuPy view of torch's current stream: cuflash and the timing events share it."""
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    return cuflash.runtime.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
 def free_memory() -> None:

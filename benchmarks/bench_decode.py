@@ -146,7 +146,7 @@ def main(argv=None) -> int:
             # cuflash's view of the same storage: (batch, len, nheads_k, d) and q (batch, 1, nheads, d)
             kc, vc = cupy.from_dlpack(k.transpose(1, 2)), cupy.from_dlpack(v.transpose(1, 2))
             qc = cupy.from_dlpack(q.transpose(1, 2))
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            stream = cuflash.runtime.external_stream(torch.cuda.current_stream().cuda_stream)
             row = dict(batch=b, len=n, kv_mb=kv_bytes / 2**20)
 
             def cf():

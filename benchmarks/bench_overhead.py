@@ -209,7 +209,7 @@ def torch_rows(timer, args) -> list[dict]:
 
     dtype = getattr(torch, args.dtype)
     if cupy.cuda.get_current_stream().ptr != torch.cuda.current_stream().cuda_stream:
-        cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream).use()  # the CuPy API on torch's stream
+        cuflash.runtime.external_stream(torch.cuda.current_stream().cuda_stream).use()  # the CuPy API on torch's stream
     backends = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                 ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -93,14 +93,39 @@ def device(device_id: int):
     return cupy.cuda.Device(device_id)
 
 
+class _StreamPointer:
+    """A raw cudaStream_t as an object of the CUDA stream protocol, which `cupy.cuda.Stream.from_external` takes."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+_external_streams = {}  # (cudaStream_t, device) -> its cupy Stream
+
+
+def external_stream(ptr: int):
+    """A cupy Stream on the raw cudaStream_t `ptr` (torch's or XLA's), made once per pointer and device."""
+    import cupy
+    key = (ptr, cupy.cuda.runtime.getDevice())
+    stream = _external_streams.get(key)
+    if stream is None:
+        if len(_external_streams) >= 256:  # streams a process keeps making and freeing: forget the old ones
+            _external_streams.clear()
+        make = getattr(cupy.cuda.Stream, "from_external", None)  # ExternalStream is deprecated where it exists
+        stream = _external_streams[key] = make(_StreamPointer(ptr)) if make else cupy.cuda.ExternalStream(ptr)
+    return stream
+
+
 def on(stream):
     """A context making `stream` (a cupy Stream, a raw cudaStream_t or None: the current one) current."""
     if stream is None:
         return contextlib.nullcontext()
-    if isinstance(stream, int):
-        import cupy
-        stream = cupy.cuda.ExternalStream(stream)
-    return stream
+    return external_stream(stream) if isinstance(stream, int) else stream
 
 
 def require_device_arrays(**arrays) -> None:

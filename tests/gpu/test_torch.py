@@ -62,6 +62,27 @@ def test_side_stream_is_ordered_after_its_producer():
     assert torch.isfinite(out).all() and (out.float() - ref).abs().max().item() < 4e-3
 
 
+def test_a_raw_stream_is_wrapped_once_per_pointer_and_warns_nothing():
+    """`stream=` as a raw cudaStream_t (torch's): one CuPy stream per pointer, no deprecated CuPy class."""
+    import warnings
+
+    import cupy
+    import cuflash
+    from cuflash import runtime
+    side = torch.cuda.Stream()
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
+    qc = cupy.from_dlpack(q)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cuflash.attention(qc, qc, qc, stream=side.cuda_stream)
+        wrapped = runtime.external_stream(side.cuda_stream)
+    assert not [w for w in caught if "Stream" in str(w.message)], [str(w.message) for w in caught]
+    assert wrapped is runtime.external_stream(side.cuda_stream) and wrapped.ptr == side.cuda_stream
+    side.synchronize()
+    ref, _ = _sdpa_reference(q, q, q, False)
+    assert (torch.from_dlpack(out).float() - ref).abs().max().item() < 4e-3
+
+
 def _qkv(dtype=torch.float16, b=2, sq=97, sk=130, h=4, hk=2, d=64, device="cuda", requires_grad=True, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
