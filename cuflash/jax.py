@@ -209,7 +209,8 @@ def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False, descale=None):
     stream)."""
     batch, _, _, _, nheads_k, per = checks.check_quantize_e4m3(_spec(x, "x"), per=per, nheads_k=nheads_k, pow2=pow2,
                                                                descale=_spec(descale, "descale"))
-    groups = batch * nheads_k if per == "head" else 1
+    shape = quantize.descale_shape(batch, nheads_k, per)
+    groups = math.prod(shape)
     _register()
     results = (jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),)
     if descale is None:
@@ -218,7 +219,7 @@ def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False, descale=None):
         x, *(() if descale is None else (descale,)), config=repr((per, nheads_k, bool(pow2))))
     if descale is not None:
         return outs[0], descale
-    return outs[0], outs[1].reshape(quantize.descale_shape(batch, nheads_k, per))
+    return outs[0], outs[1].reshape(shape)
 
 
 def _e4m3_spec(x, name):

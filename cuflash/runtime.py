@@ -128,15 +128,21 @@ def on(stream):
     return external_stream(stream) if isinstance(stream, int) else stream
 
 
+def require_cupy_arrays(**arrays) -> None:
+    """Each of `arrays` a cupy.ndarray or None."""
+    cupy = import_cupy()
+    for name, x in arrays.items():
+        if x is not None and not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name}: expected a cupy.ndarray, got {type(x).__module__}.{type(x).__name__} "
+                            "(torch and JAX arrays convert without a copy: cupy.from_dlpack(x))")
+
+
 def require_device_arrays(**arrays) -> None:
     """CuPy arrays whose 16-byte chunks along the last axis are aligned (cp.async copies 16 bytes)."""
-    cupy = import_cupy()
+    require_cupy_arrays(**arrays)
     for name, x in arrays.items():
         if x is None:
             continue
-        if not isinstance(x, cupy.ndarray):
-            raise TypeError(f"{name}: expected a cupy.ndarray, got {type(x).__module__}.{type(x).__name__} "
-                            "(torch and JAX arrays convert without a copy: cupy.from_dlpack(x))")
         if x.dtype in (np.float32, np.int32):  # ALiBi slopes, lse, cu_seqlens: read one element at a time
             continue
         bad = [axis for axis, (n, s) in enumerate(zip(x.shape[:-1], x.strides[:-1])) if n > 1 and s % 16]

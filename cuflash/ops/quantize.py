@@ -4,6 +4,7 @@ that :func:`cuflash.attention_fp8` and an e4m3 KV cache take, from fp16 or bf16 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,8 +52,8 @@ class QuantizeCall:
         p["seqlen"], p["nheads"], p["headdim"] = seqlen, nheads, d
         p["heads_per_group"], p["group_batch_stride"] = (nheads // nheads_k, nheads_k) if per == "head" else (nheads, 0)
         p["pow2"], p["given"] = pow2, given
-        self.groups, self.device_id, self.given = (batch * nheads_k if per == "head" else 1), device_id, given
         self.descale_shape = descale_shape(batch, nheads_k, per)
+        self.groups, self.device_id, self.given = math.prod(self.descale_shape), device_id, given
         grid = plan.check_grid((-(-seqlen // ROWS), nheads, batch))
         kernels = ("e4m3_quantize",) if given else ("e4m3_amax", "e4m3_quantize")
         self.launch = KernelCall([(build.get_kernel(QuantizeSpec(kernel, tag), device_id), grid,
@@ -100,16 +101,12 @@ def quantize_e4m3(x, *, per="tensor", nheads_k=None, pow2=False, descale=None):
     key, call = runtime.kept(_calls, (x, descale), (per, nheads_k, pow2))
     if call is None:
         sizes = checks.check_quantize_e4m3(x, per=per, nheads_k=nheads_k, pow2=pow2, descale=descale)
-        cupy = runtime.import_cupy()
-        for name, a in (("x", x), ("descale", descale)):
-            if a is not None and not isinstance(a, cupy.ndarray):
-                raise TypeError(f"{name}: expected a cupy.ndarray, got {type(a).__module__}.{type(a).__name__} "
-                                "(torch and JAX arrays convert without a copy: cupy.from_dlpack(x))")
+        runtime.require_cupy_arrays(x=x, descale=descale)
         runtime.require_gpu()
         call = runtime.keep(_calls, key, QuantizeCall(sizes, checks.elem_strides(x), x.dtype, bool(pow2),
                                                       x.device.id, descale is not None))
     import cupy
-    with cupy.cuda.Device(x.device.id):
+    with runtime.device(call.device_id):
         x8 = cupy.empty(x.shape, dtype=np.uint8)
         if call.given:
             call(cupy.cuda.get_current_stream().ptr, x.data.ptr, x8.data.ptr, 0, descale.data.ptr)
