@@ -389,7 +389,7 @@ def _fp8_cases() -> list[dict]:
 
 def _quantize_cases() -> list[dict]:
     """e4m3 quantization (any architecture): per tensor over several row blocks, per (sequence, KV head) on a strided
-    view (a head dim of 48: a row shorter than a warp's 128 columns)."""
+    view (a head dim of 48: 6 chunks of 8 a row, so that a thread's chunks cross rows)."""
     return [
         dict(name="quantize_fp16_tensor_d256", fn="quantize_e4m3", dtype="fp16", shape=dict(b=2, s=130, h=3, d=256),
              opts=dict(per="tensor")),

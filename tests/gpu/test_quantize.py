@@ -1,5 +1,5 @@
 """e4m3 quantization on the GPU (cuflash.quantize_e4m3, cuda_src/quantize.cu) against cuflash.reference.quantize_e4m3
-on hypothesis shapes, strided views (rows aligned for 8-byte loads or not), GQA groups, per tensor and per head, with
+on hypothesis shapes, strided views (rows aligned for 16-byte loads or not), GQA groups, per tensor and per head, with
 and without power-of-two descales, or with given ones (a KV cache's, for appended rows); every fp16 and bf16 value
 within e4m3's range bit for bit; non-finite inputs; the torch and JAX forms; and the FP8 forward on what it makes.
 Outputs start as NaN (conftest), so a byte or descale left unwritten fails."""
@@ -18,7 +18,7 @@ DTYPES = {"float16": np.float16, "bfloat16": forward_fp8.BF16}
 
 def on_gpu(host, dtype, offset):
     """host (float64) as a CuPy array of `dtype`, or (offset, a number of elements) a strided view of a larger one
-    whose rows start `offset` elements in (8: rows 16-byte aligned, the kernels' 8-byte loads; 1: 2-byte aligned,
+    whose rows start `offset` elements in (8: rows 16-byte aligned, the kernels' 16-byte loads; 1: 2-byte aligned,
     their 2-byte loads); and the values it holds, float64."""
     import cupy
     values = host.astype(dtype)
