@@ -217,13 +217,12 @@ struct FwdFp8 {
             if (t >= STAGES) sm90::mbar_wait(empty(slot), ((t / STAGES) & 1) ^ 1);
             if constexpr (PRODUCER_REGS >= 32) transpose_groups(src, dst, w, ld_at, st_at, odd_first);
             else transpose_units(src, dst, w, ld_at, st_at, odd_first);
-            // generic-proxy stores (V^T, and the zeros of V that TMA overwrites next), then read by the async proxy
+            // generic-proxy stores (V^T, and the zeros of V that TMA overwrites next), then read by the async proxy.
+            // Every lane arrives for its own reads and stores (an arrival releases only its thread's accesses, and
+            // racecheck holds the consumers' O staging stores, in V's staging bytes, to that).
             sm90::fence_proxy_async();
-            __syncwarp();
-            if (lane == 0) {
-                sm90::mbar_arrive(vs_empty(s));  // the warp's ldmatrix reads are done
-                sm90::mbar_arrive(vt_full(slot));
-            }
+            sm90::mbar_arrive(vs_empty(s));
+            sm90::mbar_arrive(vt_full(slot));
         }
     }
 
@@ -490,11 +489,11 @@ struct FwdFp8 {
             for (int s = 0; s < STAGES; ++s) {
                 sm90::mbar_init(full(s), 1);
                 sm90::mbar_init(empty(s), 128 * WGS);
-                sm90::mbar_init(vt_full(s), TRANSPOSERS);
+                sm90::mbar_init(vt_full(s), 32 * TRANSPOSERS);  // every transposing thread's arrival
             }
             for (int s = 0; s < VS; ++s) {
                 sm90::mbar_init(vs_full(s), 1);
-                sm90::mbar_init(vs_empty(s), TRANSPOSERS);
+                sm90::mbar_init(vs_empty(s), 32 * TRANSPOSERS);
             }
             sm90::mbar_fence_init();
         }
