@@ -12,7 +12,7 @@ import numpy as np
 from .. import build, checks, plan, runtime
 from ..launcher import KernelCall
 
-ROWS = 64  # rows of one head a block takes (quantize.cu QUANTIZE_ROWS)
+ROWS = 128  # rows of one head a block takes (quantize.cu QUANTIZE_ROWS)
 
 
 @dataclass(frozen=True)
