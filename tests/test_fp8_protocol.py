@@ -12,7 +12,9 @@ deadlocks.
 With vt_pass (VT_PASS) the producer loads V^T from the pass's workspace beside K on the slot's `full` barrier, the
 transposing warps have no work, and what waits for a block's V^T (vt_ready) waits for `full`.
 
-It checks the protocol, not the CUDA code: a change to the kernel's waits and arrivals is made here too.
+A role stands for all of its threads: where every thread of a warp or warpgroup arrives in the kernel (the
+barriers count 32 or 128 arrivals a role there), the model arrives once. It checks the protocol, not the CUDA
+code: a change to the kernel's waits and arrivals is made here too.
 """
 from __future__ import annotations
 
