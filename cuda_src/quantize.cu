@@ -55,8 +55,8 @@ __device__ __forceinline__ int quantize_group(const QuantizeParams& p, int b, in
 
 // The block's rows as chunks of 8 elements, chunk i at row first_row + i / (d / 8), column 8 (i % (d / 8)): every
 // thread busy at any head dim, consecutive threads on consecutive bytes of a row. Each thread loads QUANTIZE_UNROLL
-// chunks, QUANTIZE_THREADS apart, before it hands them to f(row, column, chunk) in turn, so that a thread has 64
-// bytes in flight where the loads' latency, not the issue rate, bounds a memory-bound kernel.
+// chunks, QUANTIZE_THREADS apart, before it hands them to f(row, column, chunk) in turn: 64 bytes in flight a
+// thread, since the loads' latency, not the issue rate, bounds these kernels.
 template <class F>
 __device__ __forceinline__ void for_each_chunk(const QuantizeParams& p, F&& f) {
     const int first_row = blockIdx.x * QUANTIZE_ROWS, per_row = p.headdim / 8;
