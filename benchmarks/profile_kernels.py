@@ -97,7 +97,8 @@ def setup(args):
             variant = forward.sm90_variant(pb, arch, left >= 0 or right >= 0)
             return (f"forward: Hopper variant {variant}" if variant else
                     f"plan_forward: {forward.plan_forward(pb, left, right, False, arch)}")
-        launch = backward.plan_backward(pb, left, right, False, args.deterministic, arch, build.sm_count(dev))
+        launch = backward.plan_backward(pb, left, right, False, args.deterministic, arch, build.sm_count(dev),
+                                         memory=build.memory_system(dev))
         return (f"plan_backward: grid {launch.grid}, slices {launch.slices}, Hopper "
                 f"kernel {backward_sm90.applies(pb, False, arch)}, portable spec {launch.spec}")
     if args.op == "fwd":

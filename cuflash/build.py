@@ -13,6 +13,7 @@ import hashlib
 import re
 import sys
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 
 def _find_source_dir() -> Path:
@@ -86,6 +87,27 @@ def sm_count(device_id: int) -> int:
     """Multiprocessors of a device (asked once: ``Device.attributes`` queries every attribute)."""
     import cupy
     return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
+class MemorySystem(NamedTuple):
+    l2_bytes: int
+    bandwidth: float  # bytes per second of device memory at its peak clock (double data rate)
+
+
+@functools.lru_cache(maxsize=None)
+def memory_system(device_id: int) -> Optional[MemorySystem]:
+    """A device's L2 size and memory bandwidth, or None where the runtime does not say them."""
+    import cupy
+    rt = cupy.cuda.runtime
+    try:
+        l2 = rt.deviceGetAttribute(rt.cudaDevAttrL2CacheSize, device_id)
+        khz = rt.deviceGetAttribute(rt.cudaDevAttrMemoryClockRate, device_id)
+        bits = rt.deviceGetAttribute(rt.cudaDevAttrGlobalMemoryBusWidth, device_id)
+    except Exception:  # an attribute this runtime no longer has
+        return None
+    if l2 <= 0 or khz <= 0 or bits <= 0:
+        return None
+    return MemorySystem(l2, 2.0 * khz * 1e3 * bits / 8)
 
 
 _kernels: dict = {}

@@ -477,6 +477,39 @@ def test_deterministic_fixed_point_rule(configure):
     assert not backward.plan_backward(big, -1, -1, False, False, "sm_90a", 132).fixed_point
 
 
+def test_deterministic_slices_that_outgrow_the_l2_take_the_fixed_point(configure):
+    """"auto" on a device whose memory system is known: one slot per group whose dQ at once (halved under a causal
+    mask) outgrows the L2 scaled by the bandwidth takes the fixed point (about 28 MiB on an H100 SXM, 41 on an H200);
+    smaller, or without a memory system, the slices."""
+    from cuflash import build, checks
+    from cuflash.ops import backward
+    configure(bwd_sm90=True)
+    configure(bwd_sm90_det="auto")
+    h100 = build.MemorySystem(50 << 20, 2 * 2619e6 * 5120 / 8)
+    h200 = build.MemorySystem(50 << 20, 2 * 3201e6 * 6144 / 8)
+    cells = (  # (d, seqlen, causal): whether an H100 takes the fixed point; an H200 keeps the slices in all
+        (64, 512, False, False),   # 132 x 128 KiB at once: 16.5 MiB
+        (64, 1024, False, True),   # 33 MiB
+        (64, 1024, True, False),   # 33 MiB, halved
+        (64, 2048, True, True),    # 66 MiB, halved
+        (128, 512, False, True),   # 33 MiB
+        (128, 512, True, False))
+    for d, seqlen, causal, want in cells:
+        problem = checks.Problem(16384 // seqlen, seqlen, seqlen, 2048 // d, 2048 // d, d, np.dtype(np.float16))
+        right = 0 if causal else -1
+        assert backward.slots_sm90(seqlen // 128, 16384 // seqlen * (2048 // d), 132) == 1
+        assert not backward.plan_backward(problem, -1, right, False, True, "sm_90a", 132).fixed_point
+        assert backward.plan_backward(problem, -1, right, False, True, "sm_90a", 132, memory=h100).fixed_point == want
+        assert not backward.plan_backward(problem, -1, right, False, True, "sm_90a", 132, memory=h200).fixed_point
+        assert not backward.plan_backward(problem, -1, right, False, False, "sm_90a", 132, memory=h100).fixed_point
+    gqa = checks.Problem(16, 1024, 1024, 32, 8, 64, np.dtype(np.float16))  # 128 groups of 4 heads: 128 MiB at once
+    assert backward.slots_sm90(8, 128, 132) == 1
+    assert not backward.plan_backward(gqa, -1, -1, False, True, "sm_90a", 132).fixed_point
+    assert backward.plan_backward(gqa, -1, -1, False, True, "sm_90a", 132, memory=h200).fixed_point
+    configure(bwd_sm90_det="slices")
+    assert not backward.plan_backward(problem, -1, -1, False, True, "sm_90a", 132, memory=h100).fixed_point
+
+
 @given(d=st.integers(1, 2**31 - 1), x=st.integers(0, 2**31 - 1))
 def test_fast_div_is_exact(d, x):
     from cuflash.ops import forward_sm90

@@ -73,6 +73,23 @@ def dropout_config(headdim: int, arch: str, score_mod: bool) -> BwdConfig:
 # as fast or faster up to 16k keys, and keep the auto choice there (docs/perf-notes.md, "Hopper backward 128 rows at
 # d 64").
 FIXED_MIN_BLOCKS = {64: (16, 32), 128: (8, 8), 256: (0, 0)}
+# The slices also lose where the dQ of the slot CTAs that run at once outgrows what the L2 holds of it: a slot CTA
+# adds to the whole dQ of its (KV head, sequence) group at every key block, where the atomic grid's CTAs at once
+# share a few groups'. "auto" takes the fixed point where those bytes (halved under a causal mask, which adds below
+# the diagonal only) exceed the L2 size times the memory's bandwidth over SLICES_L2_BANDWIDTH: about 28 MiB on an
+# H100 SXM, 40 on an H200 (docs/perf-notes.md, "deterministic backward: slices or fixed point"; measured with one
+# slot: 33 MiB at once made the slices 11-21% slower than the fixed point on an H100 and 3-7% faster on an H200).
+SLICES_L2_BANDWIDTH = 6e12
+
+
+def slices_outgrow_l2(problem, slots: int, groups: int, causal: bool, sm_count: int, memory) -> bool:
+    """Whether deterministic mode's dQ slices, `slots` CTAs per group (one CTA per SM at once), outgrow the L2 of a
+    device with `memory` (build.MemorySystem, or None: never)."""
+    if memory is None:
+        return False
+    group_bytes = problem.seqlen_q * (problem.nheads // problem.nheads_k) * problem.headdim * 4
+    at_once = min(slots * groups, sm_count) * group_bytes / (2 if causal else 1)
+    return at_once > memory.l2_bytes * memory.bandwidth / SLICES_L2_BANDWIDTH
 
 
 def bwd_config(headdim: int) -> BwdConfig:
@@ -178,11 +195,12 @@ class BwdLaunch:
 
 
 def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
-                  sm_count: int, dropout: bool = False) -> BwdLaunch:
+                  sm_count: int, dropout: bool = False, memory=None) -> BwdLaunch:
     """Main backward kernel and its grid. Where the Hopper kernel applies (backward_sm90.applies; with dropout,
     dropout_applies) it runs (`sm90`), on its own grid: 128-key blocks, and in deterministic mode slots_sm90 slots
-    or the fixed point (not with dropout). Elsewhere deterministic mode gives each of `slots` CTAs per (KV head,
-    batch) its own dQ slice; enough slots to fill the GPU about twice, at most one per KV block."""
+    or the fixed point (not with dropout; `memory`, the device's build.MemorySystem, for slices_outgrow_l2).
+    Elsewhere deterministic mode gives each of `slots` CTAs per (KV head, batch) its own dQ slice; enough slots to
+    fill the GPU about twice, at most one per KV block."""
     band = left >= 0 or right >= 0
     dtype = plan.dtype_tag(problem.dtype)
     d = bwd_headdim(problem.headdim, arch)
@@ -211,7 +229,9 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     else:
         slots = slots_sm90(n_blocks, groups, sm_count, s.bwd_sm90_det_max_passes)
         causal = left < 0 and right == 0
-        auto = (slots > 1 or n_blocks >= FIXED_MIN_BLOCKS[d][causal]) and not (score_mod and causal and d == 64)
+        auto = (slots > 1 or n_blocks >= FIXED_MIN_BLOCKS[d][causal] or
+                slices_outgrow_l2(problem, slots, groups, causal, sm_count, memory)) and not (
+                    score_mod and causal and d == 64)
         fixed_ok = backward_sm90.tma_dq(d, block_m)  # the FIXED kernels add dQ by TMA
         fixed = not dropout and fixed_ok and (s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det == "auto" and auto))
     sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)
@@ -334,7 +354,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     device `device_id` (current); ``packed``: varlen layouts, as in :func:`launch`."""
     scale, left, right, score_mod = options.softmax_scale, options.left, options.right, options.score_mod
     launch = plan_backward(problem, left, right, score_mod, bool(deterministic), build.device_arch(device_id),
-                           build.sm_count(device_id), dropout=options.dropout)
+                           build.sm_count(device_id), dropout=options.dropout, memory=build.memory_system(device_id))
     dtype = launch.spec.dtype
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
     # Per-row workspaces: (b, h, sq) and (slices, b, sq, h, d); packed, one row per query token, (h, total_q) and
