@@ -103,7 +103,7 @@ def memory_system(device_id: int) -> Optional[MemorySystem]:
         l2 = rt.deviceGetAttribute(rt.cudaDevAttrL2CacheSize, device_id)
         khz = rt.deviceGetAttribute(rt.cudaDevAttrMemoryClockRate, device_id)
         bits = rt.deviceGetAttribute(rt.cudaDevAttrGlobalMemoryBusWidth, device_id)
-    except Exception:  # an attribute this runtime no longer has
+    except Exception:  # no such device, or an attribute this runtime no longer has
         return None
     if l2 <= 0 or khz <= 0 or bits <= 0:
         return None

@@ -41,4 +41,5 @@ def no_gpu_kernels(configure, monkeypatch):
     monkeypatch.setattr(build, "get_kernel", lambda spec, device_id: SimpleNamespace(kernel=SimpleNamespace(ptr=7)))
     monkeypatch.setattr(build, "device_arch", lambda device_id: "sm_90a")
     monkeypatch.setattr(build, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(build, "memory_system", lambda device_id: None)  # the planner's L2 rules off
     monkeypatch.setattr(build, "smem_bytes", lambda spec, device_id: 100 * 1024)  # read from the module on a GPU

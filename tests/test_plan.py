@@ -477,6 +477,26 @@ def test_deterministic_fixed_point_rule(configure):
     assert not backward.plan_backward(big, -1, -1, False, False, "sm_90a", 132).fixed_point
 
 
+def test_memory_system_from_the_device_attributes(monkeypatch):
+    """build.memory_system: the L2 size and twice the memory clock times the bus width; None where the runtime
+    refuses an attribute or says 0."""
+    import cupy
+    from cuflash import build
+    rt = cupy.cuda.runtime
+    attrs = {rt.cudaDevAttrL2CacheSize: 50 << 20, rt.cudaDevAttrMemoryClockRate: 2619000,  # kHz
+             rt.cudaDevAttrGlobalMemoryBusWidth: 5120}
+    monkeypatch.setattr(rt, "deviceGetAttribute", lambda attr, device_id: attrs[attr])
+    build.memory_system.cache_clear()
+    try:
+        assert build.memory_system(0) == build.MemorySystem(50 << 20, 2 * 2619e6 * 5120 / 8)  # an H100 SXM's 3.35 TB/s
+        attrs[rt.cudaDevAttrMemoryClockRate] = 0
+        assert build.memory_system(1) is None
+        del attrs[rt.cudaDevAttrGlobalMemoryBusWidth]
+        assert build.memory_system(2) is None
+    finally:
+        build.memory_system.cache_clear()
+
+
 def test_deterministic_slices_that_outgrow_the_l2_take_the_fixed_point(configure):
     """"auto" on a device whose memory system is known: one slot per group whose dQ at once (halved under a causal
     mask) outgrows the L2 scaled by the bandwidth takes the fixed point (about 28 MiB on an H100 SXM, 41 on an H200);
