@@ -6,9 +6,10 @@
 
 One CTA per SM, three warpgroups (each has a warp on every SM sub-partition, as a forward's consumers do), each
 given a role for a run: `T`, back-to-back wgmma m64n128 (k 32 e4m3 or k 16 bf16, both operands from a zeroed
-128-byte-swizzled tile, 16 a commit group, each group waited for, as a forward's S is); `M`, `ex2.approx` of 32
-independent values a thread, each after an FFMA (a softmax's exponential pass); `F`, one FFMA a value alone. The
-iteration counts are set so that each role alone takes about --ms milliseconds, then the roles run together.
+128-byte-swizzled tile, 16 a commit group, each group waited for, as a forward's S is); `R`, the same with A from
+registers (as P in O += P V); `M`, `ex2.approx` of 32 independent values a thread, each after an FFMA (a softmax's
+exponential pass); `F`, one FFMA a value alone. The iteration counts are set so that each role alone takes about --ms
+milliseconds, then the roles run together.
 Printed per set of roles: the kernel's time (CUDA events, median of 5), each role's rate (TFLOP/s; exponentials or
 FFMAs per clock and SM from the role's own clock64 span), and for two roles together their time over the longer one
 alone (1.0: they overlap fully) and over the sum of both (1.0: they take turns).
@@ -33,10 +34,11 @@ SOURCE = r"""
 #include "sm90.cuh"
 using namespace cuflash;
 
-// roles: 4 bits per warpgroup (bits 4 wg ..): 0 idle, 1 wgmma, 2 MUFU (FFMA + ex2), 3 FFMA alone.
+// roles: 4 bits per warpgroup (bits 4 wg ..): 0 idle, 1 wgmma (ss), 2 MUFU (FFMA + ex2), 3 FFMA alone, 4 wgmma (rs).
 // spans[3 blockIdx.x + wg]: the warpgroup's clock64 cycles (thread 0 of each), 0 when idle.
-template <bool FP8>
+template <bool FP8, bool RS>
 __device__ __forceinline__ void wgmma_loop(u32 base, int iters, float* sink) {
+    const u32 a_regs[4] = {0u, 0u, 0u, 0u};  // RS: A from registers (zeros), as P in O += P V
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
@@ -46,7 +48,9 @@ __device__ __forceinline__ void wgmma_loop(u32 base, int iters, float* sink) {
         for (int k = 0; k < 16; ++k) {  // four passes over the 128-byte panel, 32 bytes of K a step
             const auto a = sm90::smem_desc(base + (k % 4) * 32);
             const auto b = sm90::smem_desc(base + 64 * 128 + (k % 4) * 32);
-            if constexpr (FP8) sm90::wgmma_m64n128k32_e4m3_ss(acc, a, b, true);
+            if constexpr (FP8 && RS) sm90::wgmma_m64n128k32_e4m3_rs(acc, a_regs, b, true);
+            else if constexpr (FP8) sm90::wgmma_m64n128k32_e4m3_ss(acc, a, b, true);
+            else if constexpr (RS) sm90::wgmma_m64n128k16_rs<bf16_t>(acc, a_regs, b, true);
             else sm90::wgmma_m64n128k16_ss<bf16_t>(acc, a, b, true);
         }
         sm90::wgmma_commit();
@@ -86,7 +90,8 @@ __device__ void pipe_overlap(unsigned roles, int wgmma_iters, int alu_iters, lon
     const int wg = threadIdx.x / 128;
     const unsigned role = (roles >> (4 * wg)) & 15u;
     const long long t0 = clock64();
-    if (role == 1) wgmma_loop<FP8>(base, wgmma_iters, sink);
+    if (role == 1) wgmma_loop<FP8, false>(base, wgmma_iters, sink);
+    else if (role == 4) wgmma_loop<FP8, true>(base, wgmma_iters, sink);
     else if (role == 2) alu_loop<true>(alu_iters, sink);
     else if (role == 3) alu_loop<false>(alu_iters, sink);
     const long long t1 = clock64();
@@ -108,9 +113,9 @@ THREADS = 384
 # work per iteration: a warpgroup's 16 wgmma; a thread's 128 exponentials (M) or FFMAs (F)
 FLOP_PER_ITER = {"fp8": 16 * 64 * 128 * 32 * 2, "bf16": 16 * 64 * 128 * 16 * 2}
 ALU_PER_ITER = 128
-# sets of roles (warpgroups 0, 1, 2): T wgmma, M FFMA + ex2, F FFMA, - idle
-SETS = ("T--", "TT-", "--M", "--F", "T-M", "TTM", "T-F", "TTF")
-CODE = {"-": 0, "T": 1, "M": 2, "F": 3}
+# sets of roles (warpgroups 0, 1, 2): T wgmma (ss), R wgmma (rs), M FFMA + ex2, F FFMA, - idle
+SETS = ("T--", "TT-", "R--", "RR-", "--M", "--F", "T-M", "TTM", "R-M", "RRM", "T-F", "TTF")
+CODE = {"-": 0, "T": 1, "M": 2, "F": 3, "R": 4}
 
 
 def compile_only(arch: str) -> None:
@@ -165,12 +170,12 @@ def run(dtype: str, ms: float) -> None:
     alone = {}
     for roles in SETS:
         ms_, cycles = launch(roles, wgmma_iters, alu_iters)
-        n_t = roles.count("T")
+        n_t = roles.count("T") + roles.count("R")
         tflops = n_t * sms * FLOP_PER_ITER[dtype] * wgmma_iters / (ms_ * 1e-3) / 1e12 if n_t else 0.0
         alu = 128 * ALU_PER_ITER * alu_iters / cycles[2] if roles[2] != "-" else 0.0
         line = f"{roles:>6} {ms_:8.3f} {tflops:9.1f} {alu:11.2f}"
         tensor, other = roles[:2], roles[2]
-        if "T" in tensor and other != "-":
+        if tensor != "--" and other != "-":
             longer = max(alone[tensor + "-"], alone["--" + other])
             both = alone[tensor + "-"] + alone["--" + other]
             line += f"   {ms_ / longer:.3f}, {ms_ / both:.3f}"
