@@ -11,7 +11,8 @@
 # per round (ROUNDS, 2) in the order A B A B ..., so that a drift of the GPU's clocks or of the host shows as a
 # difference between rounds, not between the sets                                   -> $OUT/ab<AB_TAG>_<set>_<round>.txt
 # A second package (a checkout of the base commit, e.g. `git worktree add base <rev>` made before the run) is one set
-# with PYTHONPATH pointing at it.
+# with PYTHONPATH pointing at it. AB_OWN_BENCH=1: such a set runs its own tree's copy of BENCH's script, where this
+# tree's benchmark calls what the other package lacks (the measurement is then each tree's own).
 # Environment: OUT (./out), AB, BENCH, ROUNDS (2), BENCH_TIMEOUT (120), AB_TAG ("": a second A/B in the same $OUT),
 # AB_COLUMNS ("cuflash": the columns scripts/ab_table.py prints at the end, e.g. "cuflash cuflash_det", or
 # "cuflash_fp8" for bench_fp8.py).
@@ -28,8 +29,17 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     for i in "${!ab_sets[@]}"; do
         read -r -a vars <<<"${ab_sets[$i]}"
         log="$OUT/ab${AB_TAG:-}_${i}_$round.txt"
-        echo "### ${vars[*]}: python3 ${BENCH:?BENCH: a benchmark script and its arguments}" >"$log"
-        env "${vars[@]}" timeout -k 5 "${BENCH_TIMEOUT:-120}" python3 $BENCH >>"$log" 2>&1
+        bench=${BENCH:?BENCH: a benchmark script and its arguments}
+        if [ "${AB_OWN_BENCH:-0}" = 1 ]; then  # the set's PYTHONPATH's first folder holding BENCH's script
+            script=${BENCH%% *}
+            for v in "${vars[@]}"; do
+                root=${v#PYTHONPATH=}
+                root=${root%%:*}
+                if [ "$v" != "$root" ] && [ -f "$root/$script" ]; then bench="$root/$script${BENCH#"$script"}"; fi
+            done
+        fi
+        echo "### ${vars[*]}: python3 $bench" >"$log"
+        env "${vars[@]}" timeout -k 5 "${BENCH_TIMEOUT:-120}" python3 $bench >>"$log" 2>&1
         echo "set $i (${vars[*]}) round $round: exit $? [$((SECONDS - t0))s]"
     done
 done
