@@ -450,6 +450,22 @@ def _grad_errors(got, ref) -> dict:
     return errs
 
 
+def det_plan(qc, kc, vc, causal: bool, dropout: bool) -> str | None:
+    """How the deterministic backward adds dQ in this cell, as backward.backward_call plans it: "fixed" (int32 fixed
+    point) or "slices xN" (N fp32 slices per head); None where this package plans in another way."""
+    try:
+        from cuflash import build, checks, options
+        from cuflash.ops import backward
+        dev = cupy.cuda.Device().id
+        problem = checks.check_attention(qc, kc, vc, causal=causal)
+        left, right = options.normalize_window(*checks.window(causal, (-1, -1)), problem.seqlen_q, problem.seqlen_k)
+        launch = backward.plan_backward(problem, left, right, False, True, build.device_arch(dev),
+                                        build.sm_count(dev), dropout=dropout, memory=build.memory_system(dev))
+    except Exception:  # noqa: BLE001 (an older package: no memory system, other names)
+        return None
+    return "fixed" if launch.fixed_point else f"slices x{launch.slices}"
+
+
 def backward_cell(cell: dict, args) -> dict:
     b, s, h, d, causal = cell["batch"], cell["seqlen"], cell["nheads"], cell["d"], cell["causal"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -511,6 +527,8 @@ def backward_cell(cell: dict, args) -> dict:
                         row["check_error"] = (f"{name} gradients not readable by torch: "
                                               f"{short_error(e)}")
                     del first
+                    if det:
+                        row["det_plan"] = det_plan(qc, kc, vc, causal, bool(drop))
                     if det and name in grads:  # the contract: bitwise identical across runs
                         again = run_backward()
                         torch.cuda.synchronize()
@@ -757,6 +775,12 @@ def print_table(op: Op, rows: list[dict], args) -> None:
     if dets:
         print(f"deterministic/atomic time over {len(dets)} cells: min {dets[0]:.3f}, "
               f"median {dets[len(dets) // 2]:.3f}, max {dets[-1]:.3f}")
+    plans = [r for r in rows if r.get("det_plan")]
+    if plans:  # which cells' deterministic mode added dQ in fp32 slices (the others: the fixed point)
+        slices = [f"{r['d']}/{'causal' if r['causal'] else 'full'}/{r['seqlen']} {r['det_plan'][len('slices '):]}"
+                  for r in plans if r["det_plan"] != "fixed"]
+        print(f"deterministic mode: the fixed point in {len(plans) - len(slices)} of {len(plans)} cells; "
+              f"slices in {', '.join(slices) if slices else 'none'}")
     errors = {(i, r.get(f"error_{i}")) for r in rows for i in impls if r.get(f"error_{i}")}
     for impl, err in sorted(errors, key=str):
         print(f"n/a {impl}: {err}")
