@@ -77,7 +77,7 @@ FIXED_MIN_BLOCKS = {64: (16, 32), 128: (8, 8), 256: (0, 0)}
 # adds to the whole dQ of its (KV head, sequence) group at every key block, where the atomic grid's CTAs at once
 # share a few groups'. "auto" takes the fixed point where those bytes (halved under a causal mask, which adds below
 # the diagonal only) exceed the L2 size times the memory's bandwidth over SLICES_L2_BANDWIDTH: about 28 MiB on an
-# H100 SXM, 40 on an H200 (docs/perf-notes.md, "deterministic backward: slices or fixed point"; measured with one
+# H100 SXM, 41 on an H200 (docs/perf-notes.md, "deterministic backward: slices or fixed point"; measured with one
 # slot: 33 MiB at once made the slices 11-21% slower than the fixed point on an H100 and 3-7% faster on an H200).
 SLICES_L2_BANDWIDTH = 6e12
 
