@@ -157,46 +157,56 @@ struct DecodeBlock {
         }, cols, p.v_cache, tid);
     }
 
-    // TMA: thread 0 issues K and V of block n into ring slot `stage`, completing on the slot's mbarrier. Each panel
-    // of a block is PAGE_BOXES boxes of BN / PAGE_BOXES rows: one (the block lies inside one page, or the cache is
-    // contiguous), or one per page where pages are smaller than the block; each box starts on whole swizzle atoms of
-    // the panel. A box in a page the pool does not have, or past the row's length, reads page `pool` (one past the
-    // last), which TMA fills with zeros.
+    // TMA: K and V of block n into ring slot `stage`, completing on the slot's mbarrier, issued by the threads that
+    // issues_box() names. Each panel of a block is PAGE_BOXES boxes of BN / PAGE_BOXES rows: one (the block lies
+    // inside one page, or the cache is contiguous), or one per page where pages are smaller than the block; each box
+    // starts on whole swizzle atoms of the panel. A box in a page the pool does not have, or past the row's length,
+    // reads page `pool` (one past the last), which TMA fills with zeros.
+    // Boxes of 2 KB or less (pages of 16 rows, and e4m3 pages of 32 at d 64) are looked up and issued by lane 0 of
+    // warp i for box i, side by side, instead of all by thread 0: e4m3 d 128 in pages of 16 ran 1.42x faster so,
+    // bf16 1-4% (docs/perf-notes.md, "decode in pages of 16 and 32 rows"), and 4 KB boxes 3.7% slower. Warp 0's
+    // thread sets the slot's byte count; a box may complete before it does, as the phase waits for that arrival.
+    static constexpr bool BOX_WARPS = PAGE_BOXES > 1 && BOX_BYTES <= 2048;
+    __device__ __forceinline__ bool issues_box() const {
+        return BOX_WARPS ? tid % 32 == 0 && tid / 32 < PAGE_BOXES : tid == 0;
+    }
     __device__ __forceinline__ void issue_kv_tma(int stage, int n) {
-        constexpr int BOX = BN / PAGE_BOXES;
+        static_assert(!BOX_WARPS || PAGE_BOXES <= THREADS / 32, "a warp per box");
+        constexpr int BOXES = BOX_WARPS ? 1 : PAGE_BOXES;  // this thread's
+        const int first = BOX_WARPS ? tid / 32 : 0;
         const u32 bar = bars + 8 * stage, dst = sKV + stage * Traits::STAGE_BYTES;
-        int z[PAGE_BOXES], w[PAGE_BOXES];
+        int z[BOXES], w[BOXES];
 #pragma unroll
-        for (int i = 0; i < PAGE_BOXES; ++i) {
-            const int pos = n * BN + i * BOX;
-            z[i] = pos, w[i] = cache_row;
+        for (int j = 0; j < BOXES; ++j) {
+            const int pos = n * BN + (first + j) * (BN / PAGE_BOXES);
+            z[j] = pos, w[j] = cache_row;
             if (cache.pages != nullptr) {
-                w[i] = PAGE_BOXES == 1 || pos < len ? cache.page_of(pos) : -1;  // block 0's first box: pos < len
-                w[i] = w[i] < 0 ? cache.pool : w[i];
-                z[i] = pos - pos / cache.page_size * cache.page_size;
+                w[j] = PAGE_BOXES == 1 || pos < len ? cache.page_of(pos) : -1;  // block 0's first box: pos < len
+                w[j] = w[j] < 0 ? cache.pool : w[j];
+                z[j] = pos - pos / cache.page_size * cache.page_size;
             }
         }
-        sm90::mbar_arrive_expect_tx(bar, Traits::STAGE_BYTES);
+        if (first == 0) sm90::mbar_arrive_expect_tx(bar, Traits::STAGE_BYTES);
         if (p.kv_evict_first) {
             const unsigned long long policy = sm90::l2_policy_evict_first();
 #pragma unroll
-            for (int i = 0; i < PAGE_BOXES; ++i) {
+            for (int j = 0; j < BOXES; ++j) {
 #pragma unroll
                 for (int pn = 0; pn < KV_PANELS; ++pn) {
-                    const u32 k_dst = dst + pn * PANEL_BYTES + i * BOX_BYTES;
-                    sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z[i], w[i], bar, policy);
-                    sm90::tma_load_4d(k_dst + KVTile::BYTES, v_map, pn * PANEL_COLS, h_kv, z[i], w[i], bar, policy);
+                    const u32 k_dst = dst + pn * PANEL_BYTES + (first + j) * BOX_BYTES;
+                    sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z[j], w[j], bar, policy);
+                    sm90::tma_load_4d(k_dst + KVTile::BYTES, v_map, pn * PANEL_COLS, h_kv, z[j], w[j], bar, policy);
                 }
             }
             return;
         }
 #pragma unroll
-        for (int i = 0; i < PAGE_BOXES; ++i) {
+        for (int j = 0; j < BOXES; ++j) {
 #pragma unroll
             for (int pn = 0; pn < KV_PANELS; ++pn) {
-                const u32 k_dst = dst + pn * PANEL_BYTES + i * BOX_BYTES;
-                sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z[i], w[i], bar);
-                sm90::tma_load_4d(k_dst + KVTile::BYTES, v_map, pn * PANEL_COLS, h_kv, z[i], w[i], bar);
+                const u32 k_dst = dst + pn * PANEL_BYTES + (first + j) * BOX_BYTES;
+                sm90::tma_load_4d(k_dst, k_map, pn * PANEL_COLS, h_kv, z[j], w[j], bar);
+                sm90::tma_load_4d(k_dst + KVTile::BYTES, v_map, pn * PANEL_COLS, h_kv, z[j], w[j], bar);
             }
         }
     }
@@ -316,7 +326,7 @@ struct DecodeBlock {
             const int valid = len - (n_end - 1 - t) * BN;
             if (valid < BN) zero_v_tail(t % STAGES, valid);
             __syncthreads();  // block t is in (its tail zeroed), and every warp is done with slot (t - 1) % STAGES
-            if (tid == 0 && n_end - 1 - t_next >= n_begin) issue_kv_tma(t_next % STAGES, n_end - 1 - t_next);
+            if (issues_box() && n_end - 1 - t_next >= n_begin) issue_kv_tma(t_next % STAGES, n_end - 1 - t_next);
         } else {
             cp_async_wait<STAGES - 2>();
             __syncthreads();  // block t has landed, and every warp is done with slot (t - 1) % STAGES
@@ -594,7 +604,7 @@ struct DecodeBlock {
             QCopy::load_rows_async(sQ, [&](int r) { return q_row(r); }, p.headdim, p.q, tid);
             if constexpr (TMA) {
                 cp_async_commit();
-                if (tid == 0) {
+                if (issues_box()) {
                     for (int t = 0; t < STAGES - 1 && n_end - 1 - t >= n_begin; ++t) issue_kv_tma(t, n_end - 1 - t);
                 }
             } else {
