@@ -163,7 +163,7 @@ struct DecodeBlock {
     // starts on whole swizzle atoms of the panel. A box in a page the pool does not have, or past the row's length,
     // reads page `pool` (one past the last), which TMA fills with zeros.
     // Boxes of 2 KB or less (pages of 16 rows, and e4m3 pages of 32 at d 64) are looked up and issued by lane 0 of
-    // warp i for box i, side by side, instead of all by thread 0: e4m3 d 128 in pages of 16 ran 1.42x faster so,
+    // warp i for box i, side by side, instead of all by thread 0: e4m3 d 128 in pages of 16 ran up to 1.39x faster,
     // bf16 1-4% (docs/perf-notes.md, "decode in pages of 16 and 32 rows"), and 4 KB boxes 3.7% slower. Warp 0's
     // thread sets the slot's byte count; a box may complete before it does, as the phase waits for that arrival.
     static constexpr bool BOX_WARPS = PAGE_BOXES > 1 && BOX_BYTES <= 2048;
