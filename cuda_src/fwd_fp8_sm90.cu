@@ -16,16 +16,17 @@
 //     S  = Q K^T                     wgmma m64n128k32 ss (both K-major)
 //     mask, online softmax in fp32 (scores scaled by softmax_scale q_descale k_descale)
 //     P  = e4m3(256 exp2(S - max))   four floats per register (pack_e4m3x4)
-//     P V                            wgmma m64n128k32 rs (B = V^T, keys contiguous); d 64: m64n72k32 (PV_SUMS)
+//     P V                            wgmma m64n128k32 rs (B = V^T, keys contiguous); with PV_SUMS m64n72k32 at d 64,
+//                                    m64n136k32 at d 128
 //     O = O alpha + P V              in fp32 (fold: each block's P V in an accumulator of its own)
 // each waited for; or (PIPE) with each block's softmax under the last block's P V. The consumer warpgroups run free of
 // each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only made each
 // warpgroup wait for the other's); a third one keeps the tensor cores busy while two compute softmaxes. O leaves
 // divided by the row sums and by 256, times v_descale, through a staging tile and TMA stores (store).
-// The row sums: PV_SUMS (d 64, forward_fp8.quantized_sums), those of the e4m3 P, added up by O += P V itself. Each
-// V^T slot then has 8 more rows, written once by the consumers and never by the transpose: a row of ones (0x38),
-// whose column of O is the row sum (rescaled with O), and seven of zeros, so the softmax spends no FADD per
-// probability.
+// The row sums: PV_SUMS (d 64, and d 128 in the simple form: forward_fp8.quantized_sums), those of the e4m3 P, added
+// up by O += P V itself. Each V^T slot then has 8 more rows, written once by the consumers and never by the
+// transpose: a row of ones (0x38), whose column of O is the row sum (rescaled with O), and seven of zeros, so the
+// softmax spends no FADD per probability.
 // Else those of the fp32 P, added up in the softmax. Descales: one per tensor, or one per (sequence, KV head)
 // (flash-attn 3's (batch, nheads_k)), the query heads of a KV head sharing q_descale's.
 #include "sm90.cuh"
@@ -79,10 +80,11 @@ struct FwdFp8 {
     // 128-byte panels of a Q or K row (TMA boxes of 128 columns; at d 64 one, its second half TMA's zero fill)
     static constexpr int PANELS = D / 128 > 0 ? D / 128 : 1;
     static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
-    // Row sums on the tensor cores at d 64 (m64n72k32 for P V; same-run A/B, docs/perf-notes.md: +3 to +8% there,
-    // nothing at d 128's m64n136k32). V^T: D rows of 128 keys (TMA's), and with PV_SUMS a swizzle atom of 8 rows: ones,
-    // then zeros.
-    static constexpr bool PV_SUMS = D == 64;
+    // Row sums on the tensor cores (P V as m64n72k32 at d 64, m64n136k32 at d 128; same-run A/Bs, docs/perf-notes.md,
+    // "FP8 row sums on the tensor cores"): at d 64, and at d 128 in the simple form. The pipelined form at d 128 spills
+    // with the 8 more columns in both accumulators. V^T: D rows of 128 keys (TMA's), and with PV_SUMS a swizzle atom
+    // of 8 rows: ones, then zeros.
+    static constexpr bool PV_SUMS = D == 64 || (D == 128 && !PIPE);
     static constexpr int SUM_ROWS = PV_SUMS ? 8 : 0;
     static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = (D + SUM_ROWS) * 128;
     static constexpr u32 V_LOADED = D * 128;  // what VT_PASS's TMA box writes of a V^T slot (not the sum rows)
@@ -294,7 +296,9 @@ struct FwdFp8 {
 #pragma unroll
         for (int kk = 0; kk < BN / 32; ++kk) {
             const auto desc = sm90::smem_desc(base + OFF_V + slot * V_BYTES + c * NCH * 128 + kk * 32);
-            if constexpr (PV_SUMS)
+            if constexpr (PV_SUMS && D == 128)
+                sm90::wgmma_m64n136k32_e4m3_rs(*reinterpret_cast<float(*)[68]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
+            else if constexpr (PV_SUMS)
                 sm90::wgmma_m64n72k32_e4m3_rs(*reinterpret_cast<float(*)[36]>(&acc[0][0][0]), pa[kk], desc, kk > 0);
             else
                 sm90::wgmma_m64n128k32_e4m3_rs(*reinterpret_cast<float(*)[64]>(&acc[0][0][0]), pa[kk], desc, kk > 0);

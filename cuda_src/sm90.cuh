@@ -402,6 +402,18 @@ __device__ __forceinline__ void wgmma_m64n72k32_e4m3_rs(float (&d)[36], const u3
     CUFLASH_WGMMA_RS("m64n72k32", "e4m3", CUFLASH_D36, CUFLASH_ACC36, "%41", "{%36, %37, %38, %39}, %40, acc, 1, 1");
 }
 
+// N = 136: d 128's V^T and the row of ones (PV_SUMS at d 128).
+#define CUFLASH_ACC68 CUFLASH_ACC64, CUFLASH_ACC4(64)
+#define CUFLASH_D68 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+                    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "            \
+                    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "            \
+                    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "            \
+                    "%64, %65, %66, %67}, "
+__device__ __forceinline__ void wgmma_m64n136k32_e4m3_rs(float (&d)[68], const u32 (&a)[4], unsigned long long b_desc,
+                                                         bool accumulate) {
+    CUFLASH_WGMMA_RS("m64n136k32", "e4m3", CUFLASH_D68, CUFLASH_ACC68, "%73", "{%68, %69, %70, %71}, %72, acc, 1, 1");
+}
+
 // Four floats -> one register of four e4m3 bytes, x0 in the lowest (round to nearest even, saturating at +-448).
 __device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
     unsigned short lo, hi;
@@ -413,6 +425,8 @@ __device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x
 #undef CUFLASH_WGMMA_RS
 #undef CUFLASH_ACC36
 #undef CUFLASH_D36
+#undef CUFLASH_ACC68
+#undef CUFLASH_D68
 #undef CUFLASH_ACC4
 #undef CUFLASH_ACC88
 #undef CUFLASH_D88

@@ -850,9 +850,10 @@ def attention_fp8(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=None,
     The inputs are dequantized exactly (``x8 * descale``, float64); then the forward is :func:`attention`'s, except
     that with ``quantize_p`` the probabilities multiplying V are the kernel's e4m3 ones: P, shifted by the row max
     (so in [0, 1]), becomes ``Pq = e4m3(P p_scale) / p_scale`` (round to nearest even, saturating at 448). The row
-    sums that normalize the output, and the lse, are those of the unquantized P (the kernel's fp32 sums, compiled
-    head dims 128 and 256), or with ``quantized_sums`` those of Pq (the kernel's tensor-core sums, compiled head dim
-    64: ``cuflash.ops.forward_fp8.quantized_sums``): per row i, over the visible keys j,
+    sums that normalize the output, and the lse, are those of the unquantized P (the kernel's fp32 sums: compiled
+    head dim 256, and 128 under a mask), or with ``quantized_sums`` those of Pq (the kernel's tensor-core sums,
+    compiled head dim 64, and 128 without a mask: ``cuflash.ops.forward_fp8.quantized_sums``): per row i, over the
+    visible keys j,
 
         out_i = sum_j Pq_ij V_j / sum_j Pq_ij,      lse_i = m_i + log(sum_j Pq_ij)      (m_i: the row max)
 
@@ -937,11 +938,11 @@ def fp8_error_bound(q8, k8, v8, *, q_descale=None, k_descale=None, v_descale=Non
 
     (s_ij bounds the rounding error of ``e4m3(P_ij p_scale) / p_scale``: relative 2^-4 when normal, at most half the
     subnormal spacing 2^-9 below 2^-6), the P term is, with the row sums of the unquantized P (``quantized_sums``
-    False, the kernel at compiled head dims 128 and 256)
+    False: the kernel at compiled head dim 256, and 128 under a mask)
 
         E_P[b, i, h, c] = sum_j s_ij |V_jc| / l_i
 
-    and with the row sums of the quantized P (``quantized_sums``, compiled head dim 64)
+    and with the row sums of the quantized P (``quantized_sums``: compiled head dim 64, and 128 without a mask)
 
         E_P[b, i, h, c] = sum_j s_ij |V_jc - O_ic| / (l_i (1 - eta_i))
 

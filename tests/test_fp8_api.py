@@ -58,15 +58,18 @@ def test_specs_and_params():
     forms = [(s.warpgroups, s.pipelined) for d in (64, 128, 256) for s in (forward_fp8.kernel_spec(d, False, 1024),
                                                                             forward_fp8.kernel_spec(d, True, 1024))]
     assert forms == [(3, False), (2, True), (3, False), (2, True), (2, False), (2, False)]
-    assert [forward_fp8.quantized_sums(d) for d in (16, 64, 80, 256)] == [True, True, False, False]
+    assert [forward_fp8.quantized_sums(d) for d in (16, 64, 80, 128, 256)] == [True, True, True, True, False]
+    assert [forward_fp8.quantized_sums(d, band=True) for d in (64, 128, 256)] == [True, False, False]
     with settings.override(fp8_pipelined=1):
         assert [(s.warpgroups, s.pipelined) for s in (forward_fp8.kernel_spec(128, False, 1024),
                                                       forward_fp8.kernel_spec(256, False, 1024))] == [
             (2, True), (2, False)]
+        assert not forward_fp8.quantized_sums(128)  # the pipelined form keeps the fp32 sums
     with settings.override(fp8_pipelined=0):
         assert [(s.warpgroups, s.pipelined) for s in (forward_fp8.kernel_spec(64, False, 1024),
                                                       forward_fp8.kernel_spec(64, True, 1024))] == [
             (3, False), (2, False)]
+        assert forward_fp8.quantized_sums(128, band=True)  # the simple form under a band: the tensor-core sums
     assert [(s.threads, s.block_m) for s in (forward_fp8.kernel_spec(64, False, 1024),
                                              forward_fp8.kernel_spec(64, True, 1024))] == [(512, 192), (384, 128)]
     assert forward_fp8.PARAMS_DTYPE.itemsize == 640 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72

@@ -55,6 +55,12 @@ class FwdFp8Spec:
     def smem_symbol(self) -> str:
         return "&" + self.template.replace("fwd_fp8_sm90_kernel<", "fwd_fp8_sm90_smem_bytes<", 1)
 
+    @property
+    def quantized_sums(self) -> bool:
+        """The row sums of the e4m3 P, added up on the tensor cores (fwd_fp8_sm90.cu PV_SUMS): at d 64, and at d 128
+        in the simple form."""
+        return self.headdim == 64 or (self.headdim == 128 and not self.pipelined)
+
 
 @dataclass(frozen=True)
 class Fp8TransposeSpec:
@@ -119,12 +125,14 @@ def vt_shape(problem, band: bool) -> tuple | None:
     return problem.batch, problem.nheads_k, problem.headdim, -(-problem.seqlen_k // 32) * 32
 
 
-def quantized_sums(headdim: int) -> bool:
-    """Whether a call's head dim runs with the row sums of the e4m3 P, added up on the tensor cores (compiled d 64:
-    fwd_fp8_sm90.cu PV_SUMS; docs/perf-notes.md has the A/B that keeps d 128 and 256 on the fp32 sums), the form of
+def quantized_sums(headdim: int, band: bool = False) -> bool:
+    """Whether a call's head dim and mask (``band``: causal or a window) run with the row sums of the e4m3 P, added
+    up on the tensor cores (:attr:`FwdFp8Spec.quantized_sums` of :func:`kernel_spec`'s form: compiled d 64, and d 128
+    without a band, or where the fp8_pipelined setting forces the simple form), the form of
     :func:`cuflash.reference.attention_fp8` and :func:`cuflash.reference.fp8_error_bound` (``quantized_sums``) that
-    models it."""
-    return compiled_headdim(headdim) == 64
+    models it. Elsewhere the sums are those of the fp32 P (docs/perf-notes.md, "FP8 row sums on the tensor
+    cores")."""
+    return kernel_spec(headdim, band, 0).quantized_sums
 
 
 def compiled_headdim(headdim: int) -> int:
@@ -263,9 +271,9 @@ def attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=None, so
     out : cupy.ndarray, (batch, seqlen_q, nheads, headdim), bfloat16
     lse : cupy.ndarray, (batch, nheads, seqlen_q), float32, only with ``return_lse``
 
-    P is quantized to e4m3 as e4m3(256 P) / 256 for P V. Up to head dim 64 the row sums that normalize the output,
-    and the lse, are those of the e4m3 P, added up on the tensor cores; above, those of the fp32 P
-    (:func:`quantized_sums`). The error is that of :func:`cuflash.reference.attention_fp8` with that
+    P is quantized to e4m3 as e4m3(256 P) / 256 for P V. Up to head dim 64, and up to 128 without a mask, the row
+    sums that normalize the output, and the lse, are those of the e4m3 P, added up on the tensor cores; elsewhere
+    those of the fp32 P (:func:`quantized_sums`). The error is that of :func:`cuflash.reference.attention_fp8` with that
     ``quantized_sums`` (docs/fp8.md). The kernel transposes V's blocks in shared memory; from :data:`VT_PASS_FROM`
     keys a pass over V transposes it first, into a workspace of ``batch nheads_k headdim ceil(seqlen_k / 32) 32``
     bytes.

@@ -37,6 +37,11 @@ def make(rng, b, sq, sk, h, hk, d, per, outliers=0, v_offset=0.0, pow2=False):
     return out
 
 
+def banded(options) -> bool:
+    """Whether a call with these options runs the FP8 kernel with a mask band (causal or a window)."""
+    return bool(options.get("causal")) or any(w >= 0 for w in options.get("window_size", (-1, -1)))
+
+
 def run_and_check(args, **options):
     import cupy
     q8, k8, v8 = (cupy.asarray(args[n + "8"].view(np.uint8)) for n in "qkv")
@@ -45,7 +50,7 @@ def run_and_check(args, **options):
     out, lse = cuflash.attention_fp8(q8, k8, v8, **descales, return_lse=True, **options)
     out = cupy.asnumpy(out).astype(np.float64)
     fp8_args = dict(q_descale=args["q_descale"], k_descale=args["k_descale"], v_descale=args["v_descale"],
-                    quantized_sums=forward_fp8.quantized_sums(args["q8"].shape[-1]), **options)
+                    quantized_sums=forward_fp8.quantized_sums(args["q8"].shape[-1], banded(options)), **options)
     want = ref.attention_fp8(args["q8"], args["k8"], args["v8"], **fp8_args)
     # bf16 attention on the same dequantized inputs: the errors the bounds double
     deq = [ref.dequantize_e4m3(args[n + "8"], args[n + "_descale"]) for n in "qkv"]
