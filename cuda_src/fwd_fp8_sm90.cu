@@ -77,10 +77,6 @@ struct FwdFp8 {
     // Each row's max and sum in CHAINS independent chains where that pays (A/B, docs/perf-notes.md): d 64, whose
     // GEMMs are shortest beside the softmax.
     static constexpr int CHAINS = D == 64 ? 4 : 1;
-    // Each row's max by the integer three-input max on the scores' bits (softmax.cuh, RELU_MAX), half the
-    // instructions of the max pass, where that pays (same-run A/B, docs/perf-notes.md "FP8 row max by DPX"): d 64 and
-    // 128; d 256's GEMMs hide the max pass.
-    static constexpr bool RELU_MAX = D != 256;
     // 128-byte panels of a Q or K row (TMA boxes of 128 columns; at d 64 one, its second half TMA's zero fill)
     static constexpr int PANELS = D / 128 > 0 ? D / 128 : 1;
     static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
@@ -353,7 +349,7 @@ struct FwdFp8 {
             mask.apply_row(sc[0], 0, r, col_lane);
             mask.apply_row(sc[0], 1, r + 8, col_lane);
         }
-        softmax.template update_scores<FIRST, MASKED, CHAINS, LOG2_P, !PV_SUMS, RELU_MAX>(sc, scale_log2, alpha);
+        softmax.template update_scores<FIRST, MASKED, CHAINS, LOG2_P, !PV_SUMS>(sc, scale_log2, alpha);
     }
     template <bool FIRST>
     __device__ __forceinline__ void probabilities_of(const BlockRange& range, int t, float (&sc)[1][BN / 8][4],

@@ -18,57 +18,6 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// The largest of a thread's scores in row (mt, h), over CHAINS independent chains of its column tiles.
-template <int CHAINS, int MT, int NT>
-__device__ __forceinline__ float thread_row_max(const float (&s)[MT][NT][4], int mt, int h) {
-    float mc[CHAINS];
-#pragma unroll
-    for (int c = 0; c < CHAINS; ++c) mc[c] = fmaxf(s[mt][c][2 * h], s[mt][c][2 * h + 1]);
-#pragma unroll
-    for (int nt = CHAINS; nt < NT; ++nt)
-        mc[nt % CHAINS] = fmaxf(mc[nt % CHAINS], fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-    float m = mc[0];
-#pragma unroll
-    for (int c = 1; c < CHAINS; ++c) m = fmaxf(m, mc[c]);
-    return m;
-}
-
-// max(0, the largest of a thread's scores in row (mt, h)) by the three-input integer max on their bits, two scores
-// an instruction (DPX's VIMNMX3.RELU on sm_90, against one FMNMX a score): the bits of floats >= 0 order as the
-// floats do, and those of every negative float read as a negative integer, which .relu takes to 0. Exact where the
-// row has a score >= 0.
-template <int CHAINS, int MT, int NT>
-__device__ __forceinline__ float thread_row_relu_max(const float (&s)[MT][NT][4], int mt, int h) {
-    int mc[CHAINS];
-#pragma unroll
-    for (int c = 0; c < CHAINS; ++c) mc[c] = 0;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-        mc[nt % CHAINS] =
-            __vimax3_s32_relu(mc[nt % CHAINS], __float_as_int(s[mt][nt][2 * h]), __float_as_int(s[mt][nt][2 * h + 1]));
-    int m = mc[0];
-#pragma unroll
-    for (int c = 1; c < CHAINS; ++c) m = max(m, mc[c]);
-    return __int_as_float(m);
-}
-
-// The largest of a thread's scores in row (mt, h) where none is above +0: the unsigned minimum of their bits (+0 is 0,
-// and the bits of negative floats grow with their magnitude), two scores an instruction (VIMNMX3).
-template <int CHAINS, int MT, int NT>
-__device__ __forceinline__ float thread_row_max_nonpositive(const float (&s)[MT][NT][4], int mt, int h) {
-    unsigned mc[CHAINS];
-#pragma unroll
-    for (int c = 0; c < CHAINS; ++c) mc[c] = 0xffffffffu;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-        mc[nt % CHAINS] = __vimin3_u32(mc[nt % CHAINS], __float_as_uint(s[mt][nt][2 * h]),
-                                       __float_as_uint(s[mt][nt][2 * h + 1]));
-    unsigned m = mc[0];
-#pragma unroll
-    for (int c = 1; c < CHAINS; ++c) m = min(m, mc[c]);
-    return __uint_as_float(m);
-}
-
 template <int MT>
 struct OnlineSoftmax {
     float row_max[MT][2];  // running max of the scores, in the units that scale_log2 converts to log2
@@ -89,45 +38,25 @@ struct OnlineSoftmax {
     // is the factor the output accumulator must then be scaled by (see rescale; 1 when FIRST: nothing accumulated
     // yet). CHECK_INF: rows may be fully masked (max = -inf). CHAINS > 1 splits each row's max and sum into that many
     // independent chains (shorter dependency chains where the softmax is exposed rather than hidden under GEMMs).
-    // SUMS = false leaves row_sum to the caller (the FP8 forward adds P's rows up on the tensor cores). RELU_MAX
-    // takes each row's max by thread_row_relu_max, and by thread_row_max only where that gives 0 (no score >= 0 in
-    // the quad's row) and the running max is not already >= 0 (a branch uniform over the quad).
-    template <bool FIRST, bool CHECK_INF, int CHAINS = 1, int LOG2_P = 0, bool SUMS = true, bool RELU_MAX = false,
-              int NT>
+    // SUMS = false leaves row_sum to the caller (the FP8 forward adds P's rows up on the tensor cores).
+    template <bool FIRST, bool CHECK_INF, int CHAINS = 1, int LOG2_P = 0, bool SUMS = true, int NT>
     __device__ __forceinline__ void update_scores(float (&s)[MT][NT][4], float scale_log2, float (&alpha)[MT][2]) {
         static_assert(NT % CHAINS == 0, "column tiles split evenly over the chains");
-        float relu_max[MT][2];
-        if constexpr (RELU_MAX) {
-            bool exact = false;  // some row of the thread's has no score >= 0 and no running max >= 0 yet
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    relu_max[mt][h] = quad_max(thread_row_relu_max<CHAINS>(s, mt, h));
-                    exact |= relu_max[mt][h] == 0.f && (FIRST || !(row_max[mt][h] >= 0.f));
-                }
-            if (__any_sync(0xffffffff, exact)) {  // rare: the whole warp, so that the shuffles see every lane
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const float m = quad_max(thread_row_max_nonpositive<CHAINS>(s, mt, h));
-                        if (relu_max[mt][h] == 0.f) relu_max[mt][h] = m;
-                    }
-            }
-        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float m;
-                if constexpr (RELU_MAX) {
-                    m = FIRST ? relu_max[mt][h] : fmaxf(row_max[mt][h], relu_max[mt][h]);
-                } else {
-                    m = thread_row_max<CHAINS>(s, mt, h);
-                    if (!FIRST) m = fmaxf(row_max[mt][h], m);
-                    m = quad_max(m);
-                }
+                float mc[CHAINS];
+#pragma unroll
+                for (int c = 0; c < CHAINS; ++c) mc[c] = fmaxf(s[mt][c][2 * h], s[mt][c][2 * h + 1]);
+                if (!FIRST) mc[0] = fmaxf(row_max[mt][h], mc[0]);
+#pragma unroll
+                for (int nt = CHAINS; nt < NT; ++nt)
+                    mc[nt % CHAINS] = fmaxf(mc[nt % CHAINS], fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                float m = mc[0];
+#pragma unroll
+                for (int c = 1; c < CHAINS; ++c) m = fmaxf(m, mc[c]);
+                m = quad_max(m);
                 // A fully masked row keeps max -inf; exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
                 float m_safe = (CHECK_INF && m == NEG_INF) ? 0.f : m;
                 float neg_m_scaled = -m_safe * scale_log2;
