@@ -34,7 +34,6 @@
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "seqlen.cuh"
-#include "e4m3.cuh"
 
 namespace cuflash {
 
@@ -102,11 +101,10 @@ struct FwdFp8 {
     static constexpr u32 O_PANEL = BM * 128, O_BYTES = O_PANELS * O_PANEL;
     static constexpr u32 OV_BYTES = O_BYTES > VS * K_BYTES || VT_PASS ? O_BYTES : VS * K_BYTES;
     // shared memory from the 1024-aligned base: Q, the K ring, the V^T ring, O's staging tile or V's staging slots,
-    // then the mbarriers and the consumer warps' score bounds (q_bound_at)
+    // then the mbarriers
     static constexpr u32 OFF_K = Q_BYTES, OFF_V = OFF_K + STAGES * K_BYTES, OFF_O = OFF_V + STAGES * V_BYTES;
     static constexpr u32 OFF_BAR = OFF_O + OV_BYTES;
-    static constexpr u32 OFF_QB = OFF_BAR + 8 * (1 + 3 * STAGES + 2 * VS);  // q_bound: a float per consumer warp
-    static constexpr u32 SMEM_BYTES = OFF_QB + 16 * WGS + 1024;
+    static constexpr u32 SMEM_BYTES = OFF_BAR + 8 * (1 + 3 * STAGES + 2 * VS) + 1024;
     static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
     static_assert(SMEM_BYTES <= 227 * 1024, "the SM's shared memory per block");
     static_assert(V_BYTES % 1024 == 0 && K_BYTES % 1024 == 0, "tiles of whole swizzle atoms");
@@ -317,14 +315,6 @@ struct FwdFp8 {
                 acc_o[0][c * (NCH / 8) + dt][e] = fmaf(acc_o[0][c * (NCH / 8) + dt][e], alpha[0][e / 2], acc[0][dt][e]);
     }
 
-    // O's columns c NCH .. += acc (the simple form, whose O is rescaled before the block's P V).
-    __device__ __forceinline__ void add_pv(const PvAcc& acc, int c) {
-#pragma unroll
-        for (int dt = 0; dt < PV_COLS / 8; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[0][c * (NCH / 8) + dt][e] += acc[0][dt][e];
-    }
-
     // Block t of the walk (key block n): S, mask, softmax, P V (a chunk of the head dim at a time), each waited for
     // and folded into O; the slot handed back.
     template <bool MASKED, bool FIRST>
@@ -335,17 +325,9 @@ struct FwdFp8 {
         sm90::wgmma_fence();
         issue_s(sc, slot);
         sm90::wgmma_wait<0>();
+        probabilities<MASKED, FIRST>(sc, n, scale_log2, alpha);
         u32 pa[BN / 32][4];
-        if constexpr (MASKED || FIRST) {
-            probabilities<MASKED, FIRST>(sc, n, scale_log2, alpha);
-            fragments(sc[0], pa);
-        } else {
-            stale_probabilities(sc, pa, scale_log2, alpha);
-        }
-        // O to the block's max before its P V (alpha 1 in most blocks of a long row), so that alpha is not held
-        // across the P V wgmmas, whose accumulators, P and O leave d 128's three warpgroups few registers
-        if (__any_sync(0xffffffff, alpha[0][0] != 1.f || alpha[0][1] != 1.f))
-            OnlineSoftmax<1>::rescale(acc_o, alpha);
+        fragments(sc[0], pa);
         PvAcc acc;
         wait_vt(t);
 #pragma unroll
@@ -353,121 +335,9 @@ struct FwdFp8 {
             sm90::wgmma_fence();
             issue_pv(pa, slot, acc, c);
             sm90::wgmma_wait<0>();
-            add_pv(acc, c);
+            fold(acc, alpha, c);
         }
         sm90::mbar_arrive(empty(slot));
-    }
-
-    // The simple form's stale max: an unmasked block after the first takes P against the running max instead of the
-    // block's own, so that its exponentials need not wait for the block's max pass (docs/perf-notes.md, "FP8 stale row
-    // max"); the running max stays and O's factor is 1. Where some P 256 of a row passes e4m3's largest value, 448
-    // (the block's max is above the running one by more than log2(448 / 256)), that row moves to its block max: its
-    // P and row sum times f = 256 / max P, O's factor f, the max up by log2(1 / f) / c, the online softmax's update
-    // made on P instead of S. Rare on long rows, whose running max settles in their first blocks. So that P stays
-    // finite, a warp takes the stale max only while its score bound (q_bound) is less than 120 above each of its
-    // rows' running max in log2 units; otherwise (and for masked blocks and the first) the exact update.
-    //
-    // q_bound: a bound on the warp's scores times c = scale_log2, |S| <= |q|_2 |k|_2 <= |q|_2 sqrt(D) 448 (e4m3
-    // values are at most 448) over its 16 rows, from Q's tile once Q is in (a quad holds a row; the swizzle only
-    // permutes a row's 16-byte chunks, and TMA zero-fills the columns past the head dim). In shared memory (at
-    // OFF_QB, a float per consumer warp), its address made at each read from %tid.x (a volatile read ptxas cannot hoist
-    // out of the walk): a register held across the walk makes d 128's three warpgroups spill.
-    __device__ __forceinline__ float load_q_bound() const {
-        u32 warp_id;
-        asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(warp_id));
-        return __uint_as_float(ld_shared_u32(base + OFF_QB + 4 * (warp_id / 32 - 4)));
-    }
-    __device__ __forceinline__ void bound_scores(float scale_log2) {
-        float row_sq = 0.f;  // the largest |q|^2 of the thread's two rows
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const u32 row = base + (wg * 64 + warp * 16 + lane / 4 + 8 * hh) * 128 + (lane % 4) * 32;
-            float sq = 0.f;
-#pragma unroll
-            for (int pn = 0; pn < PANELS; ++pn)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    int words[4];
-                    ld_shared_i4(words, row + pn * Q_PANEL + c * 16);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        u32 pair[2];
-                        e4m3x4_to_f16((u32)words[i], pair[0], pair[1]);
-#pragma unroll
-                        for (int k = 0; k < 4; ++k) {
-                            const float x = to_float<half_t>((u16)(pair[k / 2] >> (16 * (k % 2))));
-                            sq = fmaf(x, x, sq);
-                        }
-                    }
-                }
-            row_sq = fmaxf(row_sq, quad_sum(sq));
-        }
-#pragma unroll
-        for (int off = 4; off < 32; off *= 2) row_sq = fmaxf(row_sq, __shfl_xor_sync(0xffffffff, row_sq, off));
-        if (lane == 0)
-            st_shared(base + OFF_QB + 4 * (threadIdx.x / 32 - 4),
-                      __float_as_uint(sqrtf(row_sq) * (sqrtf((float)D) * 448.f) * scale_log2));
-        __syncwarp();
-    }
-
-    __device__ __forceinline__ void stale_probabilities(float (&s)[1][BN / 8][4], u32 (&pa)[BN / 32][4],
-                                                        float scale_log2, float (&alpha)[1][2]) {
-        const float q_bound = load_q_bound();
-        bool safe = true;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            alpha[0][hh] = 1.f;
-            safe &= fmaf(-softmax.row_max[0][hh], scale_log2, q_bound) < 112.f;  // false where the max is -inf
-        }
-        if (!__all_sync(0xffffffff, safe)) {  // rare: the block's max first, the exact update's
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const float m = quad_max(thread_row_max<1, true>(s, 0, hh, softmax.row_max[0][hh]));
-                alpha[0][hh] = exp2f((softmax.row_max[0][hh] - m) * scale_log2);  // 0 from -inf
-                softmax.row_max[0][hh] = m;
-            }
-        }
-        float neg_m_scaled[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) neg_m_scaled[hh] = fmaf(-softmax.row_max[0][hh], scale_log2, (float)LOG2_P);
-        float sums[2] = {0.f, 0.f};
-        unsigned top = 0;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-                for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-                    s[0][nt][e] = exp2f(fmaf(s[0][nt][e], scale_log2, neg_m_scaled[hh]));
-                    if constexpr (!PV_SUMS) sums[hh] += s[0][nt][e];
-                }
-                top = __vimax3_u32(top, __float_as_uint(s[0][nt][2 * hh]), __float_as_uint(s[0][nt][2 * hh + 1]));
-            }
-        if (__any_sync(0xffffffff, top > __float_as_uint(448.f))) {  // rare: the whole warp, for the shuffles
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                float top_p = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < BN / 8; ++nt) top_p = fmaxf(top_p, fmaxf(s[0][nt][2 * hh], s[0][nt][2 * hh + 1]));
-                top_p = quad_max(top_p);
-                if (top_p > 448.f) {  // quad-uniform
-                    const float f = 256.f / top_p;
-#pragma unroll
-                    for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-                        for (int e = 2 * hh; e < 2 * hh + 2; ++e) s[0][nt][e] *= f;
-                    sums[hh] *= f;
-                    alpha[0][hh] *= f;
-                    softmax.row_max[0][hh] -= __log2f(f) / scale_log2;
-                }
-            }
-        }
-        if constexpr (!PV_SUMS) {
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-                softmax.row_sum[0][hh] = softmax.row_sum[0][hh] * alpha[0][hh] + sums[hh];
-        }
-        fragments(s[0], pa);
     }
 
     // Block n's scores to probabilities in place (mask, online softmax); alpha: O's factor before this block.
@@ -658,12 +528,10 @@ struct FwdFp8 {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
         if (count > 0) sm90::mbar_wait(q_full(), 0);
-        if (!PIPE && count > 1) bound_scores(scale_log2);
         if (PIPE && count > 0) {
             consume_pipelined(range, count, scale_log2);
         } else if (count > 0) {
-            // the bound as the range's (uniform registers) rather than count (max(0, ...) makes it a register)
-            for (int t = 0; t < range.n_max - range.n_min; ++t) {
+            for (int t = 0; t < count; ++t) {
                 const int n = range.n_max - 1 - t;
                 const bool masked = sm90::warp_uniform(n > range.full_hi || n < range.full_lo);
                 if (t == 0) {

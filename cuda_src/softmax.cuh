@@ -18,23 +18,6 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// The largest of a thread's scores in row (mt, h), over CHAINS independent chains of its column tiles; with SEED,
-// and `seed` (the first chain starts from it).
-template <int CHAINS, bool SEED, int MT, int NT>
-__device__ __forceinline__ float thread_row_max(const float (&s)[MT][NT][4], int mt, int h, float seed) {
-    float mc[CHAINS];
-#pragma unroll
-    for (int c = 0; c < CHAINS; ++c) mc[c] = fmaxf(s[mt][c][2 * h], s[mt][c][2 * h + 1]);
-    if (SEED) mc[0] = fmaxf(seed, mc[0]);
-#pragma unroll
-    for (int nt = CHAINS; nt < NT; ++nt)
-        mc[nt % CHAINS] = fmaxf(mc[nt % CHAINS], fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-    float m = mc[0];
-#pragma unroll
-    for (int c = 1; c < CHAINS; ++c) m = fmaxf(m, mc[c]);
-    return m;
-}
-
 template <int MT>
 struct OnlineSoftmax {
     float row_max[MT][2];  // running max of the scores, in the units that scale_log2 converts to log2
@@ -63,7 +46,17 @@ struct OnlineSoftmax {
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float m = quad_max(thread_row_max<CHAINS, !FIRST>(s, mt, h, row_max[mt][h]));
+                float mc[CHAINS];
+#pragma unroll
+                for (int c = 0; c < CHAINS; ++c) mc[c] = fmaxf(s[mt][c][2 * h], s[mt][c][2 * h + 1]);
+                if (!FIRST) mc[0] = fmaxf(row_max[mt][h], mc[0]);
+#pragma unroll
+                for (int nt = CHAINS; nt < NT; ++nt)
+                    mc[nt % CHAINS] = fmaxf(mc[nt % CHAINS], fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+                float m = mc[0];
+#pragma unroll
+                for (int c = 1; c < CHAINS; ++c) m = fmaxf(m, mc[c]);
+                m = quad_max(m);
                 // A fully masked row keeps max -inf; exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
                 float m_safe = (CHECK_INF && m == NEG_INF) ? 0.f : m;
                 float neg_m_scaled = -m_safe * scale_log2;
