@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cuflash
-from cuflash import reference as ref
+from cuflash import checks, reference as ref
 from cuflash.ops import forward_fp8
 
 pytestmark = pytest.mark.gpu
@@ -38,8 +38,10 @@ def make(rng, b, sq, sk, h, hk, d, per, outliers=0, v_offset=0.0, pow2=False):
 
 
 def banded(options) -> bool:
-    """Whether a call with these options runs the FP8 kernel with a mask band (causal or a window)."""
-    return bool(options.get("causal")) or any(w >= 0 for w in options.get("window_size", (-1, -1)))
+    """Whether a call with these options runs the FP8 kernel with a mask band (causal or a window), by the window
+    attention_fp8 takes from them."""
+    left, right = checks.window(options.get("causal", False), options.get("window_size", (-1, -1)))
+    return left >= 0 or right >= 0
 
 
 def run_and_check(args, **options):
