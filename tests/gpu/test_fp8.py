@@ -163,6 +163,29 @@ def test_fp8_forward_long_rows(vt_pass, d, v_offset):
     run_and_check(make(np.random.default_rng(d), 1, 130, 16384, 2, 1, d, "tensor", v_offset=v_offset))
 
 
+@pytest.mark.parametrize("jump", [1.0, 8.0, 200.0])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_forward_row_max_jumps(fp8_form, d, jump):
+    """The first key block's scores `jump` (log2 units) above the rest: the kernel walks the key blocks from the last,
+    so the running max of the blocks before meets the jump in the last block it reads. Past log2(448 / 256) the
+    probabilities against the running max would pass e4m3's largest value, past about 120 exp2's range: the simple
+    form's stale max (fwd_fp8_sm90.cu, stale_probabilities) must leave that block to the exact update."""
+    if not hopper():
+        pytest.skip("the FP8 kernel is sm_90a's")
+    rng = np.random.default_rng(int(jump) + d)
+    b, sq, sk, h, hk = 1, 150, 600, 2, 1
+    q = rng.standard_normal((b, sq, h, d))
+    k, v = rng.standard_normal((b, sk, hk, d)), rng.standard_normal((b, sk, hk, d))
+    c = np.sqrt(jump / np.log2(np.e) * np.sqrt(d))  # q_0 k_0 / sqrt(d) in log2 units is `jump`
+    q[..., 0] = c
+    k[..., 0] = 0.0
+    k[:, :128, :, 0] = c
+    args = {}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        args[name + "8"], args[name + "_descale"] = ref.quantize_e4m3(x, "tensor")
+    run_and_check(args)
+
+
 def test_fp8_forward_rows_without_keys(fp8_form):
     """seqlen_q > seqlen_k under a bottom-right causal mask: the leading rows see no key (out 0, lse -inf)."""
     if not hopper():
