@@ -315,14 +315,6 @@ struct FwdFp8 {
                 acc_o[0][c * (NCH / 8) + dt][e] = fmaf(acc_o[0][c * (NCH / 8) + dt][e], alpha[0][e / 2], acc[0][dt][e]);
     }
 
-    // O's columns c NCH .. += acc (the simple form, whose O is rescaled before the block's P V).
-    __device__ __forceinline__ void add_pv(const PvAcc& acc, int c) {
-#pragma unroll
-        for (int dt = 0; dt < PV_COLS / 8; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[0][c * (NCH / 8) + dt][e] += acc[0][dt][e];
-    }
-
     // Block t of the walk (key block n): S, mask, softmax, P V (a chunk of the head dim at a time), each waited for
     // and folded into O; the slot handed back.
     template <bool MASKED, bool FIRST>
@@ -333,15 +325,9 @@ struct FwdFp8 {
         sm90::wgmma_fence();
         issue_s(sc, slot);
         sm90::wgmma_wait<0>();
-        u32 pa[BN / 32][4];  // packed on each path, so that the packing interleaves with the exponentials
-        if (MASKED || FIRST || !stale_probabilities(sc, pa, scale_log2, alpha)) {
-            probabilities<MASKED, FIRST>(sc, n, scale_log2, alpha);
-            fragments(sc[0], pa);
-        }
-        // O to the block's max before its P V (alpha 1 in most blocks of a long row), so that alpha is not held
-        // across the P V wgmmas, whose accumulators, P and O leave d 128's three warpgroups few registers
-        if (__any_sync(0xffffffff, alpha[0][0] != 1.f || alpha[0][1] != 1.f))
-            OnlineSoftmax<1>::rescale(acc_o, alpha);
+        probabilities<MASKED, FIRST>(sc, n, scale_log2, alpha);
+        u32 pa[BN / 32][4];
+        fragments(sc[0], pa);
         PvAcc acc;
         wait_vt(t);
 #pragma unroll
@@ -349,47 +335,9 @@ struct FwdFp8 {
             sm90::wgmma_fence();
             issue_pv(pa, slot, acc, c);
             sm90::wgmma_wait<0>();
-            add_pv(acc, c);
+            fold(acc, alpha, c);
         }
         sm90::mbar_arrive(empty(slot));
-    }
-
-    // The simple form's stale max: an unmasked block after the first whose scores stay within 0.75 (log2 units) of
-    // the running max, under log2(448 / 256), takes its probabilities against that max, which needs no max pass:
-    // each thread's test is a three-input integer max over its scores' bits (`__vimax3_s32_relu`, two scores an
-    // instruction, max(0, the scores' max): the bits of floats >= 0 order as the floats do, negative ones read as
-    // negative integers) and a warp vote, without the quad shuffles, the max's exponential and the wait for them.
-    // Then 256 P stays at most 448 (e4m3's largest), the running max stays and O's factor is 1; P packed into pa.
-    // False, with nothing done, where some row of the warp's passes (or its running max is below -0.75 / c, where
-    // the relu test cannot tell): the caller takes the exact update.
-    __device__ __forceinline__ bool stale_probabilities(float (&s)[1][BN / 8][4], u32 (&pa)[BN / 32][4],
-                                                        float scale_log2, float (&alpha)[1][2]) {
-        bool within = true;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            int top = 0;
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt)
-                top = __vimax3_s32_relu(top, __float_as_int(s[0][nt][2 * hh]), __float_as_int(s[0][nt][2 * hh + 1]));
-            within &= (__int_as_float(top) - softmax.row_max[0][hh]) * scale_log2 <= 0.75f;  // false from -inf
-        }
-        if (!__all_sync(0xffffffff, within)) return false;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const float neg_m_scaled = fmaf(-softmax.row_max[0][hh], scale_log2, (float)LOG2_P);
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-                for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-                    s[0][nt][e] = exp2f(fmaf(s[0][nt][e], scale_log2, neg_m_scaled));
-                    if constexpr (!PV_SUMS) sum += s[0][nt][e];
-                }
-            if constexpr (!PV_SUMS) softmax.row_sum[0][hh] += sum;
-            alpha[0][hh] = 1.f;
-        }
-        fragments(s[0], pa);
-        return true;
     }
 
     // Block n's scores to probabilities in place (mask, online softmax); alpha: O's factor before this block.
@@ -583,8 +531,7 @@ struct FwdFp8 {
         if (PIPE && count > 0) {
             consume_pipelined(range, count, scale_log2);
         } else if (count > 0) {
-            // the bound as the range's (uniform registers) rather than count (max(0, ...) makes it a register)
-            for (int t = 0; t < range.n_max - range.n_min; ++t) {
+            for (int t = 0; t < count; ++t) {
                 const int n = range.n_max - 1 - t;
                 const bool masked = sm90::warp_uniform(n > range.full_hi || n < range.full_lo);
                 if (t == 0) {

@@ -167,9 +167,8 @@ def test_fp8_forward_long_rows(vt_pass, d, v_offset):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp8_forward_row_max_jumps(fp8_form, d, jump):
     """The first key block's scores `jump` (log2 units) above the rest: the kernel walks the key blocks from the last,
-    so the running max of the blocks before meets the jump in the last block it reads. Past log2(448 / 256) the
-    probabilities against the running max would pass e4m3's largest value, past about 120 exp2's range: the simple
-    form's stale max (fwd_fp8_sm90.cu, stale_probabilities) must leave that block to the exact update."""
+    so the running max of the blocks before meets the jump in the last block it reads, where O and the row sums are
+    rescaled by up to 2^-200 and P, taken against the new max, stays within e4m3's range."""
     if not hopper():
         pytest.skip("the FP8 kernel is sm_90a's")
     rng = np.random.default_rng(int(jump) + d)
