@@ -7,7 +7,7 @@ the board power and the throttle reasons sampled by nvidia-smi meanwhile.
 Workloads, on one (batch 16384 / seqlen, seqlen, 2048 / d heads, d) non-causal cell of the FA2-paper grid:
   fp8        cuflash.attention_fp8 on e4m3 tensors (descales of 1)
   bf16       cuflash.attention in bf16
-  scaled_mm  torch._scaled_mm's e4m3 GEMM, 8192^3, bf16 out (bench_fp8.py's ceiling)
+  scaled_mm  torch._scaled_mm's e4m3 GEMM, 8192^3, bf16 out (bench_fp8.scaled_mm, its ceiling)
 Per workload: TFLOP/s over the whole loop after its first calls, then the median and range of the SM clock and the
 board power over the second half of the samples taken under load, and the throttle reasons seen there (nvidia-smi's
 bit mask: 0x4 is the software power cap). bench_attention.py's do_bench times a cell in a fraction of a second, often
@@ -26,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402  (its GPU stack and FLOP count)
+import bench_fp8  # noqa: E402  (its FP8 ceiling)
 
 QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
 
@@ -43,11 +44,7 @@ def workload(name: str, args):
         x = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         return (lambda: ct.attention(*x)), flops
     if name == "scaled_mm":
-        n = 8192
-        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-        bt = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
-        one = torch.ones((), device="cuda")
-        return (lambda: torch._scaled_mm(a, bt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)), 2.0 * n ** 3
+        return bench_fp8.scaled_mm()
     raise SystemExit(f"--workloads: unknown workload {name!r} (fp8, bf16, scaled_mm)")
 
 
