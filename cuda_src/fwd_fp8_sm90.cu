@@ -23,7 +23,7 @@
 // each other (no ping-pong turns: at FP8 rates the softmax, not the GEMMs, sets the pace, and turns only made each
 // warpgroup wait for the other's); a third one keeps the tensor cores busy while two compute softmaxes. O leaves
 // divided by the row sums and by 256, times v_descale, through a staging tile and TMA stores (store).
-// The row sums: PV_SUMS (d 64, and d 128 in the simple form: forward_fp8.quantized_sums), those of the e4m3 P, added
+// The row sums: with PV_SUMS (forward_fp8.py FwdFp8Spec.quantized_sums says where), those of the e4m3 P, added
 // up by O += P V itself. Each V^T slot then has 8 more rows, written once by the consumers and never by the
 // transpose: a row of ones (0x38), whose column of O is the row sum (rescaled with O), and seven of zeros, so the
 // softmax spends no FADD per probability.
@@ -60,7 +60,7 @@ struct FwdFp8Params {
 };
 static_assert(sizeof(FwdFp8Params) == 640, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
 
-template <int D, bool BAND, bool PIPE, int WGS, bool VT_PASS>
+template <int D, bool BAND, bool PIPE, int WGS, bool VT_PASS, bool PV_SUMS>
 struct FwdFp8 {
     // A block's 128 keys are one 128-byte swizzle span of each V^T row. (FA3's FP8 d 128 tile of 224 keys does not
     // fit beside the per-block P V accumulator below: docs/perf-notes.md, "FP8 224-key blocks".) VS V blocks wait
@@ -80,11 +80,9 @@ struct FwdFp8 {
     // 128-byte panels of a Q or K row (TMA boxes of 128 columns; at d 64 one, its second half TMA's zero fill)
     static constexpr int PANELS = D / 128 > 0 ? D / 128 : 1;
     static constexpr u32 Q_PANEL = BM * 128, K_PANEL = BN * 128;
-    // Row sums on the tensor cores (P V as m64n72k32 at d 64, m64n136k32 at d 128; same-run A/Bs, docs/perf-notes.md,
-    // "FP8 row sums on the tensor cores"): at d 64, and at d 128 in the simple form. The pipelined form at d 128 spills
-    // with the 8 more columns in both accumulators. V^T: D rows of 128 keys (TMA's), and with PV_SUMS a swizzle atom
-    // of 8 rows: ones, then zeros.
-    static constexpr bool PV_SUMS = D == 64 || (D == 128 && !PIPE);
+    // PV_SUMS, the row sums on the tensor cores (P V as m64n72k32 at d 64, m64n136k32 at d 128), where
+    // FwdFp8Spec.quantized_sums (forward_fp8.py) takes them. V^T: D rows of 128 keys (TMA's), and with PV_SUMS a
+    // swizzle atom of 8 rows: ones, then zeros.
     static constexpr int SUM_ROWS = PV_SUMS ? 8 : 0;
     static constexpr u32 Q_BYTES = PANELS * Q_PANEL, K_BYTES = PANELS * K_PANEL, V_BYTES = (D + SUM_ROWS) * 128;
     static constexpr u32 V_LOADED = D * 128;  // what VT_PASS's TMA box writes of a V^T slot (not the sum rows)
@@ -111,6 +109,7 @@ struct FwdFp8 {
     static_assert(128 * PRODUCER_REGS + 128 * WGS * CONSUMER_REGS == sm90::register_pool(THREADS),
                   "the register split fills the CTA's pool");
     static_assert(!PIPE || CHUNKS == 1, "the pipelined form keeps one P V accumulator beside the scores");
+    static_assert(!PV_SUMS || D <= 128, "row sums on the tensor cores: P V as m64n72k32 or m64n136k32");
     static_assert(WGS == 2 || (WGS == 3 && !PIPE && D <= 128),
                   "three consumer warpgroups (160 registers) fit the simple form's scores, P V and O up to d 128");
 
@@ -547,14 +546,14 @@ struct FwdFp8 {
     }
 };
 
-template <int D, bool BAND, bool PIPE, int WGS, bool VT_PASS>
+template <int D, bool BAND, bool PIPE, int WGS, bool VT_PASS, bool PV_SUMS>
 __global__ void __launch_bounds__(128 * (WGS + 1), 1) fwd_fp8_sm90_kernel(const __grid_constant__ FwdFp8Params p) {
     extern __shared__ __align__(1024) char smem[];
-    FwdFp8<D, BAND, PIPE, WGS, VT_PASS> block(p);
+    FwdFp8<D, BAND, PIPE, WGS, VT_PASS, PV_SUMS> block(p);
     block.run(smem);
 }
 
-template <int D, bool BAND, bool PIPE, int WGS, bool VT_PASS>
-__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE, WGS, VT_PASS>::SMEM_BYTES;
+template <int D, bool BAND, bool PIPE, int WGS, bool VT_PASS, bool PV_SUMS>
+__device__ const unsigned fwd_fp8_sm90_smem_bytes = FwdFp8<D, BAND, PIPE, WGS, VT_PASS, PV_SUMS>::SMEM_BYTES;
 
 }  // namespace cuflash

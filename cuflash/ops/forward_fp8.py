@@ -48,8 +48,9 @@ class FwdFp8Spec:
 
     @property
     def template(self) -> str:
-        band, pipe, vt = ("true" if f else "false" for f in (self.band, self.pipelined, self.vt_pass))
-        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {band}, {pipe}, {self.warpgroups}, {vt}>"
+        band, pipe, vt, sums = ("true" if f else "false"
+                                for f in (self.band, self.pipelined, self.vt_pass, self.quantized_sums))
+        return f"cuflash::fwd_fp8_sm90_kernel<{self.headdim}, {band}, {pipe}, {self.warpgroups}, {vt}, {sums}>"
 
     @property
     def smem_symbol(self) -> str:
@@ -58,7 +59,9 @@ class FwdFp8Spec:
     @property
     def quantized_sums(self) -> bool:
         """The row sums of the e4m3 P, added up on the tensor cores (fwd_fp8_sm90.cu PV_SUMS): at d 64, and at d 128
-        in the simple form."""
+        in the simple form. Same-run A/Bs (docs/perf-notes.md, "FP8 row sums on the tensor cores"): they pay at d 64
+        and in d 128's three-warpgroup form; the pipelined form at d 128 spills with the 8 more columns in both of its
+        accumulators."""
         return self.headdim == 64 or (self.headdim == 128 and not self.pipelined)
 
 
