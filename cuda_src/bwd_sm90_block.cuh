@@ -72,9 +72,6 @@ struct BwdSm90 {
     // one makes ptxas spill, while the score-mod kernel spills without them.
     static constexpr bool UNIFORM = !ROW_SPLIT || SCORE_MOD;
     __device__ __forceinline__ static int uniform(int x) { return UNIFORM ? sm90::warp_uniform(x) : x; }
-    // The walks of key blocks with a CTA each start apart (step_of): without a band, and not in the score-mod kernel
-    // with 128 query rows at d = 64, which spills with it.
-    static constexpr bool ROTATE = !BAND && !(ROW_SPLIT && SCORE_MOD);
 
     const BwdSm90Params& P;
     const BwdParams& p;
@@ -114,19 +111,11 @@ struct BwdSm90 {
 
     // Step t of the walk over (query head of the group, query block): which head and block. A CTA with several key
     // blocks (deterministic mode's slots) walks every other one backwards, so that the dQ slice lines and Q/dO tiles
-    // it touched last are the first it needs again, while some may still be in L2. Without a band, where each key
-    // block has a CTA of its own, the CTA of key block n starts at query block n BN / BM (mod the count) and wraps
-    // around: the CTAs running at once then add to different dQ rows rather than all to the same ones (under a band
-    // the walks start at the diagonal, apart already).
+    // it touched last are the first it needs again, while some may still be in L2.
     __device__ __forceinline__ void step_of(int t, int m_min, int m_count, int& h, int& m) const {
         if (backwards) t = m_count * p.heads_per_kv - 1 - t;
         h = h_kv * p.heads_per_kv + t / m_count;
-        int i = t % m_count;
-        if (ROTATE && gridDim.x * BN >= mask.seqlen_k) {
-            i += (n_key0 / BM) % m_count;
-            if (i >= m_count) i -= m_count;
-        }
-        m = m_min + i;
+        m = m_min + t % m_count;
     }
 
     // The start of step t (the tt-th of this CTA): base and the mask's values made opaque per step, so that the
