@@ -3,6 +3,11 @@
 2048; benchmarks/bench_attention.py's cells and timing).
 
     python3 benchmarks/bench_fp8.py [--dims 64,128,256] [--seqlens 512,...,16384] [--causal both|true|false]
+                                    [--heads N]
+
+--heads replaces the grid's head count (2048 / d) in every cell, e.g. to see whether a cell loses to its last
+partial wave of CTAs: at d 128 and 16k keys the kernel's 192-row tiles make 86 x 16 = 1376 CTAs, 10.4 waves of 132,
+where 23 heads make 1978, 15.0 waves.
 
 Per cell, TFLOP/s (the forward's 4 b h s^2 d, halved when causal):
   cuflash_fp8     cuflash.attention_fp8, per-tensor descales (from forward_fp8.VT_PASS_FROM keys the V^T pass included)
@@ -36,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--fp8-only", action="store_true", help="the fp8 column alone (A/Bs): no ceiling, no peers")
+    p.add_argument("--heads", type=int, default=None, help="query and KV heads of every cell (default 2048 / d)")
     args = p.parse_args(argv)
     args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     return args
@@ -112,6 +118,7 @@ def main(argv=None) -> int:
           f"{'cuflash_bf16':>12} {'cudnn_bf16':>10} {'/cudnn_fp8':>10} {'/cudnn_bf16':>11}")
     for cell in ba.training_grid(args):
         b, s, h, d, causal = cell["batch"], cell["seqlen"], cell["nheads"], cell["d"], cell["causal"]
+        h = args.heads or h
         flops = ba.forward_flops(b, h, s, s, d, causal)
         x = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         x8 = [t.to(torch.float8_e4m3fn) for t in x]  # |x| < 448: descale 1
