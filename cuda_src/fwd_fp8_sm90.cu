@@ -57,16 +57,8 @@ struct FwdFp8Params {
     int rows_q, rows_k;        // packed: total_q, total_k, the bounds of sequences read from cu_seqlens
     int nheads, heads_per_kv, window_left, window_right, headdim;
     float scale_log2;  // softmax_scale log2(e); the kernel multiplies in q_descale k_descale
-    // Tail splits (tail_splits > 1; a padded batch without a band): a 1-D grid whose CTAs from tail_start on each
-    // take a share of one tile's key blocks (tail_splits CTAs a tile), so that the grid's last partial wave is
-    // shorter. Each leaves its rows' O (normalized over its keys) and lse in split_o; the last of a tile's CTAs to
-    // finish a warp's rows (split_counters: one per tail tile and consumer warp, zero between calls) merges them and
-    // stores O and lse.
-    float* split_o;
-    int* split_counters;
-    int tiles, tail_start, tail_splits;  // tiles: the grid's tiles per (head, sequence)
 };
-static_assert(sizeof(FwdFp8Params) == 704, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
+static_assert(sizeof(FwdFp8Params) == 640, "FwdFp8Params no longer matches cuflash/ops/forward_fp8.py");
 
 template <int D, bool BAND, bool PIPE, int WGS, bool VT_PASS, bool PV_SUMS>
 struct FwdFp8 {
@@ -415,7 +407,6 @@ struct FwdFp8 {
             for (int hh = 0; hh < 2; ++hh) softmax.row_sum[0][hh] = acc_o[0][D / 8][2 * hh];
         }
         softmax.template finalize<LOG2_P>(acc_o, scale_log2, lse);
-        if (tail_split() && !merge_splits(lse)) return;
         const int wg_row0 = row0 + wg * 64;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -470,17 +461,9 @@ struct FwdFp8 {
     __device__ __forceinline__ void run(char* smem) {
         tid = threadIdx.x;
         base = (smem_u32(smem) + 1023) & ~1023u;
-        int tile = blockIdx.x;
+        row0 = (BAND ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BM;  // under a band the longest tiles first
         h = blockIdx.y;
         b = blockIdx.z;
-        if (!BAND && p.tail_splits > 1) {  // the 1-D grid: (tile, head, sequence) of the CTA's tile
-            int at = blockIdx.x;
-            if (at >= p.tail_start) at = p.tail_start + (at - p.tail_start) / p.tail_splits;
-            tile = at % p.tiles;
-            h = at / p.tiles % p.nheads;
-            b = at / (p.tiles * p.nheads);
-        }
-        row0 = (BAND ? gridDim.x - 1 - tile : tile) * BM;  // under a band the longest tiles first
         h_kv = h / p.heads_per_kv;
         SeqInfo seq(p, b);
         packed = p.cu_seqlens_q != nullptr;
@@ -495,12 +478,7 @@ struct FwdFp8 {
         seqlen_q = seq.seqlen_q;
         if (row0 >= seqlen_q) return;  // a tile past this sequence's rows (the grid covers the longest)
         mask = Mask<BAND>{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
-        BlockRange range = block_range<BM, BN, BAND>(mask, row0);
-        if (tail_split()) {  // this CTA's share of the tile's key blocks
-            const int all = range.n_max - range.n_min, split = (blockIdx.x - p.tail_start) % p.tail_splits;
-            range.n_max = range.n_min + all * (split + 1) / p.tail_splits;
-            range.n_min += all * split / p.tail_splits;
-        }
+        const BlockRange range = block_range<BM, BN, BAND>(mask, row0);
         const int count = sm90::warp_uniform(max(range.n_max - range.n_min, 0));
         if constexpr (PV_SUMS) {  // V^T boxes' rows D .. D + 7: row D ones (unswizzled: row 0 of an atom), then zeros
             for (int i = tid; i < STAGES * 1024 / 16; i += THREADS) {
@@ -565,76 +543,6 @@ struct FwdFp8 {
             }
         }
         store(scale_log2, descale(p.v_descale));
-    }
-
-    __device__ __forceinline__ bool tail_split() const {
-        return !BAND && p.tail_splits > 1 && (int)blockIdx.x >= p.tail_start;
-    }
-
-    // Tail splits: this warp's partial O (normalized) and lse to split_o, then, where the warp is the last of its
-    // tile's splits to get here, the others' merged into its registers (O weighted by exp(lse_s - lse)) and true: this
-    // warp stores O and lse. The others return false.
-    __device__ __forceinline__ bool merge_splits(float (&lse)[1][2]) {
-        constexpr int DT = D / 8, STRIDE = 4 * DT + 4;  // O's floats a thread, then the two rows' lse (and padding)
-        const int splits = p.tail_splits, unit = blockIdx.x - p.tail_start, tile = unit / splits;
-        float4* const tile_at = reinterpret_cast<float4*>(p.split_o) +
-                                ((i64)tile * splits * (128 * WGS) + threadIdx.x - 128) * (STRIDE / 4);
-        constexpr i64 SPLIT = 128 * WGS * (STRIDE / 4);  // float4s from one split's partials to the next's
-        float4* mine = tile_at + (unit % splits) * SPLIT;
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-            mine[dt] = make_float4(acc_o[0][dt][0], acc_o[0][dt][1], acc_o[0][dt][2], acc_o[0][dt][3]);
-        mine[DT] = make_float4(lse[0][0], lse[0][1], 0.f, 0.f);
-        __threadfence();
-        __syncwarp();
-        int last = 0;
-        if (threadIdx.x % 32 == 0) {  // (the thread's place from threadIdx, not the members)
-            int* counter = p.split_counters + tile * 4 * WGS + (threadIdx.x - 128) / 32;
-            last = atomicAdd(counter, 1) == splits - 1;
-            if (last) *counter = 0;  // zero again for the next call
-        }
-        if (!__shfl_sync(0xffffffff, last, 0)) return false;
-        __threadfence();  // the other splits' stores, ordered before their counts
-        float l0 = NEG_INF, l1 = NEG_INF;
-#pragma unroll 1
-        for (int split = 0; split < splits; ++split) {
-            const float4 ls = __ldcg(tile_at + split * SPLIT + DT);
-            l0 = fmaxf(l0, ls.x);
-            l1 = fmaxf(l1, ls.y);
-        }
-        const float m0 = l0 == NEG_INF ? 0.f : l0, m1 = l1 == NEG_INF ? 0.f : l1;
-        float w0 = 0.f, w1 = 0.f;  // sums of the weights exp(lse_s - max)
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-#pragma unroll 1
-        for (int split = 0; split < splits; ++split) {
-            const float4* from = tile_at + split * SPLIT;
-            const float4 ls = __ldcg(from + DT);
-            const float f0 = __expf(ls.x - m0), f1 = __expf(ls.y - m1);  // 0 for a row without keys (lse -inf)
-            w0 += f0;
-            w1 += f1;
-#pragma unroll
-            for (int dt = 0; dt < DT; ++dt) {
-                const float4 x = __ldcg(from + dt);
-                acc_o[0][dt][0] = fmaf(f0, x.x, acc_o[0][dt][0]);
-                acc_o[0][dt][1] = fmaf(f0, x.y, acc_o[0][dt][1]);
-                acc_o[0][dt][2] = fmaf(f1, x.z, acc_o[0][dt][2]);
-                acc_o[0][dt][3] = fmaf(f1, x.w, acc_o[0][dt][3]);
-            }
-        }
-        const float i0 = w0 > 0.f ? 1.f / w0 : 0.f, i1 = w1 > 0.f ? 1.f / w1 : 0.f;
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-            acc_o[0][dt][0] *= i0;
-            acc_o[0][dt][1] *= i0;
-            acc_o[0][dt][2] *= i1;
-            acc_o[0][dt][3] *= i1;
-        }
-        lse[0][0] = w0 > 0.f ? m0 + __logf(w0) : NEG_INF;
-        lse[0][1] = w1 > 0.f ? m1 + __logf(w1) : NEG_INF;
-        return true;
     }
 };
 

@@ -50,19 +50,6 @@ def test_check_rejects_strides_tma_cannot_load():
         checks.check_attention_fp8(q, wide, v)
 
 
-def test_tail_plan():
-    """Where the grid's last wave holds at most half the SMs, its tiles are split in two by key blocks."""
-    plan = forward_fp8.tail_plan
-    # d 128, 16k keys x 16 heads: 86 tiles of 192 rows, 1376 CTAs on 132 SMs, 56 in the last wave
-    assert plan(86, 1376, 128, 132, band=False, packed=False) == (1320, 2)
-    assert plan(2, 24, 8, 132, band=False, packed=False) == (0, 2)  # fewer CTAs than half the SMs: all split
-    assert plan(22, 1408, 32, 132, band=False, packed=False) == (1408, 1)  # 88 in the last wave
-    assert plan(10, 1320, 32, 132, band=False, packed=False) == (1320, 1)  # whole waves
-    assert plan(86, 1376, 3, 132, band=False, packed=False) == (1376, 1)  # too few key blocks to share
-    assert plan(86, 1376, 128, 132, band=True, packed=False) == (1376, 1)
-    assert plan(86, 1376, 128, 132, band=False, packed=True) == (1376, 1)
-
-
 def test_specs_and_params():
     specs = forward_fp8.all_specs()
     assert {s.name for s in specs} == {f"fwd_fp8_sm90_d{d}{form}{vt}" for d in (64, 128) for vt in ("", "_vt")
@@ -85,7 +72,7 @@ def test_specs_and_params():
         assert forward_fp8.quantized_sums(128, band=True)  # the simple form under a band: the tensor-core sums
     assert [(s.threads, s.block_m) for s in (forward_fp8.kernel_spec(64, False, 1024),
                                              forward_fp8.kernel_spec(64, True, 1024))] == [(512, 192), (384, 128)]
-    assert forward_fp8.PARAMS_DTYPE.itemsize == 704 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72
+    assert forward_fp8.PARAMS_DTYPE.itemsize == 640 and forward_fp8.TRANSPOSE_DTYPE.itemsize == 72
     assert [forward_fp8.compiled_headdim(d) for d in (16, 64, 80, 128, 144, 256)] == [64, 64, 128, 128, 256, 256]
 
 

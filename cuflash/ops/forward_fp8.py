@@ -143,52 +143,15 @@ def compiled_headdim(headdim: int) -> int:
     return next(d for d in HEADDIMS if d >= headdim)
 
 
-# FwdFp8Params (fwd_fp8_sm90.cu): four 128-byte tensor maps, then pointers, strides, ints and the scale, then the
-# tail splits' two pointers and three ints; 704 bytes.
+# FwdFp8Params (fwd_fp8_sm90.cu): four 128-byte tensor maps, then pointers, strides, ints and the scale; 640 bytes.
 _INTS = ["descale_batch_stride", "seqlen_q", "seqlen_k", "rows_q", "rows_k", "nheads", "heads_per_kv", "window_left",
          "window_right", "headdim"]
 PARAMS_DTYPE = np.dtype({
     "names": ["q", "k", "v", "o", "o_ptr", "lse", "q_descale", "k_descale", "v_descale", "cu_seqlens_q",
-              "cu_seqlens_k", "o_batch_stride", "o_row_stride", "o_head_stride"] + _INTS + ["scale_log2"]
-             + ["split_o", "split_counters", "tiles", "tail_start", "tail_splits"],
-    "formats": ["V128"] * 4 + [np.uint64] * 7 + [np.int64] * 3 + [np.int32] * len(_INTS) + [np.float32]
-               + [np.uint64] * 2 + [np.int32] * 3,
-    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(10)] + [592 + 4 * i for i in range(len(_INTS) + 1)]
-               + [640, 648, 656, 660, 664],
-    "itemsize": 704})
-
-# Tail splits (fwd_fp8_sm90.cu FwdFp8Params): where a padded call without a band leaves a last partial wave of at most
-# 1 / TAIL_SPLITS of the SMs, each of its tiles is split over TAIL_SPLITS CTAs by key blocks, which merge their rows.
-TAIL_SPLITS = 2
-
-
-def tail_plan(tiles: int, ctas: int, key_blocks: int, sm_count: int, band: bool, packed: bool) -> tuple:
-    """(tail_start, splits) of a call's grid of `ctas` tiles: splits 1 where the grid stays (tiles, heads, batch)."""
-    tail = ctas % sm_count
-    if band or packed or tail == 0 or TAIL_SPLITS * tail > sm_count or key_blocks < 2 * TAIL_SPLITS:
-        return ctas, 1
-    return ctas - tail, TAIL_SPLITS
-
-
-# The tail splits' workspace per device: (partials, counters), the counters zero between calls. One per device, so
-# calls whose grids split must not run at the same time on two streams. Outgrown buffers are kept: calls planned
-# earlier hold their addresses.
-_split_workspace: dict = {}
-_retired: list = []
-
-
-def split_workspace(device_id: int, floats: int, counters: int) -> tuple:
-    """Pointers to at least `floats` float32 and `counters` zeroed int32 on the device, kept for later calls."""
-    have = _split_workspace.get(device_id)
-    if have is None or have[0].size < floats or have[1].size < counters:
-        import cupy
-        if have is not None:
-            _retired.append(have)
-        with cupy.cuda.Device(device_id):
-            have = (cupy.empty(max(floats, 1), dtype=cupy.float32), cupy.zeros(max(counters, 1), dtype=cupy.int32))
-            cupy.cuda.Device(device_id).synchronize()
-        _split_workspace[device_id] = have
-    return have[0].data.ptr, have[1].data.ptr
+              "cu_seqlens_k", "o_batch_stride", "o_row_stride", "o_head_stride"] + _INTS + ["scale_log2"],
+    "formats": ["V128"] * 4 + [np.uint64] * 7 + [np.int64] * 3 + [np.int32] * len(_INTS) + [np.float32],
+    "offsets": [0, 128, 256, 384] + [512 + 8 * i for i in range(10)] + [592 + 4 * i for i in range(len(_INTS) + 1)],
+    "itemsize": 640})
 
 TRANSPOSE_DTYPE = np.dtype({
     "names": ["v", "vt", "cu_seqlens_k", "v_batch_stride", "v_row_stride", "v_head_stride", "seqlen_k", "rows_k",
@@ -237,18 +200,7 @@ class Fp8Call:
         p["window_left"], p["window_right"], p["headdim"] = left, right, d
         scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
         p["scale_log2"] = scale * math.log2(math.e)
-        tiles = -(-sq // spec.block_m)
-        grid = (tiles, h, b)
-        tail_start, splits = tail_plan(tiles, tiles * h * b, -(-sk // BLOCK_N), build.sm_count(device_id), band,
-                                       packed is not None)
-        p["tiles"], p["tail_start"], p["tail_splits"] = tiles, tail_start, splits
-        if splits > 1:
-            tail = tiles * h * b - tail_start
-            per_thread = spec.headdim // 2 + 4  # a consumer thread's floats of O, then its two rows' lse
-            floats = tail * splits * 128 * spec.warpgroups * per_thread
-            p["split_o"], p["split_counters"] = split_workspace(device_id, floats, tail * 4 * spec.warpgroups)
-            grid = (tail_start + tail * splits, 1, 1)
-        self.main = KernelCall([(build.get_kernel(spec, device_id), plan.check_grid(grid),
+        self.main = KernelCall([(build.get_kernel(spec, device_id), plan.check_grid((-(-sq // spec.block_m), h, b)),
                                  (spec.threads,), build.smem_bytes(spec, device_id))], p, ())
         # (d, heads, rows, batch) maps, packed (d, heads, total), boxes of 128 columns (bytes); V as K (the kernel
         # transposes its blocks), or V^T (keys, d, heads_k, batch) with D rows a box; O (bf16, contiguous) as Q, boxes

@@ -185,24 +185,6 @@ def test_fp8_forward_row_max_jumps(fp8_form, d, jump):
     run_and_check(args)
 
 
-def test_fp8_forward_tail_splits(fp8_form):
-    """A grid split by key blocks (forward_fp8.tail_plan): 2 x 333 rows x 6 heads make 24 tiles at most, fewer than
-    half the SMs, so each tile's 8 key blocks are shared by two CTAs, whose rows the last to finish merges; a second
-    call gives the same bits (the split counters are zero again)."""
-    import cupy
-    if not hopper():
-        pytest.skip("the FP8 kernel is sm_90a's")
-    from cuflash import build
-    args = make(np.random.default_rng(7), 2, 333, 1000, 6, 2, 128, "head")
-    spec = forward_fp8.kernel_spec(128, False, 1000)
-    tiles = -(-333 // spec.block_m)
-    assert forward_fp8.tail_plan(tiles, tiles * 12, 8, build.sm_count(cupy.cuda.Device().id), False, False)[1] > 1
-    run_and_check(args)
-    q8, k8, v8 = (cupy.asarray(args[n + "8"].view(np.uint8)) for n in "qkv")
-    first, second = (cupy.asnumpy(cuflash.attention_fp8(q8, k8, v8)) for _ in range(2))
-    assert np.array_equal(first.view(np.uint16), second.view(np.uint16))
-
-
 def test_fp8_forward_rows_without_keys(fp8_form):
     """seqlen_q > seqlen_k under a bottom-right causal mask: the leading rows see no key (out 0, lse -inf)."""
     if not hopper():
