@@ -34,7 +34,7 @@ QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
 def workload(name: str, args):
     """(callable, FLOPs a call) for one workload."""
     torch = ba.torch
-    b, s, h, d = 16384 // args.seqlen, args.seqlen, 2048 // args.d, args.d
+    b, s, h, d = ba.TOKENS_PER_BATCH // args.seqlen, args.seqlen, ba.HIDDEN // args.d, args.d
     flops = ba.forward_flops(b, h, s, s, d, False)
     import cuflash.torch as ct
     if name == "fp8":
@@ -51,10 +51,11 @@ def workload(name: str, args):
 def loaded_samples(path: str) -> list[tuple[int, float, str]]:
     """(MHz, W, reasons) of the samples under load (above 200 W), their second half."""
     rows = []
-    for line in open(path):
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].endswith("MHz"):
-            rows.append((int(parts[0].split()[0]), float(parts[1].split()[0]), parts[2]))
+    with open(path) as log:
+        for line in log:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 3 and parts[0].endswith("MHz"):
+                rows.append((int(parts[0].split()[0]), float(parts[1].split()[0]), parts[2]))
     busy = [r for r in rows if r[1] > 200.0]
     return busy[len(busy) // 2:]
 
