@@ -3,7 +3,7 @@
 2048; benchmarks/bench_attention.py's cells and timing).
 
     python3 benchmarks/bench_fp8.py [--dims 64,128,256] [--seqlens 512,...,16384] [--causal both|true|false]
-                                    [--heads N]
+                                    [--heads N] [--json out/fp8.json]
 
 --heads replaces the grid's head count (2048 / d) in every cell, e.g. to see whether a cell loses to its last
 partial wave of CTAs: at d 128 and 16k keys the kernel's 192-row tiles make 86 x 16 = 1376 CTAs, 10.4 waves of 132,
@@ -20,11 +20,15 @@ then cuflash_fp8 over cudnn_fp8 and over cudnn_bf16; and once per run torch._sca
 8192, bf16 out): the tensor cores' FP8 ceiling as torch reaches it; the fp8 column's fraction of it (of_mm) is printed
 beside each cell.
 
+--json writes the run (the device and versions, the ceiling, a row per cell with these TFLOP/s and err) for
+benchmarks/report.py --fp8, which makes docs/benchmarks.md's FP8 table and plot of it.
+
 The device image has no cudnn-frontend: its wheel travels beside the tree (docs/benchmarks.md, "FP8").
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -42,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--fp8-only", action="store_true", help="the fp8 column alone (A/Bs): no ceiling, no peers")
     p.add_argument("--heads", type=int, default=None, help="query and KV heads of every cell (default 2048 / d)")
+    p.add_argument("--json", help="write the run here (benchmarks/report.py --fp8 reads it)")
     args = p.parse_args(argv)
     args.causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     return args
@@ -116,6 +121,7 @@ def main(argv=None) -> int:
     print(f"torch._scaled_mm e4m3 8192^3: {ceiling:.1f} TFLOP/s")
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} {'cuflash_fp8':>11} {'of_mm':>6} {'cudnn_fp8':>9} {'err':>6} "
           f"{'cuflash_bf16':>12} {'cudnn_bf16':>10} {'/cudnn_fp8':>10} {'/cudnn_bf16':>11}")
+    rows = []
     for cell in ba.training_grid(args):
         b, s, h, d, causal = cell["batch"], cell["seqlen"], cell["nheads"], cell["d"], cell["causal"]
         h = args.heads or h
@@ -155,8 +161,26 @@ def main(argv=None) -> int:
         print(f"{d:>4} {str(causal):>6} {s:>6} {tf['fp8']:>11.1f} {tf['fp8'] / ceiling:>6.2f} {tf['cudnn_fp8']:>9.1f} "
               f"{err:>6.3f} {tf['bf16']:>12.1f} {tf['cudnn']:>10.1f} {tf['fp8'] / tf['cudnn_fp8']:>10.2f} "
               f"{tf['fp8'] / tf['cudnn']:>11.2f}", flush=True)
+        rows.append(dict(d=d, causal=causal, seqlen=s, batch=b, nheads=h, tflops_cuflash_fp8=tf["fp8"],
+                         tflops_cudnn_fp8=tf["cudnn_fp8"], err=err, tflops_cuflash_bf16=tf["bf16"],
+                         tflops_cudnn_bf16=tf["cudnn"]))
         ba.free_memory()
+    if args.json:
+        write_json(args.json, rows, ceiling)
     return 0
+
+
+def write_json(path: str, rows: list, ceiling: float) -> None:
+    """The run as one JSON object: the device and versions, the ceiling's TFLOP/s, the cells (nan -> null)."""
+    meta = ba.run_meta()
+    run = dict(gpu=meta["device"], date=meta["timestamp"], dtype="e4m3",
+               versions=dict(torch=meta["torch_version"], cudnn=meta["cudnn_version"], cupy=meta["cupy_version"]),
+               scaled_mm_tflops=ba._json_safe(ceiling),
+               rows=[{k: ba._json_safe(v) for k, v in r.items()} for r in rows])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(run, f, indent=1, allow_nan=False)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

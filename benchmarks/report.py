@@ -9,21 +9,26 @@
     python3 benchmarks/report.py --bench out/bench.json --decode out/decode.json     # the tables on stdout
     python3 benchmarks/report.py --results docs/bench/results.json --overhead out/overhead.json \
         --save docs/bench/results.json --docs docs/benchmarks.md       # add a bench_overhead.py run to the saved one
+    python3 benchmarks/report.py --results docs/bench/results.json --fp8 out/fp8.json --commit abc1234 \\
+        --save docs/bench/results.json --docs docs/benchmarks.md --plots docs/bench   # and a bench_fp8.py run
 
 Inputs: `benchmarks/bench_attention.py --op all --json` (a list of rows, field "op" = fwd / bwd, and "varlen" rows
 that `benchmarks/bench_varlen.py --append` adds) and `benchmarks/bench_decode.py --json` (a dict whose "rows" hold
-one decode cell each), and `benchmarks/bench_overhead.py --json` (--overhead: a dict whose "rows" hold one entry point
-beside its peer each). --save writes them into one file ({"meta", "bench", "decode", "overhead"}) that --results reads
-back; --overhead replaces the saved run's overhead part and leaves the rest as it is.
+one decode cell each), `benchmarks/bench_overhead.py --json` (--overhead: a dict whose "rows" hold one entry point
+beside its peer each) and `benchmarks/bench_fp8.py --json` (--fp8: a dict whose "rows" hold one FP8 cell each, with
+its peers). --save writes them into one file ({"meta", "bench", "decode", "overhead", "fp8"}) that --results reads
+back; --overhead and --fp8, runs of their own (SIDE_RUNS), replace that part of the saved run and leave the rest as
+it is.
 
 Outputs:
 - --docs: the full table of each operation, written between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` for
-  NAME in run, forward, backward, varlen, decode, overhead (a marker pair that is absent is reported and skipped;
-  run is written only with forward, backward, varlen or decode rows, overhead carries its own run line);
+  NAME in run, forward, backward, varlen, decode, overhead, fp8 (a marker pair that is absent is reported and
+  skipped; run is written only with forward, backward, varlen or decode rows, overhead and fp8 carry their own run
+  lines);
 - --readme: the compact tables between the same markers: per head dim and mask (decode: per batch) each
   implementation's range over the sequence lengths, and cuflash's ratios to SDPA flash and cuDNN;
-- --plots DIR: forward.png, backward.png (TFLOP/s against seqlen per head dim and mask) and decode.png (TB/s of
-  K/V read against the cache length per batch), with matplotlib (Agg).
+- --plots DIR: forward.png, backward.png, fp8.png (TFLOP/s against seqlen per head dim and mask) and decode.png
+  (TB/s of K/V read against the cache length per batch), with matplotlib (Agg).
 Ratios are cuflash over the peer in throughput (TFLOP/s, or the peer's time over cuflash's in decode); bold marks
 those below 1. The overhead table's ratios are times, cuflash's over the peer's: bold marks those above 1.
 """
@@ -35,23 +40,25 @@ import re
 import sys
 from pathlib import Path
 
-OPS = ("run", "forward", "backward", "varlen", "decode", "overhead")
+OPS = ("run", "forward", "backward", "varlen", "decode", "overhead", "fp8")
 PEERS = ("flash", "cudnn")
+SIDE_RUNS = ("overhead", "fp8")  # runs of their own, each with its own device, date and commit
 
 
 # --------------------------------------------------------------------------- loading
-def load(bench: str | None, decode: str | None, results: str | None, overhead: str | None = None) -> dict:
-    """{"meta": {...}, "bench": [rows], "decode": {...} or None, "overhead": {...} or None} from the saved results
-    or the run files (an overhead file given with the saved results replaces theirs); a file that is not there is
-    left out with a note on stderr."""
+def load(bench: str | None, decode: str | None, results: str | None, overhead: str | None = None,
+         fp8: str | None = None) -> dict:
+    """{"meta": {...}, "bench": [rows], "decode": {...} or None, "overhead": {...} or None, "fp8": {...} or None}
+    from the saved results or the run files (an overhead or fp8 file given with the saved results replaces theirs);
+    a file that is not there is left out with a note on stderr."""
     if results:
         saved = json.loads(Path(results).read_text())
         data = dict(meta=saved.get("meta", {}), bench=saved.get("bench", []), decode=saved.get("decode"),
-                    overhead=saved.get("overhead"))
-        paths = ((overhead, "overhead"),)
+                    **{side: saved.get(side) for side in SIDE_RUNS})
+        paths = ((overhead, "overhead"), (fp8, "fp8"))
     else:
-        data = dict(meta={}, bench=[], decode=None, overhead=None)
-        paths = ((bench, "bench"), (decode, "decode"), (overhead, "overhead"))
+        data = dict(meta={}, bench=[], decode=None, **{side: None for side in SIDE_RUNS})
+        paths = ((bench, "bench"), (decode, "decode"), (overhead, "overhead"), (fp8, "fp8"))
     for path, key in paths:
         if not path:
             continue
@@ -207,19 +214,24 @@ def gpu_us(row: dict, impl: str) -> str:
     return ("" if row.get(f"{impl}_gpu_exact", True) else "≤") + num(x) if isinstance(x, (int, float)) else "n/a"
 
 
-def overhead_text(ov: dict) -> str:
-    """bench_overhead.py's run: its run line, one table row per entry point beside its peer, the shapes, and
-    whether every torch entry point is at most 1.0x its SDPA peer."""
-    v = ov.get("versions") or {}
+def side_run_text(run: dict, dtype: str) -> str:
+    """The run line of a run of its own (SIDE_RUNS): device, dtype, date, commit and versions."""
+    v = run.get("versions") or {}
     versions = [f"{name} {v[key]}" for name, key in (("torch", "torch"), ("CuPy", "cupy"), ("JAX", "jax"))
                 if v.get(key)]
     if v.get("cudnn"):
         c = int(v["cudnn"])
         versions.insert(1, f"cuDNN {c // 10000}.{c // 100 % 100}.{c % 100}")
-    parts = [ov.get("gpu", "GPU"), ov.get("dtype", "bfloat16")] + ([str(ov["date"])[:10]] if ov.get("date") else [])
-    if ov.get("commit"):
-        parts.append(f"commit {ov['commit']}")
-    lines = ["Run: " + ", ".join(parts) + (f" ({', '.join(versions)})" if versions else "") + "."]
+    parts = [run.get("gpu", "GPU"), run.get("dtype", dtype)] + ([str(run["date"])[:10]] if run.get("date") else [])
+    if run.get("commit"):
+        parts.append(f"commit {run['commit']}")
+    return "Run: " + ", ".join(parts) + (f" ({', '.join(versions)})" if versions else "") + "."
+
+
+def overhead_text(ov: dict) -> str:
+    """bench_overhead.py's run: its run line, one table row per entry point beside its peer, the shapes, and
+    whether every torch entry point is at most 1.0x its SDPA peer."""
+    lines = [side_run_text(ov, "bfloat16")]
     rows = ov.get("rows", [])
     body = [[f"{r['group']} {r['call']}", r["shape"], r.get("peer", ""), num(r.get("cuflash_us")),
              num(r.get("peer_us")), time_ratio(r.get("ratio")), gpu_us(r, "cuflash"), gpu_us(r, "peer"),
@@ -250,6 +262,28 @@ def overhead_text(ov: dict) -> str:
                       + (f"; highest: {worst['call']}, {worst['shape']}, {worst['ratio']:.2f}x" if worst else "")
                       + ")."]
     return "\n".join(lines)
+
+
+def fp8_text(run: dict) -> str:
+    """bench_fp8.py's run: its run line with the FP8 GEMM ceiling, and a row per cell: cuflash's FP8 forward, its
+    fraction of the ceiling, cuDNN's FP8 attention, cuflash and cuDNN in bf16 (TFLOP/s), and the FP8 forward over
+    each cuDNN column."""
+    line = side_run_text(run, "e4m3")
+    ceiling = run.get("scaled_mm_tflops")
+    if isinstance(ceiling, (int, float)):
+        line = line[:-1] + f"; `torch._scaled_mm` e4m3 8192^3 at {ceiling:.1f} TFLOP/s."
+    body = []
+    for r in sorted(run.get("rows", []), key=lambda r: (r["d"], bool(r["causal"]), r["seqlen"])):
+        fp8 = r.get("tflops_cuflash_fp8")
+
+        def over(x):
+            return fp8 / x if isinstance(fp8, (int, float)) and isinstance(x, (int, float)) and x else None
+        body.append([str(r["d"]), yes_no(r["causal"]), str(r["seqlen"]), num(fp8),
+                     num(over(ceiling), ".2f"), num(r.get("tflops_cudnn_fp8")),
+                     num(r.get("tflops_cuflash_bf16")), num(r.get("tflops_cudnn_bf16")),
+                     ratio(over(r.get("tflops_cudnn_fp8")), ".2f"), ratio(over(r.get("tflops_cudnn_bf16")), ".2f")])
+    return line + "\n\n" + table(["d", "causal", "seqlen", "cuflash fp8", "of `_scaled_mm`", "cuDNN fp8", "cuflash bf16",
+                                   "cuDNN bf16", "fp8/cuDNN fp8", "fp8/cuDNN bf16"], "rlrrrrrrrr", body)
 
 
 # --------------------------------------------------------------------------- compact tables (README)
@@ -306,6 +340,8 @@ def sections(data: dict, compact: bool) -> dict:
         out["decode"] = compact_decode(data["decode"]) if compact else decode_table(data["decode"])
     if data.get("overhead") and data["overhead"].get("rows") and not compact:
         out["overhead"] = overhead_text(data["overhead"])
+    if data.get("fp8") and data["fp8"].get("rows") and not compact:
+        out["fp8"] = fp8_text(data["fp8"])
     return out
 
 
@@ -338,7 +374,10 @@ def style_axis(ax, xs: list, labels: list, title: str, xlabel: str, ylabel: str)
     ax.legend(fontsize=8)
 
 
-def plot_training(path: Path, rows: list[dict], title: str, impls: tuple, meta: dict, op: str = "fwd") -> None:
+def plot_training(path: Path, rows: list[dict], title: str, impls: tuple, meta: dict, op: str = "fwd",
+                  ceiling: float | None = None) -> None:
+    """A panel per (head dim, mask) of each implementation's TFLOP/s against seqlen (dashed: cuflash's deterministic
+    mode and the bf16 columns beside FP8; with `ceiling`, a dotted line at the FP8 GEMM's TFLOP/s)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -354,8 +393,10 @@ def plot_training(path: Path, rows: list[dict], title: str, impls: tuple, meta: 
             if not any(isinstance(y, (int, float)) for y in ys):
                 continue
             ax.plot(xs, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker="o",
-                    label=LABELS.get(impl, impl), linestyle="--" if impl == "cuflash_det" else "-",
+                    label=LABELS.get(impl, impl), linestyle="--" if impl in DASHED else "-",
                     linewidth=2.5 if impl.startswith("cuflash") else 1.5)
+        if isinstance(ceiling, (int, float)):
+            ax.axhline(ceiling, linestyle=":", color="gray", label="torch._scaled_mm e4m3")
         style_axis(ax, xs, [str(x) for x in xs], f"{title}, d={d}, {'causal' if causal else 'non-causal'}",
                    "seqlen (batch = 16384 / seqlen, heads = 2048 / d)", "TFLOP/s")
     for ax in list(axes.flat)[len(panels):]:
@@ -404,7 +445,11 @@ def plot_title(meta: dict, op: str = "fwd") -> str:
 
 
 LABELS = {"cuflash": "cuflash", "cuflash_det": "cuflash deterministic", "paged": "cuflash paged",
-          "flash": "SDPA flash", "cudnn": "SDPA cuDNN", "efficient": "SDPA efficient"}
+          "flash": "SDPA flash", "cudnn": "SDPA cuDNN", "efficient": "SDPA efficient",
+          "cuflash_fp8": "cuflash e4m3", "cudnn_fp8": "cuDNN e4m3", "cuflash_bf16": "cuflash bf16",
+          "cudnn_bf16": "SDPA cuDNN bf16"}
+DASHED = ("cuflash_det", "cuflash_bf16", "cudnn_bf16")
+FP8_IMPLS = ("cuflash_fp8", "cudnn_fp8", "cuflash_bf16", "cudnn_bf16")
 
 
 def plots(data: dict, directory: Path) -> list[Path]:
@@ -421,6 +466,13 @@ def plots(data: dict, directory: Path) -> list[Path]:
     if data.get("decode") and data["decode"].get("rows"):
         plot_decode(directory / "decode.png", data["decode"], data["meta"])
         written.append(directory / "decode.png")
+    run = data.get("fp8")
+    if run and run.get("rows"):
+        meta = dict(device=run.get("gpu", ""), dtype=run.get("dtype", "e4m3"), date=str(run.get("date", ""))[:10],
+                    commit=run.get("commit"))
+        plot_training(directory / "fp8.png", run["rows"], "FP8 forward", FP8_IMPLS, meta,
+                      ceiling=run.get("scaled_mm_tflops"))
+        written.append(directory / "fp8.png")
     return written
 
 
@@ -432,31 +484,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results", help="a file written by --save (in place of --bench and --decode)")
     p.add_argument("--overhead", help="bench_overhead.py --json output (the per-call cost table; with --results it "
                    "replaces the saved run's)")
+    p.add_argument("--fp8", help="bench_fp8.py --json output (the FP8 table and plot; with --results it replaces "
+                   "the saved run's)")
     p.add_argument("--save", help="write the run (meta, bench rows, decode rows) as one JSON file here")
     p.add_argument("--date", help="the run's date, for the tables' run line (default: the bench JSON's timestamp); "
-                   "with --overhead and neither --bench nor --decode, the overhead run's only")
+                   "with --overhead or --fp8 and neither --bench nor --decode, that run's only")
     p.add_argument("--commit", help="the commit the run measured, for the run line (as --date)")
     p.add_argument("--readme", type=Path, help="rewrite the compact tables between the markers of this file")
     p.add_argument("--docs", type=Path, help="rewrite the full tables between the markers of this file")
-    p.add_argument("--plots", type=Path, help="write forward.png, backward.png, decode.png into this folder")
+    p.add_argument("--plots", type=Path, help="write forward.png, backward.png, decode.png, fp8.png into this folder")
     args = p.parse_args(argv)
-    if not (args.results or args.bench or args.decode or args.overhead):
-        p.error("give --results, or --bench, --decode and/or --overhead")
+    if not (args.results or args.bench or args.decode or args.overhead or args.fp8):
+        p.error("give --results, or --bench, --decode, --overhead and/or --fp8")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    data = load(args.bench, args.decode, args.results, args.overhead)
-    # --date and --commit describe the run files given: the overhead one alone when it comes without --bench/--decode
+    data = load(args.bench, args.decode, args.results, args.overhead, args.fp8)
+    # --date and --commit describe the run files given: a side run's alone when it comes without --bench/--decode
+    sides = [side for side in SIDE_RUNS if getattr(args, side)]
     for key, value in (("date", args.date), ("commit", args.commit)):
         if not value:
             continue
-        if args.bench or args.decode or not args.overhead:
+        if args.bench or args.decode or not sides:
             data["meta"][key] = value
-        if args.overhead and data.get("overhead"):
-            data["overhead"][key] = value
-    if not data["bench"] and not data.get("decode") and not data.get("overhead"):
+        for side in sides:
+            if data.get(side):
+                data[side][key] = value
+    if not data["bench"] and not data.get("decode") and not any(data.get(side) for side in SIDE_RUNS):
         print("report: no benchmark rows", file=sys.stderr)
         return 1
     if args.save:

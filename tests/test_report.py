@@ -160,3 +160,47 @@ def test_varlen_table_has_an_fp8_column_when_measured():
     text = report.varlen_table([dict(row, tflops_varlen_fp8=600.0)])
     assert "| d | causal | tokens | varlen | varlen fp8 | padded cuflash |" in text
     assert "| 128 | yes | 2000 | 400.0 | 600.0 | 200.0 | 150.0 | 250.0 | 2.67 | 1.60 |" in text
+
+
+def _fp8_run():
+    def row(d, causal, seqlen, fp8, cudnn_fp8, bf16, cudnn_bf16):
+        return dict(d=d, causal=causal, seqlen=seqlen, batch=16384 // seqlen, nheads=2048 // d,
+                    tflops_cuflash_fp8=fp8, tflops_cudnn_fp8=cudnn_fp8, err=0.01, tflops_cuflash_bf16=bf16,
+                    tflops_cudnn_bf16=cudnn_bf16)
+    rows = [row(128, False, 4096, 900.0, 1000.0, 600.0, 560.0), row(64, True, 1024, 300.0, None, 340.0, 300.0),
+            row(128, False, 1024, 700.0, 700.0, 590.0, 580.0)]
+    return dict(gpu="Test GPU", date="2026-01-02T03:04:05+00:00", dtype="e4m3",
+                versions=dict(torch="2.13.0", cudnn=91900, cupy="14.2.0"), scaled_mm_tflops=1250.0, rows=rows)
+
+
+def test_fp8_table_and_plot(run_files):
+    """bench_fp8.py's run, a run of its own: its table (with its own run line and the GEMM ceiling) between the fp8
+    markers, cells sorted by head dim, mask and seqlen, bold ratios below 1, n/a for a peer that did not run; saved
+    beside the other runs and read back the same; fp8.png."""
+    t = run_files
+    (t / "fp8.json").write_text(json.dumps(_fp8_run()))
+    doc = (t / "docs.md").read_text().replace("text after decode", "<!-- bench:fp8 -->\nold fp8\n<!-- /bench:fp8 -->\n")
+    (t / "docs.md").write_text(doc)
+    assert report.main(["--fp8", str(t / "fp8.json"), "--commit", "def5678", "--docs", str(t / "docs.md")]) == 0
+    doc = (t / "docs.md").read_text()
+    assert "old run" in doc and "old forward" in doc and "old fp8" not in doc
+    assert ("Run: Test GPU, e4m3, 2026-01-02, commit def5678 (torch 2.13.0, cuDNN 9.19.0, CuPy 14.2.0); "
+            "`torch._scaled_mm` e4m3 8192^3 at 1250.0 TFLOP/s.") in doc
+    lines = [line for line in doc.splitlines() if line.startswith("| 64") or line.startswith("| 128")]
+    assert lines == ["| 64 | yes | 1024 | 300.0 | 0.24 | n/a | 340.0 | 300.0 | n/a | 1.00 |",
+                     "| 128 | no | 1024 | 700.0 | 0.56 | 700.0 | 590.0 | 580.0 | 1.00 | 1.21 |",
+                     "| 128 | no | 4096 | 900.0 | 0.72 | 1000.0 | 600.0 | 560.0 | **0.90** | 1.61 |"]
+
+    assert report.main(["--bench", str(t / "bench.json"), "--commit", "abc1234", "--save",
+                        str(t / "results.json")]) == 0
+    assert report.main(["--results", str(t / "results.json"), "--fp8", str(t / "fp8.json"), "--commit", "def5678",
+                        "--save", str(t / "results.json")]) == 0
+    saved = json.loads((t / "results.json").read_text())
+    assert saved["meta"]["commit"] == "abc1234" and saved["fp8"]["commit"] == "def5678"
+    assert report.main(["--results", str(t / "results.json"), "--docs", str(t / "docs.md")]) == 0
+    assert [line for line in (t / "docs.md").read_text().splitlines() if line.startswith("| 128")] == lines[1:]
+
+    pytest.importorskip("matplotlib")
+    assert report.main(["--fp8", str(t / "fp8.json"), "--plots", str(t / "plots")]) == 0
+    assert (t / "plots" / "fp8.png").stat().st_size > 1000
+    assert not (t / "plots" / "forward.png").exists()
