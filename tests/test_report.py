@@ -176,7 +176,7 @@ def _fp8_run():
 def test_fp8_table_and_plot(run_files):
     """bench_fp8.py's run, a run of its own: its table (with its own run line and the GEMM ceiling) between the fp8
     markers, cells sorted by head dim, mask and seqlen, bold ratios below 1, n/a for a peer that did not run; saved
-    beside the other runs and read back the same; fp8.png."""
+    beside the other runs and read back the same."""
     t = run_files
     (t / "fp8.json").write_text(json.dumps(_fp8_run()))
     doc = (t / "docs.md").read_text().replace("text after decode", "<!-- bench:fp8 -->\nold fp8\n<!-- /bench:fp8 -->\n")
@@ -200,7 +200,12 @@ def test_fp8_table_and_plot(run_files):
     assert report.main(["--results", str(t / "results.json"), "--docs", str(t / "docs.md")]) == 0
     assert [line for line in (t / "docs.md").read_text().splitlines() if line.startswith("| 128")] == lines[1:]
 
+
+def test_fp8_plot(run_files):
+    """An FP8 run alone plots fp8.png and nothing else."""
     pytest.importorskip("matplotlib")
+    t = run_files
+    (t / "fp8.json").write_text(json.dumps(_fp8_run()))
     assert report.main(["--fp8", str(t / "fp8.json"), "--plots", str(t / "plots")]) == 0
     assert (t / "plots" / "fp8.png").stat().st_size > 1000
     assert not (t / "plots" / "forward.png").exists()
