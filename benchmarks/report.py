@@ -282,8 +282,9 @@ def fp8_text(run: dict) -> str:
                      num(over(ceiling), ".2f"), num(r.get("tflops_cudnn_fp8")),
                      num(r.get("tflops_cuflash_bf16")), num(r.get("tflops_cudnn_bf16")),
                      ratio(over(r.get("tflops_cudnn_fp8")), ".2f"), ratio(over(r.get("tflops_cudnn_bf16")), ".2f")])
-    return line + "\n\n" + table(["d", "causal", "seqlen", "cuflash fp8", "of `_scaled_mm`", "cuDNN fp8", "cuflash bf16",
-                                   "cuDNN bf16", "fp8/cuDNN fp8", "fp8/cuDNN bf16"], "rlrrrrrrrr", body)
+    header = ["d", "causal", "seqlen", "cuflash fp8", "of `_scaled_mm`", "cuDNN fp8", "cuflash bf16", "cuDNN bf16",
+              "fp8/cuDNN fp8", "fp8/cuDNN bf16"]
+    return line + "\n\n" + table(header, "rlrrrrrrrr", body)
 
 
 # --------------------------------------------------------------------------- compact tables (README)
