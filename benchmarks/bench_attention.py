@@ -790,16 +790,25 @@ def print_table(op: Op, rows: list[dict], args) -> None:
     print()
 
 
-def _json_safe(x):
+def json_safe(x):
     """nan/inf -> None so the file is strict JSON (check_ok keeps the verdict)."""
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def write_json(path: str, rows: list[dict], meta: dict) -> None:
+def json_rows(rows: list[dict], meta: dict | None = None) -> list[dict]:
+    """Each cell with the run's fields in front, nan/inf as null."""
+    return [{k: json_safe(v) for k, v in {**(meta or {}), **r}.items()} for r in rows]
+
+
+def dump_json(path: str, data) -> None:
+    """`data` as strict JSON at `path`, its folder made."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    data = [{k: _json_safe(v) for k, v in {**meta, **r}.items()} for r in rows]
     with open(path, "w") as f:
         json.dump(data, f, indent=1, allow_nan=False)
+
+
+def write_json(path: str, rows: list[dict], meta: dict) -> None:
+    dump_json(path, json_rows(rows, meta))
     print(f"wrote {path}")
 
 

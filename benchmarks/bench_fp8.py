@@ -28,7 +28,6 @@ The device image has no cudnn-frontend: its wheel travels beside the tree (docs/
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -175,11 +174,8 @@ def write_json(path: str, rows: list, ceiling: float) -> None:
     meta = ba.run_meta()
     run = dict(gpu=meta["device"], date=meta["timestamp"], dtype="e4m3",
                versions=dict(torch=meta["torch_version"], cudnn=meta["cudnn_version"], cupy=meta["cupy_version"]),
-               scaled_mm_tflops=ba._json_safe(ceiling),
-               rows=[{k: ba._json_safe(v) for k, v in r.items()} for r in rows])
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(run, f, indent=1, allow_nan=False)
+               scaled_mm_tflops=ba.json_safe(ceiling), rows=ba.json_rows(rows))
+    ba.dump_json(path, run)
     print(f"wrote {path}")
 
 

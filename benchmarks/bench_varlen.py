@@ -301,10 +301,8 @@ def write_json(path: str, rows, meta, append: bool) -> None:
             data = []
         if not isinstance(data, list):
             data = [data]
-    data += [{k: ba._json_safe(v) for k, v in {**meta, **r}.items()} for r in rows]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, allow_nan=False)
+    data += ba.json_rows(rows, meta)
+    ba.dump_json(path, data)
     print(f"wrote {path} ({len(rows)} varlen rows{', appended' if append else ''})")
 
 
