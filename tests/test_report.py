@@ -173,7 +173,7 @@ def _fp8_run():
                 versions=dict(torch="2.13.0", cudnn=91900, cupy="14.2.0"), scaled_mm_tflops=1250.0, rows=rows)
 
 
-def test_fp8_table_and_plot(run_files):
+def test_fp8_table_saved_and_read_back(run_files):
     """bench_fp8.py's run, a run of its own: its table (with its own run line and the GEMM ceiling) between the fp8
     markers, cells sorted by head dim, mask and seqlen, bold ratios below 1, n/a for a peer that did not run; saved
     beside the other runs and read back the same."""
