@@ -39,7 +39,8 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
         }
     }
     const int whole_rows = p.first_store_rows > 0 ? p.seqlen_q / p.first_store_rows * p.first_store_rows : 0;
-    if (row < whole_rows && row % p.first_store_rows == 0 && sub == 0) {  // the block's ticket and ready flag
+    // each block's ticket and ready flag (partial blocks' too: ordered mode counts their turns)
+    if (p.first_store_rows > 0 && row < p.seqlen_q && row % p.first_store_rows == 0 && sub == 0) {
         const int blocks = ceil_div(p.seqlen_q, p.first_store_rows);
         const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
         const i64 block = ((i64)b * p.nheads + h) * blocks + row / p.first_store_rows;

@@ -112,10 +112,18 @@ struct BwdSm90 {
     // Step t of the walk over (query head of the group, query block): which head and block. A CTA with several key
     // blocks (deterministic mode's slots) walks every other one backwards, so that the dQ slice lines and Q/dO tiles
     // it touched last are the first it needs again, while some may still be in L2.
+    // In ordered mode without a band the walk of key block n starts at query block n M / N (M query blocks, N key
+    // blocks), so that the key blocks reach a query block one after another, in dq_rank's order (not with a score
+    // mod: the kernels with one take no ordered mode, and there the rotation spills).
     __device__ __forceinline__ void step_of(int t, int m_min, int m_count, int& h, int& m) const {
         if (backwards) t = m_count * p.heads_per_kv - 1 - t;
         h = h_kv * p.heads_per_kv + t / m_count;
-        m = m_min + t % m_count;
+        m = t % m_count;
+        if (!BAND && !SCORE_MOD && p.deterministic == DQ_ORDERED) {
+            m += (n_key0 / BN) * m_count / ceil_div(mask.seqlen_k, BN);
+            if (m >= m_count) m -= m_count;
+        }
+        m += m_min;
     }
 
     // The start of step t (the tt-th of this CTA): base and the mask's values made opaque per step, so that the
@@ -443,6 +451,11 @@ struct BwdSm90 {
     // to it are the first, made as stores), and the release of its stores once written (bwd_sm90_dq.cuh)
     __device__ __forceinline__ bool dq_ticket(int h, int m) const;
     __device__ __forceinline__ void dq_stored(int h, int m) const;
+    // Ordered mode (BwdParams::deterministic DQ_ORDERED): this key block's place in query block m's order, the wait
+    // for its turn (true: its additions are the first, made as stores) and the pass to the next (bwd_sm90_dq.cuh)
+    __device__ __forceinline__ int dq_rank(int m, int m_blocks) const;
+    __device__ __forceinline__ bool dq_turn(int h, int m, int rank) const;
+    __device__ __forceinline__ void dq_pass(int h, int m, int rank) const;
 
     // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {

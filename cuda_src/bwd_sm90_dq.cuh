@@ -107,4 +107,46 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     sm90::st_release(counters.ready(((i64)b * p.nheads + h) * blocks + m), 1);
 }
 
+// Ordered mode (BwdParams::deterministic DQ_ORDERED, a padded batch, the counters of dq_first_store): each query
+// block's dQ is added to by its key blocks one at a time, in an order fixed by the shapes, so that every fp32 sum is
+// made in the same order on every run. Under a band (causal, or a window with a right edge) key block n reaches query
+// block m at step m - m_min(n), so the order is the visiting key blocks from the last down: the one before adds two
+// steps earlier (BN = 2 BM) and rarely keeps the next waiting. Without a band each walk starts at query block
+// n M / N (step_of) and the order is cyclic: from the last key block whose walk has started by m, down, then on
+// from N - 1. The first in the order stores a whole block, later ones wait on the block's counter (ready) until it
+// holds their rank, add, and pass the counter on once their additions are made. A CTA waits only on key blocks of
+// its own (KV head, sequence), whose CTAs are launched beside it: the plan takes this mode only where they are few
+// (backward.ORDERED_MAX_BLOCKS), so that a group's CTAs run at once.
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ int BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_rank(int m, int m_blocks) const {
+    const int n = n_key0 / BN, blocks = ceil_div(mask.seqlen_k, BN);
+    // the key block that adds to m first: the last that sees it (band), or whose walk starts last by m
+    const int first = BAND ? floor_div((m + 1) * BM - 1 + mask.diag + p.window_right, BN)
+                           : ((m + 1) * blocks - 1) / m_blocks;
+    const int rank = min(first, blocks - 1) - n;
+    return rank < 0 ? rank + blocks : rank;
+}
+
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ bool BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_turn(int h, int m,
+                                                                                           int rank) const {
+    if (rank == 0) return (m + 1) * BM <= p.seqlen_q;  // a partial block is added to (the preprocess zeroed it)
+    const int blocks = p.dq_first_store;
+    const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
+    const int* ready = counters.ready(((i64)b * p.nheads + h) * blocks + m);
+    while (sm90::ld_acquire(ready) < rank) __nanosleep(32);
+    sm90::fence_proxy_async_global();  // the additions before (seen by this thread) before this CTA's
+    return false;
+}
+
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_pass(int h, int m,
+                                                                                           int rank) const {
+    const int blocks = p.dq_first_store;
+    const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
+    sm90::bulk_wait<0>();              // this CTA's additions made
+    sm90::fence_proxy_async_global();  // (async-proxy writes, published by a generic release)
+    sm90::st_release(counters.ready(((i64)b * p.nheads + h) * blocks + m), rank + 1);
+}
+
 }  // namespace cuflash

@@ -169,8 +169,11 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                         }
                     }
             } else {
-                const bool store = issuer && dq_ticket(h, m);  // (bwd_sm90_dq.cuh) the step's two tiles are the
-#pragma unroll                                                  // whole query block
+                // (bwd_sm90_dq.cuh) the step's two tiles are the whole query block
+                const bool ordered = p.deterministic == DQ_ORDERED;
+                const int rank = ordered && issuer ? dq_rank(m, m_blocks) : 0;
+                const bool store = issuer && (ordered ? dq_turn(h, m, rank) : dq_ticket(h, m));
+#pragma unroll
                 for (int c = 0; c < 2; ++c) {  // consumer c's tile: ROW_SPLIT, dQ's rows 64 c ..; else columns 64 c ..
                     sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
                     if (issuer)
@@ -179,7 +182,8 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                 }
                 if (issuer) {
                     sm90::bulk_commit();
-                    if (store) dq_stored(h, m);  // (waits for every group: the tiles are read out too)
+                    if (ordered) dq_pass(h, m, rank);  // (waits for every group: the tiles are read out too)
+                    else if (store) dq_stored(h, m);
                     else sm90::bulk_wait_read<1>();  // step tt - 1's tiles are read out: step tt + 1 may store there
                     sm90::mbar_arrive(dq_empty());
                 }

@@ -78,7 +78,8 @@ struct BwdParams {
     int nheads, heads_per_kv, headdim;
     int window_left, window_right;
     int deterministic;     // 0: every CTA adds into slice 0; 1: CTA x adds into slice x only; 2: every CTA adds
-                           // int32 fixed point into slice 0 (the Hopper kernel only; fixed_dq.cuh)
+                           // int32 fixed point into slice 0 (the Hopper kernel only; fixed_dq.cuh); DQ_ORDERED:
+                           // every CTA adds into slice 0 in a fixed order per query block (BwdSm90::dq_turn)
     int dropout_threshold;  // as in FwdParams (the portable kernel only)
     int dq_first_store;    // > 0 (the Hopper kernel's dQ warp, a padded batch, one accumulator): the query blocks per
                            // (sequence, head); each whole block's first addition is a store (BwdSm90::dq_ticket),
@@ -121,6 +122,10 @@ struct BwdPreParams {
 // BwdParams::dq_first_store's counters, right after dq_accum's first slice: a ticket per (sequence, head, query
 // block), block index (b nheads + h) blocks + m, then as many ready flags. The preprocess zeroes both; the main
 // kernel's dQ warp takes tickets and sets flags (BwdSm90::dq_ticket).
+// BwdParams::deterministic: the Hopper kernel's dQ warp adds to each query block in turn, in a fixed order of the key
+// blocks (BwdSm90::dq_rank), so that its fp32 sums do not depend on timing
+constexpr int DQ_ORDERED = 3;
+
 struct DqStoreCounters {
     int* tickets;
     i64 count;  // batch x nheads x blocks

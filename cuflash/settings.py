@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 __all__ = ["Settings", "current", "override", "on_change"]
 
-DET_MODES = ("auto", "slices", "fixed")
+DET_MODES = ("auto", "slices", "fixed", "ordered")
 
 
 def _flag(env: Mapping, name: str, default: bool) -> bool:
@@ -73,7 +73,7 @@ class Settings:
     bwd_qbuf: bool = True                  # CUFLASH_BWD_QBUF: double-buffered Q/dO in the portable backward
     bwd_wide: bool = True                  # CUFLASH_BWD_WIDE: the portable backward past d = 128 (sm_90a)
     bwd_sm90: bool = True                  # CUFLASH_BWD_SM90: the Hopper backward where it applies
-    bwd_sm90_det: str = "auto"             # CUFLASH_BWD_SM90_DET: deterministic mode, auto | slices | fixed
+    bwd_sm90_det: str = "auto"             # CUFLASH_BWD_SM90_DET: deterministic mode, auto | slices | fixed | ordered
     bwd_sm90_det_slots: int = 0            # CUFLASH_BWD_SM90_DET_SLOTS: fixed dQ slice count; 0: the rule
     bwd_sm90_det_max_passes: int = 0       # CUFLASH_BWD_SM90_DET_MAX_PASSES: slot tie-break bound; 0: off
     bwd_sm90_block_m: dict = dataclasses.field(default_factory=dict)  # CUFLASH_BWD_SM90_BLOCK_M: head dim -> rows
@@ -88,7 +88,7 @@ class Settings:
 
     def __post_init__(self):
         if self.bwd_sm90_det not in DET_MODES:
-            raise ValueError(f"CUFLASH_BWD_SM90_DET must be auto, slices or fixed, not {self.bwd_sm90_det!r}")
+            raise ValueError(f"CUFLASH_BWD_SM90_DET must be auto, slices, fixed or ordered, not {self.bwd_sm90_det!r}")
         if self.sm90_o_tma not in (None, 0, 1):
             raise ValueError(f"CUFLASH_SM90_O_TMA must be 0 or 1, not {self.sm90_o_tma!r}")
         for name, value in (("CUFLASH_FP8_PIPELINED", self.fp8_pipelined), ("CUFLASH_FP8_VT_PASS", self.fp8_vt_pass)):

@@ -345,6 +345,32 @@ def test_wide_backward_switch_and_hopper_only(configure):
     assert launch.spec in backward.all_specs("sm_90a") and launch.spec not in backward.all_specs("sm_80")
 
 
+def test_sm90_backward_ordered_mode_where_it_applies(configure):
+    """bwd_sm90_det "ordered": the atomic grid, one fp32 accumulator, on the dQ warp's kernels for a padded batch of
+    at most ORDERED_MAX_BLOCKS key blocks without a score mod, under no band or one with a right edge; elsewhere the
+    other modes' rule."""
+    configure(bwd_sm90_det="ordered")
+    blocks = backward.ORDERED_MAX_BLOCKS
+
+    def plan(d, sk, left=-1, right=0, mod=False, packed=False, deterministic=True):
+        problem = checks.Problem(2, 1000, sk, 8, 2, d, np.dtype(np.float16))
+        return backward.plan_backward(problem, left, right, mod, deterministic, "sm_90a", 132, packed=packed)
+
+    for d, right in ((128, 0), (64, -1), (96, 30)):
+        launch = plan(d, 128 * blocks, right=right)
+        assert launch.ordered and launch.grid == (blocks, 2, 2) and launch.slices == 1 and not launch.fixed_point
+    assert not plan(128, 128 * blocks + 1).ordered  # too many key blocks: the fixed point
+    assert plan(128, 128 * blocks + 1).fixed_point
+    assert not plan(128, 1000, left=100, right=-1).ordered  # a window without a right edge
+    for other in (plan(256, 1000), plan(128, 1000, mod=True), plan(128, 1000, packed=True),
+                  plan(128, 1000, deterministic=False)):
+        assert not other.ordered
+    with cuflash_settings.override(bwd_sm90_block_m={64: 64}):  # d 64's lockstep kernel: no dQ warp
+        assert not plan(64, 1000).ordered
+    with pytest.raises(ValueError, match="CUFLASH_BWD_SM90_DET"):
+        cuflash_settings.Settings(bwd_sm90_det="sorted")
+
+
 def test_sm90_backward_slots_end_soonest_with_fewest_slices():
     """Deterministic mode on the Hopper backward: the slot count minimizes waves x key blocks per CTA, then slices."""
     assert backward.slots_sm90(32, 64, 132) == 2    # 128 CTAs of 16 blocks: one wave

@@ -80,6 +80,10 @@ FIXED_MIN_BLOCKS = {64: (16, 32), 128: (8, 8), 256: (0, 0)}
 # H100 SXM, 41 on an H200 (docs/perf-notes.md, "deterministic backward: slices or fixed point"; measured with one
 # slot: 33 MiB at once made the slices 11-21% slower than the fixed point on an H100 and 3-7% faster on an H200).
 SLICES_L2_BANDWIDTH = 6e12
+# Ordered mode (BwdParams::deterministic DQ_ORDERED): each query block's dQ added to by its key blocks in a fixed order,
+# each CTA waiting on the counter of the block for its turn. A CTA waits only on CTAs of its own (KV head, sequence)
+# group, which must all run at once: at most this many key blocks (CTAs) per group.
+ORDERED_MAX_BLOCKS = 16
 
 
 def slices_outgrow_l2(problem, slots: int, groups: int, causal: bool, sm_count: int, memory) -> bool:
@@ -192,13 +196,15 @@ class BwdLaunch:
     slices: int      # fp32 dQ accumulator slices (1 unless deterministic)
     fixed_point: bool = False  # deterministic mode 2: one int32 accumulator on the atomic grid
     sm90: backward_sm90.BwdSm90Spec | None = None  # the Hopper main kernel, which then runs instead of `spec`
+    ordered: bool = False      # deterministic mode DQ_ORDERED: one fp32 accumulator on the atomic grid, added in turn
 
 
 def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic: bool, arch: str,
-                  sm_count: int, dropout: bool = False, memory=None) -> BwdLaunch:
+                  sm_count: int, dropout: bool = False, memory=None, packed: bool = False) -> BwdLaunch:
     """Main backward kernel and its grid. Where the Hopper kernel applies (backward_sm90.applies; with dropout,
     dropout_applies) it runs (`sm90`), on its own grid: 128-key blocks, and in deterministic mode slots_sm90 slots
-    or the fixed point (not with dropout; `memory`, the device's build.MemorySystem, for slices_outgrow_l2).
+    or the fixed point (not with dropout; `memory`, the device's build.MemorySystem, for slices_outgrow_l2), or the
+    ordered additions (ordered_applies; `packed`: varlen sequences).
     Elsewhere deterministic mode gives each of `slots` CTAs per (KV head, batch) its own dQ slice; enough slots to
     fill the GPU about twice, at most one per KV block."""
     band = left >= 0 or right >= 0
@@ -221,7 +227,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     d = backward_sm90.compiled_headdim(problem.headdim)  # the Hopper kernel's compiled head dim
     block_m = backward_sm90.block_m(d, score_mod, dropout)
     n_blocks = math.ceil(problem.seqlen_k / backward_sm90.block_n(d))
-    fixed = False
+    fixed = ordered = False
     if not deterministic:
         slots = n_blocks
     elif s.bwd_sm90_det_slots > 0:
@@ -233,12 +239,26 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
                 slices_outgrow_l2(problem, slots, groups, causal, sm_count, memory)) and not (
                     score_mod and causal and d == 64)
         fixed_ok = backward_sm90.tma_dq(d, block_m)  # the FIXED kernels add dQ by TMA
-        fixed = not dropout and fixed_ok and (s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det == "auto" and auto))
+        ordered = s.bwd_sm90_det == "ordered" and ordered_applies(d, block_m, left, right, score_mod, n_blocks,
+                                                                  packed)
+        fixed = not ordered and not dropout and fixed_ok and (
+            s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det in ("auto", "ordered") and auto))
     sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)
-    if fixed:
-        return BwdLaunch(spec, plan.check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, True, sm90)
+    if fixed or ordered:
+        return BwdLaunch(spec, plan.check_grid((n_blocks, problem.nheads_k, problem.batch)), 1, fixed, sm90,
+                         ordered)
     return BwdLaunch(spec, plan.check_grid((slots, problem.nheads_k, problem.batch)), slots if deterministic else 1,
                      False, sm90)
+
+
+def ordered_applies(d: int, block_m: int, left: int, right: int, score_mod: bool, n_blocks: int,
+                    packed: bool) -> bool:
+    """Deterministic mode's ordered dQ additions (BwdSm90::dq_turn) run this call: the Hopper kernel's dQ warp
+    (backward_sm90.tma_dq, not d = 256), no score mod, a padded batch (the first stores' counters), no band or one
+    with a right edge (under which the key blocks reach a query block in their order), at most ORDERED_MAX_BLOCKS
+    key blocks."""
+    return (backward_sm90.tma_dq(d, block_m) and d != 256 and not score_mod and not packed
+            and (right >= 0 or left < 0) and n_blocks <= ORDERED_MAX_BLOCKS)
 
 
 def slots_sm90(n_blocks: int, groups: int, sm_count: int, max_passes: int = 0) -> int:
@@ -354,7 +374,8 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     device `device_id` (current); ``packed``: varlen layouts, as in :func:`launch`."""
     scale, left, right, score_mod = options.softmax_scale, options.left, options.right, options.score_mod
     launch = plan_backward(problem, left, right, score_mod, bool(deterministic), build.device_arch(device_id),
-                           build.sm_count(device_id), dropout=options.dropout, memory=build.memory_system(device_id))
+                           build.sm_count(device_id), dropout=options.dropout, memory=build.memory_system(device_id),
+                           packed=packed)
     dtype = launch.spec.dtype
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.headdim
     # Per-row workspaces: (b, h, sq) and (slices, b, sq, h, d); packed, one row per query token, (h, total_q) and
@@ -362,8 +383,10 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     pre_b, pre_sq = (1, q.shape[0]) if packed else (b, sq)
     rows = pre_b * pre_sq  # query rows of all sequences
     fixed = launch.fixed_point
-    # whole query blocks' first dQ additions stored (BwdParams::dq_first_store): a ticket and a flag per block
-    first_store = launch.sm90 is not None and backward_sm90.dq_first_store(launch.sm90, launch.slices, packed)
+    # whole query blocks' first dQ additions stored (BwdParams::dq_first_store): a ticket and a flag per block (the
+    # flag counts the turns in ordered mode)
+    first_store = launch.sm90 is not None and (
+        launch.ordered or backward_sm90.dq_first_store(launch.sm90, launch.slices, packed))
     store_rows = launch.sm90.block_m if first_store else 0
     store_blocks = -(-sq // store_rows) if first_store else 0
     counters = first_store_counters(b, h, sq, store_rows)
@@ -408,7 +431,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     bp["batch"], bp["seqlen_q"], bp["seqlen_k"] = b, sq, problem.seqlen_k
     bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
     bp["window_left"], bp["window_right"] = left, right
-    bp["deterministic"] = 2 if fixed else int(bool(deterministic))
+    bp["deterministic"] = backward_sm90.DQ_ORDERED if launch.ordered else 2 if fixed else int(bool(deterministic))
     bp["dq_first_store"] = store_blocks
     for name, value in {**options.scales, **options.dropout_fields}.items():
         bp[name] = value

@@ -24,6 +24,7 @@ SCORE_MOD_HEADDIMS = (64, 128, 256)
 DROPOUT_HEADDIMS = (64, 128, 256)
 BLOCK_N = 128               # keys per CTA (BwdSm90::BN), 64 at d = 256 (block_n)
 BLOCK_M = 64                # query rows per step by default
+DQ_ORDERED = 3              # BwdParams::deterministic: dQ added in a fixed order per query block (params.cuh)
 
 # Query rows per step, per head dim: 64, or 128 at d = 64 (twice the work per step for the same barriers and waits;
 # faster in every cell measured, docs/perf-notes.md, "Hopper backward 128 rows at d 64"), but with a score mod and

@@ -334,6 +334,69 @@ def test_sm90_fixed_point_deterministic(configure, compiled, sm90_backward, d):
         backward._launches.clear()
 
 
+@pytest.mark.parametrize("d", [48, 64, 96, 128])
+def test_sm90_ordered_deterministic(configure, compiled, sm90_backward, d):
+    """The bwd_sm90_det setting "ordered": each query block's dQ added to by its key blocks in turn (BwdSm90::dq_turn;
+    the dQ warp's kernels, so not d = 64 with 64 rows), in a workspace of 0xFF bytes (NaN accumulator, counters -1
+    until the preprocess): causal with GQA, more queries than keys and far fewer, a window with a right edge, no
+    mask with the walks started apart (partial last blocks, fewer query blocks than key blocks), against the
+    reference and bitwise equal over repeated calls; packed sequences and score mods keep another mode."""
+    import cupy
+    import cuflash
+    from cuflash import checks
+    configure(bwd_sm90_det="ordered")
+    kernel_d = backward_sm90.compiled_headdim(d)
+    block_m = backward_sm90.block_m(kernel_d, False)
+    applies = backward_sm90.tma_dq(kernel_d, block_m)
+    plan = backward.plan_backward(checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16)), -1, 0, False, True,
+                                  "sm_90a", 132)
+    assert plan.ordered == applies and plan.slices == 1 and not (plan.ordered and plan.fixed_point)
+    assert not backward.plan_backward(checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16)), -1, 0, True, True,
+                                      "sm_90a", 132).ordered  # softcap / ALiBi
+    cases = [dict(b=2, sq=400, sk=850, h=4, hk=2, causal=True), dict(b=2, sq=333, sk=200, h=4, hk=4, causal=True),
+             dict(b=1, sq=50, sk=900, h=2, hk=1, causal=True), dict(b=1, sq=700, sk=850, h=2, hk=1,
+                                                                    window_size=(200, 60)),
+             dict(b=3, sq=129, sk=333, h=3, hk=1), dict(b=2, sq=50, sk=1000, h=4, hk=2),
+             dict(b=1, sq=1000, sk=130, h=2, hk=2)]
+    backward._launches.clear()
+    try:
+        for i, case in enumerate(cases):
+            b, sq, sk, h, hk = (case[x] for x in ("b", "sq", "sk", "h", "hk"))
+            q, k, v, dout, _ = make_case(np.random.default_rng(60 + i), b=b, sq=sq, sk=sk, h=h, hk=hk, d=d,
+                                         dtype="bf16")
+            opts = dict(softmax_scale=None, causal=case.get("causal", False),
+                        window_size=case.get("window_size", (-1, -1)), softcap=0.0)
+            out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+            problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(q.dtype))
+            runs = []
+            for _ in range(3):
+                backward._launches.clear()
+                grads = [cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v)]
+                backward.launch(problem, dout, q, k, v, out, lse, *grads, alibi_slopes=None, deterministic=True,
+                                workspace=cupy.full(1 << 24, 0xFF, np.uint8), **opts)
+                (call,) = backward._launches.values()
+                params = np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
+                assert (int(params["deterministic"]) == backward_sm90.DQ_ORDERED) == applies, case
+                runs.append(grads)
+            host = [x.get() for x in (q, k, v, dout)]
+            _, ref_lse = reference.attention(*host[:3], return_lse=True, **opts)
+            ref = reference.attention_backward(host[3], *host[:3], out.get().astype(np.float32), ref_lse, **opts)
+            naive = naive_lowp_backward(host[3], *host[:3], **opts)
+            ctx = f"d={d} {case}"
+            for name, x, want, lowp in zip(("dq", "dk", "dv"), runs[0], ref, naive):
+                assert_close_to_reference(x.get(), want, lowp, what=name, context=ctx)
+            for again in runs[1:]:
+                for x, y in zip(runs[0], again):
+                    assert bool(cupy.array_equal(x.view(np.uint16), y.view(np.uint16))), ctx
+        from tests.gpu.test_varlen import run_backward
+        run_backward(np.random.default_rng(70), lens_q=[300, 0, 65], lens_k=[850, 17, 400], h=4, hk=2, d=d,
+                     dtype="bf16", causal=True, deterministic=True)
+        run_case(np.random.default_rng(71), b=2, sq=150, sk=400, h=4, hk=2, d=d, dtype="fp16", causal=True,
+                 softcap=8.0, alibi="bh", deterministic=True)
+    finally:
+        backward._launches.clear()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_backward_varlen(compiled, sm90_backward, deterministic):
     """Packed sequences (3-D tensor maps; keys and queries of the next sequence in a box are masked)."""
