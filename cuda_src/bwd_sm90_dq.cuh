@@ -113,8 +113,9 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 // block m at step m - m_min(n), so the order is the visiting key blocks from the last down: the one before adds two
 // steps earlier (BN = 2 BM) and rarely keeps the next waiting. Without a band each walk starts at query block
 // n M / N (step_of) and the order is cyclic: from the last key block whose walk has started by m, down, then on
-// from N - 1. The first in the order stores a whole block, later ones wait on the block's counter (ready) until it
-// holds their rank, add, and pass the counter on once their additions are made. A CTA waits only on key blocks of
+// from N - 1. The first in the order stores the block (its tensor map is per sequence, so a partial block's rows
+// stop at the sequence's end), later ones wait on the block's counter (ready) until it holds their rank, add, and
+// pass the counter on once their additions are made. A CTA waits only on key blocks of
 // its own (KV head, sequence), whose CTAs are launched beside it: the plan takes this mode only where they are few
 // (backward.ORDERED_MAX_BLOCKS), so that a group's CTAs run at once.
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
@@ -130,7 +131,7 @@ __device__ __forceinline__ int BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ bool BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_turn(int h, int m,
                                                                                            int rank) const {
-    if (rank == 0) return (m + 1) * BM <= p.seqlen_q;  // a partial block is added to (the preprocess zeroed it)
+    if (rank == 0) return true;  // (a partial block's box stops at the sequence's end: dq_accum_layout)
     const int blocks = p.dq_first_store;
     const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
     const int* ready = counters.ready(((i64)b * p.nheads + h) * blocks + m);

@@ -136,14 +136,17 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_dq(int m_blocks) {
     const bool issuer = tid % 32 == 0;
-    const int slice = !FIXED && p.deterministic == 1 ? blockIdx.x : 0;
+    const bool ordered = !DSPLIT && p.deterministic == DQ_ORDERED;  // (its map: rows of a sequence, then batch)
+    const int slice = ordered ? b : !FIXED && p.deterministic == 1 ? blockIdx.x : 0;
     int tt = 0;
     walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
         for (int t = 0; t < steps; ++t, ++tt) {
             int h, m;
             step_of(t, m_min, m_count, h, m);
-            // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b]
-            const int row = (p.cu_seqlens_q != nullptr ? SeqInfo::q_begin_of(p, b) : b * p.seqlen_q) + m * BM;
+            // rows of all sequences: padded, sequence b starts at row b seqlen_q; packed, at cu_seqlens_q[b];
+            // ordered, the rows of sequence b (slice b)
+            const int row = (ordered ? 0 : p.cu_seqlens_q != nullptr ? SeqInfo::q_begin_of(p, b) : b * p.seqlen_q) +
+                            m * BM;
             // lane 0: a staging tile's two boxes added at (column col, row row + r0); in slices (deterministic
             // mode 1) a key block's first addition waits for the last one's, which may add to the same rows
             const auto add_tile = [&](u32 tile, int col, int r0, bool first, bool store) {
@@ -170,7 +173,6 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                     }
             } else {
                 // (bwd_sm90_dq.cuh) the step's two tiles are the whole query block
-                const bool ordered = p.deterministic == DQ_ORDERED;
                 const int rank = ordered && issuer ? dq_rank(m, m_blocks) : 0;
                 const bool store = issuer && (ordered ? dq_turn(h, m, rank) : dq_ticket(h, m));
 #pragma unroll

@@ -191,10 +191,15 @@ def backward_main(spec: BwdSm90Spec, inner_params, q, k, v, dout, grid, device_i
 def dq_accum_layout(inner_params, grid) -> tuple:
     """(dtype, dims, byte strides, box) of dq_accum's tensor map: fp32 (slices, rows of all sequences, heads, d) as
     4-D (d, heads, rows, slices), box (32, 1, 64, 1): 32 columns (128 bytes, the swizzle span) of 64 rows; int32 and
-    one slice in deterministic mode's fixed point (BwdParams::deterministic 2)."""
+    one slice in deterministic mode's fixed point (BwdParams::deterministic 2). Ordered mode (DQ_ORDERED, a padded
+    batch): (d, heads, seqlen_q, batch), so that a partial last block's box stops at its sequence's end and no
+    addition reaches the next sequence's rows, whose turns are counted apart."""
     h, d = int(inner_params["nheads"]), int(inner_params["headdim"])
     rows = int(inner_params["dq_slice_stride"]) // (h * d)
     mode = int(inner_params["deterministic"])
+    if mode == DQ_ORDERED:
+        rows, batch = int(inner_params["seqlen_q"]), int(inner_params["batch"])
+        return np.dtype(np.float32), (d, h, rows, batch), (d * 4, h * d * 4, rows * h * d * 4), (32, 1, 64, 1)
     slices = grid[0] if mode == 1 else 1
     dtype = np.dtype(np.int32 if mode == 2 else np.float32)
     return dtype, (d, h, rows, slices), (d * 4, h * d * 4, rows * h * d * 4), (32, 1, 64, 1)
