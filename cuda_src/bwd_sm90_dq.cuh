@@ -115,9 +115,9 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 // n M / N (step_of) and the order is cyclic: from the last key block whose walk has started by m, down, then on
 // from N - 1. The first in the order stores the block (its tensor map is per sequence, so a partial block's rows
 // stop at the sequence's end), later ones wait on the block's counter (ready) until it holds their rank, add, and
-// pass the counter on once their additions are made. A CTA waits only on key blocks of
-// its own (KV head, sequence), whose CTAs are launched beside it: the plan takes this mode only where they are few
-// (backward.ORDERED_MAX_BLOCKS), so that a group's CTAs run at once.
+// pass the counter on once their additions are made. A CTA waits only on key blocks of its own (KV head, sequence),
+// whose CTAs are launched beside it: the plan takes this mode only where they are few (backward.ORDERED_MAX_BLOCKS),
+// so that a group's CTAs run at once.
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ int BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_rank(int m, int m_blocks) const {
     const int n = n_key0 / BN, blocks = ceil_div(mask.seqlen_k, BN);
