@@ -168,8 +168,8 @@ def test_dropout_forward_plan(arch):
 
 def test_dropout_backward_plan():
     """Dropout's backward: on sm_90a the Hopper kernel's dropout variant at d 64, 128 and 256 (64 query rows, 128 at
-    d 64 without a score mod; in deterministic mode the fp32 slices; with a score mod at d 64 and 256), elsewhere with a
-    score mod the portable kernel with one Q/dO buffer (at d 128 the 32-key configuration: the kernels that would spill
+    d 64 without a score mod; in deterministic mode the ordered additions; with a score mod at d 64 and 256), elsewhere
+    with a score mod the portable kernel with one Q/dO buffer (at d 128 the 32-key configuration: the kernels that would spill
     leave dropout out, BwdTraits::DROPOUT); above 128 it raises there, and on sm_90a the d 256 Hopper kernel takes
     136-248."""
     problem = checks.Problem(2, 300, 500, 8, 2, 128, np.dtype(np.float16))
@@ -178,7 +178,7 @@ def test_dropout_backward_plan():
     assert hopper.sm90 == backward_sm90.BwdSm90Spec("fp16", 128, True, False, 64, False, True)
     assert hopper.sm90 in backward_sm90.all_specs() and hopper.grid == (4, 2, 2) and hopper.slices == 1
     det = backward.plan_backward(problem, -1, 0, False, True, "sm_90a", 132, dropout=True)
-    assert det.sm90.dropout and not det.fixed_point and det.slices == det.grid[0]
+    assert det.sm90.dropout and det.ordered and not det.fixed_point and det.slices == 1
     narrow = checks.Problem(2, 300, 500, 8, 2, 64, np.dtype(np.float16))
     assert backward.plan_backward(narrow, -1, -1, False, False, "sm_90a", 132, dropout=True).sm90.block_m == 128
     modded = backward.plan_backward(problem, -1, 0, True, False, "sm_90a", 132, dropout=True)
@@ -211,11 +211,12 @@ def test_dropout_backward_plan():
             backward.plan_backward(wide, -1, -1, True, False, "sm_90a", 132, dropout=True)
 
 
-def test_score_mod_backward_plan():
+def test_score_mod_backward_plan(monkeypatch):
     """Softcap and ALiBi (a score mod) in the backward: on sm_90a the Hopper kernel's score-mod variant at every
     compiled head dim (the head dim's query rows: 128 at d 64; in deterministic mode the fixed point or the slices by
     the rule without a mod, but the slices at d 64 under a causal mask), a head dim between the compiled ones on the
-    next one's; on sm_80 the portable kernel."""
+    next one's; on sm_80 the portable kernel. (The rule without the ordered mode, which takes no score mod.)"""
+    monkeypatch.setattr(backward, "ORDERED_MAX_BLOCKS", 0)
     for d, compiled in ((64, 64), (128, 128), (96, 128), (200, 256), (256, 256)):
         problem = checks.Problem(2, 300, 1100, 8, 2, d, np.dtype(np.float16))
         for band in (False, True):
@@ -369,6 +370,9 @@ def test_sm90_backward_ordered_mode_where_it_applies(configure):
         assert not plan(64, 1000).ordered
     with pytest.raises(ValueError, match="CUFLASH_BWD_SM90_DET"):
         cuflash_settings.Settings(bwd_sm90_det="sorted")
+    configure(bwd_sm90_det="auto")  # from ORDERED_MIN_BLOCKS key blocks: d 128 from one, d 64 from 8 (1k keys)
+    assert plan(128, 512).ordered and plan(64, 1024).ordered and plan(64, 1024, right=-1).ordered
+    assert not plan(64, 512).ordered
 
 
 def test_sm90_backward_slots_end_soonest_with_fewest_slices():
@@ -465,12 +469,14 @@ def test_kv_bound_blocks():
     assert backward.kv_bound_blocks(1, 32, 10_000, 132) == 1
 
 
-def test_deterministic_fixed_point_rule(configure):
+def test_deterministic_fixed_point_rule(configure, monkeypatch):
     """The bwd_sm90_det setting "auto": the fixed point where the slot rule gives several slots or from
     backward.FIXED_MIN_BLOCKS key blocks on (per head dim, without and with a causal mask), with a score mod too, not
-    with dropout or on the d = 64 kernel with 64 rows (no TMA dQ); "slices" never; a fixed slot count keeps slices."""
+    with dropout or on the d = 64 kernel with 64 rows (no TMA dQ); "slices" never; a fixed slot count keeps slices.
+    (The rule where the ordered mode does not apply: off here.)"""
     from cuflash import checks
     from cuflash.ops import backward
+    monkeypatch.setattr(backward, "ORDERED_MAX_BLOCKS", 0)
     configure(bwd_sm90=True)
     configure(bwd_sm90_det="auto")
     big = checks.Problem(32, 512, 512, 16, 16, 128, np.dtype(np.float16))   # 4 blocks, one slot each
@@ -523,12 +529,13 @@ def test_memory_system_from_the_device_attributes(monkeypatch):
         build.memory_system.cache_clear()
 
 
-def test_deterministic_slices_that_outgrow_the_l2_take_the_fixed_point(configure):
+def test_deterministic_slices_that_outgrow_the_l2_take_the_fixed_point(configure, monkeypatch):
     """"auto" on a device whose memory system is known: one slot per group whose dQ at once (halved under a causal
     mask) outgrows the L2 scaled by the bandwidth takes the fixed point (about 28 MiB on an H100 SXM, 41 on an H200);
-    smaller, or without a memory system, the slices."""
+    smaller, or without a memory system, the slices. (The rule where the ordered mode does not apply: off here.)"""
     from cuflash import build, checks
     from cuflash.ops import backward
+    monkeypatch.setattr(backward, "ORDERED_MAX_BLOCKS", 0)
     configure(bwd_sm90=True)
     configure(bwd_sm90_det="auto")
     h100 = build.MemorySystem(50 << 20, 2 * 2619e6 * 5120 / 8)

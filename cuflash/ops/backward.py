@@ -84,6 +84,9 @@ SLICES_L2_BANDWIDTH = 6e12
 # each CTA waiting on the counter of the block for its turn. A CTA waits only on CTAs of its own (KV head, sequence)
 # group, which must all run at once: at most this many key blocks (CTAs) per group.
 ORDERED_MAX_BLOCKS = 16
+# "auto" takes the ordered mode where it applies from this many key blocks on: at d = 64 with 4 key blocks (512 keys)
+# the slices are faster than the atomic mode itself (docs/perf-notes.md, "deterministic backward: ordered dQ")
+ORDERED_MIN_BLOCKS = {64: 8, 128: 1}
 
 
 def slices_outgrow_l2(problem, slots: int, groups: int, causal: bool, sm_count: int, memory) -> bool:
@@ -204,7 +207,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
     """Main backward kernel and its grid. Where the Hopper kernel applies (backward_sm90.applies; with dropout,
     dropout_applies) it runs (`sm90`), on its own grid: 128-key blocks, and in deterministic mode slots_sm90 slots
     or the fixed point (not with dropout; `memory`, the device's build.MemorySystem, for slices_outgrow_l2), or the
-    ordered additions (ordered_applies; `packed`: varlen sequences).
+    ordered additions (ordered_applies, from ORDERED_MIN_BLOCKS key blocks; `packed`: varlen sequences).
     Elsewhere deterministic mode gives each of `slots` CTAs per (KV head, batch) its own dQ slice; enough slots to
     fill the GPU about twice, at most one per KV block."""
     band = left >= 0 or right >= 0
@@ -239,8 +242,8 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
                 slices_outgrow_l2(problem, slots, groups, causal, sm_count, memory)) and not (
                     score_mod and causal and d == 64)
         fixed_ok = backward_sm90.tma_dq(d, block_m)  # the FIXED kernels add dQ by TMA
-        ordered = s.bwd_sm90_det == "ordered" and ordered_applies(d, block_m, left, right, score_mod, n_blocks,
-                                                                  packed)
+        ordered = ordered_applies(d, block_m, left, right, score_mod, n_blocks, packed) and (
+            s.bwd_sm90_det == "ordered" or (s.bwd_sm90_det == "auto" and n_blocks >= ORDERED_MIN_BLOCKS.get(d, 1)))
         fixed = not ordered and not dropout and fixed_ok and (
             s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det in ("auto", "ordered") and auto))
     sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)

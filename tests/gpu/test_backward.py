@@ -350,7 +350,7 @@ def test_sm90_ordered_deterministic(configure, compiled, sm90_backward, d):
     applies = backward_sm90.tma_dq(kernel_d, block_m)
     plan = backward.plan_backward(checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16)), -1, 0, False, True,
                                   "sm_90a", 132)
-    assert plan.ordered == applies and plan.slices == 1 and not (plan.ordered and plan.fixed_point)
+    assert plan.ordered == applies and not (applies and (plan.slices > 1 or plan.fixed_point))
     assert not backward.plan_backward(checks.Problem(2, 400, 850, 4, 2, d, np.dtype(np.float16)), -1, 0, True, True,
                                       "sm_90a", 132).ordered  # softcap / ALiBi
     cases = [dict(b=2, sq=400, sk=850, h=4, hk=2, causal=True), dict(b=2, sq=333, sk=200, h=4, hk=4, causal=True),
