@@ -168,10 +168,10 @@ def test_dropout_forward_plan(arch):
 
 def test_dropout_backward_plan():
     """Dropout's backward: on sm_90a the Hopper kernel's dropout variant at d 64, 128 and 256 (64 query rows, 128 at
-    d 64 without a score mod; in deterministic mode the ordered additions; with a score mod at d 64 and 256), elsewhere
-    with a score mod the portable kernel with one Q/dO buffer (at d 128 the 32-key configuration: the kernels that would spill
-    leave dropout out, BwdTraits::DROPOUT); above 128 it raises there, and on sm_90a the d 256 Hopper kernel takes
-    136-248."""
+    d 64 without a score mod; in deterministic mode the ordered additions; with a score mod at d 64 and 256),
+    elsewhere with a score mod the portable kernel with one Q/dO buffer (at d 128 the 32-key configuration: the
+    kernels that would spill leave dropout out, BwdTraits::DROPOUT); above 128 it raises there, and on sm_90a the
+    d 256 Hopper kernel takes 136-248."""
     problem = checks.Problem(2, 300, 500, 8, 2, 128, np.dtype(np.float16))
     assert backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132).sm90.dropout is False
     hopper = backward.plan_backward(problem, -1, 0, False, False, "sm_90a", 132, dropout=True)

@@ -60,7 +60,9 @@ def dropout_config(headdim: int, arch: str, score_mod: bool) -> BwdConfig:
         return DROPOUT_CONFIG
     return BWD_CONFIG if arch == "sm_90a" else bwd_config(headdim)
 
-# Deterministic mode on the Hopper kernel. Either each of slots_sm90 CTAs per head adds into its own fp32 dQ
+# Deterministic mode on the Hopper kernel. Where ordered_applies (short sequences, no score mod, a padded batch) from
+# ORDERED_MIN_BLOCKS key blocks on, the atomic mode's grid adds fp32 dQ with each query block's key blocks in turn
+# ("ordered", below). Elsewhere either each of slots_sm90 CTAs per head adds into its own fp32 dQ
 # slice, summed in order after the kernel ("slices"), or the atomic mode's grid adds dQ as int32 fixed point
 # (BwdParams::deterministic 2, cuda_src/fixed_dq.cuh): a per-row scale from a bound on the row's partial sums,
 # into one accumulator, whose integer sums do not depend on their order ("fixed"). The fixed point costs a pass
