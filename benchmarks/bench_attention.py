@@ -451,8 +451,9 @@ def _grad_errors(got, ref) -> dict:
 
 
 def det_plan(qc, kc, vc, causal: bool, dropout: bool) -> str | None:
-    """How the deterministic backward adds dQ in this cell, as backward.backward_call plans it: "fixed" (int32 fixed
-    point) or "slices xN" (N fp32 slices per head); None where this package plans in another way."""
+    """How the deterministic backward adds dQ in this cell, as backward.backward_call plans it: "ordered" (fp32, each
+    query block's key blocks in turn), "fixed" (int32 fixed point) or "slices xN" (N fp32 slices per head); None
+    where this package plans in another way."""
     try:
         from cuflash import build, checks, options
         from cuflash.ops import backward
@@ -463,6 +464,8 @@ def det_plan(qc, kc, vc, causal: bool, dropout: bool) -> str | None:
                                         build.sm_count(dev), dropout=dropout, memory=build.memory_system(dev))
     except Exception:  # noqa: BLE001 (an older package: no memory system, other names)
         return None
+    if getattr(launch, "ordered", False):
+        return "ordered"
     return "fixed" if launch.fixed_point else f"slices x{launch.slices}"
 
 
@@ -776,11 +779,12 @@ def print_table(op: Op, rows: list[dict], args) -> None:
         print(f"deterministic/atomic time over {len(dets)} cells: min {dets[0]:.3f}, "
               f"median {dets[len(dets) // 2]:.3f}, max {dets[-1]:.3f}")
     plans = [r for r in rows if r.get("det_plan")]
-    if plans:  # which cells' deterministic mode added dQ in fp32 slices (the others: the fixed point)
+    if plans:  # how each cell's deterministic mode added dQ: in turn, fixed point, or which cells' fp32 slices
         slices = [f"{r['d']}/{'causal' if r['causal'] else 'full'}/{r['seqlen']} {r['det_plan'][len('slices '):]}"
-                  for r in plans if r["det_plan"] != "fixed"]
-        print(f"deterministic mode: the fixed point in {len(plans) - len(slices)} of {len(plans)} cells; "
-              f"slices in {', '.join(slices) if slices else 'none'}")
+                  for r in plans if r["det_plan"].startswith("slices")]
+        ordered = sum(r["det_plan"] == "ordered" for r in plans)
+        print(f"deterministic mode over {len(plans)} cells: ordered in {ordered}, the fixed point in "
+              f"{len(plans) - ordered - len(slices)}; slices in {', '.join(slices) if slices else 'none'}")
     errors = {(i, r.get(f"error_{i}")) for r in rows for i in impls if r.get(f"error_{i}")}
     for impl, err in sorted(errors, key=str):
         print(f"n/a {impl}: {err}")

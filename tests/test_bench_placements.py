@@ -157,11 +157,14 @@ def test_placements_must_be_positive():
 
 
 def test_the_deterministic_plan_of_each_cell_is_printed(capsys):
-    """print_table's last line on the deterministic mode: the cells whose dQ went to slices, and how many."""
+    """print_table's last line on the deterministic mode: how many cells added dQ in turn and by the fixed point, and
+    the cells whose dQ went to slices, and how many."""
     rows = [_row("bwd", {"cuflash": 1.0, "cuflash_det": 1.1}, det_plan="fixed"),
-            dict(_row("bwd", {"cuflash": 1.0, "cuflash_det": 1.2}, det_plan="slices x2"), seqlen=1024, causal=True)]
+            dict(_row("bwd", {"cuflash": 1.0, "cuflash_det": 1.2}, det_plan="slices x2"), seqlen=1024, causal=True),
+            dict(_row("bwd", {"cuflash": 1.0, "cuflash_det": 1.0}, det_plan="ordered"), seqlen=2048)]
     ba.print_table(ba.OPS["bwd"], rows, ba.parse_args(["--op", "bwd"]))
     out = capsys.readouterr().out
-    assert "deterministic mode: the fixed point in 1 of 2 cells; slices in 64/causal/1024 x2" in out
+    assert ("deterministic mode over 3 cells: ordered in 1, the fixed point in 1; slices in 64/causal/1024 x2"
+            in out)
     ba.print_table(ba.OPS["bwd"], [dict(rows[1], det_plan=None)], ba.parse_args(["--op", "bwd"]))
     assert "deterministic mode" not in capsys.readouterr().out  # a package that plans otherwise: no line
