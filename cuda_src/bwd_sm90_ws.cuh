@@ -136,7 +136,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_dq(int m_blocks) {
     const bool issuer = tid % 32 == 0;
-    const bool ordered = !DSPLIT && p.deterministic == DQ_ORDERED;  // (its map: rows of a sequence, then batch)
+    const bool ordered = p.deterministic == DQ_ORDERED;  // (its map: rows of a sequence, then batch)
     const int slice = ordered ? b : !FIXED && p.deterministic == 1 ? blockIdx.x : 0;
     int tt = 0;
     walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
@@ -157,23 +157,26 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                     else sm90::tma_reduce_add_4d(&P.dq, col + box * 32, h, row + r0, slice, tile + box * DQ_BOX);
                 }
             };
+            // (bwd_sm90_dq.cuh) ordered mode: this step's turn at its query block, whose tiles the step adds whole
+            const int rank = ordered && issuer ? dq_rank(m, m_blocks) : 0;
             if constexpr (DSPLIT) {
                 // consumer c's tile holds its panels 2 c and 2 c + 1 in turn: each read out before it is handed back
+                const bool store = issuer && ordered && dq_turn(h, m, rank);
 #pragma unroll
                 for (int pl = 0; pl < 2; ++pl)
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         sm90::named_sync<160>(int(BwdBarrier::DqFull0) + c);
                         if (issuer) {
-                            add_tile(base + OFF_DQ + c * DQ_TILE, (2 * c + pl) * 64, 0, pl == 0 && c == 0, false);
+                            add_tile(base + OFF_DQ + c * DQ_TILE, (2 * c + pl) * 64, 0, pl == 0 && c == 0, store);
                             sm90::bulk_commit();
                             sm90::bulk_wait_read<0>();
                             sm90::mbar_arrive(dq_empty(c));
                         }
                     }
+                if (issuer && ordered) dq_pass(h, m, rank);
             } else {
-                // (bwd_sm90_dq.cuh) the step's two tiles are the whole query block
-                const int rank = ordered && issuer ? dq_rank(m, m_blocks) : 0;
+                // the step's two tiles are the whole query block
                 const bool store = issuer && (ordered ? dq_turn(h, m, rank) : dq_ticket(h, m));
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {  // consumer c's tile: ROW_SPLIT, dQ's rows 64 c ..; else columns 64 c ..

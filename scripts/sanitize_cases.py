@@ -268,9 +268,9 @@ def _sm90_cases() -> list[dict]:
         cases.append(dict(name=f"sm90_bwd_fixed_bf16_d{d}_causal", fn="attention_backward", dtype="bf16",
                           shape=dict(BWD_S70, d=d), det_mode="fixed", opts=dict(causal=True, deterministic=True)))
     # the Hopper backward's ordered dQ additions (the bwd_sm90_det setting "ordered": each query block's counter
-    # passed from key block to key block), d 64 (128 query rows) and 128, causal and without a mask (the walks
+    # passed from key block to key block), d 64 (128 query rows), 128 and 256, causal and without a mask (the walks
     # started apart)
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for causal in (True, False):
             cases.append(dict(name=f"sm90_bwd_ordered_bf16_d{d}_{'causal' if causal else 'full'}",
                               fn="attention_backward", dtype="bf16", shape=dict(BWD_S70, d=d), det_mode="ordered",

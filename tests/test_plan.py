@@ -363,8 +363,8 @@ def test_sm90_backward_ordered_mode_where_it_applies(configure):
     assert not plan(128, 128 * blocks + 1).ordered  # too many key blocks: the fixed point
     assert plan(128, 128 * blocks + 1).fixed_point
     assert not plan(128, 1000, left=100, right=-1).ordered  # a window without a right edge
-    for other in (plan(256, 1000), plan(128, 1000, mod=True), plan(128, 1000, packed=True),
-                  plan(128, 1000, deterministic=False)):
+    assert plan(256, 64 * blocks).ordered and not plan(256, 64 * blocks + 1).ordered  # 64-key blocks at d 256
+    for other in (plan(128, 1000, mod=True), plan(128, 1000, packed=True), plan(128, 1000, deterministic=False)):
         assert not other.ordered
     with cuflash_settings.override(bwd_sm90_block_m={64: 64}):  # d 64's lockstep kernel: no dQ warp
         assert not plan(64, 1000).ordered
@@ -372,7 +372,7 @@ def test_sm90_backward_ordered_mode_where_it_applies(configure):
         cuflash_settings.Settings(bwd_sm90_det="sorted")
     configure(bwd_sm90_det="auto")  # from ORDERED_MIN_BLOCKS key blocks: d 128 from one, d 64 from 8 (1k keys)
     assert plan(128, 512).ordered and plan(64, 1024).ordered and plan(64, 1024, right=-1).ordered
-    assert not plan(64, 512).ordered
+    assert not plan(64, 512).ordered and not plan(256, 64 * blocks).ordered  # d 256: the fixed point (not measured)
 
 
 def test_sm90_backward_slots_end_soonest_with_fewest_slices():

@@ -87,8 +87,9 @@ SLICES_L2_BANDWIDTH = 6e12
 # group, which must all run at once: at most this many key blocks (CTAs) per group.
 ORDERED_MAX_BLOCKS = 16
 # "auto" takes the ordered mode where it applies from this many key blocks on: at d = 64 with 4 key blocks (512 keys)
-# the slices are faster than the atomic mode itself (docs/perf-notes.md, "deterministic backward: ordered dQ")
-ORDERED_MIN_BLOCKS = {64: 8, 128: 1}
+# the slices are faster than the atomic mode itself (docs/perf-notes.md, "deterministic backward: ordered dQ"); at
+# d = 256 (64-key blocks) it is not measured against the fixed point, which "auto" keeps there
+ORDERED_MIN_BLOCKS = {64: 8, 128: 1, 256: ORDERED_MAX_BLOCKS + 1}
 
 
 def slices_outgrow_l2(problem, slots: int, groups: int, causal: bool, sm_count: int, memory) -> bool:
@@ -259,10 +260,9 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
 def ordered_applies(d: int, block_m: int, left: int, right: int, score_mod: bool, n_blocks: int,
                     packed: bool) -> bool:
     """Deterministic mode's ordered dQ additions (BwdSm90::dq_turn) run this call: the Hopper kernel's dQ warp
-    (backward_sm90.tma_dq, not d = 256), no score mod, a padded batch (the first stores' counters), no band or one
-    with a right edge (under which the key blocks reach a query block in their order), at most ORDERED_MAX_BLOCKS
-    key blocks."""
-    return (backward_sm90.tma_dq(d, block_m) and d != 256 and not score_mod and not packed
+    (backward_sm90.tma_dq), no score mod, a padded batch (the first stores' counters), no band or one with a right
+    edge (under which the key blocks reach a query block in their order), at most ORDERED_MAX_BLOCKS key blocks."""
+    return (backward_sm90.tma_dq(d, block_m) and not score_mod and not packed
             and (right >= 0 or left < 0) and n_blocks <= ORDERED_MAX_BLOCKS)
 
 

@@ -334,7 +334,7 @@ def test_sm90_fixed_point_deterministic(configure, compiled, sm90_backward, d):
         backward._launches.clear()
 
 
-@pytest.mark.parametrize("d", [48, 64, 96, 128])
+@pytest.mark.parametrize("d", [48, 64, 96, 128, 200, 256])
 def test_sm90_ordered_deterministic(configure, compiled, sm90_backward, d):
     """The bwd_sm90_det setting "ordered": each query block's dQ added to by its key blocks in turn (BwdSm90::dq_turn;
     the dQ warp's kernels, so not d = 64 with 64 rows), in a workspace of 0xFF bytes (NaN accumulator, counters -1
