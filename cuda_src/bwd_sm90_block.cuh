@@ -448,9 +448,15 @@ struct BwdSm90 {
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;
     __device__ __forceinline__ void stage_dq(const float (&dq)[8][4], int panel, int tt, const float* scales) const;
     // BwdParams::dq_first_store: the issuing lane's ticket for query block m of head h (true: this CTA's additions
-    // to it are the first, made as stores), and the release of its stores once written (bwd_sm90_dq.cuh)
+    // to it are the first, made as stores; dq_pass with rank 0 releases them once written; bwd_sm90_dq.cuh)
     __device__ __forceinline__ bool dq_ticket(int h, int m) const;
-    __device__ __forceinline__ void dq_stored(int h, int m) const;
+    // query block m of head h's ready flag (DqStoreCounters): set once the first stores are written (dq_pass with
+    // rank 0), or in ordered mode the count of key blocks that have added
+    __device__ __forceinline__ int* dq_ready(int h, int m) const {
+        const int blocks = p.dq_first_store;
+        return DqStoreCounters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks)
+            .ready(((i64)b * p.nheads + h) * blocks + m);
+    }
     // Ordered mode (BwdParams::deterministic DQ_ORDERED): this key block's place in query block m's order, the wait
     // for its turn (true: its additions are the first, made as stores) and the pass to the next (bwd_sm90_dq.cuh)
     __device__ __forceinline__ int dq_rank(int m, int m_blocks) const;

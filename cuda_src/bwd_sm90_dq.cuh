@@ -91,20 +91,10 @@ __device__ __forceinline__ bool BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     const int blocks = p.dq_first_store;
     if (blocks == 0 || (m + 1) * BM > p.seqlen_q) return false;
     const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
-    const i64 block = ((i64)b * p.nheads + h) * blocks + m;
-    if (atomicAdd(counters.ticket(block), 1) == 0) return true;
-    while (sm90::ld_acquire(counters.ready(block)) == 0) __nanosleep(64);
+    if (atomicAdd(counters.ticket(((i64)b * p.nheads + h) * blocks + m), 1) == 0) return true;
+    while (sm90::ld_acquire(dq_ready(h, m)) == 0) __nanosleep(64);
     sm90::fence_proxy_async_global();  // the first CTA's stores (seen by this thread) before its TMA reductions
     return false;
-}
-
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
-__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_stored(int h, int m) const {
-    const int blocks = p.dq_first_store;
-    const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
-    sm90::bulk_wait<0>();              // the stores written
-    sm90::fence_proxy_async_global();  // (async-proxy writes, published by a generic release)
-    sm90::st_release(counters.ready(((i64)b * p.nheads + h) * blocks + m), 1);
 }
 
 // Ordered mode (BwdParams::deterministic DQ_ORDERED, a padded batch, the counters of dq_first_store): each query
@@ -132,10 +122,7 @@ template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DR
 __device__ __forceinline__ bool BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_turn(int h, int m,
                                                                                            int rank) const {
     if (rank == 0) return true;  // (a partial block's box stops at the sequence's end: dq_accum_layout)
-    const int blocks = p.dq_first_store;
-    const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
-    const int* ready = counters.ready(((i64)b * p.nheads + h) * blocks + m);
-    while (sm90::ld_acquire(ready) < rank) __nanosleep(32);
+    while (sm90::ld_acquire(dq_ready(h, m)) < rank) __nanosleep(32);
     sm90::fence_proxy_async_global();  // the additions before (seen by this thread) before this CTA's
     return false;
 }
@@ -143,11 +130,9 @@ __device__ __forceinline__ bool BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_pass(int h, int m,
                                                                                            int rank) const {
-    const int blocks = p.dq_first_store;
-    const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
-    sm90::bulk_wait<0>();              // this CTA's additions made
+    sm90::bulk_wait<0>();              // this CTA's additions made (stores too: then every group, read out too)
     sm90::fence_proxy_async_global();  // (async-proxy writes, published by a generic release)
-    sm90::st_release(counters.ready(((i64)b * p.nheads + h) * blocks + m), rank + 1);
+    sm90::st_release(dq_ready(h, m), rank + 1);
 }
 
 }  // namespace cuflash

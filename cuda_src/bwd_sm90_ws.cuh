@@ -187,8 +187,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
                 }
                 if (issuer) {
                     sm90::bulk_commit();
-                    if (ordered) dq_pass(h, m, rank);  // (waits for every group: the tiles are read out too)
-                    else if (store) dq_stored(h, m);
+                    if (ordered || store) dq_pass(h, m, rank);  // (a ticket's stores: rank 0)
                     else sm90::bulk_wait_read<1>();  // step tt - 1's tiles are read out: step tt + 1 may store there
                     sm90::mbar_arrive(dq_empty());
                 }
