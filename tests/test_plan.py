@@ -372,7 +372,11 @@ def test_sm90_backward_ordered_mode_where_it_applies(configure):
         cuflash_settings.Settings(bwd_sm90_det="sorted")
     configure(bwd_sm90_det="auto")  # from ORDERED_MIN_BLOCKS key blocks: d 128 from one, d 64 from 8 (1k keys)
     assert plan(128, 512).ordered and plan(64, 1024).ordered and plan(64, 1024, right=-1).ordered
-    assert not plan(64, 512).ordered and not plan(256, 64 * blocks).ordered  # d 256: the fixed point (not measured)
+    assert not plan(64, 512).ordered
+    # d 256: ordered without a mask, the fixed point under a band
+    assert plan(256, 64 * blocks, right=-1).ordered and plan(256, 64, right=-1).ordered
+    assert not plan(256, 64 * blocks).ordered and plan(256, 64 * blocks).fixed_point
+    assert not plan(256, 1000, left=100, right=30).ordered
 
 
 def test_sm90_backward_slots_end_soonest_with_fewest_slices():

@@ -86,10 +86,11 @@ SLICES_L2_BANDWIDTH = 6e12
 # each CTA waiting on the counter of the block for its turn. A CTA waits only on CTAs of its own (KV head, sequence)
 # group, which must all run at once: at most this many key blocks (CTAs) per group.
 ORDERED_MAX_BLOCKS = 16
-# "auto" takes the ordered mode where it applies from this many key blocks on: at d = 64 with 4 key blocks (512 keys)
-# the slices are faster than the atomic mode itself (docs/perf-notes.md, "deterministic backward: ordered dQ"); at
-# d = 256 (64-key blocks) it is not measured against the fixed point, which "auto" keeps there
-ORDERED_MIN_BLOCKS = {64: 8, 128: 1, 256: ORDERED_MAX_BLOCKS + 1}
+# "auto" takes the ordered mode where it applies from this many key blocks on (without, with a band: a causal mask or a
+# window): at d = 64 with 4 key blocks (512 keys) the slices are faster than the atomic mode itself; at d = 256 (64-key
+# blocks) under a causal mask the fixed point is faster, the turns there a chain down the diagonal (docs/perf-notes.md,
+# "deterministic backward: ordered dQ" and "... at d 256")
+ORDERED_MIN_BLOCKS = {64: (8, 8), 128: (1, 1), 256: (1, ORDERED_MAX_BLOCKS + 1)}
 
 
 def slices_outgrow_l2(problem, slots: int, groups: int, causal: bool, sm_count: int, memory) -> bool:
@@ -246,7 +247,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
                     score_mod and causal and d == 64)
         fixed_ok = backward_sm90.tma_dq(d, block_m)  # the FIXED kernels add dQ by TMA
         ordered = ordered_applies(d, block_m, left, right, score_mod, n_blocks, packed) and (
-            s.bwd_sm90_det == "ordered" or (s.bwd_sm90_det == "auto" and n_blocks >= ORDERED_MIN_BLOCKS.get(d, 1)))
+            s.bwd_sm90_det == "ordered" or (s.bwd_sm90_det == "auto" and n_blocks >= ORDERED_MIN_BLOCKS[d][band]))
         fixed = not ordered and not dropout and fixed_ok and (
             s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det in ("auto", "ordered") and auto))
     sm90 = backward_sm90.BwdSm90Spec(dtype, d, band, score_mod, block_m, fixed, dropout)
