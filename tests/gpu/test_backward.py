@@ -397,6 +397,44 @@ def test_sm90_ordered_deterministic(configure, compiled, sm90_backward, d):
         backward._launches.clear()
 
 
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_ordered_on_many_waves(configure, compiled, sm90_backward, d, causal):
+    """The ordered mode on a grid of several waves of CTAs (24 x 8 heads x 512 keys: 768 CTAs at d = 128, 1,536 at
+    d = 256, on 132 SMs). A key block's turn waits on key blocks of its own group only, so a group that a wave cuts in
+    two goes on once earlier groups leave their SMs; the small grids above run all at once and do not reach this.
+    Bitwise equal over two calls into NaN-filled gradients and close to the atomic mode's (sums in another order:
+    without a mask the walks start apart, dK and dV too)."""
+    import cupy
+    import cuflash
+    from cuflash import checks
+    configure(bwd_sm90_det="ordered")
+    b, s, h = 24, 512, 8
+    q, k, v, dout, _ = make_case(np.random.default_rng(80), b=b, sq=s, sk=s, h=h, hk=h, d=d, dtype="bf16")
+    opts = dict(softmax_scale=None, causal=causal, window_size=(-1, -1), softcap=0.0)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+    problem = checks.Problem(b, s, s, h, h, d, np.dtype(q.dtype))
+
+    def grads(deterministic):
+        backward._launches.clear()
+        dq, dk, dv = (cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v))
+        backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes=None, deterministic=deterministic,
+                        **opts)
+        (call,) = backward._launches.values()
+        params = np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
+        assert (int(params["deterministic"]) == backward_sm90.DQ_ORDERED) == deterministic
+        return dq, dk, dv
+
+    try:
+        first, again, atomic = grads(True), grads(True), grads(False)
+        for name, x, y, want in zip(("dq", "dk", "dv"), first, again, atomic):
+            assert bool(cupy.array_equal(x.view(np.uint16), y.view(np.uint16))), name
+            x, want = x.astype(np.float32), want.astype(np.float32)
+            assert float(cupy.abs(x - want).max()) <= 1e-2 * float(cupy.abs(want).max()), name
+    finally:
+        backward._launches.clear()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_backward_varlen(compiled, sm90_backward, deterministic):
     """Packed sequences (3-D tensor maps; keys and queries of the next sequence in a box are masked)."""
