@@ -136,7 +136,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::produce_dq(int m_blocks) {
     const bool issuer = tid % 32 == 0;
-    const bool ordered = p.deterministic == DQ_ORDERED;  // (its map: rows of a sequence, then batch)
+    const bool ordered = !FIXED && p.deterministic == DQ_ORDERED;  // (its map: rows of a sequence, then batch)
     const int slice = ordered ? b : !FIXED && p.deterministic == 1 ? blockIdx.x : 0;
     int tt = 0;
     walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
