@@ -282,6 +282,17 @@ def test_sm90_deterministic_over_several_passes(configure, compiled, sm90_backwa
         backward._launches.clear()
 
 
+def launch_sm90(problem, q, k, v, dout, out, lse, opts, **kw):
+    """One `backward.launch` into NaN-filled gradients (kw: deterministic, workspace): the gradients and the
+    parameters of its Hopper main kernel."""
+    import cupy
+    backward._launches.clear()
+    grads = tuple(cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v))
+    backward.launch(problem, dout, q, k, v, out, lse, *grads, alibi_slopes=None, **opts, **kw)
+    (call,) = backward._launches.values()
+    return grads, np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
+
+
 def run_deterministic_mix(d, seeds, plain):
     """Deterministic mode under causal (GQA), local and no masks (`plain`: the shape) and packed sequences against the
     reference, then bitwise equal over repeated calls; one seed each."""
@@ -370,12 +381,8 @@ def test_sm90_ordered_deterministic(configure, compiled, sm90_backward, d):
             problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(q.dtype))
             runs = []
             for _ in range(3):
-                backward._launches.clear()
-                grads = [cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v)]
-                backward.launch(problem, dout, q, k, v, out, lse, *grads, alibi_slopes=None, deterministic=True,
-                                workspace=cupy.full(1 << 24, 0xFF, np.uint8), **opts)
-                (call,) = backward._launches.values()
-                params = np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
+                grads, params = launch_sm90(problem, q, k, v, dout, out, lse, opts, deterministic=True,
+                                            workspace=cupy.full(1 << 24, 0xFF, np.uint8))
                 assert (int(params["deterministic"]) == backward_sm90.DQ_ORDERED) == applies, case
                 runs.append(grads)
             host = [x.get() for x in (q, k, v, dout)]
@@ -416,14 +423,9 @@ def test_sm90_ordered_on_many_waves(configure, compiled, sm90_backward, d, causa
     problem = checks.Problem(b, s, s, h, h, d, np.dtype(q.dtype))
 
     def grads(deterministic):
-        backward._launches.clear()
-        dq, dk, dv = (cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v))
-        backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes=None, deterministic=deterministic,
-                        **opts)
-        (call,) = backward._launches.values()
-        params = np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
+        got, params = launch_sm90(problem, q, k, v, dout, out, lse, opts, deterministic=deterministic)
         assert (int(params["deterministic"]) == backward_sm90.DQ_ORDERED) == deterministic
-        return dq, dk, dv
+        return got
 
     try:
         first, again, atomic = grads(True), grads(True), grads(False)
@@ -508,13 +510,9 @@ def test_sm90_first_dq_additions_are_stores(configure, compiled, mode, d):
     opts = dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0)
 
     def grads(problem, q, k, v, dout, out, lse):
-        backward._launches.clear()
-        dq, dk, dv = (cupy.full(x.shape, np.nan, x.dtype) for x in (q, k, v))
-        backward.launch(problem, dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes=None, deterministic=deterministic,
-                        workspace=cupy.full(1 << 24, 0xFF, np.uint8), **opts)
-        (call,) = backward._launches.values()
-        params = np.frombuffer(call.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
-        return (dq, dk, dv), int(params["dq_first_store"])
+        got, params = launch_sm90(problem, q, k, v, dout, out, lse, opts, deterministic=deterministic,
+                                  workspace=cupy.full(1 << 24, 0xFF, np.uint8))
+        return got, int(params["dq_first_store"])
 
     b, h, hk = 2, 4, 2
     try:
