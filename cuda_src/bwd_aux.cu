@@ -23,6 +23,11 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
     const int h = blockIdx.y, b = blockIdx.z;
     if (p.fixed_point && (blockIdx.x | blockIdx.y | blockIdx.z) == 0)
         for (int i = threadIdx.x; i < 2 * p.nheads_k; i += blockDim.x) p.kv_bound[i] = 0u;  // before bwd_kv_bound
+    if (p.group_counters > 0 && (blockIdx.x | blockIdx.y | blockIdx.z) == 0) {  // BwdParams::dq_convert's counts
+        const int blocks = p.first_store_rows > 0 ? ceil_div(p.seqlen_q, p.first_store_rows) : 0;
+        const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
+        for (int i = threadIdx.x; i < p.group_counters; i += blockDim.x) *counters.group_done(i) = 0;
+    }
     float acc = 0.f, sq = 0.f;
     if (row < used_rows(p.cu_seqlens_q, p.sequences, p.seqlen_q)) {
         const u16* o = p.out + b * p.o_batch_stride + row * p.o_row_stride + h * p.o_head_stride;

@@ -539,3 +539,53 @@ def test_sm90_first_dq_additions_are_stores(configure, compiled, mode, d):
                     assert bool(cupy.array_equal(x.view(np.uint16), y.view(np.uint16))), ctx
     finally:
         backward._launches.clear()
+
+
+@pytest.mark.parametrize("mode", ["atomic", "ordered"])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_sm90_dq_converted_in_kernel(configure, compiled, mode, d):
+    """BwdParams::dq_convert: the last CTA of each (sequence, KV head) to finish casts the group's dQ (no convert
+    pass), into NaN-filled gradients and a workspace of 0xFF bytes (NaN accumulator, counters -1 until the
+    preprocess): two query heads per KV head and one, causal with more queries than keys (rows that see no key: dq 0)
+    and not, several key blocks, rows off the blocks, one query row; against the reference, and in ordered mode
+    bitwise equal to the convert pass (bwd_sm90_convert_kib 0)."""
+    import cupy
+    import cuflash
+    from cuflash import checks
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    configure(bwd_sm90=True)
+    configure(bwd_sm90_det="ordered")
+    deterministic = mode == "ordered"
+    b, h = 2, 4
+    try:
+        for sq, sk, hk, causal in ((333, 900, 2, True), (333, 200, 2, True), (200, 650, 4, False), (1, 77, 1, False)):
+            opts = dict(softmax_scale=None, causal=causal, window_size=(-1, -1), softcap=0.0)
+            q, k, v, dout, _ = make_case(np.random.default_rng(sq + sk + d), b=b, sq=sq, sk=sk, h=h, hk=hk, d=d,
+                                         dtype="bf16")
+            out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+            problem = checks.Problem(b, sq, sk, h, hk, d, np.dtype(q.dtype))
+            ctx = f"d={d} {mode} sq={sq} sk={sk} hk={hk} causal={causal}"
+
+            def grads():
+                return launch_sm90(problem, q, k, v, dout, out, lse, opts, deterministic=deterministic,
+                                   workspace=cupy.full(1 << 24, 0xFF, np.uint8))
+
+            got, params = grads()
+            assert int(params["dq_convert"]) == 1, ctx
+            host = [x.get() for x in (q, k, v, dout)]
+            _, ref_lse = reference.attention(*host[:3], return_lse=True, **opts)
+            ref = reference.attention_backward(host[3], *host[:3], out.get().astype(np.float32), ref_lse, **opts)
+            naive = naive_lowp_backward(host[3], *host[:3], **opts)
+            for name, x, want, lowp in zip(("dq", "dk", "dv"), got, ref, naive):
+                assert_close_to_reference(x.get(), want, lowp, what=name, context=ctx)
+            if causal and sq > sk:
+                assert not bool(got[0][:, :sq - sk].view(np.uint16).any()), "rows that see no key: dq = 0"
+            with cuflash_settings.override(bwd_sm90_convert_kib=0):
+                before, params = grads()
+            assert int(params["dq_convert"]) == 0, ctx
+            if deterministic:
+                for x, y in zip(got, before):
+                    assert bool(cupy.array_equal(x.view(np.uint16), y.view(np.uint16))), ctx
+    finally:
+        backward._launches.clear()
