@@ -61,6 +61,14 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
             for (int c = sub * 4; c < p.headdim; c += p.lanes * 4)
                 *reinterpret_cast<float4*>(dq + s * p.dq_slice_stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    // the main kernel converts dQ by (sequence, KV head) group (BwdParams::dq_convert): rows that belong to no sequence
+    // get their 0 here
+    if (p.group_counters > 0 && p.cu_seqlens_q != nullptr && row < p.seqlen_q &&
+        row >= used_rows(p.cu_seqlens_q, p.sequences, p.seqlen_q)) {
+        u16* dq = p.dq + (((i64)b * p.seqlen_q + row) * p.nheads + h) * p.headdim;
+        for (int c = sub * 8; c < p.headdim; c += p.lanes * 8)
+            *reinterpret_cast<uint4*>(dq + c) = make_uint4(0u, 0u, 0u, 0u);
+    }
     for (int off = p.lanes / 2; off > 0; off /= 2) {  // within a row
         acc += __shfl_xor_sync(0xffffffff, acc, off);
         sq += __shfl_xor_sync(0xffffffff, sq, off);

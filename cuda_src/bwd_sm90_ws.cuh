@@ -245,10 +245,11 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     sm90::named_sync<BwdBarrier::GroupLast, 256>();
     if (ld_shared_u32(base) == 0) return;
     constexpr int U = 8;
+    const SeqInfo seq(p, b);
     const int pieces = p.heads_per_kv * p.headdim / 4;  // 16-byte pieces per row
-    const int n = p.seqlen_q * pieces;
+    const int n = seq.seqlen_q * pieces;
     const i64 row_stride = (i64)p.nheads * p.headdim;
-    const i64 first = ((i64)b * p.seqlen_q * p.nheads + (i64)h_kv * p.heads_per_kv) * p.headdim;
+    const i64 first = seq.q_offset(p.dq_batch_stride, 0) + (i64)h_kv * p.heads_per_kv * p.headdim;
     for (int i0 = tid; i0 < n; i0 += 256 * U) {
         float4 x[U];
         i64 at[U];

@@ -85,7 +85,7 @@ struct BwdParams {
     int dq_first_store;    // > 0 (the Hopper kernel's dQ warp, a padded batch, one accumulator): the query blocks per
                            // (sequence, head); each whole block's first addition is a store (BwdSm90::dq_ticket),
                            // so the preprocess zeroes only the rest of dq_accum; 0: every addition adds
-    int dq_convert;        // 1 (the Hopper kernel's dQ warp, a padded batch, one accumulator): the last CTA of each
+    int dq_convert;        // 1 (the Hopper kernel's dQ warp, one accumulator): the last CTA of each
                            // (sequence, KV head) to finish converts the group's rows of dq_accum into dq
                            // (BwdSm90::convert_group; DqStoreCounters::group_done), and no convert pass runs
     float dropout_scale;
@@ -106,6 +106,7 @@ struct BwdPreParams {
     const u16* v;
     const int* cu_seqlens_q;  // packed sequences (else nullptr): rows of q past cu_seqlens_q[sequences] and of k, v
     const int* cu_seqlens_k;  // past cu_seqlens_k[sequences] belong to none, and are read as zeros
+    u16* dq;               // group_counters > 0, packed: the output dQ, whose rows past the sequences get 0 here
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
@@ -121,7 +122,7 @@ struct BwdPreParams {
                            // (BwdParams::dq_first_store): the preprocess zeroes its tickets and ready flags, and of
                            // dq_accum only rows in a partial last block or that see no key (lse -inf)
     int group_counters;    // > 0 (BwdParams::dq_convert): zero this many DqStoreCounters::group_done, one per
-                           // (sequence, KV head)
+                           // (sequence, KV head), and with packed sequences store dq = 0 in the rows past them
     float softmax_scale;   // fixed point: bwd_fixed_scale's bounds
 };
 

@@ -271,9 +271,9 @@ def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
     assert main["dq_batch_stride"] == (h * d if packed else sq * h * d) and main["dq_slice_stride"] == rows * h * d
     assert (main["batch"], main["seqlen_q"], main["seqlen_k"], main["heads_per_kv"]) == (b, sq, sk, 2)
     assert (main["q_row_stride"], main["k_row_stride"], main["deterministic"]) == (h * d, hk * d, deterministic)
-    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 13))
+    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 14))
     assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound",
-                                  "k", "v", "cu_seqlens_q", "cu_seqlens_k")] == list(range(1, 13))
+                                  "k", "v", "cu_seqlens_q", "cu_seqlens_k", "dq")] == list(range(1, 14))
     assert pre["sequences"] == b
     assert len(call.preprocess.launches) == 1 and pre["fixed_point"] == 0 and call.fixed_offsets is None
     assert (pre["batch"], pre["seqlen_q"], pre["nheads"]) == ((1, rows, h) if packed else (b, sq, h))
@@ -319,7 +319,7 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
                                     launch.grid, 0)
     dtype, dims, _, _ = backward_sm90.dq_accum_layout(main, launch.grid)
     assert dtype == np.int32 and dims == (d, h, rows, 1)
-    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 13))
+    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 14))
     assert pre["fixed_point"] == 1 and pre["nheads_k"] == hk
     rows_k = (1, 555) if packed else (b, sk)
     assert (pre["kv_batch"], pre["seqlen_k"]) == rows_k and pre["k_row_stride"] == hk * d

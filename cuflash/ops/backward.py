@@ -97,17 +97,17 @@ ORDERED_MIN_BLOCKS = {64: (8, 8), 128: (1, 1), 256: (1, ORDERED_MAX_BLOCKS + 1)}
 # converts the group's fp32 rows of dq_accum into dq, from L2 where the additions just went, and no convert pass reads
 # the accumulator back from memory. That CTA's consumers convert alone while its SM could start the next CTA, so it
 # pays where the group is small: up to this many KiB of fp32 dQ per group (seqlen_q x heads per KV head x head dim x
-# 4 bytes; the bwd_sm90_convert_kib setting overrides it, 0 turns it off). One accumulator (the atomic and ordered
-# modes), a padded batch.
+# 4 bytes, seqlen_q the longest sequence's where packed; the bwd_sm90_convert_kib setting overrides it, 0 turns it
+# off). One accumulator: the atomic and ordered modes.
 CONVERT_IN_KERNEL_KIB = 1024
 
 
-def convert_in_kernel(problem, sm90, slices: int, fixed: bool, packed: bool) -> bool:
+def convert_in_kernel(problem, sm90, slices: int, fixed: bool) -> bool:
     """Whether the Hopper main kernel converts dQ itself (BwdParams::dq_convert) instead of bwd_convert_dq."""
     kib = settings.current().bwd_sm90_convert_kib
     kib = CONVERT_IN_KERNEL_KIB if kib is None else kib
     group = problem.seqlen_q * (problem.nheads // problem.nheads_k) * problem.headdim * 4
-    return sm90 is not None and sm90.tma_dq and slices == 1 and not fixed and not packed and group <= kib * 1024
+    return sm90 is not None and sm90.tma_dq and slices == 1 and not fixed and group <= kib * 1024
 
 
 def slices_outgrow_l2(problem, slots: int, groups: int, causal: bool, sm_count: int, memory) -> bool:
@@ -348,7 +348,7 @@ PARAMS_DTYPE = plan.struct(
     ("dropout_scale", "scale_log2", "mod_scale", "softcap", "softmax_scale"))
 PRE_PARAMS_DTYPE = plan.struct(
     ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v", "cu_seqlens_q",
-     "cu_seqlens_k"),
+     "cu_seqlens_k", "dq"),
     plan.stride_fields("o", "do", "k", "v") + ["dq_slice_stride"],
     ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k",
      "sequences", "first_store_rows", "group_counters"),
@@ -387,7 +387,7 @@ class BackwardCall(NamedTuple):
         dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
         row_scale, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
         self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v, cu_seqlens_q,
-                        cu_seqlens_k)
+                        cu_seqlens_k, dq)
         self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
                   row_scale, kv_bound, dropout_seed, dropout_offset, dropout_state, dq)
         self.convert(stream, dq_accum, dq, row_scale)  # (no launch where the main kernel converts)
@@ -415,7 +415,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     store_rows = launch.sm90.block_m if first_store else 0
     store_blocks = -(-sq // store_rows) if first_store else 0
     # the last CTA of each (sequence, KV head) converts dQ (BwdParams::dq_convert): one count per group after them
-    in_kernel = convert_in_kernel(problem, launch.sm90, launch.slices, fixed, packed)
+    in_kernel = convert_in_kernel(problem, launch.sm90, launch.slices, fixed)
     groups = b * problem.nheads_k if in_kernel else 0
     counters = first_store_counters(b, h, sq, store_rows) + groups
     lse_log2_offset, dq_offset, workspace_bytes = workspace(rows, h, d, launch.slices,
@@ -447,7 +447,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
         pp["softmax_scale"] = scale
         pre_launches.append((build.get_kernel(scale_spec, device_id),
                              plan.check_grid((-(-pre_sq // scale_spec.threads), h, pre_b)), (scale_spec.threads,), 0))
-    preprocess = KernelCall(pre_launches, pp, PRE_PARAMS_DTYPE.names[:12])
+    preprocess = KernelCall(pre_launches, pp, PRE_PARAMS_DTYPE.names[:13])
 
     # the main kernel; dsum and lse_log2 are (pre_b, h, pre_sq) contiguous, seen per sequence
     bp = np.zeros((), dtype=PARAMS_DTYPE)

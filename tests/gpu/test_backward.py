@@ -589,3 +589,41 @@ def test_sm90_dq_converted_in_kernel(configure, compiled, mode, d):
                     assert bool(cupy.array_equal(x.view(np.uint16), y.view(np.uint16))), ctx
     finally:
         backward._launches.clear()
+
+
+def test_sm90_dq_converted_in_kernel_packed(configure, compiled):
+    """BwdParams::dq_convert with packed sequences, into NaN-filled gradients: rows past the last sequence (their dq 0,
+    stored by the preprocess), sequences with no keys and no queries, lengths off the tiles, GQA, against the
+    reference."""
+    import cupy
+    import cuflash
+    from cuflash import checks
+    from tests.gpu.test_varlen import make_case as make_varlen, naive_varlen_backward
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("the Hopper backward needs compute capability 9.0")
+    configure(bwd_sm90=True)
+    lens_q, lens_k, pad = [130, 0, 70, 200], [260, 9, 0, 150], 45
+    rng = np.random.default_rng(53)
+    q, k, v, dout, cu_q, cu_k, _ = make_varlen(rng, lens_q=lens_q, lens_k=lens_k, h=4, hk=2, d=128, dtype="bf16")
+    q, dout = (cupy.asarray(np.concatenate([x.get(), randn(rng, (pad,) + x.shape[1:], DTYPES["bf16"])]))
+               for x in (q, dout))
+    opts = dict(causal=True, window_size=(-1, -1), softcap=0.0, softmax_scale=None)
+    cu = (cu_q, cu_k, max(lens_q), max(lens_k))
+    try:
+        out, lse = cuflash.attention_varlen(q, k, v, *cu, return_lse=True, **opts)
+        problem = checks.check_varlen_backward(dout, q, k, v, out, lse, *cu, softmax_scale=None, causal=True,
+                                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None)
+        (dq, dk, dv), params = launch_sm90(problem, q, k, v, dout, out, lse, opts, deterministic=False,
+                                           cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        assert int(params["dq_convert"]) == 1
+        total, total_k = sum(lens_q), sum(lens_k)
+        assert not bool(dq[total:].view(np.uint16).any()), "rows past the last sequence: dq = 0"
+        qh, kh, vh, doh, cqh, ckh = (x.get() for x in (q[:total], k, v, dout[:total], cu_q, cu_k))
+        _, ref_lse = reference.attention_varlen(qh, kh, vh, cqh, ckh, *cu[2:], return_lse=True, **opts)
+        ref = reference.attention_varlen_backward(doh, qh, kh, vh, out[:total].get().astype(np.float32), ref_lse,
+                                                  cqh, ckh, *cu[2:], **opts)
+        naive = naive_varlen_backward(doh, qh, kh, vh, cqh, ckh, None, opts)
+        for name, got, want, lowp in zip(("dq", "dk", "dv"), (dq[:total], dk[:total_k], dv[:total_k]), ref, naive):
+            assert_close_to_reference(got.get(), want, lowp, what=name, context="packed")
+    finally:
+        backward._launches.clear()
