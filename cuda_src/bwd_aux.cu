@@ -23,11 +23,6 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
     const int h = blockIdx.y, b = blockIdx.z;
     if (p.fixed_point && (blockIdx.x | blockIdx.y | blockIdx.z) == 0)
         for (int i = threadIdx.x; i < 2 * p.nheads_k; i += blockDim.x) p.kv_bound[i] = 0u;  // before bwd_kv_bound
-    if (p.group_counters > 0 && (blockIdx.x | blockIdx.y | blockIdx.z) == 0) {  // BwdParams::dq_convert's counts
-        const int blocks = p.first_store_rows > 0 ? ceil_div(p.seqlen_q, p.first_store_rows) : 0;
-        const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, blocks);
-        for (int i = threadIdx.x; i < p.group_counters; i += blockDim.x) *counters.group_done(i) = 0;
-    }
     float acc = 0.f, sq = 0.f;
     if (row < used_rows(p.cu_seqlens_q, p.sequences, p.seqlen_q)) {
         const u16* o = p.out + b * p.o_batch_stride + row * p.o_row_stride + h * p.o_head_stride;
@@ -60,14 +55,6 @@ __global__ void bwd_preprocess(const BwdPreParams p) {
         for (int s = 0; s < p.slices; ++s)
             for (int c = sub * 4; c < p.headdim; c += p.lanes * 4)
                 *reinterpret_cast<float4*>(dq + s * p.dq_slice_stride + c) = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    // the main kernel converts dQ by (sequence, KV head) group (BwdParams::dq_convert): rows that belong to no sequence
-    // get their 0 here
-    if (p.group_counters > 0 && p.cu_seqlens_q != nullptr && row < p.seqlen_q &&
-        row >= used_rows(p.cu_seqlens_q, p.sequences, p.seqlen_q)) {
-        u16* dq = p.dq + (((i64)b * p.seqlen_q + row) * p.nheads + h) * p.headdim;
-        for (int c = sub * 8; c < p.headdim; c += p.lanes * 8)
-            *reinterpret_cast<uint4*>(dq + c) = make_uint4(0u, 0u, 0u, 0u);
     }
     for (int off = p.lanes / 2; off > 0; off /= 2) {  // within a row
         acc += __shfl_xor_sync(0xffffffff, acc, off);

@@ -513,7 +513,6 @@ struct BwdSm90 {
     __device__ __forceinline__ void produce_rows(char* smem, int m_blocks, int seqlen_q);
     __device__ __forceinline__ void produce_dq(int m_blocks);
     __device__ __forceinline__ void consume(char* smem, int m_blocks, int seqlen_q);
-    __device__ __forceinline__ void convert_group();
 
     __device__ __forceinline__ void run(char* smem) {
         if constexpr (WS) run_ws(smem);

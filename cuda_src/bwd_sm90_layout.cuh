@@ -26,8 +26,6 @@ enum class BwdBarrier : int {
     DsFree1 = 7,
     DqFull0 = 8,  // DqFull0 + wg: consumer wg's dQ staging tile stored (its 128 threads arrive, the dQ warp waits; 160)
     DqFull1 = 9,
-    GroupIdle = 10,  // BwdParams::dq_convert: the consumers and the dQ warp are done (it arrives, they wait; 288)
-    GroupLast = 11,  // consumer thread 0 has stored whether this CTA is its group's last (256)
 };
 static_assert(int(BwdBarrier::Warpgroup1) == int(BwdBarrier::Warpgroup0) + 1, "one barrier per warpgroup, by index");
 static_assert(int(BwdBarrier::DsFree1) == int(BwdBarrier::DsFree0) + 1 &&

@@ -66,7 +66,6 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     tid -= 128;
     wg = uniform(tid / 128);
     consume(smem, m_blocks, seq.seqlen_q);
-    if (!FIXED && p.dq_convert) convert_group();  // (the fixed point keeps its convert pass)
 }
 
 // Thread 0: the TMA loads.
@@ -196,13 +195,6 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         }
     });
     if (issuer) sm90::bulk_wait<0>();  // every addition made before the CTA's shared memory goes
-    if (!FIXED && p.dq_convert) {  // the additions visible to the GPU before the CTA's count (convert_group)
-        if (issuer) {
-            sm90::fence_proxy_async_global();  // (async-proxy writes, then the generic fence)
-            __threadfence();
-        }
-        sm90::named_arrive<BwdBarrier::GroupIdle, 288>();
-    }
 }
 
 // The consumers: the key blocks' steps, then dK and dV.
@@ -225,46 +217,6 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         sm90::mbar_arrive(kv_empty());  // this thread's products are done with K and V
         store_dkdv(mask.seqlen_k);
     });
-}
-
-// The consumers: once they and the dQ warp are done (GroupIdle; the loads and rows were consumed before), thread 0
-// counts this
-// CTA among its (sequence, KV head) group's; the CTA that counts last sees every other CTA's additions (each
-// released them before its count) and converts the group's rows: dq = dq_accum, the group's heads side by side in
-// each row (heads_per_kv x headdim contiguous elements), 16 bytes a thread and load, eight loads in flight. The loads
-// bypass L1 (the other CTAs' additions went to L2). Thread 0 hands the verdict to the others through shared memory,
-// which no role uses any more (GroupLast).
-template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
-__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::convert_group() {
-    sm90::named_sync<BwdBarrier::GroupIdle, 288>();
-    if (tid == 0) {
-        const DqStoreCounters counters(p.dq_accum, p.dq_slice_stride, p.batch, p.nheads, p.dq_first_store);
-        const i64 group = (i64)b * (p.nheads / p.heads_per_kv) + h_kv;
-        sm90::st_shared_b32(base, sm90::atom_add_acq_rel(counters.group_done(group), 1) == (int)gridDim.x - 1);
-    }
-    sm90::named_sync<BwdBarrier::GroupLast, 256>();
-    if (ld_shared_u32(base) == 0) return;
-    constexpr int U = 8;
-    const SeqInfo seq(p, b);
-    const int pieces = p.heads_per_kv * p.headdim / 4;  // 16-byte pieces per row
-    const int n = seq.seqlen_q * pieces;
-    const i64 row_stride = (i64)p.nheads * p.headdim;
-    const i64 first = seq.q_offset(p.dq_batch_stride, 0) + (i64)h_kv * p.heads_per_kv * p.headdim;
-    for (int i0 = tid; i0 < n; i0 += 256 * U) {
-        float4 x[U];
-        i64 at[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = i0 + 256 * u, r = i / pieces;
-            at[u] = first + r * row_stride + 4 * (i - r * pieces);
-            if (i < n) x[u] = __ldcg(reinterpret_cast<const float4*>(p.dq_accum + at[u]));
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (i0 + 256 * u < n)
-                *reinterpret_cast<uint2*>(p.dq + at[u]) =
-                    make_uint2(pack2<T>(x[u].x, x[u].y), pack2<T>(x[u].z, x[u].w));
-    }
 }
 
 }  // namespace cuflash

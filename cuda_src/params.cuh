@@ -64,7 +64,6 @@ struct BwdParams {
     const unsigned* kv_bound; // mode 2: (nheads_k, 2) max |K| and max row norm of V, as float bits (not read here)
     i64 dropout_seed, dropout_offset;  // the forward's dropout (FwdParams); set per call
     const i64* dropout_state;          // as in FwdParams
-    u16* dq;               // dq_convert: the output dQ, laid out like dq_accum's first slice (else not read)
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -85,9 +84,6 @@ struct BwdParams {
     int dq_first_store;    // > 0 (the Hopper kernel's dQ warp, a padded batch, one accumulator): the query blocks per
                            // (sequence, head); each whole block's first addition is a store (BwdSm90::dq_ticket),
                            // so the preprocess zeroes only the rest of dq_accum; 0: every addition adds
-    int dq_convert;        // 1 (the Hopper kernel's dQ warp, one accumulator): the last CTA of each
-                           // (sequence, KV head) to finish converts the group's rows of dq_accum into dq
-                           // (BwdSm90::convert_group; DqStoreCounters::group_done), and no convert pass runs
     float dropout_scale;
     float scale_log2, mod_scale, softcap, softmax_scale;
 };
@@ -106,7 +102,6 @@ struct BwdPreParams {
     const u16* v;
     const int* cu_seqlens_q;  // packed sequences (else nullptr): rows of q past cu_seqlens_q[sequences] and of k, v
     const int* cu_seqlens_k;  // past cu_seqlens_k[sequences] belong to none, and are read as zeros
-    u16* dq;               // group_counters > 0, packed: the output dQ, whose rows past the sequences get 0 here
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
@@ -121,15 +116,12 @@ struct BwdPreParams {
     int first_store_rows;  // > 0: the main kernel stores the first addition to each whole block of this many rows
                            // (BwdParams::dq_first_store): the preprocess zeroes its tickets and ready flags, and of
                            // dq_accum only rows in a partial last block or that see no key (lse -inf)
-    int group_counters;    // > 0 (BwdParams::dq_convert): zero this many DqStoreCounters::group_done, one per
-                           // (sequence, KV head), and with packed sequences store dq = 0 in the rows past them
     float softmax_scale;   // fixed point: bwd_fixed_scale's bounds
 };
 
 // BwdParams::dq_first_store's counters, right after dq_accum's first slice: a ticket per (sequence, head, query
-// block), block index (b nheads + h) blocks + m, then as many ready flags (none without first stores: blocks 0), then
-// with BwdParams::dq_convert a count of finished CTAs per (sequence, KV head). The preprocess zeroes them; the main
-// kernel's dQ warp takes tickets and sets flags (BwdSm90::dq_ticket) and counts its CTA (BwdSm90::convert_group).
+// block), block index (b nheads + h) blocks + m, then as many ready flags. The preprocess zeroes both; the main
+// kernel's dQ warp takes tickets and sets flags (BwdSm90::dq_ticket).
 // BwdParams::deterministic: the Hopper kernel's dQ warp adds to each query block in turn, in a fixed order of the key
 // blocks (BwdSm90::dq_rank), so that its fp32 sums do not depend on timing
 constexpr int DQ_ORDERED = 3;
@@ -141,8 +133,6 @@ struct DqStoreCounters {
         : tickets(reinterpret_cast<int*>(dq_accum + slice_stride)), count((i64)batch * nheads * blocks) {}
     __device__ __forceinline__ int* ticket(i64 block) const { return tickets + block; }
     __device__ __forceinline__ int* ready(i64 block) const { return tickets + count + block; }
-    // BwdParams::dq_convert: the CTAs of (sequence, KV head) group g that are done, after the flags
-    __device__ __forceinline__ int* group_done(i64 g) const { return tickets + 2 * count + g; }
 };
 
 // dQ: sum of the fp32 slices, cast to the output dtype (contiguous (batch, seqlen_q, nheads, headdim)); in fixed

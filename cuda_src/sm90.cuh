@@ -141,13 +141,6 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 __device__ __forceinline__ void st_release(int* addr, int x) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(addr), "r"(x) : "memory");
 }
-// An addition whose old value orders like an acquire and whose write like a release (gpu scope): the last of several
-// CTAs to count itself sees the writes every earlier one released.
-__device__ __forceinline__ int atom_add_acq_rel(int* addr, int x) {
-    int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(addr), "r"(x) : "memory");
-    return old;
-}
 __device__ __forceinline__ int ld_acquire(const int* addr) {
     int x;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(x) : "l"(addr) : "memory");

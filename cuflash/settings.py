@@ -78,7 +78,6 @@ class Settings:
     bwd_sm90_det_max_passes: int = 0       # CUFLASH_BWD_SM90_DET_MAX_PASSES: slot tie-break bound; 0: off
     bwd_sm90_block_m: dict = dataclasses.field(default_factory=dict)  # CUFLASH_BWD_SM90_BLOCK_M: head dim -> rows
     bwd_sm90_dq_first_store: bool = True   # CUFLASH_BWD_SM90_DQ_FIRST_STORE: first dQ additions as stores
-    bwd_sm90_convert_kib: int | None = None  # CUFLASH_BWD_SM90_CONVERT_KIB: in-kernel dQ convert bound; None: planner's
     pdl: bool = True                       # CUFLASH_PDL: decode_combine as a programmatic dependent launch
     decode_tma: bool = True                # CUFLASH_DECODE_TMA: the TMA decode kernel where it applies
     decode_tma_stages: int = 3             # CUFLASH_DECODE_TMA_STAGES: slots of its K/V ring
@@ -119,8 +118,6 @@ class Settings:
             bwd_sm90_det_max_passes=_int(env, "CUFLASH_BWD_SM90_DET_MAX_PASSES", 0),
             bwd_sm90_block_m=_head_dim_map(env.get("CUFLASH_BWD_SM90_BLOCK_M"), "CUFLASH_BWD_SM90_BLOCK_M", int),
             bwd_sm90_dq_first_store=_flag(env, "CUFLASH_BWD_SM90_DQ_FIRST_STORE", True),
-            bwd_sm90_convert_kib=(None if env.get("CUFLASH_BWD_SM90_CONVERT_KIB") is None
-                                  else _int(env, "CUFLASH_BWD_SM90_CONVERT_KIB", 0)),
             pdl=_flag(env, "CUFLASH_PDL", True),
             decode_tma=_flag(env, "CUFLASH_DECODE_TMA", True),
             decode_tma_stages=_int(env, "CUFLASH_DECODE_TMA_STAGES", 3),

@@ -264,16 +264,16 @@ def test_backward_call_layout(configure, no_gpu_kernels, packed, deterministic):
     assert (call.lse_log2_offset, call.dq_offset, call.workspace_bytes) == (lse_off, dq_off, total)
     assert call.dq_bytes == slices * rows * h * d * 4 and dq_off + call.dq_bytes <= total
 
-    main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 119))
-    assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:18]] == list(range(101, 119))
+    main = _struct(call.main, backward.PARAMS_DTYPE, *range(101, 118))
+    assert [int(main[n]) for n in backward.PARAMS_DTYPE.names[:17]] == list(range(101, 118))
     assert main["dropout_threshold"] == options.DROPOUT_LEVELS and main["dropout_scale"] == 1.0
     assert (main["lse_batch_stride"], main["lse_head_stride"]) == ((1, rows) if packed else (h * sq, sq))
     assert main["dq_batch_stride"] == (h * d if packed else sq * h * d) and main["dq_slice_stride"] == rows * h * d
     assert (main["batch"], main["seqlen_q"], main["seqlen_k"], main["heads_per_kv"]) == (b, sq, sk, 2)
     assert (main["q_row_stride"], main["k_row_stride"], main["deterministic"]) == (h * d, hk * d, deterministic)
-    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 14))
+    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 13))
     assert [int(pre[n]) for n in ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound",
-                                  "k", "v", "cu_seqlens_q", "cu_seqlens_k", "dq")] == list(range(1, 14))
+                                  "k", "v", "cu_seqlens_q", "cu_seqlens_k")] == list(range(1, 13))
     assert pre["sequences"] == b
     assert len(call.preprocess.launches) == 1 and pre["fixed_point"] == 0 and call.fixed_offsets is None
     assert (pre["batch"], pre["seqlen_q"], pre["nheads"]) == ((1, rows, h) if packed else (b, sq, h))
@@ -319,7 +319,7 @@ def test_backward_fixed_point_layout(configure, no_gpu_kernels, packed):
                                     launch.grid, 0)
     dtype, dims, _, _ = backward_sm90.dq_accum_layout(main, launch.grid)
     assert dtype == np.int32 and dims == (d, h, rows, 1)
-    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 14))
+    pre = _struct(call.preprocess, backward.PRE_PARAMS_DTYPE, *range(1, 13))
     assert pre["fixed_point"] == 1 and pre["nheads_k"] == hk
     rows_k = (1, 555) if packed else (b, sk)
     assert (pre["kv_batch"], pre["seqlen_k"]) == rows_k and pre["k_row_stride"] == hk * d
@@ -382,16 +382,13 @@ def test_sm90_backward_main_behind_the_same_call(configure, no_gpu_kernels, monk
     assert main.main.kernel_call.launches[0][1:5] == (slots, hk, b, threads)
     got = np.frombuffer(main.main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
     want = np.frombuffer(call(softcap=0.0).main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
-    ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 18))
+    ref = _struct(portable.main, backward.PARAMS_DTYPE, *([0] * 17))
     for name in backward.PARAMS_DTYPE.names[14:]:
-        if name not in ("mod_scale", "softcap", "scale_log2", "dq_first_store", "dq_convert"):  # the score-mod
-            assert got[name] == ref[name] == want[name], name  # kernel's natural-log scores; Hopper's own
+        if name not in ("mod_scale", "softcap", "scale_log2", "dq_first_store"):  # the score-mod kernel's
+            assert got[name] == ref[name] == want[name], name                   # natural-log scores; Hopper's own
     # first stores: one accumulator (atomic mode), each whole block of block_m query rows; never the portable kernel
     assert got["dq_first_store"] == (0 if launch.slices > 1 else -(-sq // main.main.spec.block_m))
     assert ref["dq_first_store"] == 0
-    # the dQ convert in the main kernel: one accumulator, a small group (here 20 rows x 2 heads x 64 x 4 bytes)
-    assert got["dq_convert"] == (launch.slices == 1 and block_m == 128) and ref["dq_convert"] == 0
-    assert not main.convert.launches if got["dq_convert"] else len(main.convert.launches) == 1
     assert backward.SM90_PARAMS_DTYPE.fields["q"][1] == 640 and backward.SM90_PARAMS_DTYPE.itemsize % 64 == 0
     for x, rows in ((q, backward_sm90.BLOCK_M), (k, backward_sm90.BLOCK_N)):
         tma.check_tiled(0x10000, *tma.map_layout(x, rows), 128)

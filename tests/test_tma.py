@@ -42,7 +42,7 @@ def test_joined_encoder_keeps_the_maps_of_each_pointer_tuple():
 
 
 def test_hopper_backward_struct_holds_the_maps_then_the_pointers():
-    """BackwardMain's launch writes q, k, v, dout and dq_accum's maps at their offsets, then the 18 pointers of
+    """BackwardMain's launch writes q, k, v, dout and dq_accum's maps at their offsets, then the 17 pointers of
     BwdParams, and leaves the planned fields as they were."""
     from cuflash.launcher import KernelCall
     from cuflash.ops import backward, backward_sm90
@@ -50,10 +50,10 @@ def test_hopper_backward_struct_holds_the_maps_then_the_pointers():
     p["batch"], p["softmax_scale"] = 3, 0.125
     maps = tuple((lambda tag: lambda ptr: bytes([tag]) * 120 + ptr.to_bytes(8, "little"))(tag) for tag in range(5))
     main = backward_sm90.BackwardMain(KernelCall((), p, ()), maps, None)
-    main(0, *range(101, 119))  # q, k, v, dout, dk, dv, dq_accum, ..., dropout_state, dq
+    main(0, *range(101, 118))  # q, k, v, dout, dk, dv, dq_accum, ..., dropout_state
     s = np.frombuffer(main.kernel_call.params(), backward.SM90_PARAMS_DTYPE)[0]
     names = ("q_map", "k_map", "v_map", "dout_map", "dq_map")
     for tag, (name, ptr) in enumerate(zip(names, (101, 102, 103, 104, 107))):
         assert s[name].tobytes() == bytes([tag]) * 120 + ptr.to_bytes(8, "little")
-    assert [int(s[n]) for n in backward.PARAMS_DTYPE.names[:18]] == list(range(101, 119))
+    assert [int(s[n]) for n in backward.PARAMS_DTYPE.names[:17]] == list(range(101, 118))
     assert s["batch"] == 3 and s["softmax_scale"] == np.float32(0.125)

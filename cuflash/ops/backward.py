@@ -93,23 +93,6 @@ ORDERED_MAX_BLOCKS = 16
 ORDERED_MIN_BLOCKS = {64: (8, 8), 128: (1, 1), 256: (1, ORDERED_MAX_BLOCKS + 1)}
 
 
-# The Hopper kernel's dQ convert (BwdParams::dq_convert): the last CTA of each (sequence, KV head) group to finish
-# converts the group's fp32 rows of dq_accum into dq, from L2 where the additions just went, and no convert pass reads
-# the accumulator back from memory. That CTA's consumers convert alone while its SM could start the next CTA, so it
-# pays where the group is small: up to this many KiB of fp32 dQ per group (seqlen_q x heads per KV head x head dim x
-# 4 bytes, seqlen_q the longest sequence's where packed; the bwd_sm90_convert_kib setting overrides it, 0 turns it
-# off). One accumulator: the atomic and ordered modes.
-CONVERT_IN_KERNEL_KIB = 1024
-
-
-def convert_in_kernel(problem, sm90, slices: int, fixed: bool) -> bool:
-    """Whether the Hopper main kernel converts dQ itself (BwdParams::dq_convert) instead of bwd_convert_dq."""
-    kib = settings.current().bwd_sm90_convert_kib
-    kib = CONVERT_IN_KERNEL_KIB if kib is None else kib
-    group = problem.seqlen_q * (problem.nheads // problem.nheads_k) * problem.headdim * 4
-    return sm90 is not None and sm90.tma_dq and slices == 1 and not fixed and group <= kib * 1024
-
-
 def slices_outgrow_l2(problem, slots: int, groups: int, causal: bool, sm_count: int, memory) -> bool:
     """Whether deterministic mode's dQ slices, `slots` CTAs per group (one CTA per SM at once), outgrow the L2 of a
     device with `memory` (build.MemorySystem, or None: never)."""
@@ -340,18 +323,18 @@ def fixed_point_offsets(rows: int, nheads: int, headdim: int, counters: int = 0)
 # Layouts of the structs in cuda_src/params.cuh: same field order, C alignment (tests/test_plan.py checks).
 PARAMS_DTYPE = plan.struct(
     ("q", "k", "v", "dout", "dk", "dv", "dq_accum", "lse_log2", "dsum", "alibi", "cu_seqlens_q", "cu_seqlens_k",
-     "dq_scale", "kv_bound", "dropout_seed", "dropout_offset", "dropout_state", "dq"),
+     "dq_scale", "kv_bound", "dropout_seed", "dropout_offset", "dropout_state"),
     plan.stride_fields("q", "k", "v", "do", "dk", "dv")
     + ["lse_batch_stride", "lse_head_stride", "dq_batch_stride", "alibi_batch_stride", "dq_slice_stride"],
     ("batch", "seqlen_q", "seqlen_k", "nheads", "heads_per_kv", "headdim", "window_left", "window_right",
-     "deterministic", "dropout_threshold", "dq_first_store", "dq_convert"),
+     "deterministic", "dropout_threshold", "dq_first_store"),
     ("dropout_scale", "scale_log2", "mod_scale", "softcap", "softmax_scale"))
 PRE_PARAMS_DTYPE = plan.struct(
     ("out", "dout", "lse", "dsum", "lse_log2", "dq_accum", "dq_scale", "kv_bound", "k", "v", "cu_seqlens_q",
-     "cu_seqlens_k", "dq"),
+     "cu_seqlens_k"),
     plan.stride_fields("o", "do", "k", "v") + ["dq_slice_stride"],
     ("batch", "seqlen_q", "nheads", "headdim", "lanes", "slices", "fixed_point", "kv_batch", "seqlen_k", "nheads_k",
-     "sequences", "first_store_rows", "group_counters"),
+     "sequences", "first_store_rows"),
     ("softmax_scale",))
 CONVERT_PARAMS_DTYPE = plan.struct(
     ("dq_accum", "dq", "dq_scale"), ("slice_stride",), ("slices", "fixed_point", "seqlen_q", "nheads", "headdim"), ())
@@ -369,11 +352,9 @@ class BackwardCall(NamedTuple):
     # past the last sequence read as zeros)
     preprocess: KernelCall
     # main: dK, dV, dQ accumulation: q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_q, cu_k, dq_scale,
-    # kv_bound (not read by the kernel), dropout_seed, dropout_offset, dropout_state, dq (BwdParams::dq_convert)
+    # kv_bound (not read by the kernel), dropout_seed, dropout_offset, dropout_state
     main: KernelCall
-    # dQ = sum of the slices (fixed point: over the row scales), cast: dq_accum, dq, dq_scale; no launch where the
-    # main kernel converts (convert_in_kernel)
-    convert: KernelCall
+    convert: KernelCall      # dQ = sum of the slices (fixed point: over the row scales), cast: dq_accum, dq, dq_scale
     lse_log2_offset: int
     dq_offset: int
     dq_bytes: int
@@ -387,10 +368,10 @@ class BackwardCall(NamedTuple):
         dsum, lse_log2, dq_accum = workspace, workspace + self.lse_log2_offset, workspace + self.dq_offset
         row_scale, kv_bound = (workspace + o for o in self.fixed_offsets) if self.fixed_offsets else (0, 0)
         self.preprocess(stream, out, dout, lse, dsum, lse_log2, dq_accum, row_scale, kv_bound, k, v, cu_seqlens_q,
-                        cu_seqlens_k, dq)
+                        cu_seqlens_k)
         self.main(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k,
-                  row_scale, kv_bound, dropout_seed, dropout_offset, dropout_state, dq)
-        self.convert(stream, dq_accum, dq, row_scale)  # (no launch where the main kernel converts)
+                  row_scale, kv_bound, dropout_seed, dropout_offset, dropout_state)
+        self.convert(stream, dq_accum, dq, row_scale)
 
 
 def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: AttentionOptions, *, device_id: int,
@@ -414,10 +395,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
         launch.ordered or backward_sm90.dq_first_store(launch.sm90, launch.slices, packed))
     store_rows = launch.sm90.block_m if first_store else 0
     store_blocks = -(-sq // store_rows) if first_store else 0
-    # the last CTA of each (sequence, KV head) converts dQ (BwdParams::dq_convert): one count per group after them
-    in_kernel = convert_in_kernel(problem, launch.sm90, launch.slices, fixed)
-    groups = b * problem.nheads_k if in_kernel else 0
-    counters = first_store_counters(b, h, sq, store_rows) + groups
+    counters = first_store_counters(b, h, sq, store_rows)
     lse_log2_offset, dq_offset, workspace_bytes = workspace(rows, h, d, launch.slices,
                                                             problem.nheads_k if fixed else 0, counters)
 
@@ -430,13 +408,13 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     pp["lanes"] = pre_lanes(d)
     pp["dq_slice_stride"], pp["slices"] = rows * h * d, launch.slices
     pp["sequences"] = b  # (packed: cu_seqlens_q[b] ends the rows that belong to a sequence)
-    pp["first_store_rows"], pp["group_counters"], pp["nheads_k"] = store_rows, groups, problem.nheads_k
+    pp["first_store_rows"] = store_rows
     pre_rows = pre.threads // int(pp["lanes"])
     pre_launches = [(build.get_kernel(pre, device_id), plan.check_grid((-(-pre_sq // pre_rows), h, pre_b)),
                      (pre.threads,), 0)]
     if fixed:  # then max |K| and max |V_j| per KV head, over every row of K and V (packed: one sequence)
         plan.set_strides(pp, k=k, v=v)
-        pp["fixed_point"] = 1
+        pp["fixed_point"], pp["nheads_k"] = 1, problem.nheads_k
         pp["kv_batch"], pp["seqlen_k"] = (1, k.shape[0]) if packed else (b, problem.seqlen_k)
         kv_grid = plan.check_grid((kv_bound_blocks(int(pp["seqlen_k"]), pre_rows, problem.nheads_k * int(
             pp["kv_batch"]), build.sm_count(device_id)), problem.nheads_k, int(pp["kv_batch"])))
@@ -447,7 +425,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
         pp["softmax_scale"] = scale
         pre_launches.append((build.get_kernel(scale_spec, device_id),
                              plan.check_grid((-(-pre_sq // scale_spec.threads), h, pre_b)), (scale_spec.threads,), 0))
-    preprocess = KernelCall(pre_launches, pp, PRE_PARAMS_DTYPE.names[:13])
+    preprocess = KernelCall(pre_launches, pp, PRE_PARAMS_DTYPE.names[:12])
 
     # the main kernel; dsum and lse_log2 are (pre_b, h, pre_sq) contiguous, seen per sequence
     bp = np.zeros((), dtype=PARAMS_DTYPE)
@@ -460,7 +438,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     bp["nheads"], bp["heads_per_kv"], bp["headdim"] = h, h // problem.nheads_k, d
     bp["window_left"], bp["window_right"] = left, right
     bp["deterministic"] = backward_sm90.DQ_ORDERED if launch.ordered else 2 if fixed else int(bool(deterministic))
-    bp["dq_first_store"], bp["dq_convert"] = store_blocks, int(in_kernel)
+    bp["dq_first_store"] = store_blocks
     for name, value in {**options.scales, **options.dropout_fields}.items():
         bp[name] = value
     bp["softmax_scale"] = scale
@@ -468,7 +446,7 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
         main = backward_sm90.backward_main(launch.sm90, bp, q, k, v, dout, launch.grid, device_id)
     else:
         main = KernelCall([(build.get_kernel(launch.spec, device_id), launch.grid, (launch.spec.threads,),
-                            launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:18])
+                            launch.spec.smem_bytes)], bp, PARAMS_DTYPE.names[:17])
 
     # dQ: sum the slices (fixed order), cast; fixed point: the int32 accumulator times each row's unit, grid (chunks
     # of eight elements of a token, tokens)
@@ -479,8 +457,8 @@ def backward_call(problem, dout, q, k, v, out, lse, dq, dk, dv, options: Attenti
     if fixed:
         cp["fixed_point"], cp["seqlen_q"], cp["nheads"], cp["headdim"] = 1, pre_sq, h, d
         conv_grid = (-(-(h * d // 8) // conv.threads), min(rows, 65535))
-    convert = KernelCall([] if in_kernel else [(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)],
-                         cp, CONVERT_PARAMS_DTYPE.names[:3])
+    convert = KernelCall([(build.get_kernel(conv, device_id), conv_grid, (conv.threads,), 0)], cp,
+                         CONVERT_PARAMS_DTYPE.names[:3])
     return BackwardCall(preprocess, main, convert, lse_log2_offset, dq_offset, launch.slices * rows * h * d * 4,
                         workspace_bytes, fixed_point_offsets(rows, h, d, counters) if fixed else None)
 

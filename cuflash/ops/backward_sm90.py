@@ -148,13 +148,13 @@ def params_dtype(inner: np.dtype) -> np.dtype:
                      "itemsize": 640 + -(-inner.itemsize // 64) * 64})
 
 
-_POINTERS = struct.Struct("18Q")  # BwdParams' leading per-call fields, right after the maps
+_POINTERS = struct.Struct("17Q")  # BwdParams' leading per-call fields, right after the maps
 
 
 class BackwardMain:
     """The Hopper backward's main launch behind the call interface of the portable one (``BackwardCall.main``):
     ``call(stream, q, k, v, dout, dk, dv, dq_accum, lse_log2, dsum, alibi, cu_seqlens_q, cu_seqlens_k, dq_scale,
-    kv_bound, dropout_seed, dropout_offset, dropout_state, dq)``."""
+    kv_bound, dropout_seed, dropout_offset, dropout_state)``."""
 
     __slots__ = ("kernel_call", "spec", "_maps", "_launch_head")
 
