@@ -441,12 +441,22 @@ struct BwdSm90 {
     __device__ __forceinline__ void issue_keys_by_query_half(float (&acc)[NT][4], u32 keys, u32 queries) const;
     __device__ __forceinline__ void issue_keys_by_d_half(float (&acc)[WG_PANELS * 8][4], u32 a_tile, u32 tile) const;
     __device__ __forceinline__ void issue_dq_panel(float (&dq)[8][4], int pn) const;
-    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count);
+    // HOLD_DQ (d = 256 under a band): a consumer's second dQ panel of a step, held in registers until the next step's
+    // softmax of S^T is done (or the key block ends), with the fixed point's scales of the thread's two rows (hh = 0, 1)
+    static constexpr bool HOLD_DQ = DSPLIT && BAND;
+    struct HeldPanel {
+        float dq[8][4];
+        float scale[2];
+    };
+    __device__ __forceinline__ void step_split(char* smem, int t, int tt, int m_min, int m_count, HeldPanel& held);
 
     // dQ added to dq_accum by vector reductions (lockstep), or stored to a staging tile for the dQ warp (WS), which
     // adds it by TMA (bwd_sm90_dq.cuh)
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;
     __device__ __forceinline__ void stage_dq(const float (&dq)[8][4], int panel, int tt, const float* scales) const;
+    __device__ __forceinline__ void stage_held(const HeldPanel& held, int tt) const;
+    template <class ScaleOf>
+    __device__ __forceinline__ void stage_tile(const float (&dq)[8][4], int panel, int tt, ScaleOf scale_of) const;
     // BwdParams::dq_first_store: the issuing lane's ticket for query block m of head h (true: this CTA's additions
     // to it are the first, made as stores; dq_pass with rank 0 releases them once written; bwd_sm90_dq.cuh)
     __device__ __forceinline__ bool dq_ticket(int h, int m) const;

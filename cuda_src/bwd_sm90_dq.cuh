@@ -39,10 +39,28 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 // one would do. At d = 256 odd rows store j ^ 2 in j's turn instead (the other chunk pair of the same box), so that
 // each half-warp covers all 32 banks once. At d = 128 the selects cost more than the conflicts save, so the plain
 // order stays there (docs/perf-notes.md, the dQ staging stores). Fixed point (deterministic mode 2): the tile as
-// int32, row r times scales[r].
+// int32, row r times scales[r] (stage_held: the held panel's scales).
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::stage_dq(
     const float (&dq)[8][4], int panel, int tt, const float* scales) const {
+    // (the scale by its 32-bit shared address: through the generic pointer the score-mod kernel with 128 rows
+    // spills under NVRTC 13.5)
+    stage_tile(dq, panel, tt, [&](int r, int) {
+        return FIXED ? __uint_as_float(ld_shared_u32(smem_u32(scales) + 4 * r)) : 0.f;
+    });
+}
+
+// DSPLIT: step tt's second panel, held since (step_split).
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::stage_held(const HeldPanel& held,
+                                                                                              int tt) const {
+    stage_tile(held.dq, wg * WG_PANELS + 1, tt, [&](int, int hh) { return held.scale[hh]; });
+}
+
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+template <class ScaleOf>
+__device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::stage_tile(
+    const float (&dq)[8][4], int panel, int tt, ScaleOf scale_of) const {
     static_assert(WS && TMA_DQ, "the dQ warp adds the staging tiles");
     const u32 tile = base + OFF_DQ + (DSPLIT ? 0 : (tt % 2) * 2 * DQ_TILE) + wg * DQ_TILE;
     if constexpr (DSPLIT) {  // one tile per consumer, two panels a step: the dQ warp has read the last out
@@ -58,9 +76,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int r = warp() * 16 + ln / 4 + 8 * hh;
-        // (the scale by its 32-bit shared address: through the generic pointer the score-mod kernel with 128 rows
-        // spills under NVRTC 13.5)
-        const float scale = FIXED ? __uint_as_float(ld_shared_u32(smem_u32(scales) + 4 * r)) : 0.f;
+        const float scale = scale_of(r, hh);
         const bool odd = DSPLIT && r % 2;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {

@@ -202,6 +202,7 @@ template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DR
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::consume(char* smem, int m_blocks,
                                                                                             int seqlen_q) {
     int tt = 0;
+    HeldPanel held;  // HOLD_DQ: the step before's second dQ panel (step_split)
     walk_key_blocks(m_blocks, mask.diag, [&](int m_min, int m_count, int steps) {
 #pragma unroll
         for (int dt = 0; dt < WG_PANELS * 8; ++dt)
@@ -210,9 +211,10 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         if (steps > 0) {
             sm90::mbar_wait(kv_bar(), backwards);  // (produce_loads: a phase per key block)
             for (int t = 0; t < steps; ++t, ++tt) {
-                if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count);
+                if constexpr (DSPLIT) step_split(smem, t, tt, m_min, m_count, held);
                 else step(smem, t, tt, m_min, m_count, seqlen_q);
             }
+            if constexpr (HOLD_DQ) stage_held(held, tt - 1);
         }
         sm90::mbar_arrive(kv_empty());  // this thread's products are done with K and V
         store_dkdv(mask.seqlen_k);
