@@ -50,7 +50,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
     });
 }
 
-// DSPLIT: step tt's second panel, held since (step_split).
+// HOLD_DQ: step tt's second dQ panel, held in registers since that step (step_split).
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::stage_held(const HeldPanel& held,
                                                                                               int tt) const {
