@@ -455,6 +455,8 @@ struct BwdSm90 {
     __device__ __forceinline__ void add_dq_red(const float (&dq)[1][8][4], int h, int m, int seqlen_q) const;
     __device__ __forceinline__ void stage_dq(const float (&dq)[8][4], int panel, int tt, const float* scales) const;
     __device__ __forceinline__ void stage_held(const HeldPanel& held, int tt) const;
+    // the fixed point's dQ scale of row r of a step's rows buffer (`scales`: its third array); 0 in other modes
+    __device__ __forceinline__ float dq_scale_of(const float* scales, int r) const;
     template <class ScaleOf>
     __device__ __forceinline__ void stage_tile(const float (&dq)[8][4], int panel, int tt, ScaleOf scale_of) const;
     // BwdParams::dq_first_store: the issuing lane's ticket for query block m of head h (true: this CTA's additions

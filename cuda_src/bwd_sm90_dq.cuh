@@ -43,11 +43,15 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
 template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
 __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::stage_dq(
     const float (&dq)[8][4], int panel, int tt, const float* scales) const {
-    // (the scale by its 32-bit shared address: through the generic pointer the score-mod kernel with 128 rows
-    // spills under NVRTC 13.5)
-    stage_tile(dq, panel, tt, [&](int r, int) {
-        return FIXED ? __uint_as_float(ld_shared_u32(smem_u32(scales) + 4 * r)) : 0.f;
-    });
+    stage_tile(dq, panel, tt, [&](int r, int) { return dq_scale_of(scales, r); });
+}
+
+// (by its 32-bit shared address: through the generic pointer the score-mod kernel with 128 rows spills under
+// NVRTC 13.5)
+template <class T, int D, int BM, bool BAND, bool SCORE_MOD, bool FIXED, bool DROPOUT>
+__device__ __forceinline__ float BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOUT>::dq_scale_of(const float* scales,
+                                                                                                int r) const {
+    return FIXED ? __uint_as_float(ld_shared_u32(smem_u32(scales) + 4 * r)) : 0.f;
 }
 
 // HOLD_DQ: step tt's second dQ panel, held in registers since that step (step_split).

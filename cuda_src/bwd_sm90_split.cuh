@@ -151,9 +151,7 @@ __device__ __forceinline__ void BwdSm90<T, D, BM, BAND, SCORE_MOD, FIXED, DROPOU
         sm90::named_arrive<256>(int(BwdBarrier::DsFree1) - wg);  // every product has read P^T and dS^T
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)  // the rows buffer is handed back below
-            held.scale[hh] = FIXED ? __uint_as_float(ld_shared_u32(smem_u32(lse + 2 * BM) +
-                                                                   4 * (warp() * 16 + lane() / 4 + 8 * hh)))
-                                   : 0.f;
+            held.scale[hh] = dq_scale_of(lse + 2 * BM, warp() * 16 + lane() / 4 + 8 * hh);
     } else {
         sm90::wgmma_wait<2>();  // dV: this warpgroup is done with dO
         sm90::mbar_arrive(do_empty());  // the producer loads the next step's dO once both consumers are here
