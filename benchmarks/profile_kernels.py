@@ -3,7 +3,8 @@
 
 torch.profiler (CUDA activity only: kineto/CUPTI records every kernel, memset and memcpy of the process,
 CuPy's launches included) over --iters back-to-back calls on torch's current stream, after --warmup calls
-(compiles). Prints per kernel: calls per iteration, mean GPU us per call, us per iteration; then over the
+(compiles). Prints per kernel: calls per iteration, mean GPU us per call, us per iteration (--shapes: its launch
+shape from the trace: grid, block, registers per thread, shared memory); then over the
 iterations (a call's kernels, in start order): span (first start to last end), busy (sum of kernel times),
 idle (span - busy: launch gaps inside the call), the gap before each kernel of a call, and the gap from one
 call's end to the next call's start (the host's per-call cost, where it exceeds the GPU time). --sync-each
@@ -11,6 +12,7 @@ synchronizes after every call, so each one starts on an idle GPU.
 
     python3 benchmarks/profile_kernels.py --op decode --batch 1 --seqlen 8192    # + SDPA cuDNN, same K/V
     python3 benchmarks/profile_kernels.py --op bwd --batch 4 --seqlen 4096 --heads 16 --headdim 128
+    python3 benchmarks/profile_kernels.py --op bwd --batch 1 --seqlen 16384 --peer --shapes   # cuDNN's kernels too
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--headdim", type=int, default=128, help="fwd, bwd")
     p.add_argument("--causal", action="store_true", help="fwd, bwd")
     p.add_argument("--deterministic", action="store_true", help="bwd")
-    p.add_argument("--peer", action="store_true", help="fwd: SDPA's cuDNN backend too, on the same tensors")
+    p.add_argument("--peer", action="store_true", help="fwd, bwd: SDPA's cuDNN backend too, on the same tensors (bwd: "
+                   "its backward through autograd, the forward's kernels left out)")
+    p.add_argument("--shapes", action="store_true", help="each kernel's launch shape, from the profiler's trace")
     p.add_argument("--warmup", type=int, default=5, help="calls before profiling (the first compiles)")
     p.add_argument("--iters", type=int, default=20, help="profiled calls")
     p.add_argument("--sync-each", action="store_true", help="synchronize after every profiled call")
@@ -107,12 +111,34 @@ def setup(args):
             fns["sdpa_cudnn"] = _sdpa_cudnn(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=args.causal)
         return _plan(describe), fns
     out, lse = cf.attention(qc, kc, vc, causal=args.causal, return_lse=True, stream=stream)
-    return _plan(describe), {"cuflash": lambda: cf.attention_backward(
+    fns = {"cuflash": lambda: cf.attention_backward(
         doc, qc, kc, vc, out, lse, causal=args.causal, deterministic=args.deterministic, stream=stream)}
+    if args.peer:  # one forward with grad, then its backward alone is profiled, the graph kept
+        qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+        o = _sdpa_cudnn(qt, kt, vt, is_causal=args.causal)()
+        grad = dout.transpose(1, 2)
+        fns["sdpa_cudnn"] = lambda: torch.autograd.grad(o, (qt, kt, vt), grad, retain_graph=True)
+    return _plan(describe), fns
+
+
+def launch_shapes(prof) -> dict:
+    """{kernel name: "grid, block, registers, shared memory"} from the profiler's Chrome trace (kineto's args)."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    shapes = {}
+    for e in trace.get("traceEvents", []):
+        a = e.get("args") or {}
+        if e.get("cat") == "kernel" and "grid" in a:
+            shapes[e["name"]] = (f"grid {a.get('grid')} block {a.get('block')} "
+                                 f"{a.get('registers per thread')} registers, {a.get('shared memory')} B shared")
+    return shapes
 
 
 def profile(fn, args):
-    """Device events [(name, start_us, end_us)] in start order, or None and key_averages [(name, count, us)]."""
+    """Device events [(name, start_us, end_us)] in start order, or None and key_averages [(name, count, us)];
+    the launch shapes (launch_shapes) where --shapes asks."""
     import torch
     from torch.profiler import ProfilerActivity
     for _ in range(args.warmup):
@@ -124,20 +150,26 @@ def profile(fn, args):
             if args.sync_each:
                 torch.cuda.synchronize()
         torch.cuda.synchronize()
+    shapes = {}
+    if args.shapes:
+        try:
+            shapes = launch_shapes(prof)
+        except Exception as e:  # noqa: BLE001  -- the shapes are extra; the times still stand
+            print(f"note: launch shapes unavailable ({type(e).__name__}: {e})")
     cuda = torch.autograd.DeviceType.CUDA
     try:
         evs = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if getattr(e, "device_type", None) == cuda and getattr(e, "time_range", None) is not None]
         if evs:
-            return sorted(evs, key=lambda e: e[1]), None
+            return sorted(evs, key=lambda e: e[1]), None, shapes
     except Exception as e:  # noqa: BLE001  -- a changed event API: the averages still say something
         print(f"note: per-event times unavailable ({type(e).__name__}: {e}); key_averages only")
     avgs = [(a.key, a.count, getattr(a, "device_time_total", getattr(a, "cuda_time_total", 0)))
             for a in prof.key_averages() if getattr(a, "device_type", None) == cuda]
-    return None, avgs
+    return None, avgs, shapes
 
 
-def report(impl, evs, avgs, args) -> dict:
+def report(impl, evs, avgs, shapes, args) -> dict:
     n = args.iters
     totals = {}
     for name, t0, t1 in evs or ():
@@ -152,6 +184,9 @@ def report(impl, evs, avgs, args) -> dict:
     for r in kernels:
         name = r["name"] if len(r["name"]) <= 60 else r["name"][:57] + "..."
         print(f"{name:<60} {r['calls_per_iter']:>8.2f} {r['mean_us']:>9.2f} {r['us_per_iter']:>9.2f}")
+        if r["name"] in shapes:
+            r["shape"] = shapes[r["name"]]
+            print(f"    {r['name']}\n    {r['shape']}")
     res = dict(impl=impl, op=args.op, kernels=kernels, iterations=[])
     if not evs:
         return res
