@@ -7,9 +7,13 @@ the board power and the throttle reasons sampled by nvidia-smi meanwhile.
 Workloads, on one (batch 16384 / seqlen, seqlen, 2048 / d heads, d) non-causal cell of the FA2-paper grid:
   fp8        cuflash.attention_fp8 on e4m3 tensors (descales of 1)
   bf16       cuflash.attention in bf16
+  bf16_bwd   cuflash.torch.attention's backward alone (torch.autograd.grad of one forward, the graph kept)
+  cudnn      SDPA's cuDNN backend, the forward
+  cudnn_bwd  SDPA's cuDNN backend, its backward alone, as bf16_bwd
   scaled_mm  torch._scaled_mm's e4m3 GEMM, 8192^3, bf16 out (bench_fp8.scaled_mm, its ceiling)
-Per workload: TFLOP/s over the whole loop after its first calls, then the median and range of the SM clock and the
-board power over the second half of the samples taken under load, and the throttle reasons seen there (nvidia-smi's
+Per workload: TFLOP/s over the whole loop after its first calls (a backward counts 2.5x the forward's FLOPs), then
+the median and range of the SM clock and the board power over the second half of the samples taken under load, the
+energy a FLOP (median power over the TFLOP/s), and the throttle reasons seen there (nvidia-smi's
 bit mask: 0x4 is the software power cap). bench_attention.py's do_bench times a cell in a fraction of a second, often
 before the clock settles at the power cap; this shows where it settles (docs/perf-notes.md, "the SM clock and board
 power under sustained load").
@@ -43,9 +47,22 @@ def workload(name: str, args):
     if name == "bf16":
         x = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         return (lambda: ct.attention(*x)), flops
+    if name in ("bf16_bwd", "cudnn", "cudnn_bwd"):  # SDPA's (b, h, s, d) views of (b, s, h, d) storage
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        x = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+        xt = [t.transpose(1, 2) for t in x]
+
+        def cudnn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(*xt)
+        if name == "cudnn":
+            return cudnn, flops
+        out = ct.attention(*x) if name == "bf16_bwd" else cudnn()
+        grad = torch.randn_like(out)
+        return (lambda: torch.autograd.grad(out, x, grad, retain_graph=True)), ba.backward_flops(b, h, s, s, d, False)
     if name == "scaled_mm":
         return bench_fp8.scaled_mm()
-    raise SystemExit(f"--workloads: unknown workload {name!r} (fp8, bf16, scaled_mm)")
+    raise SystemExit(f"--workloads: unknown workload {name!r} (fp8, bf16, bf16_bwd, cudnn, cudnn_bwd, scaled_mm)")
 
 
 def loaded_samples(path: str) -> list[tuple[int, float, str]]:
@@ -94,11 +111,13 @@ def main(argv=None) -> int:
                 smi.terminate()
                 smi.wait()
             samples = loaded_samples(log.name)
-        line = f"{name:>9}: {flops * calls / elapsed / 1e12:7.1f} TFLOP/s over {elapsed:.1f} s"
+        tflops = flops * calls / elapsed / 1e12
+        line = f"{name:>9}: {tflops:7.1f} TFLOP/s over {elapsed:.1f} s"
         if samples:
             mhz, watts = [r[0] for r in samples], [r[1] for r in samples]
             line += (f"; SM clock median {statistics.median(mhz):.0f} MHz ({min(mhz)}-{max(mhz)}), power median "
-                     f"{statistics.median(watts):.0f} W ({min(watts):.0f}-{max(watts):.0f}), throttle reasons "
+                     f"{statistics.median(watts):.0f} W ({min(watts):.0f}-{max(watts):.0f}), "
+                     f"{statistics.median(watts) / tflops:.3f} pJ a FLOP, throttle reasons "
                      f"{sorted({r[2] for r in samples})} ({len(samples)} samples)")
         else:
             line += "; no samples under load"
