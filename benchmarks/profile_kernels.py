@@ -68,7 +68,7 @@ def _sdpa_cudnn(q, k, v, **kwargs):
 
 
 def setup(args):
-    """(plan lines, {impl: fn}) for --op: cuflash on torch's current stream, and the decode's SDPA cuDNN peer."""
+    """(plan lines, {impl: fn}) for --op: cuflash on torch's current stream, and SDPA cuDNN (decode; --peer)."""
     import torch
     from cuflash import build, checks, options
     from cuflash.ops import backward, backward_sm90, decode, forward
@@ -126,7 +126,8 @@ def launch_shapes(prof) -> dict:
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
     shapes = {}
     for e in trace.get("traceEvents", []):
         a = e.get("args") or {}
