@@ -52,12 +52,13 @@ def workload(name: str, args):
         x = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
         xt = [t.transpose(1, 2) for t in x]
 
-        def cudnn():
+        def cudnn(*t):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return torch.nn.functional.scaled_dot_product_attention(*xt)
-        if name == "cudnn":
-            return cudnn, flops
-        out = ct.attention(*x) if name == "bf16_bwd" else cudnn()
+                return torch.nn.functional.scaled_dot_product_attention(*t)
+        if name == "cudnn":  # inference, as bf16's cuflash.attention: inputs that do not require grad
+            xd = [t.detach() for t in xt]
+            return (lambda: cudnn(*xd)), flops
+        out = ct.attention(*x) if name == "bf16_bwd" else cudnn(*xt)
         grad = torch.randn_like(out)
         return (lambda: torch.autograd.grad(out, x, grad, retain_graph=True)), ba.backward_flops(b, h, s, s, d, False)
     if name == "scaled_mm":
