@@ -475,26 +475,54 @@ struct BwdSm90 {
     __device__ __forceinline__ bool dq_turn(int h, int m, int rank) const;
     __device__ __forceinline__ void dq_pass(int h, int m, int rank) const;
 
-    // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory.
+    // dK and dV of this warpgroup's keys (DSPLIT: all the block's keys, its 128 columns) to global memory, 16 bytes a
+    // thread and row: the four threads of a quad hold 4-byte column pairs 8 dt + 2 (lane % 4) of the same two rows, so
+    // a 4 x 4 transpose in the quad (quad_transpose) gives thread q the columns 8 (4 g + q) .. + 7 of each group g of
+    // four dt, stored by one 16-byte store. (4-byte stores make each warp store 8 rows' 16 bytes, eight lines an
+    // instruction, four times the requests: at 512 keys the CTA's last steps wait on them.)
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
         // (WS: the sequence's start read again here rather than held through the step loop at 240 registers)
         const int k_begin = WS ? SeqInfo::k_begin_of(p, b) : this->k_begin;
+        const float dv_scale = DROPOUT ? p.dropout_scale : 1.f;  // dropout: dV = (P M)^T dO / keep
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
+            // (the whole quad holds one key: it skips the stores together, after the shuffles)
             const int key = n_key0 + (DSPLIT ? 0 : wg * 64) + warp() * 16 + lane() / 4 + 8 * hh;
-            if (key >= seqlen_k) continue;
             u16* dk =
                 p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
             u16* dv =
                 p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
 #pragma unroll
-            for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
-                const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane() % 4);
-                if (col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
-                const float dv_scale = DROPOUT ? p.dropout_scale : 1.f;  // dropout: dV = (P M)^T dO / keep
-                *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
-                *reinterpret_cast<u32*>(dv + col) =
-                    pack2<T>(acc_dv[dt][2 * hh] * dv_scale, acc_dv[dt][2 * hh + 1] * dv_scale);
+            for (int g = 0; g < WG_PANELS * 2; ++g) {
+                u32 k4[4], v4[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    k4[j] = pack2<T>(acc_dk[4 * g + j][2 * hh], acc_dk[4 * g + j][2 * hh + 1]);
+                    v4[j] = pack2<T>(acc_dv[4 * g + j][2 * hh] * dv_scale, acc_dv[4 * g + j][2 * hh + 1] * dv_scale);
+                }
+                quad_transpose(k4);
+                quad_transpose(v4);
+                const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * (4 * g + lane() % 4);
+                if (key < seqlen_k && col < p.headdim) {  // a head dim below D: TMA's zero fill (8 columns at a time)
+                    *reinterpret_cast<uint4*>(dk + col) = make_uint4(k4[0], k4[1], k4[2], k4[3]);
+                    *reinterpret_cast<uint4*>(dv + col) = make_uint4(v4[0], v4[1], v4[2], v4[3]);
+                }
+            }
+        }
+    }
+
+    // x[j] of thread q of each quad becomes x[q] of thread j (a 4 x 4 transpose over the quad's lanes): two shuffle
+    // stages, across lane bit 0 then bit 1, each swapping the two elements whose index differs from q in that bit.
+    __device__ __forceinline__ static void quad_transpose(u32 (&x)[4]) {
+#pragma unroll
+        for (int bit = 1; bit <= 2; bit *= 2) {
+            const bool hi = lane() & bit;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (j & bit) continue;  // pairs (j, j + bit): this thread keeps the one whose bit matches its own
+                const u32 got = __shfl_xor_sync(0xFFFFFFFFu, hi ? x[j] : x[j + bit], bit);
+                if (hi) x[j] = got;
+                else x[j + bit] = got;
             }
         }
     }
