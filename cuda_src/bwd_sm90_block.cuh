@@ -479,19 +479,33 @@ struct BwdSm90 {
     // thread and row: the four threads of a quad hold 4-byte column pairs 8 dt + 2 (lane % 4) of the same two rows, so
     // a 4 x 4 transpose in the quad (quad_transpose) gives thread q the columns 8 (4 g + q) .. + 7 of each group g of
     // four dt, stored by one 16-byte store. (4-byte stores make each warp store 8 rows' 16 bytes, eight lines an
-    // instruction, four times the requests: at 512 keys the CTA's last steps wait on them.)
+    // instruction, four times the requests: at 512 keys the CTA's last steps wait on them.) Not in the kernel at d = 64
+    // with 128 rows and a score mod, where the transposes make NVRTC 13.5's ptxas spill: a column pair a thread there.
+    static constexpr bool WIDE_STORES = !(ROW_SPLIT && SCORE_MOD);
     __device__ __forceinline__ void store_dkdv(int seqlen_k) const {
         // (WS: the sequence's start read again here rather than held through the step loop at 240 registers)
         const int k_begin = WS ? SeqInfo::k_begin_of(p, b) : this->k_begin;
         const float dv_scale = DROPOUT ? p.dropout_scale : 1.f;  // dropout: dV = (P M)^T dO / keep
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            // (the whole quad holds one key: it skips the stores together, after the shuffles)
+            // (WIDE_STORES: the whole quad holds one key, and skips the stores together after the shuffles)
             const int key = n_key0 + (DSPLIT ? 0 : wg * 64) + warp() * 16 + lane() / 4 + 8 * hh;
+            if (!WIDE_STORES && key >= seqlen_k) continue;
             u16* dk =
                 p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
             u16* dv =
                 p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
+            if constexpr (!WIDE_STORES) {  // a column pair a thread
+#pragma unroll
+                for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
+                    const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane() % 4);
+                    if (col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
+                    *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
+                    *reinterpret_cast<u32*>(dv + col) =
+                        pack2<T>(acc_dv[dt][2 * hh] * dv_scale, acc_dv[dt][2 * hh + 1] * dv_scale);
+                }
+                continue;
+            }
 #pragma unroll
             for (int g = 0; g < WG_PANELS * 2; ++g) {
                 u32 k4[4], v4[4];
