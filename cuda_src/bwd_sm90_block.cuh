@@ -486,6 +486,7 @@ struct BwdSm90 {
         // (WS: the sequence's start read again here rather than held through the step loop at 240 registers)
         const int k_begin = WS ? SeqInfo::k_begin_of(p, b) : this->k_begin;
         const float dv_scale = DROPOUT ? p.dropout_scale : 1.f;  // dropout: dV = (P M)^T dO / keep
+        constexpr int G = WIDE_STORES ? 4 : 1;  // column pairs a thread stores at once
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             // (WIDE_STORES: the whole quad holds one key, and skips the stores together after the shuffles)
@@ -495,31 +496,28 @@ struct BwdSm90 {
                 p.dk + SeqInfo::offset(k_begin, p.dk_batch_stride, p.dk_row_stride, key) + (i64)h_kv * p.dk_head_stride;
             u16* dv =
                 p.dv + SeqInfo::offset(k_begin, p.dv_batch_stride, p.dv_row_stride, key) + (i64)h_kv * p.dv_head_stride;
-            if constexpr (!WIDE_STORES) {  // a column pair a thread
 #pragma unroll
-                for (int dt = 0; dt < WG_PANELS * 8; ++dt) {
-                    const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * dt + 2 * (lane() % 4);
-                    if (col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
-                    *reinterpret_cast<u32*>(dk + col) = pack2<T>(acc_dk[dt][2 * hh], acc_dk[dt][2 * hh + 1]);
-                    *reinterpret_cast<u32*>(dv + col) =
-                        pack2<T>(acc_dv[dt][2 * hh] * dv_scale, acc_dv[dt][2 * hh + 1] * dv_scale);
+            for (int g = 0; g < WG_PANELS * 8 / G; ++g) {
+                // G = 4: thread q's 8 columns 8 (4 g + q) ..; G = 1: its pair 8 g + 2 q
+                const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + (G == 4 ? 8 * (4 * g + lane() % 4)
+                                                                                : 8 * g + 2 * (lane() % 4));
+                if (G == 1 && col >= p.headdim) continue;  // a head dim below D: TMA's zero fill
+                u32 k4[G], v4[G];
+#pragma unroll
+                for (int j = 0; j < G; ++j) {
+                    k4[j] = pack2<T>(acc_dk[G * g + j][2 * hh], acc_dk[G * g + j][2 * hh + 1]);
+                    v4[j] = pack2<T>(acc_dv[G * g + j][2 * hh] * dv_scale, acc_dv[G * g + j][2 * hh + 1] * dv_scale);
                 }
-                continue;
-            }
-#pragma unroll
-            for (int g = 0; g < WG_PANELS * 2; ++g) {
-                u32 k4[4], v4[4];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    k4[j] = pack2<T>(acc_dk[4 * g + j][2 * hh], acc_dk[4 * g + j][2 * hh + 1]);
-                    v4[j] = pack2<T>(acc_dv[4 * g + j][2 * hh] * dv_scale, acc_dv[4 * g + j][2 * hh + 1] * dv_scale);
-                }
-                quad_transpose(k4);
-                quad_transpose(v4);
-                const int col = (DSPLIT ? wg * WG_PANELS * 64 : 0) + 8 * (4 * g + lane() % 4);
-                if (key < seqlen_k && col < p.headdim) {  // a head dim below D: TMA's zero fill (8 columns at a time)
-                    *reinterpret_cast<uint4*>(dk + col) = make_uint4(k4[0], k4[1], k4[2], k4[3]);
-                    *reinterpret_cast<uint4*>(dv + col) = make_uint4(v4[0], v4[1], v4[2], v4[3]);
+                if constexpr (G == 4) {  // every lane takes part in the shuffles; 8 columns at a time past the head dim
+                    quad_transpose(k4);
+                    quad_transpose(v4);
+                    if (key < seqlen_k && col < p.headdim) {
+                        *reinterpret_cast<uint4*>(dk + col) = make_uint4(k4[0], k4[1], k4[2], k4[3]);
+                        *reinterpret_cast<uint4*>(dv + col) = make_uint4(v4[0], v4[1], v4[2], v4[3]);
+                    }
+                } else {
+                    *reinterpret_cast<u32*>(dk + col) = k4[0];
+                    *reinterpret_cast<u32*>(dv + col) = v4[0];
                 }
             }
         }
