@@ -105,7 +105,6 @@ struct DecodeBlock {
     int b, h_kv, group, rows, row0;  // group: query heads per KV head; rows: packed rows in all; row0: the tile's
     int len;                         // keys this batch row sees
     int n_begin, n_end;              // this split's KV blocks
-    int tile;                        // (batch, KV head, row tile), the index of the tile's split counter
     u32 sQ, sKV;
     LdmatrixAddr<QTile> q_addr;
     typename Traits::KVAddr k_addr, v_addr;  // into ring slot 0, as if K and V both started there
@@ -129,6 +128,17 @@ struct DecodeBlock {
     __device__ __forceinline__ DecodeBlock(const DecodeParams& params, int b_, int h_kv_)
         : p(params), b(b_), h_kv(h_kv_), q_addr(0, 0, 0), k_addr(0, 0, 0), v_addr(0, 0, 0),
           cache(params, b_, h_kv_) {}
+
+    __device__ __forceinline__ int row_tiles() const { return (p.seqlen_q * p.heads_per_kv + BM - 1) / BM; }
+
+    // The CTA's (split, row tile) from an opaque copy of its block index, computed anew: the TMA kernel's epilogue
+    // takes them so, so that they are not held in registers across the key-block loop (ptxas spilled them there in
+    // a specialization at 96 registers).
+    __device__ __forceinline__ int2 placement(bool again) const {
+        int x = blockIdx.x;
+        if (again) asm volatile("" : "+r"(x));
+        return make_int2(x / row_tiles(), x % row_tiles());
+    }
 
     // Packed row -> address of its query row (nullptr past the last row: zero-filled); with rotary embedding, the
     // rotated copy decode_append wrote.
@@ -421,6 +431,7 @@ struct DecodeBlock {
 
     // Merges the key warps' (max, sum, O) per row and writes O and lse: final (one split) or fp32 partial.
     __device__ __forceinline__ void epilogue(char* smem, int split) {
+        if constexpr (TMA) split = placement(true).x;
         cp_async_wait<0>();
         __syncthreads();  // the tiles' space becomes the merge buffer
         float* m_buf = reinterpret_cast<float*>(smem) + Traits::MERGE_ROWS * Traits::O_STRIDE;
@@ -503,8 +514,9 @@ struct DecodeBlock {
         __threadfence();
         int last = 0;
         if (tid == 0) {
-            last = atomicAdd(p.split_counters + tile, 1) == p.num_splits - 1;
-            if (last) p.split_counters[tile] = 0;
+            const int counter = (b * gridDim.y + h_kv) * row_tiles() + placement(true).y;  // (batch, KV head, row tile)
+            last = atomicAdd(p.split_counters + counter, 1) == p.num_splits - 1;
+            if (last) p.split_counters[counter] = 0;
         }
         if (!__syncthreads_or(last)) return;
         __threadfence();  // the other splits' partial results are visible from here (read past L1: __ldcg)
@@ -550,7 +562,6 @@ struct DecodeBlock {
     __device__ __forceinline__ void run(char* smem) {
         const int m_tiles = (p.seqlen_q * p.heads_per_kv + BM - 1) / BM;
         const int m_tile = blockIdx.x % m_tiles, split = blockIdx.x / m_tiles;
-        tile = (b * gridDim.y + h_kv) * m_tiles + m_tile;
         tid = threadIdx.x;
         lane = tid % 32;
         row_warp = (tid / 32) % Traits::ROW_WARPS;

@@ -63,8 +63,10 @@ VARYING = ("dtype", "band", "score_mod", "pipelined")  # the fields the subset d
 
 def one_dtype(specs: list, turn: int = 0) -> list:
     """Of the specializations that differ only in their dtype, one: fp16 and bf16 by turns over the groups, the k-th
-    group its (k + turn)-th member (they differ only in their conversions, which take the same instructions and
-    registers in both). Specs without a dtype (the FP8 forward) are their own group."""
+    group its (k + turn)-th member (they differ only in their conversions, which take about the same instructions
+    and registers in both; a kernel at the edge of spilling can still spill in one dtype alone, so a change that
+    shifts the groups' turns may bring such a twin into the sweep). Specs without a dtype (the FP8 forward) are their
+    own group."""
     groups = {}
     for spec in specs:
         typed = any(f.name == "dtype" for f in dataclasses.fields(spec)) if dataclasses.is_dataclass(spec) else False
