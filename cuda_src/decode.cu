@@ -131,12 +131,12 @@ struct DecodeBlock {
 
     __device__ __forceinline__ int row_tiles() const { return (p.seqlen_q * p.heads_per_kv + BM - 1) / BM; }
 
-    // The CTA's (split, row tile) from an opaque copy of its block index, computed anew: the TMA kernel's epilogue
+    // The CTA's (split, row tile) computed anew from an opaque copy of its block index: the TMA kernel's epilogue
     // takes them so, so that they are not held in registers across the key-block loop (held there, they spill in
     // the bf16 d 64 kernel over an e4m3 cache in pages of 32 rows with a score mod).
-    __device__ __forceinline__ int2 placement(bool again) const {
+    __device__ __forceinline__ int2 placement_again() const {
         int x = blockIdx.x;
-        if (again) asm volatile("" : "+r"(x));
+        asm volatile("" : "+r"(x));
         return make_int2(x / row_tiles(), x % row_tiles());
     }
 
@@ -431,7 +431,7 @@ struct DecodeBlock {
 
     // Merges the key warps' (max, sum, O) per row and writes O and lse: final (one split) or fp32 partial.
     __device__ __forceinline__ void epilogue(char* smem, int split) {
-        if constexpr (TMA) split = placement(true).x;
+        if constexpr (TMA) split = placement_again().x;
         cp_async_wait<0>();
         __syncthreads();  // the tiles' space becomes the merge buffer
         float* m_buf = reinterpret_cast<float*>(smem) + Traits::MERGE_ROWS * Traits::O_STRIDE;
@@ -514,7 +514,8 @@ struct DecodeBlock {
         __threadfence();
         int last = 0;
         if (tid == 0) {
-            const int counter = (b * gridDim.y + h_kv) * row_tiles() + placement(true).y;  // (batch, KV head, row tile)
+            // the tile's counter: (batch, KV head, row tile)
+            const int counter = (b * gridDim.y + h_kv) * row_tiles() + placement_again().y;
             last = atomicAdd(p.split_counters + counter, 1) == p.num_splits - 1;
             if (last) p.split_counters[counter] = 0;
         }
@@ -560,7 +561,7 @@ struct DecodeBlock {
     }
 
     __device__ __forceinline__ void run(char* smem) {
-        const int m_tiles = (p.seqlen_q * p.heads_per_kv + BM - 1) / BM;
+        const int m_tiles = row_tiles();  // (unsigned divisions of the block index: signed ones spill on sm_80)
         const int m_tile = blockIdx.x % m_tiles, split = blockIdx.x / m_tiles;
         tid = threadIdx.x;
         lane = tid % 32;
