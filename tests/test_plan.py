@@ -216,7 +216,7 @@ def test_score_mod_backward_plan(monkeypatch):
     compiled head dim (the head dim's query rows: 128 at d 64; in deterministic mode the fixed point or the slices by
     the rule without a mod, but the slices at d 64 under a causal mask), a head dim between the compiled ones on the
     next one's; on sm_80 the portable kernel. (The rule without the ordered mode, which takes no score mod.)"""
-    monkeypatch.setattr(backward, "ORDERED_MAX_BLOCKS", 0)
+    monkeypatch.setattr(backward, "ORDERED_MAX_BLOCKS", dict.fromkeys(backward.ORDERED_MAX_BLOCKS, 0))
     for d, compiled in ((64, 64), (128, 128), (96, 128), (200, 256), (256, 256)):
         problem = checks.Problem(2, 300, 1100, 8, 2, d, np.dtype(np.float16))
         for band in (False, True):
@@ -348,22 +348,26 @@ def test_wide_backward_switch_and_hopper_only(configure):
 
 def test_sm90_backward_ordered_mode_where_it_applies(configure):
     """bwd_sm90_det "ordered": the atomic grid, one fp32 accumulator, on the dQ warp's kernels for a padded batch of
-    at most ORDERED_MAX_BLOCKS key blocks without a score mod, under no band or one with a right edge; elsewhere the
-    other modes' rule."""
+    at most ORDERED_MAX_BLOCKS[d] key blocks and half the SMs, without a score mod, under no band or one with a right
+    edge; elsewhere the other modes' rule."""
     configure(bwd_sm90_det="ordered")
-    blocks = backward.ORDERED_MAX_BLOCKS
+    most = backward.ORDERED_MAX_BLOCKS
 
-    def plan(d, sk, left=-1, right=0, mod=False, packed=False, deterministic=True):
+    def plan(d, sk, left=-1, right=0, mod=False, packed=False, deterministic=True, sms=132):
         problem = checks.Problem(2, 1000, sk, 8, 2, d, np.dtype(np.float16))
-        return backward.plan_backward(problem, left, right, mod, deterministic, "sm_90a", 132, packed=packed)
+        return backward.plan_backward(problem, left, right, mod, deterministic, "sm_90a", sms, packed=packed)
 
-    for d, right in ((128, 0), (64, -1), (96, 30)):
+    assert most[128] == 64 and most[64] == most[256] == 16
+    for d, right, blocks in ((128, 0, most[128]), (64, -1, most[64]), (96, 30, most[128])):
         launch = plan(d, 128 * blocks, right=right)
         assert launch.ordered and launch.grid == (blocks, 2, 2) and launch.slices == 1 and not launch.fixed_point
-    assert not plan(128, 128 * blocks + 1).ordered  # too many key blocks: the fixed point
-    assert plan(128, 128 * blocks + 1).fixed_point
+    assert not plan(128, 128 * most[128] + 1).ordered  # too many key blocks: the fixed point
+    assert plan(128, 128 * most[128] + 1).fixed_point
+    assert plan(128, 128 * 33, sms=65).fixed_point  # a group of more CTAs than half the SMs
+    assert plan(128, 128 * 33, sms=66).ordered
+    assert plan(64, 128 * 8, sms=16).ordered and not plan(64, 128 * 8 + 1, sms=16).ordered
     assert not plan(128, 1000, left=100, right=-1).ordered  # a window without a right edge
-    assert plan(256, 64 * blocks).ordered and not plan(256, 64 * blocks + 1).ordered  # 64-key blocks at d 256
+    assert plan(256, 64 * most[256]).ordered and not plan(256, 64 * most[256] + 1).ordered  # 64-key blocks at d 256
     for other in (plan(128, 1000, mod=True), plan(128, 1000, packed=True), plan(128, 1000, deterministic=False)):
         assert not other.ordered
     with cuflash_settings.override(bwd_sm90_block_m={64: 64}):  # d 64's lockstep kernel: no dQ warp
@@ -373,9 +377,10 @@ def test_sm90_backward_ordered_mode_where_it_applies(configure):
     configure(bwd_sm90_det="auto")  # from ORDERED_MIN_BLOCKS key blocks: d 128 from one, d 64 from 8 (1k keys)
     assert plan(128, 512).ordered and plan(64, 1024).ordered and plan(64, 1024, right=-1).ordered
     assert not plan(64, 512).ordered
+    assert plan(128, 8192).ordered and plan(128, 8192, right=-1).ordered and plan(128, 8193).fixed_point
     # d 256: ordered without a mask, the fixed point under a band
-    assert plan(256, 64 * blocks, right=-1).ordered and plan(256, 64, right=-1).ordered
-    assert not plan(256, 64 * blocks).ordered and plan(256, 64 * blocks).fixed_point
+    assert plan(256, 64 * most[256], right=-1).ordered and plan(256, 64, right=-1).ordered
+    assert not plan(256, 64 * most[256]).ordered and plan(256, 64 * most[256]).fixed_point
     assert not plan(256, 1000, left=100, right=30).ordered
 
 
@@ -480,7 +485,7 @@ def test_deterministic_fixed_point_rule(configure, monkeypatch):
     (The rule where the ordered mode does not apply: off here.)"""
     from cuflash import checks
     from cuflash.ops import backward
-    monkeypatch.setattr(backward, "ORDERED_MAX_BLOCKS", 0)
+    monkeypatch.setattr(backward, "ORDERED_MAX_BLOCKS", dict.fromkeys(backward.ORDERED_MAX_BLOCKS, 0))
     configure(bwd_sm90=True)
     configure(bwd_sm90_det="auto")
     big = checks.Problem(32, 512, 512, 16, 16, 128, np.dtype(np.float16))   # 4 blocks, one slot each
@@ -539,7 +544,7 @@ def test_deterministic_slices_that_outgrow_the_l2_take_the_fixed_point(configure
     smaller, or without a memory system, the slices. (The rule where the ordered mode does not apply: off here.)"""
     from cuflash import build, checks
     from cuflash.ops import backward
-    monkeypatch.setattr(backward, "ORDERED_MAX_BLOCKS", 0)
+    monkeypatch.setattr(backward, "ORDERED_MAX_BLOCKS", dict.fromkeys(backward.ORDERED_MAX_BLOCKS, 0))
     configure(bwd_sm90=True)
     configure(bwd_sm90_det="auto")
     h100 = build.MemorySystem(50 << 20, 2 * 2619e6 * 5120 / 8)

@@ -84,13 +84,17 @@ FIXED_MIN_BLOCKS = {64: (16, 32), 128: (8, 8), 256: (0, 0)}
 SLICES_L2_BANDWIDTH = 6e12
 # Ordered mode (BwdParams::deterministic DQ_ORDERED): each query block's dQ added to by its key blocks in a fixed order,
 # each CTA waiting on the counter of the block for its turn. A CTA waits only on CTAs of its own (KV head, sequence)
-# group, which must all run at once: at most this many key blocks (CTAs) per group.
-ORDERED_MAX_BLOCKS = 16
+# group. CTAs start in launch order, so the oldest group still running has all its CTAs on the GPU and ends, as long as
+# a group fits there: at most half the SMs' CTAs (one an SM), so that two such calls on two streams at once cannot fill
+# the GPU with CTAs waiting on their groups' unstarted ones. Within that, at most ORDERED_MAX_BLOCKS key blocks (CTAs)
+# per group: at d = 128 the ordered additions are 4-9% faster than the fixed point with 32 and 64 key blocks (4k and
+# 8k keys); at d = 256 (64-key blocks) they are not from 32 on (docs/perf-notes.md, "ordered dQ on longer sequences").
+ORDERED_MAX_BLOCKS = {64: 16, 128: 64, 256: 16}
 # "auto" takes the ordered mode where it applies from this many key blocks on (without, with a band: a causal mask or a
 # window): at d = 64 with 4 key blocks (512 keys) the slices are faster than the atomic mode itself; at d = 256 (64-key
 # blocks) under a causal mask the fixed point is faster, the turns there a chain down the diagonal (docs/perf-notes.md,
 # "deterministic backward: ordered dQ" and "... at d 256")
-ORDERED_MIN_BLOCKS = {64: (8, 8), 128: (1, 1), 256: (1, ORDERED_MAX_BLOCKS + 1)}
+ORDERED_MIN_BLOCKS = {64: (8, 8), 128: (1, 1), 256: (1, ORDERED_MAX_BLOCKS[256] + 1)}
 
 
 def slices_outgrow_l2(problem, slots: int, groups: int, causal: bool, sm_count: int, memory) -> bool:
@@ -246,7 +250,7 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
                 slices_outgrow_l2(problem, slots, groups, causal, sm_count, memory)) and not (
                     score_mod and causal and d == 64)
         fixed_ok = backward_sm90.tma_dq(d, block_m)  # the FIXED kernels add dQ by TMA
-        ordered = ordered_applies(d, block_m, left, right, score_mod, n_blocks, packed) and (
+        ordered = ordered_applies(d, block_m, left, right, score_mod, n_blocks, packed, sm_count) and (
             s.bwd_sm90_det == "ordered" or (s.bwd_sm90_det == "auto" and n_blocks >= ORDERED_MIN_BLOCKS[d][band]))
         fixed = not ordered and not dropout and fixed_ok and (
             s.bwd_sm90_det == "fixed" or (s.bwd_sm90_det in ("auto", "ordered") and auto))
@@ -259,12 +263,13 @@ def plan_backward(problem, left: int, right: int, score_mod: bool, deterministic
 
 
 def ordered_applies(d: int, block_m: int, left: int, right: int, score_mod: bool, n_blocks: int,
-                    packed: bool) -> bool:
+                    packed: bool, sm_count: int) -> bool:
     """Deterministic mode's ordered dQ additions (BwdSm90::dq_turn) run this call: the Hopper kernel's dQ warp
     (backward_sm90.tma_dq), no score mod, a padded batch (the first stores' counters), no band or one with a right
-    edge (under which the key blocks reach a query block in their order), at most ORDERED_MAX_BLOCKS key blocks."""
+    edge (under which the key blocks reach a query block in their order), at most ORDERED_MAX_BLOCKS[d] key blocks and
+    half of the `sm_count` SMs."""
     return (backward_sm90.tma_dq(d, block_m) and not score_mod and not packed
-            and (right >= 0 or left < 0) and n_blocks <= ORDERED_MAX_BLOCKS)
+            and (right >= 0 or left < 0) and n_blocks <= min(ORDERED_MAX_BLOCKS[d], sm_count // 2))
 
 
 def slots_sm90(n_blocks: int, groups: int, sm_count: int, max_passes: int = 0) -> int:

@@ -404,19 +404,18 @@ def test_sm90_ordered_deterministic(configure, compiled, sm90_backward, d):
         backward._launches.clear()
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d,b,s,h", [(128, 24, 512, 8), (256, 24, 512, 8), (128, 3, 8192, 3)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_ordered_on_many_waves(configure, compiled, sm90_backward, d, causal):
+def test_sm90_ordered_on_many_waves(configure, compiled, sm90_backward, d, b, s, h, causal):
     """The ordered mode on a grid of several waves of CTAs (24 x 8 heads x 512 keys: 768 CTAs at d = 128, 1,536 at
-    d = 256, on 132 SMs). A key block's turn waits on key blocks of its own group only, so a group that a wave cuts in
-    two goes on once earlier groups leave their SMs; the small grids above run all at once and do not reach this.
-    Bitwise equal over two calls into NaN-filled gradients and close to the atomic mode's (sums in another order:
-    without a mask the walks start apart, dK and dV too)."""
+    d = 256; 3 x 3 heads x 8k keys at d = 128: 9 groups of 64 key blocks, 576 CTAs). A key block's turn waits on key
+    blocks of its own group only, so a group that a wave cuts in two goes on once earlier groups leave their SMs; the
+    small grids above run all at once and do not reach this. Bitwise equal over two calls into NaN-filled gradients
+    and close to the atomic mode's (sums in another order: without a mask the walks start apart, dK and dV too)."""
     import cupy
     import cuflash
     from cuflash import checks
     configure(bwd_sm90_det="ordered")
-    b, s, h = 24, 512, 8
     q, k, v, dout, _ = make_case(np.random.default_rng(80), b=b, sq=s, sk=s, h=h, hk=h, d=d, dtype="bf16")
     opts = dict(softmax_scale=None, causal=causal, window_size=(-1, -1), softcap=0.0)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
