@@ -77,6 +77,7 @@ class Settings:
     bwd_sm90_det_slots: int = 0            # CUFLASH_BWD_SM90_DET_SLOTS: fixed dQ slice count; 0: the rule
     bwd_sm90_det_max_passes: int = 0       # CUFLASH_BWD_SM90_DET_MAX_PASSES: slot tie-break bound; 0: off
     bwd_sm90_block_m: dict = dataclasses.field(default_factory=dict)  # CUFLASH_BWD_SM90_BLOCK_M: head dim -> rows
+    bwd_sm90_ordered_blocks: dict = dataclasses.field(default_factory=dict)  # CUFLASH_BWD_SM90_ORDERED_BLOCKS
     bwd_sm90_dq_first_store: bool = True   # CUFLASH_BWD_SM90_DQ_FIRST_STORE: first dQ additions as stores
     pdl: bool = True                       # CUFLASH_PDL: decode_combine as a programmatic dependent launch
     decode_tma: bool = True                # CUFLASH_DECODE_TMA: the TMA decode kernel where it applies
@@ -117,6 +118,8 @@ class Settings:
             bwd_sm90_det_slots=_int(env, "CUFLASH_BWD_SM90_DET_SLOTS", 0),
             bwd_sm90_det_max_passes=_int(env, "CUFLASH_BWD_SM90_DET_MAX_PASSES", 0),
             bwd_sm90_block_m=_head_dim_map(env.get("CUFLASH_BWD_SM90_BLOCK_M"), "CUFLASH_BWD_SM90_BLOCK_M", int),
+            bwd_sm90_ordered_blocks=_head_dim_map(env.get("CUFLASH_BWD_SM90_ORDERED_BLOCKS"),
+                                                  "CUFLASH_BWD_SM90_ORDERED_BLOCKS", int),
             bwd_sm90_dq_first_store=_flag(env, "CUFLASH_BWD_SM90_DQ_FIRST_STORE", True),
             pdl=_flag(env, "CUFLASH_PDL", True),
             decode_tma=_flag(env, "CUFLASH_DECODE_TMA", True),

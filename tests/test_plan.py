@@ -382,6 +382,13 @@ def test_sm90_backward_ordered_mode_where_it_applies(configure):
     assert plan(256, 64 * most[256], right=-1).ordered and plan(256, 64, right=-1).ordered
     assert not plan(256, 64 * most[256]).ordered and plan(256, 64 * most[256]).fixed_point
     assert not plan(256, 1000, left=100, right=30).ordered
+    with cuflash_settings.override(bwd_sm90_ordered_blocks={64: 32, 128: 8}):  # the table replaced per head dim
+        assert plan(64, 128 * 32).ordered and not plan(64, 128 * 32 + 1).ordered
+        assert plan(128, 128 * 8).ordered and plan(128, 128 * 8 + 1).fixed_point
+        assert plan(256, 64 * most[256], right=-1).ordered and not plan(256, 64 * most[256] + 1, right=-1).ordered
+    with cuflash_settings.override(bwd_sm90_ordered_blocks={256: 64}):  # more blocks, but never under a band (auto)
+        assert plan(256, 64 * 64, right=-1).ordered and plan(256, 64 * 32).fixed_point
+        assert not plan(128, 128 * 64, sms=100).ordered  # nor past half the SMs
 
 
 def test_sm90_backward_slots_end_soonest_with_fewest_slices():

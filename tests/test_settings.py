@@ -24,7 +24,8 @@ def test_every_variable_is_read():
            "CUFLASH_BWD_SM90_DET_SLOTS": "2", "CUFLASH_BWD_SM90_DET_MAX_PASSES": "8", "CUFLASH_BWD_SM90_BLOCK_M":
            "64:64", "CUFLASH_PDL": "0", "CUFLASH_DECODE_TMA": "0", "CUFLASH_DECODE_TMA_STAGES": "4",
            "CUFLASH_DECODE_FUSED_MAX_SPLITS": "0", "CUFLASH_DECODE_EVICT_FIRST_MB": "64", "CUFLASH_FP8_PIPELINED": "1",
-           "CUFLASH_BWD_SM90_DQ_FIRST_STORE": "0", "CUFLASH_FP8_VT_PASS": "0"}
+           "CUFLASH_BWD_SM90_DQ_FIRST_STORE": "0", "CUFLASH_FP8_VT_PASS": "0",
+           "CUFLASH_BWD_SM90_ORDERED_BLOCKS": "64:32,256:8"}
     s = settings.Settings.from_env(env)
     assert s == settings.Settings(
         sm90=False, sm90_variants={64: "ws", 128: "ws_n128"},
@@ -32,7 +33,7 @@ def test_every_variable_is_read():
         sm90_walk_chunk=4, bwd_qbuf=False, bwd_wide=False, bwd_sm90=False, bwd_sm90_det="fixed",
         bwd_sm90_det_slots=2, bwd_sm90_det_max_passes=8, bwd_sm90_block_m={64: 64}, pdl=False, decode_tma=False,
         decode_tma_stages=4, decode_fused_max_splits=0, decode_evict_first_mb=64, fp8_pipelined=1,
-        bwd_sm90_dq_first_store=False, fp8_vt_pass=0)
+        bwd_sm90_dq_first_store=False, fp8_vt_pass=0, bwd_sm90_ordered_blocks={64: 32, 256: 8})
     text = (Path(__file__).resolve().parent.parent / "docs" / "settings.md").read_text()
     assert all(f"`{name}`" in text for name in env), "docs/settings.md lists every variable"
     assert len(env) == len(settings.Settings.__dataclass_fields__)
@@ -43,7 +44,9 @@ def test_every_variable_is_read():
                                        ({"CUFLASH_FP8_PIPELINED": "2"}, "CUFLASH_FP8_PIPELINED"),
                                        ({"CUFLASH_FP8_VT_PASS": "on"}, "CUFLASH_FP8_VT_PASS"),
                                        ({"CUFLASH_DECODE_TMA_STAGES": "three"}, "CUFLASH_DECODE_TMA_STAGES"),
-                                       ({"CUFLASH_SM90_VARIANTS": "sixty-four:ws"}, "CUFLASH_SM90_VARIANTS")])
+                                       ({"CUFLASH_SM90_VARIANTS": "sixty-four:ws"}, "CUFLASH_SM90_VARIANTS"),
+                                       ({"CUFLASH_BWD_SM90_ORDERED_BLOCKS": "64:many"},
+                                        "CUFLASH_BWD_SM90_ORDERED_BLOCKS")])
 def test_bad_values_name_the_variable(env, match):
     with pytest.raises(ValueError, match=match):
         settings.Settings.from_env(env)

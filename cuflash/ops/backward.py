@@ -89,12 +89,13 @@ SLICES_L2_BANDWIDTH = 6e12
 # the GPU with CTAs waiting on their groups' unstarted ones. Within that, at most ORDERED_MAX_BLOCKS key blocks (CTAs)
 # per group: at d = 128 the ordered additions are 4-9% faster than the fixed point with 32 and 64 key blocks (4k and
 # 8k keys); at d = 256 (64-key blocks) they are not from 32 on (docs/perf-notes.md, "ordered dQ on longer sequences").
+# The bwd_sm90_ordered_blocks setting replaces a head dim's entry, for measurements.
 ORDERED_MAX_BLOCKS = {64: 16, 128: 64, 256: 16}
 # "auto" takes the ordered mode where it applies from this many key blocks on (without, with a band: a causal mask or a
 # window): at d = 64 with 4 key blocks (512 keys) the slices are faster than the atomic mode itself; at d = 256 (64-key
 # blocks) under a causal mask the fixed point is faster, the turns there a chain down the diagonal (docs/perf-notes.md,
 # "deterministic backward: ordered dQ" and "... at d 256")
-ORDERED_MIN_BLOCKS = {64: (8, 8), 128: (1, 1), 256: (1, ORDERED_MAX_BLOCKS[256] + 1)}
+ORDERED_MIN_BLOCKS = {64: (8, 8), 128: (1, 1), 256: (1, math.inf)}
 
 
 def slices_outgrow_l2(problem, slots: int, groups: int, causal: bool, sm_count: int, memory) -> bool:
@@ -266,10 +267,11 @@ def ordered_applies(d: int, block_m: int, left: int, right: int, score_mod: bool
                     packed: bool, sm_count: int) -> bool:
     """Deterministic mode's ordered dQ additions (BwdSm90::dq_turn) run this call: the Hopper kernel's dQ warp
     (backward_sm90.tma_dq), no score mod, a padded batch (the first stores' counters), no band or one with a right
-    edge (under which the key blocks reach a query block in their order), at most ORDERED_MAX_BLOCKS[d] key blocks and
-    half of the `sm_count` SMs."""
+    edge (under which the key blocks reach a query block in their order), at most ORDERED_MAX_BLOCKS[d] key blocks (or
+    the bwd_sm90_ordered_blocks setting's) and half of the `sm_count` SMs."""
+    most = settings.current().bwd_sm90_ordered_blocks.get(d, ORDERED_MAX_BLOCKS[d])
     return (backward_sm90.tma_dq(d, block_m) and not score_mod and not packed
-            and (right >= 0 or left < 0) and n_blocks <= min(ORDERED_MAX_BLOCKS[d], sm_count // 2))
+            and (right >= 0 or left < 0) and n_blocks <= min(most, sm_count // 2))
 
 
 def slots_sm90(n_blocks: int, groups: int, sm_count: int, max_passes: int = 0) -> int:
