@@ -391,6 +391,21 @@ def test_sm90_backward_ordered_mode_where_it_applies(configure):
         assert not plan(128, 128 * 64, sms=100).ordered  # nor past half the SMs
 
 
+@settings(max_examples=300)
+@given(sk=st.integers(1, 20000), b=st.integers(1, 4), hk=st.integers(1, 4), d=st.sampled_from([40, 64, 96, 128, 256]),
+       mask=st.sampled_from(["none", "causal", "window"]), sms=st.sampled_from([8, 16, 66, 114, 132]),
+       mode=st.sampled_from(["auto", "ordered"]))
+def test_sm90_ordered_groups_fit_half_the_gpu(sk, b, hk, d, mask, sms, mode):
+    """Wherever the plan takes the ordered mode, a (KV head, sequence) group's CTAs (the grid's key blocks, one CTA an
+    SM) fit on half the SMs, so that no call, nor two at once, can fill the GPU with CTAs waiting on unstarted ones."""
+    left, right = {"none": (-1, -1), "causal": (-1, 0), "window": (300, 40)}[mask]
+    problem = checks.Problem(b, 1000, sk, 2 * hk, hk, d, np.dtype(np.float16))
+    with cuflash_settings.override(bwd_sm90_det=mode):
+        launch = backward.plan_backward(problem, left, right, False, True, "sm_90a", sms)
+    if launch.ordered:
+        assert launch.grid[0] <= sms // 2 and launch.grid[1:] == (hk, b) and launch.slices == 1
+
+
 def test_sm90_backward_slots_end_soonest_with_fewest_slices():
     """Deterministic mode on the Hopper backward: the slot count minimizes waves x key blocks per CTA, then slices."""
     assert backward.slots_sm90(32, 64, 132) == 2    # 128 CTAs of 16 blocks: one wave
