@@ -118,7 +118,10 @@ def test_backward_plan(configure):
     d40 = checks.Problem(2, 300, 5000, 8, 2, 40, np.dtype(np.float16))
     narrow = backward.plan_backward(d40, -1, 0, False, False, "sm_90a", 132)
     assert narrow.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=128) and narrow.sm90.tma_dq
-    det = backward.plan_backward(d40, -1, 0, False, True, "sm_90a", 132)  # 40 key blocks: the fixed point
+    det = backward.plan_backward(d40, -1, 0, False, True, "sm_90a", 132)  # 40 key blocks: the ordered mode
+    assert det.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=128) and det.ordered
+    longer = checks.Problem(2, 300, 9000, 8, 2, 40, np.dtype(np.float16))  # 71 key blocks: the fixed point
+    det = backward.plan_backward(longer, -1, 0, False, True, "sm_90a", 132)
     assert det.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, block_m=128, fixed=True) and det.fixed_point
     mod = backward.plan_backward(d40, -1, 0, True, False, "sm_90a", 132, dropout=True)  # softcap / ALiBi, dropout
     assert mod.sm90 == backward_sm90.BwdSm90Spec("fp16", 64, True, True, 64, dropout=True) and not mod.sm90.tma_dq
@@ -357,7 +360,7 @@ def test_sm90_backward_ordered_mode_where_it_applies(configure):
         problem = checks.Problem(2, 1000, sk, 8, 2, d, np.dtype(np.float16))
         return backward.plan_backward(problem, left, right, mod, deterministic, "sm_90a", sms, packed=packed)
 
-    assert most[128] == 64 and most[64] == most[256] == 16
+    assert most[128] == most[64] == 64 and most[256] == 16
     for d, right, blocks in ((128, 0, most[128]), (64, -1, most[64]), (96, 30, most[128])):
         launch = plan(d, 128 * blocks, right=right)
         assert launch.ordered and launch.grid == (blocks, 2, 2) and launch.slices == 1 and not launch.fixed_point
@@ -378,6 +381,7 @@ def test_sm90_backward_ordered_mode_where_it_applies(configure):
     assert plan(128, 512).ordered and plan(64, 1024).ordered and plan(64, 1024, right=-1).ordered
     assert not plan(64, 512).ordered
     assert plan(128, 8192).ordered and plan(128, 8192, right=-1).ordered and plan(128, 8193).fixed_point
+    assert plan(64, 8192).ordered and plan(64, 8192, right=-1).ordered and plan(64, 8193).fixed_point  # d 64 too
     # d 256: ordered without a mask, the fixed point under a band
     assert plan(256, 64 * most[256], right=-1).ordered and plan(256, 64, right=-1).ordered
     assert not plan(256, 64 * most[256]).ordered and plan(256, 64 * most[256]).fixed_point

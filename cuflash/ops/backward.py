@@ -87,10 +87,10 @@ SLICES_L2_BANDWIDTH = 6e12
 # group. CTAs start in launch order, so the oldest group still running has all its CTAs on the GPU and ends, as long as
 # a group fits there: at most half the SMs' CTAs (one an SM), so that two such calls on two streams at once cannot fill
 # the GPU with CTAs waiting on their groups' unstarted ones. Within that, at most ORDERED_MAX_BLOCKS key blocks (CTAs)
-# per group: at d = 128 the ordered additions are 4-9% faster than the fixed point with 32 and 64 key blocks (4k and
-# 8k keys); at d = 256 (64-key blocks) they are not from 32 on (docs/perf-notes.md, "ordered dQ on longer sequences").
-# The bwd_sm90_ordered_blocks setting replaces a head dim's entry, for measurements.
-ORDERED_MAX_BLOCKS = {64: 16, 128: 64, 256: 16}
+# per group: at d = 64 and 128 the ordered additions are 3-9% faster than the fixed point with 32 and 64 key blocks (4k
+# and 8k keys); at d = 256 (64-key blocks) they are not from 32 on (docs/perf-notes.md, "ordered dQ on longer
+# sequences"). The bwd_sm90_ordered_blocks setting replaces a head dim's entry, for measurements.
+ORDERED_MAX_BLOCKS = {64: 64, 128: 64, 256: 16}
 # "auto" takes the ordered mode where it applies from this many key blocks on (without, with a band: a causal mask or a
 # window): at d = 64 with 4 key blocks (512 keys) the slices are faster than the atomic mode itself; at d = 256 (64-key
 # blocks) under a causal mask the fixed point is faster, the turns there a chain down the diagonal (docs/perf-notes.md,
