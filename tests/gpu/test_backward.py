@@ -416,6 +416,8 @@ def test_sm90_ordered_on_many_waves(configure, compiled, sm90_backward, d, b, s,
     import cuflash
     from cuflash import checks
     configure(bwd_sm90_det="ordered")
+    if not backward_sm90.tma_dq(d, backward_sm90.block_m(d, False)):
+        pytest.skip("the d = 64 kernel with 64 rows has no dQ warp, so no ordered mode (sm90_backward's m64)")
     q, k, v, dout, _ = make_case(np.random.default_rng(80), b=b, sq=s, sk=s, h=h, hk=h, d=d, dtype="bf16")
     opts = dict(softmax_scale=None, causal=causal, window_size=(-1, -1), softcap=0.0)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
