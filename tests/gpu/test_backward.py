@@ -408,10 +408,11 @@ def test_sm90_ordered_deterministic(configure, compiled, sm90_backward, d):
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_ordered_on_many_waves(configure, compiled, sm90_backward, d, b, s, h, causal):
     """The ordered mode on a grid of several waves of CTAs (24 x 8 heads x 512 keys: 768 CTAs at d = 128, 1,536 at
-    d = 256; 3 x 3 heads x 8k keys at d = 64 and 128: 9 groups of 64 key blocks, 576 CTAs). A key block's turn waits on key
-    blocks of its own group only, so a group that a wave cuts in two goes on once earlier groups leave their SMs; the
-    small grids above run all at once and do not reach this. Bitwise equal over two calls into NaN-filled gradients
-    and close to the atomic mode's (sums in another order: without a mask the walks start apart, dK and dV too)."""
+    d = 256; 3 x 3 heads x 8k keys at d = 64 and 128: 9 groups of 64 key blocks, 576 CTAs). A key block's turn waits
+    on key blocks of its own group only, so a group that a wave cuts in two goes on once earlier groups leave their
+    SMs; the small grids above run all at once and do not reach this. Bitwise equal over two calls into NaN-filled
+    gradients and close to the atomic mode's (sums in another order: without a mask the walks start apart, dK and dV
+    too)."""
     import cupy
     import cuflash
     from cuflash import checks
